@@ -1,0 +1,1 @@
+"""The broker: topics, subscriptions, dispatchers, admin API, protocol-handler host."""

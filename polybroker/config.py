@@ -1,0 +1,153 @@
+"""Configuration: a ``broker.conf``-style ``key=value`` file, overridden by CLI flags.
+
+Keys are Pulsar's (and BookKeeper's) names where those projects have one. Every key is declared
+here with its type and default; an unknown key or a value of the wrong type is an error that names
+the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag is invalid."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: its type, default and meaning."""
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+
+
+_KEYS: tuple[Key, ...] = (
+    # Broker and listeners
+    Key("clusterName", str, "standalone", "Name of this cluster"),
+    Key("bindAddress", str, "127.0.0.1", "Address every listener binds"),
+    Key("advertisedAddress", str, "", "Host clients are told to connect to (default: bind)"),
+    Key("brokerServicePort", int, 6650, "Pulsar binary protocol port"),
+    Key("webServicePort", int, 8080, "HTTP admin and lookup port"),
+    Key("kafkaListenerPort", int, 9092, "Kafka protocol port"),
+    Key("mqttListenerPort", int, 1883, "MQTT port"),
+    Key("amqpListenerPort", int, 5672, "AMQP 0-9-1 port"),
+    Key("messagingProtocols", str, "pulsar", "Comma-separated protocol handlers to enable"),
+    Key("maxMessageSize", int, 5 * 1024 * 1024, "Largest message (bytes); frames add overhead"),
+    Key("metadataStoreUrl", str, "", "Metadata store: empty = embedded under dataDir, zk://..."),
+    Key("dataDir", str, "./data", "Where embedded metadata and bookie data live"),
+    # Managed ledger (Pulsar's defaults)
+    Key("managedLedgerDefaultEnsembleSize", int, 1, "E for new ledgers"),
+    Key("managedLedgerDefaultWriteQuorum", int, 1, "Qw for new ledgers"),
+    Key("managedLedgerDefaultAckQuorum", int, 1, "Qa for new ledgers"),
+    Key("managedLedgerMaxEntriesPerLedger", int, 50_000, "Roll a ledger after this many entries"),
+    Key("managedLedgerMaxSizePerLedgerMbytes", int, 2048, "Roll a ledger after this size"),
+    Key("managedLedgerMaxLedgerRolloverTimeMinutes", int, 240, "Roll a ledger after this age"),
+    Key("managedLedgerMinLedgerRolloverTimeMinutes", int, 10, "Never roll a younger ledger"),
+    Key("managedLedgerCacheSizeMB", int, 256, "Entry cache for tailing reads"),
+    Key("managedLedgerDefaultMarkDeleteRateLimit", float, 1.0, "Cursor persists per second"),
+    # Bookie (BookKeeper's names)
+    Key("bookiePort", int, 3181, "Bookie protocol port"),
+    Key("journalSyncData", bool, True, "fdatasync the journal before acknowledging adds"),
+    Key("journalMaxGroupWaitMSec", float, 1.0, "Longest an add waits for its group commit"),
+    Key("journalBufferedWritesThreshold", int, 512 * 1024, "Flush a group at this many bytes"),
+    Key("journalMaxSizeMB", int, 2048, "Roll journal files at this size"),
+    Key("journalPreAllocSizeMB", int, 16, "Grow journal files by this much at a time"),
+    Key("entryLogSizeLimit", int, 1024 * 1024 * 1024, "Roll entry log files at this size"),
+    Key("dbStorage_writeCacheMaxSizeMb", int, 64, "Write cache of recent entries"),
+    Key("dbStorage_readAheadCacheMaxSizeMb", int, 64, "Read cache of entry log data"),
+    Key("flushInterval", int, 10_000, "Checkpoint interval (ms)"),
+    Key("gcWaitTime", int, 60_000, "Entry log garbage collection interval (ms)"),
+    # Operations
+    Key("logFormat", str, "text", "Log lines as 'text' or 'json'"),
+    Key("logLevel", str, "info", "debug, info, warning or error"),
+)
+
+KEYS: Mapping[str, Key] = {k.name: k for k in _KEYS}
+
+
+def _convert(key: Key, raw: Any) -> Any:
+    if isinstance(raw, key.type) and not (key.type is int and isinstance(raw, bool)):
+        return raw
+    text = str(raw).strip()
+    try:
+        if key.type is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(text)
+        return key.type(text)
+    except ValueError:
+        raise ConfigError(
+            f"{key.name}: expected {key.type.__name__}, got {text!r}"
+        ) from None
+
+
+class Config:
+    """A validated, immutable set of configuration values."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None) -> None:
+        merged = {k.name: k.default for k in _KEYS}
+        for name, raw in (values or {}).items():
+            key = KEYS.get(name)
+            if key is None:
+                raise ConfigError(f"unknown configuration key {name!r}")
+            merged[name] = _convert(key, raw)
+        self._values = merged
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def get(self, name: str) -> Any:
+        """Return the value of a declared key (KeyError for an undeclared one)."""
+        return self._values[name]
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> Config:
+        """Return a copy with ``overrides`` applied (None values are ignored)."""
+        values = dict(self._values)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return Config(values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return every key and value."""
+        return dict(self._values)
+
+    @property
+    def protocols(self) -> list[str]:
+        """The enabled protocol handler names, in order."""
+        return [p.strip() for p in self["messagingProtocols"].split(",") if p.strip()]
+
+
+def parse_lines(lines: Iterable[str], source: str = "<config>") -> dict[str, str]:
+    """Parse ``key=value`` lines; ``#`` starts a comment line; blank lines are skipped."""
+    values: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        name, sep, value = stripped.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"{source}:{number}: expected key=value, got {stripped!r}")
+        values[name.strip()] = value.strip()
+    return values
+
+
+def load(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load a config file (if given), then apply ``overrides`` (CLI flags; None = not given)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
+        values.update(parse_lines(text.splitlines(), str(p)))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return Config(values)

@@ -1,0 +1,3 @@
+"""The storage layer: bookies, replicated ledgers, managed ledgers and cursors.
+
+Import the public API from ``polybroker.ledger.api``."""

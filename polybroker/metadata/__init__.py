@@ -1,0 +1,1 @@
+"""The metadata store seam and its implementations."""

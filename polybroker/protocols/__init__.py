@@ -1,0 +1,1 @@
+"""Protocol handler plugins, one package per wire protocol."""

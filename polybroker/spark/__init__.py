@@ -1,0 +1,1 @@
+"""PySpark integration: read and write topics from Spark."""
