@@ -1,28 +1,56 @@
-"""The ``polybroker`` command line: one subcommand per process kind."""
+"""The ``polybroker`` command line: one subcommand per process kind.
+
+Each subcommand is registered by a small function below that adds its parser and names the
+function that runs it; the running code lives with its layer and is imported only when used.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from polybroker import __version__
+
+Runner = Callable[[argparse.Namespace], int]
+
+
+def _add_bookie(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bookie", help="run a storage node (bookie)")
+    p.add_argument("--data-dir", required=True, help="journal, entry logs and index live here")
+    p.add_argument("--port", type=int, default=None, help="listen port (bookiePort; 0 = any)")
+    p.add_argument("--bind", default=None, help="bind address (bindAddress)")
+    p.add_argument("--metadata", default=None, help="metadata store URL to register with")
+    p.add_argument("--config", default=None, help="broker.conf-style key=value file")
+
+    def run(args: argparse.Namespace) -> int:
+        from polybroker.ledger.bookie.main import run_bookie
+
+        return run_bookie(args)
+
+    p.set_defaults(run=run)
+
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ignore[type-arg]
+    _add_bookie,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="polybroker", description=__doc__)
     parser.add_argument("--version", action="version", version=f"polybroker {__version__}")
-    parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _COMMANDS:
+        add(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    args = build_parser().parse_args(argv)
+    runner: Runner = args.run
+    return runner(args)
 
 
 if __name__ == "__main__":
