@@ -85,9 +85,7 @@ def _convert(key: Key, raw: Any) -> Any:
             raise ValueError(text)
         return key.type(text)
     except ValueError:
-        raise ConfigError(
-            f"{key.name}: expected {key.type.__name__}, got {text!r}"
-        ) from None
+        raise ConfigError(f"{key.name}: expected {key.type.__name__}, got {text!r}") from None
 
 
 class Config:
