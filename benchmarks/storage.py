@@ -1,0 +1,377 @@
+"""Storage benchmark: raw group-committed fdatasync vs managed-ledger appends over bookies.
+
+In one run, alternating the cases (the machine is noisy, so medians and ratios are what count):
+
+(a) raw:      1 KiB records appended to a preallocated file, one os.write + os.fdatasync per group,
+              256 records outstanding (a closed loop: a group is everything pending, as the journal
+              takes it);
+(b) ml-1:     managed-ledger appends of 1 KiB entries, 256 outstanding, over 1 bookie process
+              (E=1, Qw=1, Qa=1), journal fsync on;
+(c) ml-3:     the same over 3 bookie processes (E=3, Qw=2, Qa=2).
+Then the restart time and RSS of a bookie holding --fill-gb of data after kill -9.
+
+Prints a human-readable table, then one JSON line as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RECORD = 1024
+OUTSTANDING = 256
+THRESHOLD = 512 * 1024  # journalBufferedWritesThreshold
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Return the q-th percentile (0..100) of ``values`` by nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(name: str, count: int, seconds: float, latencies: list[float]) -> dict[str, float]:
+    """Return entries/s, MB/s and latency percentiles (ms) of one case."""
+    return {
+        "case": name,
+        "entries_per_s": count / seconds,
+        "mb_per_s": count * RECORD / seconds / 1e6,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+    }
+
+
+def run_raw(directory: Path, seconds: float, window_s: float) -> dict[str, float]:
+    """(a): write + fdatasync groups of everything outstanding, for ``seconds``.
+
+    A group is flushed when its oldest record has waited ``window_s`` (the journal's
+    journalMaxGroupWaitMSec) or the journal's byte threshold is buffered; in a closed loop with 256
+    outstanding nothing new arrives during the window, so each group waits the window out."""
+    path = directory / "raw.journal"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, 16 * 1024 * 1024)
+        group = os.urandom(RECORD) * OUTSTANDING
+        latencies: list[float] = []
+        written = 0
+        start = time.perf_counter()
+        deadline = start + seconds
+        while True:
+            issued = time.perf_counter()
+            if issued >= deadline:
+                break
+            if window_s > 0 and len(group) < THRESHOLD:
+                time.sleep(window_s)
+            if written + len(group) > 16 * 1024 * 1024:
+                os.lseek(fd, 0, os.SEEK_SET)
+                written = 0
+            os.write(fd, group)
+            os.fdatasync(fd)
+            written += len(group)
+            done = time.perf_counter()
+            latencies.extend([done - issued] * OUTSTANDING)
+        elapsed = time.perf_counter() - start
+    finally:
+        os.close(fd)
+    return summarize("raw" if window_s else "raw-nowait", len(latencies), elapsed, latencies)
+
+
+def free_port() -> int:
+    """Return a port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class BookieProcess:
+    """A `polybroker bookie` child process, stopped by its PID."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Start it and return the seconds until it listens."""
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "polybroker",
+                "bookie",
+                "--data-dir",
+                str(self.data_dir),
+                "--port",
+                str(self.port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"bookie exited with {self.proc.wait()}")
+            if "bookie listening on" in line:
+                return time.perf_counter() - t0
+        raise TimeoutError("bookie did not start")
+
+    def rss_mb(self) -> float:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+
+def run_on_reactor(body: Callable[..., object]) -> object:
+    """Run ``body(reactor)`` (returning a Deferred) on a fresh reactor; return its result."""
+    from twisted.internet import reactor as _reactor
+    from twisted.internet.defer import ensureDeferred
+
+    reactor: object = _reactor
+    box: dict[str, object] = {}
+
+    def go() -> None:
+        d = ensureDeferred(body(reactor))
+
+        def done(result: object) -> None:
+            box["result"] = result
+            reactor.stop()  # type: ignore[attr-defined]
+
+        d.addBoth(done)
+
+    reactor.callWhenRunning(go)  # type: ignore[attr-defined]
+    reactor.run()  # type: ignore[attr-defined]
+    result = box.get("result")
+    if hasattr(result, "raiseException"):
+        result.raiseException()  # type: ignore[union-attr]
+    return result
+
+
+async def _ml_appends(
+    reactor: object, addresses: list[str], ensemble: tuple[int, int, int], seconds: float
+) -> dict[str, float]:
+    """(b)/(c): managed-ledger appends of 1 KiB with 256 outstanding for ``seconds``."""
+    from twisted.internet.defer import Deferred
+
+    from polybroker.ledger.api import ManagedLedgerConfig
+    from polybroker.ledger.bookie_client import TcpBookieClient
+    from polybroker.ledger.client import BookKeeperClient
+    from polybroker.ledger.managed import ManagedLedgerFactoryImpl
+    from polybroker.ledger.placement import StaticBookieRegistry
+    from polybroker.metadata.memory import MemoryMetadataStore
+
+    e, qw, qa = ensemble
+    store = MemoryMetadataStore(reactor)
+    client = BookKeeperClient(
+        store, StaticBookieRegistry(addresses), lambda a: TcpBookieClient(a, reactor), reactor
+    )
+    config = ManagedLedgerConfig(ensemble_size=e, write_quorum=qw, ack_quorum=qa)
+    factory = ManagedLedgerFactoryImpl(store, client, reactor, default_config=config)
+    ml = await factory.open("bench/storage", config)
+    payload = os.urandom(RECORD)
+    latencies: list[float] = []
+    done: Deferred[None] = Deferred()
+    state = {"outstanding": 0, "stop": False}
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    def issue() -> None:
+        t0 = time.perf_counter()
+        state["outstanding"] += 1
+
+        def ok(_: object) -> None:
+            now = time.perf_counter()
+            latencies.append(now - t0)
+            state["outstanding"] -= 1
+            if now < deadline:
+                issue()
+            elif state["outstanding"] == 0 and not done.called:
+                done.callback(None)
+
+        def failed(f: object) -> None:
+            if not done.called:
+                done.errback(f)
+
+        ml.append(payload).addCallbacks(ok, failed)
+
+    for _ in range(OUTSTANDING):
+        issue()
+    await done
+    elapsed = time.perf_counter() - start
+    await factory.close()
+    return summarize(f"ml-{len(addresses)}", len(latencies), elapsed, latencies)
+
+
+def case_main(args: argparse.Namespace) -> None:
+    """Run one case in this process and print its JSON (a reactor runs once per process)."""
+    with tempfile.TemporaryDirectory(prefix="pb-bench-") as tmp:
+        root = Path(tmp)
+        if args.case in ("raw", "raw-nowait"):
+            window = args.window_ms / 1e3 if args.case == "raw" else 0.0
+            print(json.dumps(run_raw(root, args.seconds, window)))
+            return
+        count = 1 if args.case == "ml-1" else 3
+        ensemble = (1, 1, 1) if count == 1 else (3, 2, 2)
+        bookies = [BookieProcess(root / f"bookie-{i}") for i in range(count)]
+        try:
+            for b in bookies:
+                b.start()
+            result = run_on_reactor(
+                lambda r: _ml_appends(r, [b.address for b in bookies], ensemble, args.seconds)
+            )
+            print(json.dumps(result))
+        finally:
+            for b in bookies:
+                b.kill(signal.SIGTERM)
+
+
+def restart_case(fill_gb: float) -> dict[str, float]:
+    """Fill a bookie with ``fill_gb`` of entries, kill -9 it, and time its restart and RSS."""
+    with tempfile.TemporaryDirectory(prefix="pb-bench-") as tmp:
+        bookie = BookieProcess(Path(tmp) / "bookie")
+        bookie.start()
+        try:
+            subprocess.run(
+                [sys.executable, __file__, "--fill", bookie.address, "--fill-gb", str(fill_gb)],
+                check=True,
+                timeout=1800,
+            )
+            bookie.kill(signal.SIGKILL)
+            restart_s = bookie.start()
+            subprocess.run(
+                [sys.executable, __file__, "--probe", bookie.address], check=True, timeout=120
+            )
+            rss = bookie.rss_mb()
+        finally:
+            bookie.kill(signal.SIGTERM)
+    return {"restart_s": restart_s, "rss_mb": rss, "fill_gb": fill_gb}
+
+
+async def _fill(reactor: object, address: str, fill_gb: float) -> None:
+    """Write ``fill_gb`` of 64 KiB entries into ledger 1 of a bookie, 64 outstanding."""
+    from twisted.internet.defer import DeferredList
+
+    from polybroker.ledger.bookie_client import TcpBookieClient
+
+    client = TcpBookieClient(address, reactor)
+    blob = os.urandom(64 * 1024)
+    total = int(fill_gb * 1024 * 1024 * 1024) // len(blob)
+    entry = 0
+    while entry < total:
+        batch = range(entry, min(total, entry + 64))
+        await DeferredList(
+            [client.add_entry(1, e, e - 1, blob) for e in batch], fireOnOneErrback=True
+        )
+        entry = batch[-1] + 1
+    await client.close()
+
+
+async def _probe(reactor: object, address: str) -> None:
+    """Read a few entries back, so the restarted bookie has served real reads."""
+    from polybroker.ledger.bookie_client import TcpBookieClient
+
+    client = TcpBookieClient(address, reactor)
+    for e in (0, 1, 100, 1000):
+        data = await client.read_entry(1, e)
+        assert len(data) == 64 * 1024
+    await client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each case")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the cases")
+    parser.add_argument("--window-ms", type=float, default=1.0, help="journal group window")
+    parser.add_argument("--fill-gb", type=float, default=1.0, help="data for the restart case")
+    cases = ["raw", "raw-nowait", "ml-1", "ml-3"]
+    parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)
+    parser.add_argument("--fill", metavar="ADDR", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        case_main(args)
+        return
+    if args.fill:
+        run_on_reactor(lambda r: _fill(r, args.fill, args.fill_gb))
+        return
+    if args.probe:
+        run_on_reactor(lambda r: _probe(r, args.probe))
+        return
+
+    runs: dict[str, list[dict[str, float]]] = {"raw": [], "raw-nowait": [], "ml-1": [], "ml-3": []}
+    for round_no in range(args.rounds):
+        for case in runs:
+            out = (
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--case",
+                        case,
+                        "--seconds",
+                        str(args.seconds),
+                        "--window-ms",
+                        str(args.window_ms),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            runs[case].append(json.loads(out))
+            print(f"round {round_no + 1} {case}: {out}", file=sys.stderr)
+
+    def med(case: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[case])
+
+    result: dict[str, object] = {}
+    for case in runs:
+        result[case] = {k: med(case, k) for k in ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms")}
+    for case in ("ml-1", "ml-3"):
+        result[f"{case}_vs_raw_throughput"] = med(case, "entries_per_s") / med(
+            "raw", "entries_per_s"
+        )
+        result[f"{case}_vs_raw_p99"] = med(case, "p99_ms") / med("raw", "p99_ms")
+    result["restart"] = restart_case(args.fill_gb)
+    print(f"{'case':8} {'entries/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for case in runs:
+        r = result[case]
+        assert isinstance(r, dict)
+        print(
+            f"{case:8} {r['entries_per_s']:10.0f} {r['mb_per_s']:8.1f} "
+            f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}"
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
