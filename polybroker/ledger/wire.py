@@ -1,0 +1,838 @@
+"""The bookie wire protocol: length-prefixed, versioned, checksummed frames (sans-IO).
+
+Every frame, requests and responses alike (big-endian)::
+
+    [u32 length][u8 version][u8 type][u64 request_id][u32 crc32c(body)][body]
+
+``length`` counts every byte after itself (``14 + len(body)``).
+
+Rule 1: a decoder never buffers more than one frame's header before checking it: a length above
+        ``max_frame_size``, a length too short for a header, an unknown version or type and a
+        checksum mismatch raise ``FrameError`` (a ``BookieProtocolError``) that carries the
+        request id when the header held one, so a server can answer it before closing.
+Rule 2: after an error the decoder stays broken (every call raises the same error): a stream with
+        one bad frame is not resynchronised, the connection is closed.
+Rule 3: frames may arrive split across reads or several per read; each byte received is copied at
+        most once more (when a frame straddles two reads).
+Rule 4: the ADD request body is ``[u64 ledger][i64 entry][i64 lac][u8 flags][data]``, the data is
+        its tail and is handed out as a ``memoryview`` of the received bytes (no copy). The bookie
+        journals this body verbatim with the client's checksum, so the bytes a client checksummed
+        are the bytes that reach the disk.
+Rule 5: responses carry ``[u8 status][u16 len][utf-8 message]`` then the payload of their type;
+        the payload is present whatever the status (empty data, zero entries on errors).
+Rule 6: a HELLO is always sent in a version-1 frame; its body carries the range of versions the
+        client speaks and the answer the version chosen (or ``BAD_VERSION``) and the bookie's
+        instance id.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from crc32c import crc32c
+
+from polybroker.ledger.api import BookieProtocolError
+
+# ---------------------------------------------------------------------------------------------
+# Constants
+# ---------------------------------------------------------------------------------------------
+
+WIRE_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({WIRE_VERSION})
+
+# Room for the ledger client's record header around a largest message, and for response fields.
+FRAME_OVERHEAD = 64 * 1024
+DEFAULT_MAX_MESSAGE_SIZE = 5 * 1024 * 1024
+DEFAULT_MAX_FRAME_SIZE = DEFAULT_MAX_MESSAGE_SIZE + FRAME_OVERHEAD
+
+HEADER = struct.Struct(">IBBQI")
+HEADER_SIZE = HEADER.size  # 18
+_LENGTH_AFTER_PREFIX = HEADER_SIZE - 4  # bytes of header counted by ``length``
+
+ADD_FIELDS = struct.Struct(">QqqB")  # ledger, entry, lac, flags: the head of an ADD body
+ADD_FIELDS_SIZE = ADD_FIELDS.size  # 25
+FLAG_RECOVERY = 0x01
+FLAG_FENCE = 0x01
+FLAG_LONG_POLL = 0x01
+
+_HELLO_REQ = struct.Struct(">BBH")
+_READ_REQ = struct.Struct(">QqB")
+_READ_RANGE_REQ = struct.Struct(">QqqI")
+_READ_LAC_REQ = struct.Struct(">QqIB")
+_LEDGER = struct.Struct(">Q")
+_LEDGER_LAC = struct.Struct(">Qq")
+_STATUS = struct.Struct(">BH")
+_HELLO_RESP = struct.Struct(">BH")
+_LEDGER_ENTRY = struct.Struct(">Qq")
+_RANGE_HEAD = struct.Struct(">QI")
+_RANGE_ITEM = struct.Struct(">qI")
+_FENCE_RESP = struct.Struct(">Qqq")
+# One struct for a whole ADD answer (the hot path): header, status, empty message, ledger, entry.
+_ADD_RESP_BODY = struct.Struct(">BHQq")
+
+_MAX_MESSAGE_TEXT = 1024
+
+
+class MsgType(enum.IntEnum):
+    """Frame types; a response is its request's type with ``RESPONSE`` set."""
+
+    HELLO = 1
+    ADD = 2
+    READ = 3
+    READ_RANGE = 4
+    READ_LAC = 5
+    FENCE = 6
+    DELETE_LEDGER = 7
+    WRITE_LAC = 8
+
+    RESPONSE = 0x80
+    HELLO_RESPONSE = 0x81
+    ADD_RESPONSE = 0x82
+    READ_RESPONSE = 0x83
+    READ_RANGE_RESPONSE = 0x84
+    READ_LAC_RESPONSE = 0x85
+    FENCE_RESPONSE = 0x86
+    DELETE_LEDGER_RESPONSE = 0x87
+    WRITE_LAC_RESPONSE = 0x88
+    # An answer to a frame that could not be decoded far enough to know what it asked.
+    ERROR_RESPONSE = 0xFF
+
+
+class Status(enum.IntEnum):
+    """Outcome of a request."""
+
+    OK = 0
+    FENCED = 1
+    NO_SUCH_ENTRY = 2
+    NO_SUCH_LEDGER = 3
+    BAD_REQUEST = 4
+    BAD_VERSION = 5
+    TOO_LARGE = 6
+    ERROR = 7
+
+
+class FrameError(BookieProtocolError):
+    """A frame could not be decoded.
+
+    ``request_id`` is the id from the frame's header when the header was readable (answer it),
+    None otherwise; ``status`` is the status to answer with."""
+
+    def __init__(self, status: Status, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.request_id = request_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------------
+
+Buffer = bytes | memoryview
+
+
+def _text(message: str) -> bytes:
+    raw = message.encode("utf-8", "replace")
+    if len(raw) > _MAX_MESSAGE_TEXT:
+        # Cut on a character boundary so the receiver can decode it.
+        raw = raw[:_MAX_MESSAGE_TEXT].decode("utf-8", "ignore").encode("utf-8")
+    return raw
+
+
+def _frame(mtype: int, request_id: int, body: Buffer) -> bytes:
+    return (
+        HEADER.pack(_LENGTH_AFTER_PREFIX + len(body), WIRE_VERSION, mtype, request_id, crc32c(body))
+        + body
+    )
+
+
+def _status_head(status: Status, message: str) -> bytes:
+    raw = _text(message)
+    return _STATUS.pack(status, len(raw)) + raw
+
+
+@dataclass(slots=True)
+class HelloRequest:
+    """Open a session: the versions the client speaks and who it is."""
+
+    request_id: int
+    min_version: int = WIRE_VERSION
+    max_version: int = WIRE_VERSION
+    client_name: str = ""
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+
+    def encode(self) -> bytes:
+        name = _text(self.client_name)
+        body = _HELLO_REQ.pack(self.min_version, self.max_version, len(name)) + name
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Store one entry. ``body`` and ``crc`` are the frame's body and checksum (Rule 4)."""
+
+    request_id: int
+    ledger_id: int
+    entry_id: int
+    lac: int
+    recovery: bool
+    data: Buffer
+    body: Buffer = b""
+    crc: int = 0
+    TYPE: ClassVar[MsgType] = MsgType.ADD
+
+    def encode(self) -> bytes:
+        return encode_add_request(
+            self.request_id, self.ledger_id, self.entry_id, self.lac, self.data, self.recovery
+        )
+
+
+@dataclass(slots=True)
+class ReadRequest:
+    """Read one entry; ``fence`` fences the ledger first."""
+
+    request_id: int
+    ledger_id: int
+    entry_id: int
+    fence: bool = False
+    TYPE: ClassVar[MsgType] = MsgType.READ
+
+    def encode(self) -> bytes:
+        flags = FLAG_FENCE if self.fence else 0
+        return _frame(
+            self.TYPE, self.request_id, _READ_REQ.pack(self.ledger_id, self.entry_id, flags)
+        )
+
+
+@dataclass(slots=True)
+class ReadRangeRequest:
+    """Read consecutive entries first..last, at most ``max_bytes`` of data (at least one)."""
+
+    request_id: int
+    ledger_id: int
+    first_entry_id: int
+    last_entry_id: int
+    max_bytes: int
+    TYPE: ClassVar[MsgType] = MsgType.READ_RANGE
+
+    def encode(self) -> bytes:
+        body = _READ_RANGE_REQ.pack(
+            self.ledger_id, self.first_entry_id, self.last_entry_id, self.max_bytes
+        )
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class ReadLacRequest:
+    """Ask for the LAC; with ``previous_lac`` and ``timeout_ms`` > 0 it is a long poll."""
+
+    request_id: int
+    ledger_id: int
+    previous_lac: int | None = None
+    timeout_ms: int = 0
+    TYPE: ClassVar[MsgType] = MsgType.READ_LAC
+
+    def encode(self) -> bytes:
+        long_poll = self.previous_lac is not None
+        body = _READ_LAC_REQ.pack(
+            self.ledger_id,
+            self.previous_lac if long_poll else -1,
+            self.timeout_ms,
+            FLAG_LONG_POLL if long_poll else 0,
+        )
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class FenceRequest:
+    """Fence a ledger durably."""
+
+    request_id: int
+    ledger_id: int
+    TYPE: ClassVar[MsgType] = MsgType.FENCE
+
+    def encode(self) -> bytes:
+        return _frame(self.TYPE, self.request_id, _LEDGER.pack(self.ledger_id))
+
+
+@dataclass(slots=True)
+class DeleteLedgerRequest:
+    """Forget a ledger."""
+
+    request_id: int
+    ledger_id: int
+    TYPE: ClassVar[MsgType] = MsgType.DELETE_LEDGER
+
+    def encode(self) -> bytes:
+        return _frame(self.TYPE, self.request_id, _LEDGER.pack(self.ledger_id))
+
+
+@dataclass(slots=True)
+class WriteLacRequest:
+    """Record an explicit LAC (a writer that is idle tells readers how far it got)."""
+
+    request_id: int
+    ledger_id: int
+    lac: int
+    TYPE: ClassVar[MsgType] = MsgType.WRITE_LAC
+
+    def encode(self) -> bytes:
+        return _frame(self.TYPE, self.request_id, _LEDGER_LAC.pack(self.ledger_id, self.lac))
+
+
+@dataclass(slots=True)
+class HelloResponse:
+    """The version chosen and the bookie's instance id."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    version: int = WIRE_VERSION
+    instance_id: str = ""
+    TYPE: ClassVar[MsgType] = MsgType.HELLO_RESPONSE
+
+    def encode(self) -> bytes:
+        ident = _text(self.instance_id)
+        body = (
+            _status_head(self.status, self.message)
+            + _HELLO_RESP.pack(self.version, len(ident))
+            + ident
+        )
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class AddResponse:
+    """The outcome of an add."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    entry_id: int = -1
+    TYPE: ClassVar[MsgType] = MsgType.ADD_RESPONSE
+
+    def encode(self) -> bytes:
+        if not self.message:
+            return encode_add_response(self.request_id, self.status, self.ledger_id, self.entry_id)
+        body = _status_head(self.status, self.message) + _LEDGER_ENTRY.pack(
+            self.ledger_id, self.entry_id
+        )
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class ReadResponse:
+    """One entry (empty data unless OK)."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    entry_id: int = -1
+    data: Buffer = b""
+    TYPE: ClassVar[MsgType] = MsgType.READ_RESPONSE
+
+    def encode(self) -> bytes:
+        body = (
+            _status_head(self.status, self.message)
+            + _LEDGER_ENTRY.pack(self.ledger_id, self.entry_id)
+            + self.data
+        )
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class ReadRangeResponse:
+    """Consecutive entries as (entry id, data)."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    entries: list[tuple[int, Buffer]] = field(default_factory=list)
+    TYPE: ClassVar[MsgType] = MsgType.READ_RANGE_RESPONSE
+
+    def encode(self) -> bytes:
+        parts: list[Buffer] = [
+            _status_head(self.status, self.message),
+            _RANGE_HEAD.pack(self.ledger_id, len(self.entries)),
+        ]
+        for entry_id, data in self.entries:
+            parts.append(_RANGE_ITEM.pack(entry_id, len(data)))
+            parts.append(data)
+        return _frame(self.TYPE, self.request_id, b"".join(parts))
+
+
+@dataclass(slots=True)
+class ReadLacResponse:
+    """The LAC the bookie knows for a ledger."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    lac: int = -1
+    TYPE: ClassVar[MsgType] = MsgType.READ_LAC_RESPONSE
+
+    def encode(self) -> bytes:
+        body = _status_head(self.status, self.message) + _LEDGER_LAC.pack(self.ledger_id, self.lac)
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class FenceResponse:
+    """The bookie's view of a fenced ledger's end."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    lac: int = -1
+    last_entry_id: int = -1
+    TYPE: ClassVar[MsgType] = MsgType.FENCE_RESPONSE
+
+    def encode(self) -> bytes:
+        body = _status_head(self.status, self.message) + _FENCE_RESP.pack(
+            self.ledger_id, self.lac, self.last_entry_id
+        )
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class DeleteLedgerResponse:
+    """The outcome of a delete."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    TYPE: ClassVar[MsgType] = MsgType.DELETE_LEDGER_RESPONSE
+
+    def encode(self) -> bytes:
+        body = _status_head(self.status, self.message) + _LEDGER.pack(self.ledger_id)
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class WriteLacResponse:
+    """The outcome of an explicit-LAC write."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    TYPE: ClassVar[MsgType] = MsgType.WRITE_LAC_RESPONSE
+
+    def encode(self) -> bytes:
+        body = _status_head(self.status, self.message) + _LEDGER.pack(self.ledger_id)
+        return _frame(self.TYPE, self.request_id, body)
+
+
+@dataclass(slots=True)
+class ErrorResponse:
+    """The answer to a frame that was not understood (bad checksum, unknown type, ...)."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    TYPE: ClassVar[MsgType] = MsgType.ERROR_RESPONSE
+
+    def encode(self) -> bytes:
+        return _frame(self.TYPE, self.request_id, _status_head(self.status, self.message))
+
+
+Request = (
+    HelloRequest
+    | AddRequest
+    | ReadRequest
+    | ReadRangeRequest
+    | ReadLacRequest
+    | FenceRequest
+    | DeleteLedgerRequest
+    | WriteLacRequest
+)
+Response = (
+    HelloResponse
+    | AddResponse
+    | ReadResponse
+    | ReadRangeResponse
+    | ReadLacResponse
+    | FenceResponse
+    | DeleteLedgerResponse
+    | WriteLacResponse
+    | ErrorResponse
+)
+Message = Request | Response
+
+
+# ---------------------------------------------------------------------------------------------
+# Hot-path encoders (no message object)
+# ---------------------------------------------------------------------------------------------
+
+_ADD_HEAD = struct.Struct(">IBBQIQqqB")  # frame header + ADD fields, packed at once
+_ADD_RESP = struct.Struct(">IBBQIBHQq")  # frame header + status, empty message, ledger, entry
+
+
+def encode_add_request(
+    request_id: int, ledger_id: int, entry_id: int, lac: int, data: Buffer, recovery: bool = False
+) -> bytes:
+    """Return an ADD frame; the checksum covers the fields and the data without joining them."""
+    flags = FLAG_RECOVERY if recovery else 0
+    fields = ADD_FIELDS.pack(ledger_id, entry_id, lac, flags)
+    crc = crc32c(data, crc32c(fields))
+    head = _ADD_HEAD.pack(
+        _LENGTH_AFTER_PREFIX + ADD_FIELDS_SIZE + len(data),
+        WIRE_VERSION,
+        MsgType.ADD,
+        request_id,
+        crc,
+        ledger_id,
+        entry_id,
+        lac,
+        flags,
+    )
+    return head + data
+
+
+def encode_add_response(request_id: int, status: int, ledger_id: int, entry_id: int) -> bytes:
+    """Return an ADD answer with no message (one pack and one checksum)."""
+    body = _ADD_RESP_BODY.pack(status, 0, ledger_id, entry_id)
+    return _ADD_RESP.pack(
+        _LENGTH_AFTER_PREFIX + _ADD_RESP_BODY.size,
+        WIRE_VERSION,
+        MsgType.ADD_RESPONSE,
+        request_id,
+        crc32c(body),
+        status,
+        0,
+        ledger_id,
+        entry_id,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _bad(request_id: int, message: str) -> FrameError:
+    return FrameError(Status.BAD_REQUEST, message, request_id)
+
+
+def _exact(body: memoryview, size: int, rid: int, what: str) -> None:
+    if len(body) != size:
+        raise _bad(rid, f"{what} body must be {size} bytes, got {len(body)}")
+
+
+def _utf8(raw: memoryview, rid: int) -> str:
+    try:
+        return str(raw, "utf-8")
+    except UnicodeDecodeError:
+        raise _bad(rid, "text is not valid UTF-8") from None
+
+
+def _read_status(body: memoryview, rid: int) -> tuple[Status, str, int]:
+    if len(body) < _STATUS.size:
+        raise _bad(rid, "response too short for a status")
+    code, length = _STATUS.unpack_from(body, 0)
+    end = _STATUS.size + length
+    if end > len(body):
+        raise _bad(rid, "status message runs past the frame")
+    try:
+        status = Status(code)
+    except ValueError:
+        raise _bad(rid, f"unknown status {code}") from None
+    return status, _utf8(body[_STATUS.size : end], rid), end
+
+
+def _dec_hello(rid: int, body: memoryview) -> HelloRequest:
+    if len(body) < _HELLO_REQ.size:
+        raise _bad(rid, "HELLO body too short")
+    lo, hi, n = _HELLO_REQ.unpack_from(body, 0)
+    _exact(body, _HELLO_REQ.size + n, rid, "HELLO")
+    return HelloRequest(rid, lo, hi, _utf8(body[_HELLO_REQ.size :], rid))
+
+
+def _dec_add(rid: int, body: memoryview) -> AddRequest:
+    if len(body) < ADD_FIELDS_SIZE:
+        raise _bad(rid, "ADD body too short")
+    ledger, entry, lac, flags = ADD_FIELDS.unpack_from(body, 0)
+    return AddRequest(
+        rid, ledger, entry, lac, bool(flags & FLAG_RECOVERY), body[ADD_FIELDS_SIZE:], body
+    )
+
+
+def _dec_read(rid: int, body: memoryview) -> ReadRequest:
+    _exact(body, _READ_REQ.size, rid, "READ")
+    ledger, entry, flags = _READ_REQ.unpack_from(body, 0)
+    return ReadRequest(rid, ledger, entry, bool(flags & FLAG_FENCE))
+
+
+def _dec_read_range(rid: int, body: memoryview) -> ReadRangeRequest:
+    _exact(body, _READ_RANGE_REQ.size, rid, "READ_RANGE")
+    return ReadRangeRequest(rid, *_READ_RANGE_REQ.unpack_from(body, 0))
+
+
+def _dec_read_lac(rid: int, body: memoryview) -> ReadLacRequest:
+    _exact(body, _READ_LAC_REQ.size, rid, "READ_LAC")
+    ledger, previous, timeout_ms, flags = _READ_LAC_REQ.unpack_from(body, 0)
+    long_poll = bool(flags & FLAG_LONG_POLL)
+    return ReadLacRequest(rid, ledger, previous if long_poll else None, timeout_ms)
+
+
+def _dec_fence(rid: int, body: memoryview) -> FenceRequest:
+    _exact(body, _LEDGER.size, rid, "FENCE")
+    return FenceRequest(rid, _LEDGER.unpack_from(body, 0)[0])
+
+
+def _dec_delete(rid: int, body: memoryview) -> DeleteLedgerRequest:
+    _exact(body, _LEDGER.size, rid, "DELETE_LEDGER")
+    return DeleteLedgerRequest(rid, _LEDGER.unpack_from(body, 0)[0])
+
+
+def _dec_write_lac(rid: int, body: memoryview) -> WriteLacRequest:
+    _exact(body, _LEDGER_LAC.size, rid, "WRITE_LAC")
+    return WriteLacRequest(rid, *_LEDGER_LAC.unpack_from(body, 0))
+
+
+def _dec_hello_resp(rid: int, body: memoryview) -> HelloResponse:
+    status, message, off = _read_status(body, rid)
+    if len(body) < off + _HELLO_RESP.size:
+        raise _bad(rid, "HELLO response too short")
+    version, n = _HELLO_RESP.unpack_from(body, off)
+    off += _HELLO_RESP.size
+    _exact(body, off + n, rid, "HELLO response")
+    return HelloResponse(rid, status, message, version, _utf8(body[off:], rid))
+
+
+def _dec_add_resp(rid: int, body: memoryview) -> AddResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off + _LEDGER_ENTRY.size, rid, "ADD response")
+    return AddResponse(rid, status, message, *_LEDGER_ENTRY.unpack_from(body, off))
+
+
+def _dec_read_resp(rid: int, body: memoryview) -> ReadResponse:
+    status, message, off = _read_status(body, rid)
+    if len(body) < off + _LEDGER_ENTRY.size:
+        raise _bad(rid, "READ response too short")
+    ledger, entry = _LEDGER_ENTRY.unpack_from(body, off)
+    return ReadResponse(rid, status, message, ledger, entry, body[off + _LEDGER_ENTRY.size :])
+
+
+def _dec_read_range_resp(rid: int, body: memoryview) -> ReadRangeResponse:
+    status, message, off = _read_status(body, rid)
+    if len(body) < off + _RANGE_HEAD.size:
+        raise _bad(rid, "READ_RANGE response too short")
+    ledger, count = _RANGE_HEAD.unpack_from(body, off)
+    off += _RANGE_HEAD.size
+    # Each entry takes at least an item header: bound the count before looping on it.
+    if count * _RANGE_ITEM.size > len(body) - off:
+        raise _bad(rid, f"READ_RANGE response claims {count} entries, too many for its size")
+    entries: list[tuple[int, Buffer]] = []
+    for _ in range(count):
+        if len(body) < off + _RANGE_ITEM.size:
+            raise _bad(rid, "READ_RANGE entry header runs past the frame")
+        entry, n = _RANGE_ITEM.unpack_from(body, off)
+        off += _RANGE_ITEM.size
+        if off + n > len(body):
+            raise _bad(rid, "READ_RANGE entry runs past the frame")
+        entries.append((entry, body[off : off + n]))
+        off += n
+    if off != len(body):
+        raise _bad(rid, "READ_RANGE response has trailing bytes")
+    return ReadRangeResponse(rid, status, message, ledger, entries)
+
+
+def _dec_read_lac_resp(rid: int, body: memoryview) -> ReadLacResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off + _LEDGER_LAC.size, rid, "READ_LAC response")
+    return ReadLacResponse(rid, status, message, *_LEDGER_LAC.unpack_from(body, off))
+
+
+def _dec_fence_resp(rid: int, body: memoryview) -> FenceResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off + _FENCE_RESP.size, rid, "FENCE response")
+    return FenceResponse(rid, status, message, *_FENCE_RESP.unpack_from(body, off))
+
+
+def _dec_delete_resp(rid: int, body: memoryview) -> DeleteLedgerResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off + _LEDGER.size, rid, "DELETE_LEDGER response")
+    return DeleteLedgerResponse(rid, status, message, _LEDGER.unpack_from(body, off)[0])
+
+
+def _dec_write_lac_resp(rid: int, body: memoryview) -> WriteLacResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off + _LEDGER.size, rid, "WRITE_LAC response")
+    return WriteLacResponse(rid, status, message, _LEDGER.unpack_from(body, off)[0])
+
+
+def _dec_error_resp(rid: int, body: memoryview) -> ErrorResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off, rid, "ERROR response")
+    return ErrorResponse(rid, status, message)
+
+
+_DECODERS = {
+    MsgType.HELLO: _dec_hello,
+    MsgType.ADD: _dec_add,
+    MsgType.READ: _dec_read,
+    MsgType.READ_RANGE: _dec_read_range,
+    MsgType.READ_LAC: _dec_read_lac,
+    MsgType.FENCE: _dec_fence,
+    MsgType.DELETE_LEDGER: _dec_delete,
+    MsgType.WRITE_LAC: _dec_write_lac,
+    MsgType.HELLO_RESPONSE: _dec_hello_resp,
+    MsgType.ADD_RESPONSE: _dec_add_resp,
+    MsgType.READ_RESPONSE: _dec_read_resp,
+    MsgType.READ_RANGE_RESPONSE: _dec_read_range_resp,
+    MsgType.READ_LAC_RESPONSE: _dec_read_lac_resp,
+    MsgType.FENCE_RESPONSE: _dec_fence_resp,
+    MsgType.DELETE_LEDGER_RESPONSE: _dec_delete_resp,
+    MsgType.WRITE_LAC_RESPONSE: _dec_write_lac_resp,
+    MsgType.ERROR_RESPONSE: _dec_error_resp,
+}
+_STATUSES = tuple(Status(i) for i in range(len(Status)))
+# Plain-int keys: the lookup runs once per frame.
+_DECODE_BY_INT = {int(k): v for k, v in _DECODERS.items()}
+
+
+class FrameDecoder:
+    """Turn a byte stream into messages (sans-IO, see the module rules).
+
+    Usage: ``receive_data(chunk)``, then call ``next_frame()`` until it returns None."""
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        if max_frame_size < HEADER_SIZE:
+            raise ValueError(f"max_frame_size must be at least {HEADER_SIZE}")
+        self._max = max_frame_size
+        self._buf = b""  # the bytes being parsed
+        self._view = memoryview(self._buf)
+        self._pos = 0
+        self._more: list[bytes] = []  # chunks received after _buf, joined only when needed
+        self._more_len = 0
+        self._error: FrameError | None = None
+
+    @property
+    def max_frame_size(self) -> int:
+        """The largest frame (its ``length`` + 4) accepted."""
+        return self._max
+
+    def receive_data(self, data: bytes) -> None:
+        """Buffer received bytes (no parsing happens here)."""
+        if not data:
+            return
+        if self._pos >= len(self._buf) and not self._more:
+            self._buf = bytes(data)
+            self._view = memoryview(self._buf)
+            self._pos = 0
+        else:
+            self._more.append(bytes(data))
+            self._more_len += len(data)
+
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as frames."""
+        return len(self._buf) - self._pos + self._more_len
+
+    def partial_request_id(self) -> int | None:
+        """The request id of a partly received frame, if its header is complete enough."""
+        if self.buffered() < 14:
+            return None
+        self._merge()
+        return int.from_bytes(self._buf[self._pos + 6 : self._pos + 14], "big")
+
+    def _merge(self) -> None:
+        if self._more:
+            self._buf = self._buf[self._pos :] + b"".join(self._more)
+            self._view = memoryview(self._buf)
+            self._pos = 0
+            self._more.clear()
+            self._more_len = 0
+
+    def _fail(self, error: FrameError) -> FrameError:
+        self._error = error
+        return error
+
+    def next_frame(self) -> Message | None:
+        """Return the next complete message, None if more bytes are needed.
+
+        Raises ``FrameError`` on a bad frame (and on every later call)."""
+        if self._error is not None:
+            raise self._error
+        buf = self._buf
+        pos = self._pos
+        avail = len(buf) - pos
+        if avail < HEADER_SIZE:
+            if avail + self._more_len < HEADER_SIZE:
+                return None
+            self._merge()
+            buf = self._buf
+            pos = 0
+            avail = len(buf)
+        length, version, mtype, rid, crc = HEADER.unpack_from(buf, pos)
+        if length < _LENGTH_AFTER_PREFIX:
+            raise self._fail(FrameError(Status.BAD_REQUEST, f"frame length {length} too short"))
+        total = length + 4
+        if total > self._max:
+            raise self._fail(
+                FrameError(
+                    Status.TOO_LARGE, f"frame of {total} bytes exceeds the limit {self._max}", rid
+                )
+            )
+        if version not in SUPPORTED_VERSIONS:
+            raise self._fail(
+                FrameError(
+                    Status.BAD_VERSION,
+                    f"wire version {version} not supported (speaks {sorted(SUPPORTED_VERSIONS)})",
+                    rid,
+                )
+            )
+        decode = _DECODE_BY_INT.get(mtype)
+        if decode is None:
+            raise self._fail(FrameError(Status.BAD_REQUEST, f"unknown frame type {mtype}", rid))
+        if total > avail:
+            if total > avail + self._more_len:
+                return None
+            self._merge()
+            buf = self._buf
+            pos = 0
+        end = pos + total
+        body = self._view[pos + HEADER_SIZE : end]
+        self._pos = end
+        if crc32c(body) != crc:
+            raise self._fail(FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid))
+        if mtype == MsgType.ADD and len(body) >= ADD_FIELDS_SIZE:
+            # The hot path, inlined: one unpack and one object per entry.
+            ledger, entry, lac, flags = ADD_FIELDS.unpack_from(buf, pos + HEADER_SIZE)
+            return AddRequest(
+                rid,
+                ledger,
+                entry,
+                lac,
+                bool(flags & FLAG_RECOVERY),
+                body[ADD_FIELDS_SIZE:],
+                body,
+                crc,
+            )
+        if mtype == MsgType.ADD_RESPONSE and len(body) == _ADD_RESP_BODY.size:
+            code, text_len, ledger, entry = _ADD_RESP_BODY.unpack_from(buf, pos + HEADER_SIZE)
+            if text_len == 0 and code < len(_STATUSES):
+                return AddResponse(rid, _STATUSES[code], "", ledger, entry)
+        try:
+            message = decode(rid, body)
+        except FrameError as e:
+            raise self._fail(e) from None
+        return message
+
+
+def decode_all(data: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> list[Message]:
+    """Decode every complete frame of ``data`` (a convenience for tests and tools)."""
+    decoder = FrameDecoder(max_frame_size)
+    decoder.receive_data(data)
+    out: list[Message] = []
+    while (message := decoder.next_frame()) is not None:
+        out.append(message)
+    return out
