@@ -1,0 +1,170 @@
+"""Bookie identity (I9): a cookie binds an instance id to the bookie's data directories.
+
+Rule 1: the first start writes a cookie into each data directory (``journal/cookie``,
+        ``ledgers/cookie``) and then the master cookie ``<data dir>/cookie``; every later start
+        requires the master and each directory's copy to carry the same instance id.
+Rule 2: a data dir with journal or ledger data but no master cookie, a directory whose cookie is
+        missing or different (a wiped or swapped disk), an unreadable cookie or a newer layout
+        version refuses to start with ``CookieError`` saying what is wrong. Directories holding
+        nothing but their cookie (a first start that crashed half-way) are initialised afresh.
+Rule 3: with a metadata store, the cookie is registered at ``/bookies/cookies/<host:port>``; a
+        different instance id registered there for the same address refuses the start (a wiped
+        bookie must not rejoin under its old address as if it still held the data).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Generator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+
+from polybroker.ledger.api import StorageError
+from polybroker.ledger.bookie.journal import write_atomically
+from polybroker.metadata.api import BadVersionError, MetadataError, MetadataStore
+
+LAYOUT_VERSION = 1
+COOKIE_FILE = "cookie"
+JOURNAL_DIR = "journal"
+LEDGERS_DIR = "ledgers"
+COOKIES_PATH = "/bookies/cookies"
+AVAILABLE_PATH = "/bookies/available"
+
+
+class CookieError(StorageError):
+    """The data dir does not belong to this bookie identity, or is not in a state to start."""
+
+
+@dataclass(frozen=True)
+class Cookie:
+    """A bookie's identity and the layout of its data dir."""
+
+    instance_id: str
+    layout_version: int
+    directories: tuple[str, ...]
+    created_ms: int
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "instance_id": self.instance_id,
+            "layout_version": self.layout_version,
+            "directories": list(self.directories),
+            "created_ms": self.created_ms,
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, source: str) -> Cookie:
+        try:
+            doc = json.loads(raw)
+            return cls(
+                str(doc["instance_id"]),
+                int(doc["layout_version"]),
+                tuple(str(d) for d in doc["directories"]),
+                int(doc.get("created_ms", 0)),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise CookieError(f"cookie {source} is unreadable ({e})") from None
+
+
+def _has_data(directory: Path) -> bool:
+    """Whether ``directory`` holds anything besides its cookie (empty subdirectories count as
+    nothing: a bookie creates them before it writes anything)."""
+    if not directory.is_dir():
+        return False
+    for p in directory.rglob("*"):
+        if p.is_file() and not (p.parent == directory and p.name == COOKIE_FILE):
+            return True
+    return False
+
+
+def _read(path: Path) -> Cookie | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return Cookie.from_bytes(raw, str(path))
+
+
+def check_or_create(data_dir: Path) -> Cookie:
+    """Return the data dir's cookie after checking it against its directories (Rules 1-2),
+    creating it on a first start. Raises ``CookieError``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    dirs = (JOURNAL_DIR, LEDGERS_DIR)
+    master = _read(data_dir / COOKIE_FILE)
+    if master is None:
+        with_data = [d for d in dirs if _has_data(data_dir / d)]
+        if with_data:
+            raise CookieError(
+                f"{data_dir} holds bookie data ({', '.join(with_data)}) but no cookie: it does "
+                "not belong to a known bookie identity; refusing to start"
+            )
+        cookie = Cookie(str(uuid.uuid4()), LAYOUT_VERSION, dirs, int(time.time() * 1000))
+        for d in dirs:
+            (data_dir / d).mkdir(exist_ok=True)
+            write_atomically(data_dir / d / COOKIE_FILE, cookie.to_bytes())
+        write_atomically(data_dir / COOKIE_FILE, cookie.to_bytes())
+        return cookie
+    if master.layout_version > LAYOUT_VERSION:
+        raise CookieError(
+            f"{data_dir} has layout version {master.layout_version}; this bookie reads only "
+            f"up to {LAYOUT_VERSION}"
+        )
+    for d in master.directories:
+        path = data_dir / d / COOKIE_FILE
+        found = _read(path)
+        if found is None:
+            raise CookieError(
+                f"directory {data_dir / d} has no cookie but {data_dir / COOKIE_FILE} names it: "
+                "the directory was wiped or replaced; refusing to start as bookie "
+                f"{master.instance_id}"
+            )
+        if found.instance_id != master.instance_id:
+            raise CookieError(
+                f"directory {data_dir / d} belongs to bookie {found.instance_id}, not "
+                f"{master.instance_id}: disks were swapped or mixed; refusing to start"
+            )
+    return master
+
+
+@inlineCallbacks
+def register(
+    store: MetadataStore, address: str, cookie: Cookie
+) -> Generator[Deferred[Any], Any, None]:
+    """Register the cookie for ``address`` and announce the bookie as available (Rule 3).
+
+    Fails with ``CookieError`` if another instance id is registered for the address."""
+    path = f"{COOKIES_PATH}/{address}"
+    for _ in range(3):
+        got = yield store.get(path)
+        if got is None:
+            try:
+                yield store.put(path, cookie.to_bytes(), expected_version=-1)
+            except BadVersionError:
+                continue  # someone registered at the same moment: read what they wrote
+            break
+        registered = Cookie.from_bytes(got.value, path)
+        if registered.instance_id != cookie.instance_id:
+            raise CookieError(
+                f"bookie {registered.instance_id} is registered at {address} in the metadata "
+                f"store, but this data dir is bookie {cookie.instance_id}: a bookie whose disk "
+                "was wiped must not rejoin under its old address (decommission the old "
+                f"identity by deleting {path} once its ledgers are re-replicated)"
+            )
+        break
+    info = json.dumps({"instance_id": cookie.instance_id, "address": address}).encode()
+    yield store.put(f"{AVAILABLE_PATH}/{address}", info, ephemeral=True)
+
+
+@inlineCallbacks
+def unregister(store: MetadataStore, address: str) -> Generator[Deferred[Any], Any, None]:
+    """Withdraw the availability announcement (the cookie registration stays)."""
+    try:
+        yield store.delete(f"{AVAILABLE_PATH}/{address}")
+    except MetadataError:
+        return  # already gone (session ended): nothing to withdraw

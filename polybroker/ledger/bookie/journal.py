@@ -1,0 +1,539 @@
+"""The bookie journal: a group-committed, fdatasync'd redo log of adds and ledger meta-records.
+
+Rule 1 (I1, I2): a record's completion is delivered only after the group holding it was written
+        (one ``os.write`` per group) and ``os.fdatasync``'d (unless ``sync_data`` is off, which
+        the operator chose knowing it may lose data). One delivery per group, not per record.
+Rule 2: one writer thread does every write and sync; the reactor only stages records and hands
+        them over, once per burst of input (``submit``). A group is written when its oldest record
+        waited ``max_group_wait_s``, when ``buffered_writes_threshold`` bytes are queued, or at
+        once when the submitter said nothing more is coming (no concurrency to wait for).
+Rule 3 (I4): records are ``[u32 length][u32 crc32c(body)][body]`` with the body laid out as an
+        ADD request body, ``[u64 ledger][i64 entry][i64 lac][u8 flags][data]``; meta-records use
+        reserved negative entry ids (fence, explicit LAC, delete) and no data. Replay stops at the
+        first record that is torn (short), zero (preallocated space) or corrupt, and truncates
+        the file there; such a record was never acknowledged, because a group is written only
+        after the previous one was synced.
+Rule 4 (I3): journal files are named by increasing id and never appended to after a restart or
+        a roll; the checkpoint mark (file id, offset) is replaced atomically, and files wholly
+        before it are the only ones ever deleted.
+Rule 5 (I2): a write or sync error fails the journal for good: nothing queued is acknowledged,
+        every pending and later record fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crc32c import crc32c
+
+from polybroker.ledger.api import StorageError
+from polybroker.ledger.wire import ADD_FIELDS, ADD_FIELDS_SIZE, Buffer
+from polybroker.logs import kv
+
+log = logging.getLogger(__name__)
+
+RECORD_HEADER = struct.Struct(">II")  # body length, crc32c(body)
+RECORD_HEADER_SIZE = RECORD_HEADER.size
+
+# Reserved entry ids of meta-records (BookKeeper uses the same idea and values for the first two).
+META_FENCE = -0x2000
+META_LAC = -0x8000
+META_DELETE = -0x4000
+META_ENTRY_IDS = frozenset({META_FENCE, META_LAC, META_DELETE})
+
+FILE_MAGIC = b"PBJRNL\x00\x01"
+FILE_HEADER = struct.Struct(">8sIIQ")  # magic, format version, reserved, file id
+FILE_HEADER_SIZE = FILE_HEADER.size  # 24
+FORMAT_VERSION = 1
+FILE_SUFFIX = ".jnl"
+
+MARK_FILE = "lastMark"
+_MARK = struct.Struct(">4sQQ")
+_MARK_MAGIC = b"PBMK"
+
+DeliverFn = Callable[..., Any]
+
+
+class JournalError(StorageError):
+    """The journal failed (a write or sync error) or is corrupt before its end."""
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class JournalPosition:
+    """A place in the journal: the byte after a record of file ``file_id``."""
+
+    file_id: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class JournalConfig:
+    """The journal's knobs (BookKeeper's names in the bookie config)."""
+
+    max_group_wait_s: float = 0.001  # journalMaxGroupWaitMSec
+    buffered_writes_threshold: int = 512 * 1024  # journalBufferedWritesThreshold
+    max_file_size: int = 2048 * 1024 * 1024  # journalMaxSizeMB
+    prealloc_size: int = 16 * 1024 * 1024  # journalPreAllocSizeMB
+    sync_data: bool = True  # journalSyncData
+    max_record_size: int = 6 * 1024 * 1024  # a record body never exceeds a wire frame
+
+
+def file_name(file_id: int) -> str:
+    """The name of journal file ``file_id`` (hex, so names sort like ids)."""
+    return f"{file_id:016x}{FILE_SUFFIX}"
+
+
+def list_files(directory: Path) -> list[int]:
+    """Return the ids of the journal files in ``directory``, ascending."""
+    ids = []
+    for p in directory.iterdir():
+        if p.name.endswith(FILE_SUFFIX):
+            try:
+                ids.append(int(p.name[: -len(FILE_SUFFIX)], 16))
+            except ValueError:
+                continue
+    return sorted(ids)
+
+
+def meta_record(ledger_id: int, kind: int, lac: int = -1) -> tuple[bytes, bytes]:
+    """Return (header, body) of a meta-record (``kind`` is one of the ``META_*`` ids)."""
+    body = ADD_FIELDS.pack(ledger_id, kind, lac, 0)
+    return RECORD_HEADER.pack(len(body), crc32c(body)), body
+
+
+def entry_record(
+    ledger_id: int, entry_id: int, lac: int, data: Buffer, flags: int = 0
+) -> tuple[bytes, bytes]:
+    """Return (header, body) of an add record (the server reuses the wire body instead)."""
+    body = ADD_FIELDS.pack(ledger_id, entry_id, lac, flags) + data
+    return RECORD_HEADER.pack(len(body), crc32c(body)), body
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in a directory durable (a new file is not, until its directory is)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new content."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_mark(directory: Path) -> JournalPosition | None:
+    """Return the persisted checkpoint mark, None if there is none yet."""
+    path = directory / MARK_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(raw) != _MARK.size + 4 or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "big"):
+        raise JournalError(f"checkpoint mark {path} is corrupt")
+    magic, file_id, offset = _MARK.unpack_from(raw)
+    if magic != _MARK_MAGIC:
+        raise JournalError(f"checkpoint mark {path} is corrupt")
+    return JournalPosition(file_id, offset)
+
+
+def write_mark(directory: Path, mark: JournalPosition) -> None:
+    """Persist the checkpoint mark atomically (Rule 4)."""
+    raw = _MARK.pack(_MARK_MAGIC, mark.file_id, mark.offset)
+    write_atomically(directory / MARK_FILE, raw + crc32c(raw).to_bytes(4, "big"))
+
+
+def delete_files_before(directory: Path, file_id: int) -> list[int]:
+    """Delete the journal files whose id is below ``file_id`` (wholly before a mark)."""
+    gone = []
+    for fid in list_files(directory):
+        if fid < file_id:
+            (directory / file_name(fid)).unlink(missing_ok=True)
+            gone.append(fid)
+    return gone
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReplayRecord:
+    """One journal record read back; ``end`` is the position after it."""
+
+    ledger_id: int
+    entry_id: int
+    lac: int
+    data: bytes
+    end: JournalPosition
+
+
+class JournalReplay:
+    """Read the journal from a mark: iterate ``records()``; afterwards ``end`` is the position
+    after the last good record and ``truncated`` tells whether a torn or corrupt tail was cut."""
+
+    def __init__(self, directory: Path, mark: JournalPosition | None, max_record_size: int) -> None:
+        self.directory = directory
+        self.mark = mark
+        self.max_record_size = max_record_size
+        self.end: JournalPosition | None = mark
+        self.truncated: list[tuple[int, int]] = []  # (file id, offset) where a tail was cut
+        self.records_read = 0
+
+    def records(self) -> Iterator[ReplayRecord]:
+        """Yield every good record after the mark, in journal order."""
+        ids = list_files(self.directory)
+        start = self.mark.file_id if self.mark else -1
+        ids = [i for i in ids if i >= start]
+        for n, file_id in enumerate(ids):
+            last = n == len(ids) - 1
+            offset = self.mark.offset if self.mark and file_id == self.mark.file_id else 0
+            yield from self._file(file_id, offset, last)
+
+    def _file(self, file_id: int, offset: int, last: bool) -> Iterator[ReplayRecord]:
+        path = self.directory / file_name(file_id)
+        size = path.stat().st_size
+        with open(path, "rb", buffering=1 << 20) as f:
+            header = f.read(FILE_HEADER_SIZE)
+            if len(header) < FILE_HEADER_SIZE or header.count(0) == len(header):
+                # A file whose header never reached the disk holds nothing acknowledged.
+                self._cut(path, file_id, 0, size, last, "torn file header")
+                return
+            magic, version, _, fid = FILE_HEADER.unpack(header)
+            if magic != FILE_MAGIC or version != FORMAT_VERSION or fid != file_id:
+                raise JournalError(f"journal file {path} has a bad header")
+            pos = max(offset, FILE_HEADER_SIZE)
+            f.seek(pos)
+            self.end = JournalPosition(file_id, pos)
+            while True:
+                head = f.read(RECORD_HEADER_SIZE)
+                if len(head) < RECORD_HEADER_SIZE:
+                    if head:
+                        self._cut(path, file_id, pos, size, last, "torn record header")
+                    return
+                length, crc = RECORD_HEADER.unpack(head)
+                if length == 0:
+                    # Preallocated space: the end of what was written.
+                    self._cut(path, file_id, pos, size, last, None)
+                    return
+                if length < ADD_FIELDS_SIZE or length > self.max_record_size:
+                    self._cut(path, file_id, pos, size, last, f"bad record length {length}")
+                    return
+                body = f.read(length)
+                if len(body) < length:
+                    self._cut(path, file_id, pos, size, last, "torn record")
+                    return
+                if crc32c(body) != crc:
+                    self._cut(path, file_id, pos, size, last, "record checksum mismatch")
+                    return
+                ledger, entry, lac, _flags = ADD_FIELDS.unpack_from(body)
+                if entry < 0 and entry not in META_ENTRY_IDS:
+                    self._cut(path, file_id, pos, size, last, f"bad entry id {entry}")
+                    return
+                pos += RECORD_HEADER_SIZE + length
+                end = JournalPosition(file_id, pos)
+                self.end = end
+                self.records_read += 1
+                yield ReplayRecord(ledger, entry, lac, body[ADD_FIELDS_SIZE:], end)
+
+    def _cut(
+        self, path: Path, file_id: int, pos: int, size: int, last: bool, why: str | None
+    ) -> None:
+        if why is not None and not last:
+            # Files roll only after everything in them was synced and acknowledged: damage
+            # before the journal's end is damage to acknowledged data. Refuse to guess.
+            raise JournalError(
+                f"journal file {path} is corrupt at offset {pos} ({why}) and later journal "
+                "files exist: acknowledged data is damaged"
+            )
+        if pos < size:
+            if why is not None:
+                log.warning("journal tail cut", extra=kv(file=path.name, offset=pos, reason=why))
+                self.truncated.append((file_id, pos))
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, pos)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.end = JournalPosition(file_id, pos)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------
+
+
+def group_wait(
+    now: float,
+    oldest: float,
+    queued_bytes: int,
+    burst_done: bool,
+    max_wait: float,
+    threshold: int,
+) -> float:
+    """Return how long the writer should still wait before writing the queued group (0: now).
+
+    Now when nothing more is coming, when the threshold is reached, or when the oldest record
+    has waited ``max_wait``; otherwise the rest of that window."""
+    if burst_done or queued_bytes >= threshold:
+        return 0.0
+    return max(0.0, oldest + max_wait - now)
+
+
+class _Batch:
+    """Records handed over in one ``submit``."""
+
+    __slots__ = ("nbytes", "parts", "tokens")
+
+    def __init__(self, parts: list[Buffer], tokens: list[Any], nbytes: int) -> None:
+        self.parts = parts
+        self.tokens = tokens
+        self.nbytes = nbytes
+
+
+class Journal:
+    """The journal writer (see the module rules).
+
+    Reactor side: ``add`` stages a record with an opaque token, ``submit`` hands the staged
+    records to the writer. Writer side: ``start`` runs ``write_pending`` on a dedicated thread;
+    tests call ``write_pending`` directly instead. Completions are delivered through
+    ``deliver(on_group_done, tokens, position)`` (``reactor.callFromThread`` in a server), and a
+    failure through ``deliver(on_failure, error, tokens)``."""
+
+    def __init__(
+        self,
+        directory: Path,
+        config: JournalConfig,
+        *,
+        deliver: DeliverFn,
+        on_group_done: Callable[[list[Any], JournalPosition], None],
+        on_failure: Callable[[BaseException, list[Any]], None],
+        first_file_id: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self._deliver = deliver
+        self._on_group_done = on_group_done
+        self._on_failure = on_failure
+        self._clock = clock
+        # Reactor-side staging.
+        self._staged_parts: list[Buffer] = []
+        self._staged_tokens: list[Any] = []
+        self._staged_bytes = 0
+        # Shared with the writer, under _cond.
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: list[_Batch] = []
+        self._queued_bytes = 0
+        self._oldest = 0.0
+        self._burst_done = False
+        self._stopping = False
+        self.failed: BaseException | None = None
+        # Writer-side file state.
+        self._fd = -1
+        self._file_id = first_file_id - 1
+        self._offset = 0
+        self._allocated = 0
+        self._thread: threading.Thread | None = None
+        self.groups_written = 0
+        self._open_file(first_file_id)
+
+    # -- reactor side ---------------------------------------------------------------------
+
+    def add(self, header: bytes, body: Buffer, token: Any) -> None:
+        """Stage one record (``header`` from ``RECORD_HEADER``); it is queued by ``submit``."""
+        self._staged_parts.append(header)
+        self._staged_parts.append(body)
+        self._staged_tokens.append(token)
+        self._staged_bytes += RECORD_HEADER_SIZE + len(body)
+
+    def submit(self, more_coming: bool = False) -> None:
+        """Hand the staged records to the writer; ``more_coming`` lets it wait for more."""
+        if not self._staged_tokens:
+            return
+        batch = _Batch(self._staged_parts, self._staged_tokens, self._staged_bytes)
+        self._staged_parts = []
+        self._staged_tokens = []
+        self._staged_bytes = 0
+        with self._cond:
+            if self.failed is not None or self._stopping:
+                failed: BaseException = self.failed or JournalError("journal is stopping")
+                self._deliver(self._on_failure, failed, batch.tokens)
+                return
+            if not self._queue:
+                self._oldest = self._clock()
+            self._queue.append(batch)
+            self._queued_bytes += batch.nbytes
+            self._burst_done = not more_coming
+            self._cond.notify()
+
+    # -- writer side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the writer on its own thread."""
+        self._thread = threading.Thread(target=self._run, name="bookie-journal", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is queued, stop the writer and close the file (blocks; call off-reactor
+        or at shutdown)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        else:
+            while self.write_pending(block=False):
+                pass
+        self._close_file(trim=True)
+
+    def close(self) -> None:
+        """Close the file without writing what is queued (what a crash leaves behind)."""
+        with self._cond:
+            self._stopping = True
+        self._close_file(trim=False)
+
+    def _run(self) -> None:
+        while self.write_pending(block=True):
+            pass
+
+    def _take(self, block: bool) -> list[_Batch] | None:
+        with self._cond:
+            while not self._queue:
+                if self._stopping or not block:
+                    return None
+                self._cond.wait()
+            while block and not self._stopping:
+                wait = group_wait(
+                    self._clock(),
+                    self._oldest,
+                    self._queued_bytes,
+                    self._burst_done,
+                    self.config.max_group_wait_s,
+                    self.config.buffered_writes_threshold,
+                )
+                if wait <= 0:
+                    break
+                self._cond.wait(wait)
+            batches = self._queue
+            self._queue = []
+            self._queued_bytes = 0
+            self._burst_done = False
+            return batches
+
+    def write_pending(self, block: bool = False) -> bool:
+        """Write and sync one group of everything queued, then deliver its completion.
+
+        Returns False when there was nothing to write (and, with ``block``, the journal is
+        stopping). With ``block`` it waits for records and for the group window."""
+        batches = self._take(block)
+        if batches is None:
+            return False
+        if len(batches) == 1:
+            parts, tokens = batches[0].parts, batches[0].tokens
+            nbytes = batches[0].nbytes
+        else:
+            parts, tokens, nbytes = [], [], 0
+            for b in batches:
+                parts.extend(b.parts)
+                tokens.extend(b.tokens)
+                nbytes += b.nbytes
+        if self.failed is not None:
+            self._deliver(self._on_failure, self.failed, tokens)
+            return True
+        try:
+            position = self._write_group(parts, nbytes)
+        except OSError as e:
+            error = JournalError(f"journal write failed: {e}")
+            log.critical("journal failed; no further adds", extra=kv(error=str(e)))
+            with self._cond:
+                self.failed = error
+                rest = [t for b in self._queue for t in b.tokens]
+                self._queue = []
+                self._queued_bytes = 0
+            self._deliver(self._on_failure, error, tokens + rest)
+            return True
+        self.groups_written += 1
+        self._deliver(self._on_group_done, tokens, position)
+        return True
+
+    def _write_group(self, parts: list[Buffer], nbytes: int) -> JournalPosition:
+        if self._offset + nbytes > self.config.max_file_size and self._offset > FILE_HEADER_SIZE:
+            self._roll()
+        end = self._offset + nbytes
+        if end > self._allocated and self.config.prealloc_size > 0:
+            grow = max(self.config.prealloc_size, end - self._allocated)
+            os.posix_fallocate(self._fd, self._allocated, grow)
+            self._allocated += grow
+        data = b"".join(parts)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        if self.config.sync_data:
+            os.fdatasync(self._fd)
+        self._offset = end
+        return JournalPosition(self._file_id, end)
+
+    def _open_file(self, file_id: int) -> None:
+        path = self.directory / file_name(file_id)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            header = FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, file_id)
+            os.write(fd, header)
+            allocated = FILE_HEADER_SIZE
+            if self.config.prealloc_size > 0:
+                os.posix_fallocate(fd, 0, self.config.prealloc_size)
+                allocated = max(allocated, self.config.prealloc_size)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        # Records acknowledged in this file must not vanish with its name.
+        fsync_dir(self.directory)
+        self._fd = fd
+        self._file_id = file_id
+        self._offset = FILE_HEADER_SIZE
+        self._allocated = allocated
+
+    def _close_file(self, trim: bool) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if trim:
+                os.ftruncate(self._fd, self._offset)
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _roll(self) -> None:
+        self._close_file(trim=True)
+        self._open_file(self._file_id + 1)
+        log.info("journal rolled", extra=kv(file=file_name(self._file_id)))
+
+    @property
+    def position(self) -> JournalPosition:
+        """Where the next group goes (writer side; for tests and logs)."""
+        return JournalPosition(self._file_id, self._offset)

@@ -1,0 +1,505 @@
+"""``TcpBookieClient``: the ``BookieClient`` of ``ledger.api`` over one TCP connection.
+
+Rule 1: the connection is made on the first request and again on the first request after it
+        dropped; a HELLO goes first on each connection and requests wait for its answer, so none
+        reaches a bookie before its identity was checked.
+Rule 2: the first instance id a bookie answers is pinned; a later connection that answers another
+        one (the data dir was wiped or replaced) fails every request, then and after, with
+        ``BookieUnavailableError``: a new bookie at the old address is not the old bookie.
+Rule 3: requests are pipelined and matched to answers by request id; each fails with
+        ``BookieUnavailableError`` after its timeout (checked by one sweep timer on the injected
+        reactor; long polls have their own timer) and all pending ones fail with it when the
+        connection drops. A late answer to a timed-out request is ignored.
+Rule 4: answers map to the api's errors: FENCED -> ``LedgerFencedError``, NO_SUCH_ENTRY ->
+        ``NoSuchEntryError``, NO_SUCH_LEDGER -> ``NoSuchLedgerError``, BAD_REQUEST, BAD_VERSION and
+        TOO_LARGE -> ``BookieProtocolError``, ERROR -> ``BookieError``. A frame the client cannot
+        decode drops the connection (pending requests fail as in Rule 3).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
+from twisted.python.failure import Failure
+from typing_extensions import override
+
+from polybroker.ledger.api import (
+    BookieClient,
+    BookieError,
+    BookieProtocolError,
+    BookieUnavailableError,
+    FenceResult,
+    LedgerFencedError,
+    NoSuchEntryError,
+    NoSuchLedgerError,
+    ReadResult,
+)
+from polybroker.ledger.wire import (
+    ADD_FIELDS_SIZE,
+    DEFAULT_MAX_FRAME_SIZE,
+    HEADER_SIZE,
+    WIRE_VERSION,
+    AddResponse,
+    DeleteLedgerRequest,
+    DeleteLedgerResponse,
+    ErrorResponse,
+    FenceRequest,
+    FenceResponse,
+    FrameDecoder,
+    FrameError,
+    HelloRequest,
+    HelloResponse,
+    Message,
+    ReadLacRequest,
+    ReadLacResponse,
+    ReadRangeRequest,
+    ReadRangeResponse,
+    ReadRequest,
+    ReadResponse,
+    Status,
+    WriteLacRequest,
+    WriteLacResponse,
+    encode_add_request,
+)
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[int, type[BookieError]] = {
+    Status.FENCED: LedgerFencedError,
+    Status.NO_SUCH_ENTRY: NoSuchEntryError,
+    Status.NO_SUCH_LEDGER: NoSuchLedgerError,
+    Status.BAD_REQUEST: BookieProtocolError,
+    Status.BAD_VERSION: BookieProtocolError,
+    Status.TOO_LARGE: BookieProtocolError,
+    Status.ERROR: BookieError,
+}
+
+# What each kind of request expects back.
+_ADD, _READ, _RANGE, _LAC, _FENCE, _DELETE, _HELLO, _WRITE_LAC = range(8)
+_EXPECT: dict[int, type] = {
+    _ADD: AddResponse,
+    _READ: ReadResponse,
+    _RANGE: ReadRangeResponse,
+    _LAC: ReadLacResponse,
+    _FENCE: FenceResponse,
+    _DELETE: DeleteLedgerResponse,
+    _HELLO: HelloResponse,
+    _WRITE_LAC: WriteLacResponse,
+}
+_NAMES = ("add", "read", "read range", "read LAC", "fence", "delete", "hello", "write LAC")
+
+_IDLE, _CONNECTING, _HANDSHAKING, _READY = range(4)
+
+
+class _Pending:
+    """A request waiting for its answer."""
+
+    __slots__ = ("d", "deadline", "entry_id", "kind", "ledger_id", "timer")
+
+    def __init__(self, d: Deferred[Any], deadline: float, kind: int, ledger_id: int, entry_id: int):
+        self.d = d
+        self.deadline = deadline
+        self.kind = kind
+        self.ledger_id = ledger_id
+        self.entry_id = entry_id
+        self.timer: Any = None
+
+    def describe(self) -> str:
+        what = _NAMES[self.kind]
+        if self.kind in (_ADD, _READ, _RANGE):
+            return f"{what} {self.ledger_id}:{self.entry_id}"
+        if self.kind == _HELLO:
+            return what
+        return f"{what} of ledger {self.ledger_id}"
+
+
+class _ClientProtocol(Protocol):
+    def __init__(self, client: TcpBookieClient, max_frame_size: int) -> None:
+        self.client = client
+        self.decoder = FrameDecoder(max_frame_size)
+
+    @override
+    def connectionMade(self) -> None:
+        self.client._connected(self)
+
+    @override
+    def dataReceived(self, data: bytes) -> None:
+        decoder = self.decoder
+        decoder.receive_data(data)
+        client = self.client
+        try:
+            while (msg := decoder.next_frame()) is not None:
+                client._answer(msg)
+        except FrameError as e:
+            client._bad_input(self, str(e))
+
+    @override
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.client._disconnected(self, reason)
+
+
+class _Factory(ClientFactory):
+    noisy = False
+
+    def __init__(self, client: TcpBookieClient) -> None:
+        self.client = client
+
+    @override
+    def buildProtocol(self, addr: Any) -> _ClientProtocol:
+        return _ClientProtocol(self.client, self.client.max_frame_size)
+
+    @override
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.client._connect_failed(reason)
+
+
+class TcpBookieClient(BookieClient):
+    """A ``BookieClient`` over one lazily made, pipelined TCP connection (see the rules)."""
+
+    def __init__(
+        self,
+        address: str,
+        reactor: Any,
+        *,
+        timeout_s: float = 30.0,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        client_name: str = "polybroker",
+    ) -> None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"bookie address must be host:port, got {address!r}")
+        self.address = address
+        self._host = host.strip("[]")
+        self._port = int(port)
+        self._reactor = reactor
+        self.timeout_s = timeout_s
+        self.max_frame_size = max_frame_size
+        self._max_data = max_frame_size - HEADER_SIZE - ADD_FIELDS_SIZE
+        self._client_name = client_name
+        self._state = _IDLE
+        self._proto: _ClientProtocol | None = None
+        self._connector: Any = None
+        self._backlog: list[bytes] = []
+        self._pending: dict[int, _Pending] = {}
+        self._long_polls: dict[int, _Pending] = {}
+        self._next_id = 1
+        self._sweep_call: Any = None
+        self._sweep_interval = max(0.01, min(1.0, timeout_s / 4))
+        self._identity: str | None = None
+        self._identity_error: BookieUnavailableError | None = None
+        self._closed = False
+        self._close_waiters: list[Deferred[None]] = []
+
+    # -- the BookieClient API ---------------------------------------------------------------
+
+    @override
+    def add_entry(
+        self, ledger_id: int, entry_id: int, lac: int, data: bytes, *, recovery: bool = False
+    ) -> Deferred[None]:
+        if len(data) > self._max_data:
+            return fail(
+                BookieProtocolError(
+                    f"{self.address}: add {ledger_id}:{entry_id}: {len(data)} bytes exceed the "
+                    f"frame limit {self.max_frame_size}"
+                )
+            )
+        rid, d = self._register(_ADD, ledger_id, entry_id)
+        if d.called:
+            return d
+        self._send(encode_add_request(rid, ledger_id, entry_id, lac, data, recovery))
+        return d
+
+    @override
+    def read_entry(self, ledger_id: int, entry_id: int, *, fence: bool = False) -> Deferred[bytes]:
+        rid, d = self._register(_READ, ledger_id, entry_id)
+        if not d.called:
+            self._send(ReadRequest(rid, ledger_id, entry_id, fence).encode())
+        return d
+
+    @override
+    def read_range(
+        self, ledger_id: int, first_entry_id: int, last_entry_id: int, max_bytes: int
+    ) -> Deferred[list[ReadResult]]:
+        rid, d = self._register(_RANGE, ledger_id, first_entry_id)
+        if not d.called:
+            req = ReadRangeRequest(rid, ledger_id, first_entry_id, last_entry_id, max_bytes)
+            self._send(req.encode())
+        return d
+
+    @override
+    def read_lac(
+        self, ledger_id: int, *, previous_lac: int | None = None, timeout_ms: int = 0
+    ) -> Deferred[int]:
+        long_poll = previous_lac is not None and timeout_ms > 0
+        extra = timeout_ms / 1000.0 if long_poll else 0.0
+        rid, d = self._register(_LAC, ledger_id, -1, extra_timeout=extra, own_timer=long_poll)
+        if not d.called:
+            req = ReadLacRequest(rid, ledger_id, previous_lac, timeout_ms if long_poll else 0)
+            self._send(req.encode())
+        return d
+
+    @override
+    def fence(self, ledger_id: int) -> Deferred[FenceResult]:
+        rid, d = self._register(_FENCE, ledger_id, -1)
+        if not d.called:
+            self._send(FenceRequest(rid, ledger_id).encode())
+        return d
+
+    @override
+    def delete_ledger(self, ledger_id: int) -> Deferred[None]:
+        rid, d = self._register(_DELETE, ledger_id, -1)
+        if not d.called:
+            self._send(DeleteLedgerRequest(rid, ledger_id).encode())
+        return d
+
+    def write_lac(self, ledger_id: int, lac: int) -> Deferred[None]:
+        """Record an explicit LAC on the bookie (an idle writer telling readers how far it is)."""
+        rid, d = self._register(_WRITE_LAC, ledger_id, lac)
+        if not d.called:
+            self._send(WriteLacRequest(rid, ledger_id, lac).encode())
+        return d
+
+    @override
+    def instance_id(self) -> Deferred[str]:
+        if self._state == _READY and self._identity is not None:
+            return succeed(self._identity)
+        rid, d = self._register(_HELLO, -1, -1)
+        if not d.called:
+            self._send(self._hello(rid))
+        return d.addCallback(lambda resp: resp.instance_id)
+
+    @override
+    def close(self) -> Deferred[None]:
+        self._closed = True
+        self._fail_all(BookieUnavailableError(f"{self.address}: client closed"))
+        if self._connector is not None and self._state == _CONNECTING:
+            self._connector.stopConnecting()
+        if self._proto is not None and self._proto.transport is not None:
+            d: Deferred[None] = Deferred()
+            self._close_waiters.append(d)
+            self._proto.transport.loseConnection()
+            return d
+        return succeed(None)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _register(
+        self,
+        kind: int,
+        ledger_id: int,
+        entry_id: int,
+        *,
+        extra_timeout: float = 0.0,
+        own_timer: bool = False,
+    ) -> tuple[int, Deferred[Any]]:
+        d: Deferred[Any] = Deferred()
+        if self._closed or self._identity_error is not None:
+            d.errback(self._identity_error or BookieUnavailableError(f"{self.address}: closed"))
+            return 0, d
+        rid = self._next_id
+        self._next_id = rid + 1
+        timeout = self.timeout_s + extra_timeout
+        p = _Pending(d, self._reactor.seconds() + timeout, kind, ledger_id, entry_id)
+        if own_timer:
+            p.timer = self._reactor.callLater(timeout, self._long_poll_timeout, rid)
+            self._long_polls[rid] = p
+        else:
+            self._pending[rid] = p
+            if self._sweep_call is None:
+                self._sweep_call = self._reactor.callLater(self._sweep_interval, self._sweep)
+        return rid, d
+
+    def _send(self, frame: bytes) -> None:
+        if self._state == _READY:
+            assert self._proto is not None
+            assert self._proto.transport is not None
+            self._proto.transport.write(frame)
+            return
+        self._backlog.append(frame)
+        if self._state == _IDLE:
+            self._state = _CONNECTING
+            self._connector = self._reactor.connectTCP(
+                self._host, self._port, _Factory(self), timeout=self.timeout_s
+            )
+
+    def _hello(self, rid: int) -> bytes:
+        return HelloRequest(rid, WIRE_VERSION, WIRE_VERSION, self._client_name).encode()
+
+    def _sweep(self) -> None:
+        self._sweep_call = None
+        now = self._reactor.seconds()
+        expired = []
+        # Requests share one timeout, so insertion order is deadline order.
+        for rid, p in self._pending.items():
+            if p.deadline > now:
+                break
+            expired.append(rid)
+        for rid in expired:
+            p = self._pending.pop(rid)
+            self._expire(p)
+        if self._pending and self._sweep_call is None:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval, self._sweep)
+
+    def _long_poll_timeout(self, rid: int) -> None:
+        p = self._long_polls.pop(rid, None)
+        if p is not None:
+            p.timer = None
+            self._expire(p)
+
+    def _expire(self, p: _Pending) -> None:
+        p.d.errback(BookieUnavailableError(f"{self.address}: {p.describe()} timed out"))
+        if p.kind == _HELLO and self._state == _HANDSHAKING and self._proto is not None:
+            # A bookie that does not answer the handshake is not usable on this connection.
+            assert self._proto.transport is not None
+            self._proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+    # -- connection events ------------------------------------------------------------------
+
+    def _connected(self, proto: _ClientProtocol) -> None:
+        if self._closed:
+            assert proto.transport is not None
+            proto.transport.loseConnection()
+            return
+        self._proto = proto
+        self._state = _HANDSHAKING
+        rid, d = self._register(_HELLO, -1, -1)
+        d.addCallbacks(self._handshake_done, self._handshake_failed, errbackArgs=(proto,))
+        assert proto.transport is not None
+        proto.transport.write(self._hello(rid))
+
+    def _handshake_done(self, resp: HelloResponse) -> None:
+        if self._proto is None:
+            return
+        if self._identity is None:
+            self._identity = resp.instance_id
+        elif resp.instance_id != self._identity:
+            self._identity_error = BookieUnavailableError(
+                f"{self.address} is now bookie {resp.instance_id}, not {self._identity} this "
+                "client knew: its data may be gone; refusing to use it as the old bookie"
+            )
+            log.error(
+                "bookie identity changed",
+                extra={
+                    "fields": {
+                        "address": self.address,
+                        "was": self._identity,
+                        "now": resp.instance_id,
+                    }
+                },
+            )
+            self._fail_all(self._identity_error)
+            assert self._proto.transport is not None
+            self._proto.transport.loseConnection()
+            return
+        self._state = _READY
+        backlog, self._backlog = self._backlog, []
+        if backlog:
+            assert self._proto.transport is not None
+            self._proto.transport.writeSequence(backlog)
+
+    def _handshake_failed(self, reason: Failure, proto: _ClientProtocol) -> None:
+        if proto is not self._proto:
+            return  # the connection is gone and its requests were failed with it
+        self._fail_all(
+            BookieUnavailableError(f"{self.address}: handshake failed: {reason.getErrorMessage()}")
+        )
+        assert proto.transport is not None
+        proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def _connect_failed(self, reason: Failure) -> None:
+        self._state = _IDLE
+        self._connector = None
+        self._fail_all(
+            BookieUnavailableError(f"{self.address}: cannot connect: {reason.getErrorMessage()}")
+        )
+
+    def _disconnected(self, proto: _ClientProtocol, reason: Failure) -> None:
+        if proto is self._proto:
+            self._proto = None
+            self._state = _IDLE
+            self._connector = None
+            self._fail_all(
+                BookieUnavailableError(
+                    f"{self.address}: connection lost: {reason.getErrorMessage()}"
+                )
+            )
+        waiters, self._close_waiters = self._close_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    def _bad_input(self, proto: _ClientProtocol, why: str) -> None:
+        log.error(
+            "bad frame from bookie", extra={"fields": {"address": self.address, "error": why}}
+        )
+        assert proto.transport is not None
+        proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def _fail_all(self, error: BookieError) -> None:
+        self._backlog = []
+        pending = list(self._pending.values()) + list(self._long_polls.values())
+        self._pending.clear()
+        self._long_polls.clear()
+        if self._sweep_call is not None and self._sweep_call.active():
+            self._sweep_call.cancel()
+        self._sweep_call = None
+        for p in pending:
+            if p.timer is not None and p.timer.active():
+                p.timer.cancel()
+            p.d.errback(error)
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def _answer(self, msg: Message) -> None:
+        rid = msg.request_id
+        p = self._pending.pop(rid, None)
+        if p is None:
+            p = self._long_polls.pop(rid, None)
+            if p is None:
+                return  # timed out already: its caller was told
+            if p.timer is not None and p.timer.active():
+                p.timer.cancel()
+        if type(msg) is AddResponse and p.kind == _ADD:
+            if msg.status == Status.OK:
+                p.d.callback(None)
+            else:
+                p.d.errback(self._error(p, msg.status, msg.message))
+            return
+        self._answer_other(p, msg)
+
+    def _answer_other(self, p: _Pending, msg: Message) -> None:
+        status: Status = msg.status  # type: ignore[union-attr]
+        if type(msg) is ErrorResponse:
+            p.d.errback(self._error(p, status, msg.message))
+            return
+        if type(msg) is not _EXPECT[p.kind]:
+            p.d.errback(
+                BookieProtocolError(
+                    f"{self.address}: {p.describe()}: answered with {type(msg).__name__}"
+                )
+            )
+            return
+        if status != Status.OK:
+            p.d.errback(self._error(p, status, msg.message))  # type: ignore[union-attr]
+            return
+        kind = p.kind
+        result: Any
+        if kind == _READ:
+            result = bytes(msg.data)  # type: ignore[union-attr]
+        elif kind == _RANGE:
+            result = [ReadResult(e, bytes(data)) for e, data in msg.entries]  # type: ignore[union-attr]
+        elif kind == _LAC:
+            result = msg.lac  # type: ignore[union-attr]
+        elif kind == _FENCE:
+            result = FenceResult(msg.lac, msg.last_entry_id)  # type: ignore[union-attr]
+        elif kind == _HELLO:
+            result = msg
+        else:
+            result = None
+        p.d.callback(result)
+
+    def _error(self, p: _Pending, status: int, message: str) -> BookieError:
+        cls = _ERRORS.get(status, BookieError)
+        return cls(f"{self.address}: {p.describe()}: {message or Status(status).name}")

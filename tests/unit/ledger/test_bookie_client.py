@@ -1,0 +1,369 @@
+"""TcpBookieClient over a memory reactor: lazy connect, handshake first, pipelining, error
+mapping, timeouts, reconnects and the pinned bookie identity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone, ConnectionRefusedError
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+
+from polybroker.ledger.api import (
+    BookieError,
+    BookieProtocolError,
+    BookieUnavailableError,
+    FenceResult,
+    LedgerFencedError,
+    NoSuchEntryError,
+    NoSuchLedgerError,
+    ReadResult,
+)
+from polybroker.ledger.bookie_client import TcpBookieClient
+from polybroker.ledger.wire import (
+    AddRequest,
+    AddResponse,
+    ErrorResponse,
+    FenceResponse,
+    HelloRequest,
+    HelloResponse,
+    Message,
+    ReadLacRequest,
+    ReadLacResponse,
+    ReadRangeResponse,
+    ReadRequest,
+    ReadResponse,
+    Status,
+    decode_all,
+)
+
+
+class Peer:
+    """The bookie end of one client connection."""
+
+    def __init__(self, reactor: MemoryReactorClock, index: int = -1) -> None:
+        _, _, factory, _, _ = reactor.tcpClients[index]
+        self.factory = factory
+        self.proto = factory.buildProtocol(None)
+        self.transport = StringTransport()
+        self.proto.makeConnection(self.transport)
+
+    def received(self) -> list[Message]:
+        out = decode_all(self.transport.value())
+        self.transport.clear()
+        return out
+
+    def answer(self, *messages: Message) -> None:
+        self.proto.dataReceived(b"".join(m.encode() for m in messages))
+
+    def handshake(self, instance_id: str = "bookie-A") -> None:
+        (hello,) = [m for m in self.received() if isinstance(m, HelloRequest)][:1]
+        self.answer(HelloResponse(hello.request_id, Status.OK, "", 1, instance_id))
+
+    def drop(self) -> None:
+        self.proto.connectionLost(Failure(ConnectionDone()))
+
+
+def result_of(d: Deferred[Any]) -> Any:
+    box: list[Any] = []
+    d.addBoth(box.append)
+    assert box, "the Deferred has not fired"
+    if isinstance(box[0], Failure):
+        box[0].raiseException()
+    return box[0]
+
+
+def failure_of(d: Deferred[Any]) -> BaseException:
+    box: list[Any] = []
+    d.addBoth(box.append)
+    assert box, "the Deferred has not fired"
+    assert isinstance(box[0], Failure), f"expected a failure, got {box[0]!r}"
+    return box[0].value
+
+
+@pytest.fixture
+def reactor() -> MemoryReactorClock:
+    return MemoryReactorClock()
+
+
+@pytest.fixture
+def client(reactor: MemoryReactorClock) -> TcpBookieClient:
+    return TcpBookieClient("127.0.0.1:3181", reactor, timeout_s=5.0)
+
+
+def test_connects_lazily_and_handshakes_before_any_request(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """Nothing connects until a request; the request leaves only after HELLO was answered."""
+    assert reactor.tcpClients == []
+    d = client.add_entry(1, 0, -1, b"data")
+    assert [(h, p) for h, p, *_ in reactor.tcpClients] == [("127.0.0.1", 3181)]
+    peer = Peer(reactor)
+    sent = peer.received()
+    assert [type(m) for m in sent] == [HelloRequest]
+    peer.answer(HelloResponse(sent[0].request_id, Status.OK, "", 1, "bookie-A"))
+    (add,) = peer.received()
+    assert isinstance(add, AddRequest)
+    assert (add.ledger_id, add.entry_id, add.lac, bytes(add.data)) == (1, 0, -1, b"data")
+    assert not d.called
+    peer.answer(AddResponse(add.request_id, Status.OK, "", 1, 0))
+    assert result_of(d) is None
+
+
+def test_pipelined_requests_match_answers_by_id(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """Answers in any order reach their own request."""
+    d1 = client.read_entry(1, 0)
+    d2 = client.read_entry(1, 1)
+    peer = Peer(reactor)
+    peer.handshake()
+    r1, r2 = peer.received()
+    assert isinstance(r1, ReadRequest)
+    assert isinstance(r2, ReadRequest)
+    peer.answer(
+        ReadResponse(r2.request_id, Status.OK, "", 1, 1, b"one"),
+        ReadResponse(r1.request_id, Status.OK, "", 1, 0, b"zero"),
+    )
+    assert (result_of(d1), result_of(d2)) == (b"zero", b"one")
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (Status.FENCED, LedgerFencedError),
+        (Status.NO_SUCH_ENTRY, NoSuchEntryError),
+        (Status.NO_SUCH_LEDGER, NoSuchLedgerError),
+        (Status.BAD_REQUEST, BookieProtocolError),
+        (Status.BAD_VERSION, BookieProtocolError),
+        (Status.TOO_LARGE, BookieProtocolError),
+        (Status.ERROR, BookieError),
+    ],
+)
+def test_statuses_map_to_api_errors(
+    reactor: MemoryReactorClock, client: TcpBookieClient, status: Status, error: type
+) -> None:
+    """Each error status becomes the api's exception, naming the bookie and the request."""
+    d = client.add_entry(4, 2, 1, b"x")
+    peer = Peer(reactor)
+    peer.handshake()
+    (add,) = peer.received()
+    peer.answer(AddResponse(add.request_id, status, "why", 4, 2))
+    exc = failure_of(d)
+    assert type(exc) is error
+    assert "127.0.0.1:3181" in str(exc)
+    assert "4:2" in str(exc)
+
+
+def test_error_frame_fails_its_request(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A generic error frame for a request fails that request with the mapped error."""
+    d = client.fence(3)
+    peer = Peer(reactor)
+    peer.handshake()
+    (fence,) = peer.received()
+    peer.answer(ErrorResponse(fence.request_id, Status.BAD_REQUEST, "checksum"))
+    assert isinstance(failure_of(d), BookieProtocolError)
+
+
+def test_results_are_converted(reactor: MemoryReactorClock, client: TcpBookieClient) -> None:
+    """Fence, range and LAC answers become the api's result types."""
+    df = client.fence(3)
+    dr = client.read_range(3, 0, 5, 1000)
+    dl = client.read_lac(3)
+    peer = Peer(reactor)
+    peer.handshake()
+    f, r, lac = peer.received()
+    peer.answer(
+        FenceResponse(f.request_id, Status.OK, "", 3, 4, 5),
+        ReadRangeResponse(r.request_id, Status.OK, "", 3, [(0, b"a"), (1, b"b")]),
+        ReadLacResponse(lac.request_id, Status.OK, "", 3, 4),
+    )
+    assert result_of(df) == FenceResult(4, 5)
+    assert result_of(dr) == [ReadResult(0, b"a"), ReadResult(1, b"b")]
+    assert result_of(dl) == 4
+
+
+def test_unanswered_request_times_out_and_a_late_answer_is_ignored(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """After its timeout a request fails as unavailable; its answer arriving later is dropped."""
+    d = client.read_entry(1, 0)
+    peer = Peer(reactor)
+    peer.handshake()
+    (read,) = peer.received()
+    reactor.advance(4.0)
+    assert not d.called
+    reactor.advance(2.0)
+    assert isinstance(failure_of(d), BookieUnavailableError)
+    peer.answer(ReadResponse(read.request_id, Status.OK, "", 1, 0, b"late"))
+    d2 = client.read_entry(1, 1)
+    (read2,) = peer.received()
+    peer.answer(ReadResponse(read2.request_id, Status.OK, "", 1, 1, b"fine"))
+    assert result_of(d2) == b"fine"
+
+
+def test_long_poll_gets_its_own_longer_timeout(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A long poll may wait its poll time plus the request timeout."""
+    d = client.read_lac(2, previous_lac=3, timeout_ms=10_000)
+    peer = Peer(reactor)
+    peer.handshake()
+    (req,) = peer.received()
+    assert isinstance(req, ReadLacRequest)
+    assert (req.previous_lac, req.timeout_ms) == (3, 10_000)
+    reactor.advance(12.0)
+    assert not d.called
+    peer.answer(ReadLacResponse(req.request_id, Status.OK, "", 2, 4))
+    assert result_of(d) == 4
+    d2 = client.read_lac(2, previous_lac=4, timeout_ms=1000)
+    reactor.advance(6.5)
+    assert isinstance(failure_of(d2), BookieUnavailableError)
+
+
+def test_connection_loss_fails_pending_and_the_next_request_reconnects(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A drop fails everything pending as unavailable; the next request opens a new connection."""
+    d1 = client.add_entry(1, 0, -1, b"a")
+    d2 = client.read_lac(1, previous_lac=0, timeout_ms=5000)
+    peer = Peer(reactor)
+    peer.handshake()
+    peer.drop()
+    assert isinstance(failure_of(d1), BookieUnavailableError)
+    assert isinstance(failure_of(d2), BookieUnavailableError)
+    assert reactor.getDelayedCalls() == []
+    d3 = client.read_entry(1, 0)
+    assert len(reactor.tcpClients) == 2
+    peer2 = Peer(reactor)
+    peer2.handshake("bookie-A")
+    (read,) = peer2.received()
+    peer2.answer(ReadResponse(read.request_id, Status.OK, "", 1, 0, b"a"))
+    assert result_of(d3) == b"a"
+
+
+def test_a_different_identity_after_reconnect_is_refused_for_good(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A bookie answering another instance id at the same address is not used, then or later."""
+    d0 = client.instance_id()
+    peer = Peer(reactor)
+    peer.handshake("bookie-A")
+    (hello,) = peer.received()
+    peer.answer(HelloResponse(hello.request_id, Status.OK, "", 1, "bookie-A"))
+    assert result_of(d0) == "bookie-A"
+    peer.drop()
+    d1 = client.read_entry(1, 0)
+    peer2 = Peer(reactor)
+    peer2.handshake("bookie-B")
+    assert peer2.received() == []  # the read never reached the impostor
+    exc = failure_of(d1)
+    assert isinstance(exc, BookieUnavailableError)
+    assert "bookie-B" in str(exc)
+    assert isinstance(failure_of(client.add_entry(1, 1, 0, b"x")), BookieUnavailableError)
+
+
+def test_connect_failure_fails_waiting_requests(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A refused connection fails what waited for it; a later request tries again."""
+    d = client.read_entry(1, 0)
+    _, _, factory, _, _ = reactor.tcpClients[0]
+    factory.clientConnectionFailed(None, Failure(ConnectionRefusedError()))
+    assert isinstance(failure_of(d), BookieUnavailableError)
+    client.read_entry(1, 0)
+    assert len(reactor.tcpClients) == 2
+
+
+def test_unanswered_handshake_drops_the_connection(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A bookie that never answers HELLO is disconnected when the handshake times out."""
+    d = client.read_entry(1, 0)
+    peer = Peer(reactor)
+    reactor.advance(6.0)
+    assert isinstance(failure_of(d), BookieUnavailableError)
+    assert peer.transport.disconnecting or peer.transport.disconnected
+
+
+def test_refused_version_fails_requests(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A bookie that speaks none of our versions fails the requests waiting on the handshake."""
+    d = client.read_entry(1, 0)
+    peer = Peer(reactor)
+    (hello,) = peer.received()
+    peer.answer(HelloResponse(hello.request_id, Status.BAD_VERSION, "speaks 7", 7, "x"))
+    assert isinstance(failure_of(d), BookieUnavailableError)
+    assert peer.transport.disconnecting or peer.transport.disconnected
+
+
+def test_garbage_from_the_bookie_drops_the_connection(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """An undecodable frame from the bookie aborts the connection; pending requests fail."""
+    d = client.read_entry(1, 0)
+    peer = Peer(reactor)
+    peer.handshake()
+    peer.proto.dataReceived(b"\x00\x00\x00\x01garbage-garbage-garbage")
+    assert peer.transport.disconnecting or peer.transport.disconnected
+    peer.drop()
+    assert isinstance(failure_of(d), BookieUnavailableError)
+
+
+def test_oversize_add_fails_locally(reactor: MemoryReactorClock) -> None:
+    """An entry that cannot fit a frame fails before anything is sent."""
+    client = TcpBookieClient("127.0.0.1:1", reactor, max_frame_size=1000)
+    assert isinstance(failure_of(client.add_entry(1, 0, -1, b"x" * 2000)), BookieProtocolError)
+    assert reactor.tcpClients == []
+
+
+def test_close_fails_pending_and_later_requests(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """After close every pending and later request fails as unavailable."""
+    d = client.read_entry(1, 0)
+    peer = Peer(reactor)
+    peer.handshake()
+    closed = client.close()
+    assert isinstance(failure_of(d), BookieUnavailableError)
+    assert peer.transport.disconnecting
+    assert not closed.called
+    peer.drop()
+    assert closed.called
+    assert isinstance(failure_of(client.fence(1)), BookieUnavailableError)
+
+
+def test_instance_id_is_cached_once_known(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """Asking the identity of a connected bookie needs no round trip."""
+    d = client.instance_id()
+    peer = Peer(reactor)
+    peer.handshake("bookie-Z")
+    (hello,) = peer.received()
+    peer.answer(HelloResponse(hello.request_id, Status.OK, "", 1, "bookie-Z"))
+    assert result_of(d) == "bookie-Z"
+    assert result_of(client.instance_id()) == "bookie-Z"
+    assert peer.received() == []
+
+
+def test_bad_address_is_refused() -> None:
+    """An address without a port is a programming error."""
+    with pytest.raises(ValueError, match="host:port"):
+        TcpBookieClient("localhost", MemoryReactorClock())
+
+
+def test_many_requests_time_out_in_one_sweep(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """One timer handles the timeouts of many requests (no timer per request)."""
+    ds = [client.add_entry(1, e, e - 1, b"x") for e in range(100)]
+    assert len(reactor.getDelayedCalls()) == 1
+    reactor.advance(5.0)
+    reactor.advance(2.0)
+    assert all(isinstance(failure_of(d), BookieUnavailableError) for d in ds)

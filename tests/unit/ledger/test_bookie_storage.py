@@ -1,0 +1,284 @@
+"""Bookie entry storage: write cache, checkpoint to entry logs and index, restart, delete and GC."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from polybroker.ledger.bookie.journal import JournalPosition
+from polybroker.ledger.bookie.storage import (
+    INDEX_HEADER_SIZE,
+    INDEX_RECORD,
+    MAX_ENTRY_ID,
+    LedgerStorage,
+    StorageCorruptError,
+)
+
+
+def _storage(path: Path, **kw: int) -> LedgerStorage:
+    return LedgerStorage(path, **kw)
+
+
+def _checkpoint(s: LedgerStorage, mark: JournalPosition | None = None) -> None:
+    job = s.begin_checkpoint(mark)
+    s.run_checkpoint(job)
+    s.finish_checkpoint(job)
+
+
+def _data(ledger: int, entry: int) -> bytes:
+    return f"{ledger}:{entry}:".encode() * (entry % 7 + 1)
+
+
+def test_entries_are_readable_from_the_write_cache_at_once(tmp_path: Path) -> None:
+    """A put entry reads back before any checkpoint (I7); unknown ones are None."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, memoryview(b"abc"))
+    assert s.read_entry(1, 0) == b"abc"
+    assert s.read_entry(1, 1) is None
+    assert s.read_entry(2, 0) is None
+    assert s.cache_bytes == 3
+    st = s.state(1)
+    assert st is not None
+    assert (st.last_entry, st.lac, st.fenced) == (0, -1, False)
+    s.close()
+
+
+def test_checkpoint_moves_entries_to_logs_and_index(tmp_path: Path) -> None:
+    """After a checkpoint the cache is empty and reads come from the index and entry log."""
+    s = _storage(tmp_path)
+    for e in range(100):
+        s.put_entry(5, e, e - 1, _data(5, e))
+    _checkpoint(s)
+    assert s.cache_bytes == 0
+    assert s.flushing is False
+    assert all(s.read_entry(5, e) == _data(5, e) for e in range(100))
+    assert s.read_entry(5, 100) is None
+    assert (tmp_path / "index" / "5.idx").exists()
+    s.close()
+
+
+def test_reads_see_the_half_being_flushed(tmp_path: Path) -> None:
+    """Between freezing a checkpoint and finishing it, its entries stay readable."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"frozen")
+    job = s.begin_checkpoint(None)
+    s.put_entry(1, 1, 0, b"fresh")
+    assert s.read_entry(1, 0) == b"frozen"
+    assert s.read_entry(1, 1) == b"fresh"
+    s.run_checkpoint(job)
+    s.finish_checkpoint(job)
+    assert s.read_entry(1, 0) == b"frozen"
+    s.begin_checkpoint(None)
+    with pytest.raises(RuntimeError):
+        s.begin_checkpoint(None)
+    s.close()
+
+
+def test_restart_reads_entries_and_ledger_state_from_disk(tmp_path: Path) -> None:
+    """A new storage on the same directory serves checkpointed entries, fence flag and LAC."""
+    s = _storage(tmp_path)
+    for lid in (1, 2, 3):
+        for e in range(20):
+            s.put_entry(lid, e, e - 1, _data(lid, e))
+    s.fence(2)
+    s.set_lac(3, 30)
+    _checkpoint(s)
+    s.close()
+
+    again = _storage(tmp_path)
+    for lid in (1, 2, 3):
+        assert [again.read_entry(lid, e) for e in range(20)] == [_data(lid, e) for e in range(20)]
+    st1, st2, st3 = again.state(1), again.state(2), again.state(3)
+    assert st1 is not None
+    assert st2 is not None
+    assert st3 is not None
+    assert (st1.fenced, st1.lac, st1.last_entry) == (False, 18, 19)
+    assert st2.fenced is True
+    assert st3.lac == 30
+    assert again.state(4) is None
+    again.close()
+
+
+def test_fence_of_an_empty_ledger_is_persisted(tmp_path: Path) -> None:
+    """Fencing a ledger this bookie holds nothing of still survives a restart."""
+    s = _storage(tmp_path)
+    s.fence(9)
+    _checkpoint(s)
+    s.close()
+    again = _storage(tmp_path)
+    st = again.state(9)
+    assert st is not None
+    assert st.fenced is True
+    assert st.last_entry == -1
+    again.close()
+
+
+def test_entry_logs_roll_at_their_size_limit(tmp_path: Path) -> None:
+    """Entries spread over several entry logs when the limit is small; all read back."""
+    s = _storage(tmp_path, entry_log_size_limit=4096)
+    for e in range(60):
+        s.put_entry(1, e, e - 1, bytes([e]) * 500)
+    _checkpoint(s)
+    for e in range(60, 80):
+        s.put_entry(1, e, e - 1, bytes([e]) * 500)
+    _checkpoint(s)
+    assert len(s.log_ids()) >= 8
+    for log_id in s.log_ids():
+        assert (tmp_path / "entrylogs" / f"{log_id:08x}.log").stat().st_size <= 4096
+    assert all(s.read_entry(1, e) == bytes([e]) * 500 for e in range(80))
+    s.close()
+
+
+def test_rewriting_an_entry_points_the_index_at_the_new_copy(tmp_path: Path) -> None:
+    """An entry put again (a recovery rewrite or a replay) reads as the latest copy."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"first")
+    _checkpoint(s)
+    s.put_entry(1, 0, -1, b"second")
+    _checkpoint(s)
+    assert s.read_entry(1, 0) == b"second"
+    s.close()
+
+
+def test_delete_hides_the_ledger_and_gc_reclaims_its_log(tmp_path: Path) -> None:
+    """A deleted ledger reads as unknown at once; its index goes at checkpoint, its log at GC."""
+    # Five entries of ledger 1 fill the first log (16 + 5 * 320 bytes): ledger 2 starts another.
+    s = _storage(tmp_path, entry_log_size_limit=1900)
+    for e in range(5):
+        s.put_entry(1, e, e - 1, b"a" * 300)
+    _checkpoint(s)
+    for e in range(5):
+        s.put_entry(2, e, e - 1, b"b" * 300)
+    _checkpoint(s)
+    logs_before = s.log_ids()
+    assert s.collect_garbage() == []
+
+    s.delete_ledger(1)
+    assert s.state(1) is None
+    assert s.read_entry(1, 0) is None
+    assert (tmp_path / "index" / "1.idx").exists()  # until the next checkpoint
+    _checkpoint(s)
+    assert not (tmp_path / "index" / "1.idx").exists()
+    gone = s.collect_garbage()
+    s.forget_logs(gone)
+    assert gone
+    assert set(gone) < set(logs_before)
+    assert all(s.read_entry(2, e) == b"b" * 300 for e in range(5))
+    s.close()
+
+
+def test_gc_keeps_a_log_while_any_of_its_ledgers_lives(tmp_path: Path) -> None:
+    """A log shared by a deleted and a live ledger is kept whole (no compaction yet)."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"dead")
+    s.put_entry(2, 0, -1, b"alive")
+    _checkpoint(s)
+    s.delete_ledger(1)
+    _checkpoint(s)
+    s.put_entry(3, 0, -1, b"x")
+    s.close()
+    again = _storage(tmp_path)  # the old log is sealed now
+    assert again.collect_garbage() == []
+    assert again.read_entry(2, 0) == b"alive"
+    again.close()
+
+
+def test_gc_scans_a_log_that_lost_its_ledger_list(tmp_path: Path) -> None:
+    """A log without its list (a crash) is scanned to learn its ledgers before deciding."""
+    s = _storage(tmp_path)
+    s.put_entry(7, 0, -1, b"live")
+    _checkpoint(s)
+    s.close()
+    for p in (tmp_path / "entrylogs").glob("*.ledgers"):
+        p.unlink()
+    again = _storage(tmp_path)
+    assert again.ledgers_of_log(1) == {7}
+    assert again.collect_garbage() == []
+    again.delete_ledger(7)
+    _checkpoint(again)
+    assert again.collect_garbage() == [1]
+    again.close()
+
+
+def test_delete_then_restart_does_not_resurrect(tmp_path: Path) -> None:
+    """After the deletion's checkpoint, a restart knows nothing of the ledger."""
+    s = _storage(tmp_path)
+    s.put_entry(4, 0, -1, b"x")
+    _checkpoint(s)
+    s.delete_ledger(4)
+    _checkpoint(s)
+    s.close()
+    again = _storage(tmp_path)
+    assert again.state(4) is None
+    assert again.read_entry(4, 0) is None
+    again.close()
+
+
+def test_a_wrong_index_record_is_detected(tmp_path: Path) -> None:
+    """An index entry pointing at another entry's bytes raises instead of serving them."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"zero")
+    s.put_entry(1, 1, 0, b"one!")
+    _checkpoint(s)
+    s.close()
+    idx = tmp_path / "index" / "1.idx"
+    with open(idx, "r+b") as f:
+        f.seek(INDEX_HEADER_SIZE)
+        rec0 = f.read(16)
+        f.seek(INDEX_HEADER_SIZE + 16)
+        f.write(rec0)  # entry 1 now points at entry 0's bytes
+    again = _storage(tmp_path)
+    assert INDEX_RECORD.unpack(rec0)[1] == 4
+    with pytest.raises(StorageCorruptError):
+        again.read_entry(1, 1)
+    again.close()
+
+
+def test_out_of_range_entry_ids_read_as_absent(tmp_path: Path) -> None:
+    """Negative and huge entry ids never reach the index file."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"x")
+    _checkpoint(s)
+    assert s.read_entry(1, -1) is None
+    assert s.read_entry(1, MAX_ENTRY_ID + 1) is None
+    s.close()
+
+
+def test_memory_holds_only_a_bounded_number_of_ledger_states(tmp_path: Path) -> None:
+    """Clean ledger states are evicted past the bound and reload from disk on demand."""
+    s = _storage(tmp_path, max_cached_states=10, max_open_files=4)
+    for lid in range(40):
+        s.put_entry(lid, 0, -1, b"v")
+    _checkpoint(s)
+    assert len(s._states) <= 10
+    assert all(s.read_entry(lid, 0) == b"v" for lid in range(40))
+    st = s.state(3)
+    assert st is not None
+    assert st.last_entry == 0
+    assert len(s._index_fds) <= 4
+    s.close()
+
+
+def test_write_cache_accounts_bytes(tmp_path: Path) -> None:
+    """The cache size follows puts, overwrites and deletes."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"1234")
+    s.put_entry(1, 0, -1, b"12")
+    s.put_entry(2, 0, -1, b"123")
+    assert s.cache_bytes == 5
+    s.delete_ledger(1)
+    assert s.cache_bytes == 3
+    s.close()
+
+
+def test_index_files_are_small_for_dense_ledgers(tmp_path: Path) -> None:
+    """The index of n entries takes a 32-byte header plus 16 bytes per entry."""
+    s = _storage(tmp_path)
+    for e in range(1000):
+        s.put_entry(1, e, e - 1, b"")
+    _checkpoint(s)
+    assert os.path.getsize(tmp_path / "index" / "1.idx") == INDEX_HEADER_SIZE + 1000 * 16
+    assert s.read_entry(1, 999) == b""
+    s.close()
