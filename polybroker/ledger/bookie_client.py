@@ -49,7 +49,6 @@ from polybroker.ledger.wire import (
     FenceRequest,
     FenceResponse,
     FrameDecoder,
-    FrameError,
     HelloRequest,
     HelloResponse,
     Message,
@@ -129,12 +128,11 @@ class _ClientProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         decoder = self.decoder
         decoder.receive_data(data)
-        client = self.client
-        try:
-            while (msg := decoder.next_frame()) is not None:
-                client._answer(msg)
-        except FrameError as e:
-            client._bad_input(self, str(e))
+        answer = self.client._answer
+        for msg in decoder.drain():
+            answer(msg)
+        if decoder.error is not None:
+            self.client._bad_input(self, str(decoder.error))
 
     @override
     def connectionLost(self, reason: Failure = connectionDone) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -703,18 +704,19 @@ _DECODE_BY_INT = {int(k): v for k, v in _DECODERS.items()}
 class FrameDecoder:
     """Turn a byte stream into messages (sans-IO, see the module rules).
 
-    Usage: ``receive_data(chunk)``, then call ``next_frame()`` until it returns None."""
+    Usage: ``receive_data(chunk)``, then either ``drain()`` for every complete message (and
+    check ``error``), or call ``next_frame()`` until it returns None."""
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if max_frame_size < HEADER_SIZE:
             raise ValueError(f"max_frame_size must be at least {HEADER_SIZE}")
         self._max = max_frame_size
-        self._buf = b""  # the bytes being parsed
+        self._buf = b""  # the chunk being parsed, from _pos on
         self._view = memoryview(self._buf)
         self._pos = 0
-        self._more: list[bytes] = []  # chunks received after _buf, joined only when needed
+        self._more: deque[bytes] = deque()  # chunks received after _buf
         self._more_len = 0
-        self._error: FrameError | None = None
+        self.error: FrameError | None = None  # set once a bad frame was met (Rule 2)
 
     @property
     def max_frame_size(self) -> int:
@@ -725,12 +727,13 @@ class FrameDecoder:
         """Buffer received bytes (no parsing happens here)."""
         if not data:
             return
+        data = bytes(data)
         if self._pos >= len(self._buf) and not self._more:
-            self._buf = bytes(data)
-            self._view = memoryview(self._buf)
+            self._buf = data
+            self._view = memoryview(data)
             self._pos = 0
         else:
-            self._more.append(bytes(data))
+            self._more.append(data)
             self._more_len += len(data)
 
     def buffered(self) -> int:
@@ -741,91 +744,164 @@ class FrameDecoder:
         """The request id of a partly received frame, if its header is complete enough."""
         if self.buffered() < 14:
             return None
-        self._merge()
-        return int.from_bytes(self._buf[self._pos + 6 : self._pos + 14], "big")
+        return int.from_bytes(self._peek(14)[6:14], "big")
 
-    def _merge(self) -> None:
-        if self._more:
-            self._buf = self._buf[self._pos :] + b"".join(self._more)
-            self._view = memoryview(self._buf)
+    def _peek(self, n: int) -> bytes:
+        """The next ``n`` buffered bytes (the caller checked they are there); copies only them."""
+        head = self._buf[self._pos : self._pos + n]
+        for chunk in self._more:
+            if len(head) >= n:
+                break
+            head += chunk[: n - len(head)]
+        return head
+
+    def _take(self, n: int) -> bytes:
+        """Remove and return the next ``n`` bytes, which run past the current chunk: only they
+        are copied, and parsing goes on in place in the chunk where they end (Rule 3)."""
+        parts: list[Buffer] = [self._view[self._pos :]]
+        need = n - (len(self._buf) - self._pos)
+        rest = b""
+        while need > 0:
+            chunk = self._more.popleft()
+            self._more_len -= len(chunk)
+            if len(chunk) <= need:
+                parts.append(chunk)
+                need -= len(chunk)
+            else:
+                parts.append(memoryview(chunk)[:need])
+                rest = chunk
+                break
+        taken = b"".join(parts)
+        if rest:
+            self._buf = rest
+            self._pos = len(parts[-1])
+        elif self._more:
+            self._buf = self._more.popleft()
+            self._more_len -= len(self._buf)
             self._pos = 0
-            self._more.clear()
-            self._more_len = 0
+        else:
+            self._buf = b""
+            self._pos = 0
+        self._view = memoryview(self._buf)
+        return taken
 
-    def _fail(self, error: FrameError) -> FrameError:
-        self._error = error
-        return error
+    def _check(self, length: int, version: int, mtype: int, rid: int) -> None:
+        if length < _LENGTH_AFTER_PREFIX:
+            raise FrameError(Status.BAD_REQUEST, f"frame length {length} too short")
+        if length + 4 > self._max:
+            raise FrameError(
+                Status.TOO_LARGE, f"frame of {length + 4} bytes exceeds the limit {self._max}", rid
+            )
+        if version not in SUPPORTED_VERSIONS:
+            raise FrameError(
+                Status.BAD_VERSION,
+                f"wire version {version} not supported (speaks {sorted(SUPPORTED_VERSIONS)})",
+                rid,
+            )
+        if mtype not in _DECODE_BY_INT:
+            raise FrameError(Status.BAD_REQUEST, f"unknown frame type {mtype}", rid)
 
     def next_frame(self) -> Message | None:
         """Return the next complete message, None if more bytes are needed.
 
         Raises ``FrameError`` on a bad frame (and on every later call)."""
-        if self._error is not None:
-            raise self._error
-        buf = self._buf
-        pos = self._pos
-        avail = len(buf) - pos
-        if avail < HEADER_SIZE:
-            if avail + self._more_len < HEADER_SIZE:
-                return None
-            self._merge()
-            buf = self._buf
-            pos = 0
-            avail = len(buf)
-        length, version, mtype, rid, crc = HEADER.unpack_from(buf, pos)
-        if length < _LENGTH_AFTER_PREFIX:
-            raise self._fail(FrameError(Status.BAD_REQUEST, f"frame length {length} too short"))
-        total = length + 4
-        if total > self._max:
-            raise self._fail(
-                FrameError(
-                    Status.TOO_LARGE, f"frame of {total} bytes exceeds the limit {self._max}", rid
-                )
-            )
-        if version not in SUPPORTED_VERSIONS:
-            raise self._fail(
-                FrameError(
-                    Status.BAD_VERSION,
-                    f"wire version {version} not supported (speaks {sorted(SUPPORTED_VERSIONS)})",
-                    rid,
-                )
-            )
-        decode = _DECODE_BY_INT.get(mtype)
-        if decode is None:
-            raise self._fail(FrameError(Status.BAD_REQUEST, f"unknown frame type {mtype}", rid))
-        if total > avail:
-            if total > avail + self._more_len:
-                return None
-            self._merge()
-            buf = self._buf
-            pos = 0
-        end = pos + total
-        body = self._view[pos + HEADER_SIZE : end]
-        self._pos = end
-        if crc32c(body) != crc:
-            raise self._fail(FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid))
-        if mtype == MsgType.ADD and len(body) >= ADD_FIELDS_SIZE:
-            # The hot path, inlined: one unpack and one object per entry.
-            ledger, entry, lac, flags = ADD_FIELDS.unpack_from(buf, pos + HEADER_SIZE)
-            return AddRequest(
-                rid,
-                ledger,
-                entry,
-                lac,
-                bool(flags & FLAG_RECOVERY),
-                body[ADD_FIELDS_SIZE:],
-                body,
-                crc,
-            )
-        if mtype == MsgType.ADD_RESPONSE and len(body) == _ADD_RESP_BODY.size:
-            code, text_len, ledger, entry = _ADD_RESP_BODY.unpack_from(buf, pos + HEADER_SIZE)
-            if text_len == 0 and code < len(_STATUSES):
-                return AddResponse(rid, _STATUSES[code], "", ledger, entry)
+        if self.error is None:
+            out = self._decode(1)
+            if out:
+                return out[0]
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def drain(self) -> list[Message]:
+        """Return every complete message buffered, in order. If a bad frame follows them,
+        ``error`` is set (and stays set): the caller handles the messages, then the error."""
+        if self.error is not None:
+            return []
+        return self._decode(-1)
+
+    def _decode(self, limit: int) -> list[Message]:
+        out: list[Message] = []
+        buf, view, pos = self._buf, self._view, self._pos
+        unpack_header = HEADER.unpack_from
+        unpack_add = ADD_FIELDS.unpack_from
+        max_frame = self._max
         try:
-            message = decode(rid, body)
+            while len(out) != limit:
+                avail = len(buf) - pos
+                if avail >= HEADER_SIZE:
+                    length, version, mtype, rid, crc = unpack_header(buf, pos)
+                    total = length + 4
+                    if (
+                        total <= avail
+                        and length >= _LENGTH_AFTER_PREFIX
+                        and total <= max_frame
+                        and version == WIRE_VERSION
+                    ):
+                        end = pos + total
+                        body = view[pos + HEADER_SIZE : end]
+                        if crc32c(body) != crc:
+                            raise FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid)
+                        if mtype == _ADD and length >= _MIN_ADD_LENGTH:
+                            # The hot path: one unpack and one object per entry.
+                            ledger, entry, lac, flags = unpack_add(buf, pos + HEADER_SIZE)
+                            out.append(
+                                AddRequest(
+                                    rid,
+                                    ledger,
+                                    entry,
+                                    lac,
+                                    bool(flags & FLAG_RECOVERY),
+                                    body[ADD_FIELDS_SIZE:],
+                                    body,
+                                    crc,
+                                )
+                            )
+                        else:
+                            self._check(length, version, mtype, rid)
+                            out.append(_decode_body(mtype, rid, body, buf, pos, crc))
+                        pos = end
+                        continue
+                # The next frame is incomplete, runs into the next chunk, or is bad.
+                self._pos = pos
+                if avail + self._more_len < HEADER_SIZE:
+                    break
+                head = self._peek(HEADER_SIZE)
+                length, version, mtype, rid, crc = HEADER.unpack(head)
+                self._check(length, version, mtype, rid)
+                total = length + 4
+                if avail + self._more_len < total:
+                    break
+                frame = self._take(total)
+                body = memoryview(frame)[HEADER_SIZE:]
+                if crc32c(body) != crc:
+                    raise FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid)
+                out.append(_decode_body(mtype, rid, body, frame, 0, crc))
+                buf, view, pos = self._buf, self._view, self._pos
         except FrameError as e:
-            raise self._fail(e) from None
-        return message
+            self.error = e
+        self._pos = pos
+        return out
+
+
+_ADD = int(MsgType.ADD)
+_MIN_ADD_LENGTH = _LENGTH_AFTER_PREFIX + ADD_FIELDS_SIZE
+
+
+def _decode_body(mtype: int, rid: int, body: memoryview, buf: bytes, pos: int, crc: int) -> Message:
+    """Decode a checked frame's body (``buf[pos:]`` is the frame, for in-place unpacking)."""
+    if mtype == _ADD:
+        req = _dec_add(rid, body)
+        req.crc = crc
+        return req
+    if mtype == _ADD_RESPONSE and len(body) == _ADD_RESP_BODY.size:
+        code, text_len, ledger, entry = _ADD_RESP_BODY.unpack_from(buf, pos + HEADER_SIZE)
+        if text_len == 0 and code < len(_STATUSES):
+            return AddResponse(rid, _STATUSES[code], "", ledger, entry)
+    return _DECODE_BY_INT[mtype](rid, body)
+
+
+_ADD_RESPONSE = int(MsgType.ADD_RESPONSE)
 
 
 def decode_all(data: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> list[Message]:

@@ -664,18 +664,18 @@ class BookieProtocol(Protocol):
         if not self.open:
             return
         decoder = self.decoder
-        bookie = self.bookie
         decoder.receive_data(data)
-        try:
-            while (msg := decoder.next_frame()) is not None:
-                if type(msg) is AddRequest:
-                    bookie.add(self, msg)
-                else:
-                    bookie.dispatch(self, msg)
+        bookie = self.bookie
+        add = bookie.add
+        for msg in decoder.drain():
+            if type(msg) is AddRequest:
+                add(self, msg)
+            else:
+                bookie.dispatch(self, msg)
                 if not self.open:
                     break
-        except FrameError as e:
-            self.protocol_error(e)
+        if decoder.error is not None:
+            self.protocol_error(decoder.error)
         bookie.end_of_input(more_coming=len(data) >= _TWISTED_READ_SIZE)
 
     def protocol_error(self, error: FrameError) -> None:

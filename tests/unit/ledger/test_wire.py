@@ -284,3 +284,39 @@ def test_max_frame_size_must_hold_a_header() -> None:
     """A decoder limit below one header is a programming error."""
     with pytest.raises(ValueError, match="max_frame_size"):
         FrameDecoder(10)
+
+
+def test_drain_returns_the_good_frames_before_a_bad_one() -> None:
+    """Frames ahead of a bad one are returned; the error is then set and stays set."""
+    decoder = FrameDecoder()
+    decoder.receive_data(FenceRequest(1, 9).encode() + ReadRequest(2, 9, 0).encode())
+    decoder.receive_data(_frame(0x42, 3, b"") + FenceRequest(4, 9).encode())
+    assert decoder.drain() == [FenceRequest(1, 9), ReadRequest(2, 9, 0)]
+    assert decoder.error is not None
+    assert decoder.error.request_id == 3
+    assert decoder.drain() == []
+
+
+def test_drain_across_random_chunkings_matches_the_stream() -> None:
+    """Draining after each random-size chunk yields every frame once, in order, intact."""
+    rng = random.Random(11)
+    frames = [
+        encode_add_request(i, 2, i, i - 1, rng.randbytes(rng.randrange(0, 70_000)))
+        for i in range(120)
+    ]
+    stream = b"".join(frames)
+    decoder = FrameDecoder()
+    got: list[int] = []
+    pos = 0
+    while pos < len(stream):
+        step = rng.choice((1, 7, 18, 100, 65_536, 200_000))
+        decoder.receive_data(stream[pos : pos + step])
+        pos += step
+        for m in decoder.drain():
+            assert isinstance(m, AddRequest)
+            assert bytes(m.body) == frames[m.request_id][HEADER_SIZE:]
+            assert m.crc == crc32c(m.body)
+            got.append(m.request_id)
+        assert decoder.error is None
+    assert got == list(range(120))
+    assert decoder.buffered() == 0
