@@ -173,6 +173,8 @@ class TcpBookieClient(BookieClient):
         self._host = host.strip("[]")
         self._port = int(port)
         self._reactor = reactor
+        self._seconds = reactor.seconds
+        self._write: Any = None  # the transport's write while the connection is ready
         self.timeout_s = timeout_s
         self.max_frame_size = max_frame_size
         self._max_data = max_frame_size - HEADER_SIZE - ADD_FIELDS_SIZE
@@ -204,10 +206,22 @@ class TcpBookieClient(BookieClient):
                     f"frame limit {self.max_frame_size}"
                 )
             )
-        rid, d = self._register(_ADD, ledger_id, entry_id)
-        if d.called:
-            return d
-        self._send(encode_add_request(rid, ledger_id, entry_id, lac, data, recovery))
+        if self._closed or self._identity_error is not None:
+            return self._register(_ADD, ledger_id, entry_id)[1]
+        # The hot path: _register and _send inlined.
+        rid = self._next_id
+        self._next_id = rid + 1
+        d: Deferred[None] = Deferred()
+        self._pending[rid] = _Pending(
+            d, self._seconds() + self.timeout_s, _ADD, ledger_id, entry_id
+        )
+        if self._sweep_call is None:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval, self._sweep)
+        frame = encode_add_request(rid, ledger_id, entry_id, lac, data, recovery)
+        if self._write is not None:
+            self._write(frame)
+        else:
+            self._send(frame)
         return d
 
     @override
@@ -300,7 +314,7 @@ class TcpBookieClient(BookieClient):
         rid = self._next_id
         self._next_id = rid + 1
         timeout = self.timeout_s + extra_timeout
-        p = _Pending(d, self._reactor.seconds() + timeout, kind, ledger_id, entry_id)
+        p = _Pending(d, self._seconds() + timeout, kind, ledger_id, entry_id)
         if own_timer:
             p.timer = self._reactor.callLater(timeout, self._long_poll_timeout, rid)
             self._long_polls[rid] = p
@@ -311,10 +325,8 @@ class TcpBookieClient(BookieClient):
         return rid, d
 
     def _send(self, frame: bytes) -> None:
-        if self._state == _READY:
-            assert self._proto is not None
-            assert self._proto.transport is not None
-            self._proto.transport.write(frame)
+        if self._write is not None:
+            self._write(frame)
             return
         self._backlog.append(frame)
         if self._state == _IDLE:
@@ -393,9 +405,10 @@ class TcpBookieClient(BookieClient):
             self._proto.transport.loseConnection()
             return
         self._state = _READY
+        assert self._proto.transport is not None
+        self._write = self._proto.transport.write
         backlog, self._backlog = self._backlog, []
         if backlog:
-            assert self._proto.transport is not None
             self._proto.transport.writeSequence(backlog)
 
     def _handshake_failed(self, reason: Failure, proto: _ClientProtocol) -> None:
@@ -417,6 +430,7 @@ class TcpBookieClient(BookieClient):
     def _disconnected(self, proto: _ClientProtocol, reason: Failure) -> None:
         if proto is self._proto:
             self._proto = None
+            self._write = None
             self._state = _IDLE
             self._connector = None
             self._fail_all(

@@ -825,6 +825,9 @@ class FrameDecoder:
         buf, view, pos = self._buf, self._view, self._pos
         unpack_header = HEADER.unpack_from
         unpack_add = ADD_FIELDS.unpack_from
+        unpack_add_resp = _ADD_RESP_BODY.unpack_from
+        statuses = _STATUSES
+        n_statuses = len(statuses)
         max_frame = self._max
         try:
             while len(out) != limit:
@@ -857,8 +860,15 @@ class FrameDecoder:
                                     crc,
                                 )
                             )
+                        elif mtype == _ADD_RESPONSE and length == _ADD_RESPONSE_LENGTH:
+                            code, text_len, ledger, entry = unpack_add_resp(buf, pos + HEADER_SIZE)
+                            if text_len == 0 and code < n_statuses:
+                                out.append(AddResponse(rid, statuses[code], "", ledger, entry))
+                            else:
+                                out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         else:
-                            self._check(length, version, mtype, rid)
+                            if mtype not in _DECODE_BY_INT:
+                                self._check(length, version, mtype, rid)
                             out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         pos = end
                         continue
@@ -886,6 +896,7 @@ class FrameDecoder:
 
 _ADD = int(MsgType.ADD)
 _MIN_ADD_LENGTH = _LENGTH_AFTER_PREFIX + ADD_FIELDS_SIZE
+_ADD_RESPONSE_LENGTH = _LENGTH_AFTER_PREFIX + _ADD_RESP_BODY.size
 
 
 def _decode_body(mtype: int, rid: int, body: memoryview, buf: bytes, pos: int, crc: int) -> Message:
