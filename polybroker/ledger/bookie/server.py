@@ -529,7 +529,8 @@ class Bookie:
         storage = self.storage
         if storage.cache_bytes >= storage.write_cache_max_bytes // 2 and not storage.flushing:
             self.checkpoint()
-        if storage.cache_bytes >= storage.write_cache_max_bytes and storage.flushing:
+        # The flushing half and the active half together stay within the configured maximum.
+        if storage.cache_bytes >= storage.write_cache_max_bytes // 2 and storage.flushing:
             for proto in self.protocols:
                 if proto not in self._throttled:
                     self._throttled.add(proto)
