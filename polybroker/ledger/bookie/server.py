@@ -851,6 +851,7 @@ class BookieServer:
             self.data_dir / cookies.LEDGERS_DIR,
             entry_log_size_limit=self.config["entryLogSizeLimit"],
             write_cache_max_bytes=self.config["dbStorage_writeCacheMaxSizeMb"] * 1024 * 1024,
+            max_entry_size=self.max_frame_size,
         )
         self._worker = BlockingWorker(self.reactor)
         bookie = Bookie(

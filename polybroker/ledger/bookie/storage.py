@@ -117,6 +117,7 @@ class LedgerStorage:
         write_cache_max_bytes: int = 64 * 1024 * 1024,
         max_cached_states: int = 10_000,
         max_open_files: int = 128,
+        max_entry_size: int = 64 * 1024 * 1024,
     ) -> None:
         self.directory = directory
         self.index_dir = directory / "index"
@@ -127,6 +128,7 @@ class LedgerStorage:
         self.write_cache_max_bytes = write_cache_max_bytes
         self._max_states = max_cached_states
         self._max_open = max_open_files
+        self._max_entry = max_entry_size  # a bigger length in the index is corruption
         # Reactor side.
         self._states: dict[int, LedgerState] = {}
         self._cache: dict[int, dict[int, bytes]] = {}
@@ -270,6 +272,10 @@ class LedgerStorage:
             self._remember(self._log_fds, log_id, fd)
         else:
             self._log_fds.move_to_end(log_id)
+        if length > self._max_entry:
+            raise StorageCorruptError(
+                f"index of {ledger_id}:{entry_id} claims {length} bytes, above any entry's size"
+            )
         raw = os.pread(fd, ENTRY_HEADER_SIZE + length, offset)
         if len(raw) != ENTRY_HEADER_SIZE + length or ENTRY_HEADER.unpack_from(raw) != (
             length,

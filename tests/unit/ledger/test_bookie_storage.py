@@ -236,6 +236,23 @@ def test_a_wrong_index_record_is_detected(tmp_path: Path) -> None:
     again.close()
 
 
+def test_an_absurd_length_in_the_index_is_corruption_not_an_allocation(tmp_path: Path) -> None:
+    """A damaged index record claiming gigabytes is reported without reading them."""
+    s = _storage(tmp_path)
+    s.put_entry(1, 0, -1, b"zero")
+    _checkpoint(s)
+    s.close()
+    with open(tmp_path / "index" / "1.idx", "r+b") as f:
+        f.seek(INDEX_HEADER_SIZE)
+        log_id, _, offset = INDEX_RECORD.unpack(f.read(16))
+        f.seek(INDEX_HEADER_SIZE)
+        f.write(INDEX_RECORD.pack(log_id, 0xFFFFFFF0, offset))
+    again = _storage(tmp_path, max_entry_size=1 << 20)
+    with pytest.raises(StorageCorruptError, match="claims"):
+        again.read_entry(1, 0)
+    again.close()
+
+
 def test_out_of_range_entry_ids_read_as_absent(tmp_path: Path) -> None:
     """Negative and huge entry ids never reach the index file."""
     s = _storage(tmp_path)
