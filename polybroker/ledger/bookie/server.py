@@ -94,14 +94,6 @@ MAX_LONG_POLL_MS = 10 * 60 * 1000
 MAX_WATCHERS_PER_CONNECTION = 10_000
 
 
-def _run_now(fn: Callable[[], Any]) -> Deferred[Any]:
-    """Run ``fn`` on the calling thread (a ``RunBlocking`` for tests and start-up)."""
-    try:
-        return succeed(fn())
-    except BaseException:
-        return fail(Failure())
-
-
 class BlockingWorker:
     """One thread that runs blocking jobs in order, answering on the reactor thread."""
 
@@ -161,8 +153,9 @@ class Bookie:
     """The request logic of one bookie, on the reactor thread (see the module rules).
 
     ``deliver`` hands the journal's completions to the reactor (``reactor.callFromThread``);
-    ``run_blocking`` runs checkpoint and GC jobs off the reactor (a ``BlockingWorker``). Unit
-    tests pass direct calls for both and drive the journal with ``journal.write_pending()``."""
+    ``run_blocking`` runs checkpoint and GC jobs off the reactor (a ``BlockingWorker``); passing
+    direct calls for both, and calling ``journal.write_pending()`` as the writer thread would,
+    runs a bookie with no thread at all."""
 
     def __init__(
         self,
@@ -173,7 +166,7 @@ class Bookie:
         instance_id: str,
         *,
         deliver: Callable[..., Any],
-        run_blocking: RunBlocking = _run_now,
+        run_blocking: RunBlocking,
         max_in_flight_per_connection: int = 10_000,
     ) -> None:
         self.storage = storage
@@ -528,7 +521,8 @@ class Bookie:
     def _after_writes(self) -> None:
         storage = self.storage
         if storage.cache_bytes >= storage.write_cache_max_bytes // 2 and not storage.flushing:
-            self.checkpoint()
+            # A failure fails the bookie and is logged there; nobody else waits for this one.
+            self.checkpoint().addErrback(lambda _: None)
         # The flushing half and the active half together stay within the configured maximum.
         if storage.cache_bytes >= storage.write_cache_max_bytes // 2 and storage.flushing:
             for proto in self.protocols:
@@ -540,9 +534,14 @@ class Bookie:
         """Flush the write cache to entry logs and index, then persist the journal mark and
         delete journal files before it (Rule 6). Fires when done; joins one in flight."""
         if self._checkpoint_d is not None:
-            d: Deferred[None] = Deferred()
-            self._checkpoint_d.addBoth(lambda r: (d.callback(None), r)[1])
-            return d
+            joined: Deferred[None] = Deferred()
+
+            def tell(result: object) -> object:
+                joined.callback(None)
+                return result
+
+            self._checkpoint_d.addBoth(tell)
+            return joined
         if self.failed is not None:
             return fail(self.failed)
         storage = self.storage
@@ -626,17 +625,13 @@ class Bookie:
             self.journal.stop()
         d: Deferred[None] = Deferred()
 
+        def last_checkpoint(_: object) -> Deferred[None] | None:
+            return None if self.failed is not None else self.checkpoint()
+
         # The journal's last completions were handed to the reactor: apply them first.
         def flush() -> None:
-            if self.failed is not None:
-                d.callback(None)
-                return
-            if self._checkpoint_d is not None:
-                self._checkpoint_d.addBoth(lambda _: self.checkpoint()).addBoth(
-                    lambda _: d.callback(None)
-                )
-                return
-            self.checkpoint().addBoth(lambda _: d.callback(None))
+            running: Deferred[Any] = self._checkpoint_d or succeed(None)
+            running.addBoth(last_checkpoint).addBoth(lambda _: d.callback(None))
 
         self.reactor.callLater(0, flush)
         return d

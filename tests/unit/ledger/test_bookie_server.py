@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 
 from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import JournalConfig, list_files, read_mark
@@ -45,6 +46,14 @@ from polybroker.ledger.wire import (
 FRAME = 1 << 20
 
 
+def run_now(fn: Callable[[], Any]) -> Deferred[Any]:
+    """Run a blocking job on the spot (the worker thread's stand-in)."""
+    try:
+        return succeed(fn())
+    except Exception:
+        return fail(Failure())
+
+
 class Harness:
     """One bookie on a directory, with connections over StringTransport."""
 
@@ -58,7 +67,6 @@ class Harness:
     ) -> None:
         self.clock = Clock()
         self.storage = LedgerStorage(root / "ledgers", write_cache_max_bytes=cache_bytes)
-        extra = {"run_blocking": run_blocking} if run_blocking else {}
         self.bookie = Bookie(
             self.storage,
             root / "journal",
@@ -66,7 +74,7 @@ class Harness:
             self.clock,
             "instance-1",
             deliver=lambda fn, *args: fn(*args),
-            **extra,
+            run_blocking=run_blocking or run_now,
             **kw,
         )
         (root / "journal").mkdir(exist_ok=True)
