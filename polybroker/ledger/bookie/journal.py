@@ -376,17 +376,19 @@ class Journal:
         self._staged_parts = []
         self._staged_tokens = []
         self._staged_bytes = 0
+        refused: BaseException | None = None
         with self._cond:
             if self.failed is not None or self._stopping:
-                failed: BaseException = self.failed or JournalError("journal is stopping")
-                self._deliver(self._on_failure, failed, batch.tokens)
-                return
-            if not self._queue:
-                self._oldest = self._clock()
-            self._queue.append(batch)
-            self._queued_bytes += batch.nbytes
-            self._burst_done = not more_coming
-            self._cond.notify()
+                refused = self.failed or JournalError("journal is stopping")
+            else:
+                if not self._queue:
+                    self._oldest = self._clock()
+                self._queue.append(batch)
+                self._queued_bytes += batch.nbytes
+                self._burst_done = not more_coming
+                self._cond.notify()
+        if refused is not None:
+            self._deliver(self._on_failure, refused, batch.tokens)
 
     # -- writer side ----------------------------------------------------------------------
 
