@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.error import CannotListenError
 from twisted.python.failure import Failure
 
 from polybroker import logs
 from polybroker.config import ConfigError, load
+from polybroker.ledger.api import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ def run_bookie(args: argparse.Namespace) -> int:
         print(
             f"polybroker bookie: cannot start: {f.getErrorMessage()}", file=sys.stderr, flush=True
         )
-        if not isinstance(f.value, Exception) or f.check(ConfigError) is None:
+        if f.check(ConfigError, StorageError, CannotListenError) is None:
+            # Not one of the refusals we explain: keep the traceback for whoever debugs it.
             log.error("bookie failed to start", exc_info=(f.type, f.value, f.tb))
         reactor.stop()  # type: ignore[attr-defined]
 
