@@ -1,9 +1,12 @@
 """BookieServer embedded in this process on the real reactor: start, serve, checkpoint on its
-timer, collect garbage, stop, restart, and a large restart that stays fast and small."""
+timer, collect garbage, stop, restart; a large restart that stays fast and small; identity
+registration in a metadata store."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -11,14 +14,16 @@ from typing import Any
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
-from twisted.internet.defer import DeferredList
+from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.task import deferLater
 
 from polybroker.config import Config
 from polybroker.ledger.api import NoSuchLedgerError
+from polybroker.ledger.bookie.cookie import CookieError
 from polybroker.ledger.bookie.journal import read_mark
 from polybroker.ledger.bookie.server import BookieServer
 from polybroker.ledger.bookie_client import TcpBookieClient
+from polybroker.metadata.api import BadVersionError, GetResult, NotFoundError, Stat
 
 BookieProcessFactory = Any  # the fixture of this folder's conftest.py
 
@@ -96,3 +101,63 @@ async def test_restart_of_a_full_bookie_is_fast_and_small(
     await client.close()
     assert restart_s < 10, restart_s
     assert rss < 200, rss
+
+
+class MemoryStore:
+    """The part of a metadata store bookie registration uses: get, put (CAS), delete."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, tuple[bytes, int, bool]] = {}
+
+    def get(self, path: str) -> Deferred[GetResult | None]:
+        node = self.nodes.get(path)
+        return succeed(None if node is None else GetResult(node[0], Stat(node[1], node[2], 0, 0)))
+
+    def put(
+        self,
+        path: str,
+        value: bytes,
+        expected_version: int | None = None,
+        *,
+        ephemeral: bool = False,
+    ) -> Deferred[Stat]:
+        node = self.nodes.get(path)
+        if expected_version == -1 and node is not None:
+            return fail(BadVersionError(path))
+        version = 0 if node is None else node[1] + 1
+        self.nodes[path] = (value, version, ephemeral)
+        return succeed(Stat(version, ephemeral, 0, 0))
+
+    def delete(self, path: str, expected_version: int | None = None) -> Deferred[None]:
+        if self.nodes.pop(path, None) is None:
+            return fail(NotFoundError(path))
+        return succeed(None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_wiped_bookie_cannot_rejoin_under_its_registered_address(tmp_path: Path) -> None:
+    """A bookie registers its cookie and availability; after its data dir is wiped, a start at
+    the same address refuses (the registered identity differs) and releases the port."""
+    store = MemoryStore()
+    server = BookieServer(Config(), tmp_path / "data", reactor, metadata_store=store)  # type: ignore[arg-type]
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    assert f"/bookies/cookies/{address}" in store.nodes
+    assert store.nodes[f"/bookies/available/{address}"][2] is True
+    first_id = server.instance_id
+    await server.stop()
+    assert f"/bookies/available/{address}" not in store.nodes
+
+    shutil.rmtree(tmp_path / "data")
+    wiped = BookieServer(Config(), tmp_path / "data", reactor, port=port, metadata_store=store)  # type: ignore[arg-type]
+    with pytest.raises(CookieError, match=first_id):
+        await wiped.start()
+    assert f"/bookies/available/{address}" not in store.nodes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the refused bookie let go of its port
+
+    # The original data dir would still be welcome: the same identity re-registers.
+    again = BookieServer(Config(), tmp_path / "other", reactor, metadata_store=store)  # type: ignore[arg-type]
+    other_port = await again.start()
+    assert f"/bookies/available/127.0.0.1:{other_port}" in store.nodes
+    await again.stop()
