@@ -1,0 +1,622 @@
+"""The Broker API: what protocol handlers call. One API, every protocol.
+
+``BrokerService`` owns the loaded topics of this broker. Topics are loaded on first use (and
+created when allowed: ``allowAutoTopicCreation``), unloaded on request (the next use opens them
+again), and closed with the service.
+
+Names: ``persistent://tenant/ns/topic``, ``non-persistent://...``, ``tenant/ns/topic`` or just
+``topic`` (in ``public/default``). A persistent topic's managed ledger is named
+``tenant/ns/persistent/<url-encoded topic>``, as Pulsar names it.
+
+Partitioned topics are metadata: ``{"partitions": N}`` at
+``/admin/partitioned-topics/<tenant>/<ns>/<domain>/<encoded topic>``; the partitions
+``<topic>-partition-<i>`` are ordinary topics.
+
+Hot path: handlers that publish a lot hold the ``Topic`` (or a ``Producer``) and call it; the
+name-based ``publish`` here is one dictionary lookup more when the topic is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import json
+import logging
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+
+from polybroker.broker_core.consumer import (
+    Consumer,
+    DeliverAt,
+    EntryInspector,
+    KeyOf,
+    KeySharedMeta,
+    LastMessageId,
+    NullInspector,
+    ServerConsumer,
+    SubType,
+)
+from polybroker.broker_core.dispatcher import DispatchSettings
+from polybroker.broker_core.errors import (
+    InvalidTopicNameError,
+    NotAllowedError,
+    ServiceNotReadyError,
+    TopicAlreadyExistsError,
+    TopicNotFoundError,
+)
+from polybroker.broker_core.topic import (
+    NonPersistentTopic,
+    PersistentTopic,
+    Producer,
+    ProducerAccessMode,
+    Topic,
+    TopicSettings,
+)
+from polybroker.config import Config
+from polybroker.ledger.api import (
+    Entry,
+    InitialPosition,
+    ManagedLedgerConfig,
+    ManagedLedgerFactory,
+    Position,
+)
+from polybroker.logs import kv
+from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
+
+log = logging.getLogger(__name__)
+
+PARTITIONED_ROOT = "/admin/partitioned-topics"
+PARTITION_SUFFIX = "-partition-"
+_PARTITION_RE = re.compile(r"^(.+)-partition-(\d+)$")
+_DOMAINS = ("persistent", "non-persistent")
+
+
+@dataclass(frozen=True)
+class TopicRef:
+    """A parsed topic name (until a shared ``TopicName`` replaces it)."""
+
+    domain: str
+    tenant: str
+    namespace: str
+    local: str
+
+    @classmethod
+    def parse(cls, name: str) -> TopicRef:
+        """Parse any accepted spelling; raise ``InvalidTopicNameError``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidTopicNameError(f"invalid topic name {name!r}")
+        domain = "persistent"
+        rest = name
+        if "://" in name:
+            domain, _, rest = name.partition("://")
+            if domain not in _DOMAINS:
+                raise InvalidTopicNameError(f"invalid topic domain in {name!r}")
+        elif "/" not in name:
+            rest = f"public/default/{name}"
+        parts = rest.split("/")
+        if len(parts) != 3 or not all(parts):
+            raise InvalidTopicNameError(
+                f"invalid topic name {name!r}: expected <domain>://<tenant>/<namespace>/<topic>"
+            )
+        return cls(domain, parts[0], parts[1], parts[2])
+
+    @property
+    def full(self) -> str:
+        return f"{self.domain}://{self.tenant}/{self.namespace}/{self.local}"
+
+    @property
+    def persistent(self) -> bool:
+        return self.domain == "persistent"
+
+    @property
+    def partition_index(self) -> int:
+        m = _PARTITION_RE.match(self.local)
+        return int(m.group(2)) if m else -1
+
+    @property
+    def namespace_name(self) -> str:
+        return f"{self.tenant}/{self.namespace}"
+
+    def partition(self, index: int) -> TopicRef:
+        return TopicRef(self.domain, self.tenant, self.namespace, f"{self.local}-partition-{index}")
+
+    @property
+    def managed_ledger_name(self) -> str:
+        return f"{self.tenant}/{self.namespace}/{self.domain}/{quote(self.local, safe='')}"
+
+    @property
+    def partitioned_path(self) -> str:
+        return (
+            f"{PARTITIONED_ROOT}/{self.tenant}/{self.namespace}/{self.domain}/"
+            f"{quote(self.local, safe='')}"
+        )
+
+
+class TopicListMode(enum.Enum):
+    """Which topics ``topics_of_namespace`` lists (Pulsar's GET_TOPICS_OF_NAMESPACE modes)."""
+
+    PERSISTENT = "PERSISTENT"
+    NON_PERSISTENT = "NON_PERSISTENT"
+    ALL = "ALL"
+
+
+def _cfg(config: Config | None, key: str, default: Any) -> Any:
+    if config is None:
+        return default
+    try:
+        return config.get(key)
+    except KeyError:
+        return default
+
+
+class BrokerService:
+    """Topics of this broker and the operations handlers use on them."""
+
+    def __init__(
+        self,
+        ledger_factory: ManagedLedgerFactory,
+        reactor: IReactorTime,
+        config: Config | None,
+        metadata_store: MetadataStore,
+        *,
+        inspector: EntryInspector | None = None,
+    ) -> None:
+        self.ledger_factory = ledger_factory
+        self.reactor = reactor
+        self.config = config
+        self.metadata_store = metadata_store
+        self.inspector: EntryInspector = inspector or NullInspector()
+        self.topics: dict[str, Topic] = {}
+        self._loading: dict[str, list[Deferred[Topic]]] = {}
+        self._refs: dict[str, TopicRef] = {}
+        self._closed = False
+        # Decides deduplication per topic (namespace policy); None falls back to the config.
+        self.deduplication_policy: Callable[[str], bool | None] | None = None
+        cluster = _cfg(config, "clusterName", "standalone")
+        counter = itertools.count()
+        instance = secrets.token_hex(3)
+        self._producer_names = lambda: f"{cluster}-{instance}-{next(counter)}"
+        self._auto_create = bool(_cfg(config, "allowAutoTopicCreation", True))
+        self._auto_create_type = str(_cfg(config, "allowAutoTopicCreationType", "non-partitioned"))
+        self._default_partitions = int(_cfg(config, "defaultNumPartitions", 1))
+        self._dedup_default = bool(_cfg(config, "brokerDeduplicationEnabled", False))
+        self.dispatch_settings = DispatchSettings(
+            max_read_batch=int(_cfg(config, "dispatcherMaxReadBatchSize", 100)),
+            max_unacked_per_consumer=int(_cfg(config, "maxUnackedMessagesPerConsumer", 50_000)),
+            delayed_delivery_enabled=bool(_cfg(config, "delayedDeliveryEnabled", True)),
+        )
+        self._dedup_interval = int(_cfg(config, "brokerDeduplicationEntriesInterval", 1000))
+        mb = 1024 * 1024
+        self.ledger_config = ManagedLedgerConfig(
+            ensemble_size=int(_cfg(config, "managedLedgerDefaultEnsembleSize", 1)),
+            write_quorum=int(_cfg(config, "managedLedgerDefaultWriteQuorum", 1)),
+            ack_quorum=int(_cfg(config, "managedLedgerDefaultAckQuorum", 1)),
+            max_entries_per_ledger=int(_cfg(config, "managedLedgerMaxEntriesPerLedger", 50_000)),
+            max_size_per_ledger_bytes=int(_cfg(config, "managedLedgerMaxSizePerLedgerMbytes", 2048))
+            * mb,
+            max_ledger_rollover_time_s=60.0
+            * float(_cfg(config, "managedLedgerMaxLedgerRolloverTimeMinutes", 240)),
+            min_ledger_rollover_time_s=60.0
+            * float(_cfg(config, "managedLedgerMinLedgerRolloverTimeMinutes", 10)),
+            cursor_mark_delete_rate_per_s=float(
+                _cfg(config, "managedLedgerDefaultMarkDeleteRateLimit", 1.0)
+            ),
+        )
+        self._rates: LoopingCall | None = None
+        interval = float(_cfg(config, "statsUpdateFrequencyInSecs", 60))
+        if interval > 0:
+            self._rates = LoopingCall(self.update_rates)
+            self._rates.clock = reactor
+            self._rates.start(interval, now=False).addErrback(
+                lambda f: log.error("stats updater stopped", extra=kv(error=str(f.value)))
+            )
+
+    # -- names ----------------------------------------------------------------------------
+
+    def topic_ref(self, name: str) -> TopicRef:
+        """Parse (and cache) a topic name; raise ``InvalidTopicNameError``."""
+        ref = self._refs.get(name)
+        if ref is None:
+            ref = TopicRef.parse(name)
+            if len(self._refs) > 100_000:
+                self._refs.clear()
+            self._refs[name] = ref
+        return ref
+
+    def set_entry_inspector(self, inspector: EntryInspector) -> None:
+        """Use ``inspector`` for topics loaded from now on."""
+        self.inspector = inspector
+
+    # -- topics ---------------------------------------------------------------------------
+
+    def get_topic(self, name: str, create: bool = True) -> Deferred[Topic]:
+        """The loaded topic, loading it (and creating it if ``create`` and auto-creation allow).
+
+        Fails with ``TopicNotFoundError``, ``InvalidTopicNameError``, ``ServiceNotReadyError``."""
+        try:
+            ref = self.topic_ref(name)
+        except InvalidTopicNameError as e:
+            return fail(e)
+        topic = self.topics.get(ref.full)
+        if topic is not None:
+            return succeed(topic)
+        if self._closed:
+            return fail(ServiceNotReadyError("broker is shutting down"))
+        waiters = self._loading.get(ref.full)
+        if waiters is not None:
+            d: Deferred[Topic] = Deferred()
+            waiters.append(d)
+            return d
+        self._loading[ref.full] = []
+        return Deferred.fromCoroutine(self._load(ref, create))
+
+    async def _load(self, ref: TopicRef, create: bool) -> Topic:
+        try:
+            topic = await self._open(ref, create)
+        except Exception as e:
+            for waiter in self._loading.pop(ref.full, []):
+                waiter.errback(e)
+            raise
+        topic.on_closed = self._topic_closed
+        self.topics[ref.full] = topic
+        for waiter in self._loading.pop(ref.full, []):
+            waiter.callback(topic)
+        return topic
+
+    async def _open(self, ref: TopicRef, create: bool) -> Topic:
+        may_create = create and self._auto_create
+        if not ref.persistent:
+            if not may_create:
+                raise TopicNotFoundError(f"topic {ref.full} does not exist")
+            return NonPersistentTopic(
+                ref.full,
+                self.reactor,
+                inspector=self.inspector,
+                partition_index=ref.partition_index,
+                producer_names=self._producer_names,
+            )
+        ml_name = ref.managed_ledger_name
+        if not may_create and not await self.ledger_factory.exists(ml_name):
+            raise TopicNotFoundError(f"topic {ref.full} does not exist")
+        ledger = await self.ledger_factory.open(ml_name, self.ledger_config)
+        dedup = self._dedup_default
+        if self.deduplication_policy is not None:
+            chosen = self.deduplication_policy(ref.full)
+            if chosen is not None:
+                dedup = chosen
+        topic = PersistentTopic(
+            ref.full,
+            ledger,
+            self.reactor,
+            settings=TopicSettings(
+                dispatch=self.dispatch_settings,
+                dedup_enabled=dedup,
+                dedup_snapshot_interval=self._dedup_interval,
+            ),
+            inspector=self.inspector,
+            metadata_store=self.metadata_store,
+            partition_index=ref.partition_index,
+            producer_names=self._producer_names,
+        )
+        try:
+            await topic.load()
+        except Exception:
+            await ledger.close()
+            raise
+        return topic
+
+    def _topic_closed(self, topic: Topic) -> None:
+        # The topic shut itself (fenced by another owner): forget it and release its log.
+        if self.topics.get(topic.name) is topic:
+            del self.topics[topic.name]
+        topic.close().addErrback(
+            lambda f: log.warning("closing a fenced topic failed", extra=kv(error=str(f.value)))
+        )
+
+    def publish(
+        self,
+        topic: str,
+        data: bytes,
+        num_messages: int = 1,
+        *,
+        producer: Producer | None = None,
+        sequence_id: int = -1,
+        highest_sequence_id: int = -1,
+        publish_time_ms: int | None = None,
+    ) -> Deferred[Entry | None]:
+        """Publish to a topic by name (auto-created); fires with the stored entry once
+        durable, or None for a deduplicated message."""
+        try:
+            full = self.topic_ref(topic).full
+        except InvalidTopicNameError as e:
+            return fail(e)
+        loaded = self.topics.get(full)
+        if loaded is not None:
+            return loaded.publish(
+                data,
+                num_messages,
+                producer=producer,
+                sequence_id=sequence_id,
+                highest_sequence_id=highest_sequence_id,
+                publish_time_ms=publish_time_ms,
+            )
+
+        def loaded_then(t: Topic) -> Deferred[Entry | None]:
+            return t.publish(
+                data,
+                num_messages,
+                producer=producer,
+                sequence_id=sequence_id,
+                highest_sequence_id=highest_sequence_id,
+                publish_time_ms=publish_time_ms,
+            )
+
+        d = self.get_topic(full, create=True)
+        d.addCallback(loaded_then)
+        return d  # type: ignore[return-value]
+
+    def add_producer(
+        self,
+        topic: str,
+        name: str | None = None,
+        access_mode: ProducerAccessMode = ProducerAccessMode.SHARED,
+        *,
+        producer_id: int = 0,
+        topic_epoch: int | None = None,
+        on_disconnect: Callable[[], None] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> Deferred[Producer]:
+        """Load (or create) the topic and register a producer (see ``Topic.add_producer``).
+
+        The Deferred fires at registration; for WaitForExclusive, wait on ``Producer.ready``."""
+
+        def register(t: Topic) -> Producer:
+            return t.add_producer(
+                name,
+                access_mode,
+                producer_id=producer_id,
+                topic_epoch=topic_epoch,
+                on_disconnect=on_disconnect,
+                metadata=metadata,
+            )
+
+        d = self.get_topic(topic, create=True)
+        d.addCallback(register)
+        return d  # type: ignore[return-value]
+
+    def subscribe(
+        self,
+        topic: str,
+        subscription: str,
+        consumer: Consumer,
+        sub_type: SubType = SubType.EXCLUSIVE,
+        initial_position: InitialPosition = InitialPosition.LATEST,
+        *,
+        durable: bool = True,
+        start_position: Position | None = None,
+        start_inclusive: bool = False,
+        key_shared: KeySharedMeta | None = None,
+        key_of: KeyOf | None = None,
+        deliver_at: DeliverAt | None = None,
+        metadata: dict[str, str] | None = None,
+        create_topic: bool = True,
+    ) -> Deferred[ServerConsumer]:
+        """Load (or create) the topic and attach ``consumer`` (see ``Topic.subscribe``)."""
+
+        def attach(t: Topic) -> Deferred[ServerConsumer]:
+            return t.subscribe(
+                subscription,
+                consumer,
+                sub_type,
+                initial_position=initial_position,
+                durable=durable,
+                start_position=start_position,
+                start_inclusive=start_inclusive,
+                key_shared=key_shared,
+                key_of=key_of,
+                deliver_at=deliver_at,
+                metadata=metadata,
+            )
+
+        d = self.get_topic(topic, create=create_topic)
+        d.addCallback(attach)
+        return d  # type: ignore[return-value]
+
+    def last_message_id(self, topic: str) -> Deferred[LastMessageId]:
+        """The topic's last message (entry id -1 when empty)."""
+        d = self.get_topic(topic, create=False)
+        d.addCallback(lambda t: t.last_message_id())
+        return d  # type: ignore[return-value]
+
+    def terminate_topic(self, topic: str) -> Deferred[Position]:
+        """Terminate a topic; fire with its last position."""
+        d = self.get_topic(topic, create=False)
+        d.addCallback(lambda t: t.terminate())
+        return d  # type: ignore[return-value]
+
+    def stats(self, topic: str) -> Deferred[dict[str, object]]:
+        """Pulsar-shaped stats of an existing topic."""
+        d = self.get_topic(topic, create=False)
+        d.addCallback(lambda t: t.stats())
+        return d  # type: ignore[return-value]
+
+    def internal_stats(self, topic: str) -> Deferred[dict[str, object]]:
+        """Pulsar-shaped internal stats of an existing topic."""
+        d = self.get_topic(topic, create=False)
+        d.addCallback(lambda t: t.internal_stats())
+        return d  # type: ignore[return-value]
+
+    def unload_topic(self, topic: str) -> Deferred[None]:
+        """Close a loaded topic and forget it; its next use loads it again."""
+        return Deferred.fromCoroutine(self._unload(topic))
+
+    async def _unload(self, name: str) -> None:
+        ref = self.topic_ref(name)
+        topic = self.topics.pop(ref.full, None)
+        if topic is not None:
+            await topic.close()
+
+    def delete_topic(self, topic: str, force: bool = False) -> Deferred[None]:
+        """Delete a topic and its data (``TopicBusyError`` if in use unless ``force``;
+        ``TopicNotFoundError`` if it does not exist)."""
+        return Deferred.fromCoroutine(self._delete_topic(topic, force))
+
+    async def _delete_topic(self, name: str, force: bool) -> None:
+        ref = self.topic_ref(name)
+        topic = await self.get_topic(ref.full, create=False)
+        await topic.delete(force)
+        if self.topics.get(ref.full) is topic:
+            del self.topics[ref.full]
+
+    def update_rates(self) -> None:
+        """Refresh the per-second rates in every loaded topic's stats."""
+        for topic in list(self.topics.values()):
+            topic.update_rates()
+
+    # -- partitioned topics ---------------------------------------------------------------
+
+    def partitioned_topic_metadata(self, topic: str, create: bool = False) -> Deferred[int]:
+        """The number of partitions (0: not partitioned). With ``create`` and
+        ``allowAutoTopicCreationType=partitioned``, a topic that does not exist at all is
+        created partitioned (``defaultNumPartitions``)."""
+        return Deferred.fromCoroutine(self._partitioned_metadata(topic, create))
+
+    async def _partitioned_metadata(self, name: str, create: bool) -> int:
+        ref = self.topic_ref(name)
+        if ref.partition_index >= 0:
+            return 0
+        found = await self.metadata_store.get(ref.partitioned_path)
+        if found is not None:
+            return int(json.loads(found.value)["partitions"])
+        if create and self._auto_create and self._auto_create_type == "partitioned":
+            exists = ref.full in self.topics or (
+                ref.persistent and await self.ledger_factory.exists(ref.managed_ledger_name)
+            )
+            if not exists:
+                with contextlib.suppress(BadVersionError):
+                    await self._put_partitions(ref, self._default_partitions, -1)
+                return await self._partitioned_metadata(name, False)
+        return 0
+
+    async def _put_partitions(self, ref: TopicRef, partitions: int, version: int | None) -> None:
+        body = json.dumps({"partitions": partitions}).encode()
+        await self.metadata_store.put(ref.partitioned_path, body, version)
+
+    def create_partitioned_topic(self, topic: str, partitions: int) -> Deferred[None]:
+        """Create a partitioned topic (``TopicAlreadyExistsError`` if the name is taken)."""
+        return Deferred.fromCoroutine(self._create_partitioned(topic, partitions))
+
+    async def _create_partitioned(self, name: str, partitions: int) -> None:
+        ref = self.topic_ref(name)
+        if PARTITION_SUFFIX in ref.local:
+            raise InvalidTopicNameError(
+                f"a partitioned topic name may not contain {PARTITION_SUFFIX!r}: {name}"
+            )
+        if partitions < 1:
+            raise NotAllowedError(f"partitions must be at least 1, got {partitions}")
+        if ref.full in self.topics or (
+            ref.persistent and await self.ledger_factory.exists(ref.managed_ledger_name)
+        ):
+            raise TopicAlreadyExistsError(f"topic {ref.full} already exists")
+        try:
+            await self._put_partitions(ref, partitions, -1)
+        except BadVersionError:
+            raise TopicAlreadyExistsError(f"partitioned topic {ref.full} already exists") from None
+
+    def update_partitioned_topic(self, topic: str, partitions: int) -> Deferred[None]:
+        """Raise the number of partitions (it may only grow)."""
+        return Deferred.fromCoroutine(self._update_partitioned(topic, partitions))
+
+    async def _update_partitioned(self, name: str, partitions: int) -> None:
+        ref = self.topic_ref(name)
+        found = await self.metadata_store.get(ref.partitioned_path)
+        if found is None:
+            raise TopicNotFoundError(f"partitioned topic {ref.full} does not exist")
+        current = int(json.loads(found.value)["partitions"])
+        if partitions <= current:
+            raise NotAllowedError(
+                f"partitions may only grow: {ref.full} has {current}, asked {partitions}"
+            )
+        await self._put_partitions(ref, partitions, found.stat.version)
+
+    def delete_partitioned_topic(self, topic: str, force: bool = False) -> Deferred[None]:
+        """Delete every partition that exists, then the partitioned metadata."""
+        return Deferred.fromCoroutine(self._delete_partitioned(topic, force))
+
+    async def _delete_partitioned(self, name: str, force: bool) -> None:
+        ref = self.topic_ref(name)
+        found = await self.metadata_store.get(ref.partitioned_path)
+        if found is None:
+            raise TopicNotFoundError(f"partitioned topic {ref.full} does not exist")
+        partitions = int(json.loads(found.value)["partitions"])
+        for i in range(partitions):
+            with contextlib.suppress(TopicNotFoundError):
+                await self._delete_topic(ref.partition(i).full, force)
+        with contextlib.suppress(NotFoundError):
+            await self.metadata_store.delete(ref.partitioned_path)
+
+    def topics_of_namespace(
+        self, namespace: str, mode: TopicListMode = TopicListMode.PERSISTENT
+    ) -> Deferred[list[str]]:
+        """Full names of the namespace's topics (partitions listed one by one), sorted."""
+        return Deferred.fromCoroutine(self._topics_of_namespace(namespace, mode))
+
+    async def _topics_of_namespace(self, namespace: str, mode: TopicListMode) -> list[str]:
+        parts = namespace.split("/")
+        if len(parts) != 2 or not all(parts):
+            raise InvalidTopicNameError(f"invalid namespace {namespace!r}")
+        tenant, ns = parts
+        found: set[str] = set()
+        domains = []
+        if mode in (TopicListMode.PERSISTENT, TopicListMode.ALL):
+            domains.append("persistent")
+            prefix = f"{tenant}/{ns}/persistent/"
+            for ml_name in await self.ledger_factory.list(prefix):
+                local = ml_name[len(prefix) :]
+                if local and "/" not in local:
+                    found.add(f"persistent://{tenant}/{ns}/{unquote(local)}")
+        if mode in (TopicListMode.NON_PERSISTENT, TopicListMode.ALL):
+            domains.append("non-persistent")
+            for full, topic in self.topics.items():
+                if not topic.persistent and full.startswith(f"non-persistent://{tenant}/{ns}/"):
+                    found.add(full)
+        for domain in domains:
+            root = f"{PARTITIONED_ROOT}/{tenant}/{ns}/{domain}"
+            for child in await self.metadata_store.children(root):
+                meta = await self.metadata_store.get(f"{root}/{child}")
+                if meta is None:
+                    continue
+                base = TopicRef(domain, tenant, ns, unquote(child))
+                for i in range(int(json.loads(meta.value)["partitions"])):
+                    found.add(base.partition(i).full)
+        return sorted(found)
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def close(self) -> Deferred[None]:
+        """Close every topic, then the ledger factory."""
+        return Deferred.fromCoroutine(self._close())
+
+    async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._rates is not None and self._rates.running:
+            self._rates.stop()
+        topics = list(self.topics.values())
+        self.topics.clear()
+        for topic in topics:
+            try:
+                await topic.close()
+            except Exception as e:
+                log.warning("closing topic failed", extra=kv(topic=topic.name, error=str(e)))
+        await self.ledger_factory.close()
