@@ -68,6 +68,18 @@ def _pos(entry: Entry) -> Position:
     return entry.position
 
 
+def safe_key(key_of: KeyOf | None, entry: Entry, where: str) -> bytes:
+    """The entry's Key_Shared key; a hook that fails is logged and the entry has no key."""
+    if key_of is None:
+        return NONE_KEY
+    try:
+        key = key_of(entry)
+    except Exception:
+        log.exception("key hook failed; routing as keyless", extra=kv(where=where))
+        return NONE_KEY
+    return key or NONE_KEY
+
+
 @dataclass(frozen=True)
 class DispatchSettings:
     """Per-subscription dispatch limits (broker config)."""
@@ -218,6 +230,7 @@ class Dispatcher:
     # Whether negative acks may redeliver single positions (else always all, for order).
     individual_redelivery: ClassVar[bool] = False
     uses_delays: ClassVar[bool] = False
+    limits_unacked: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -239,6 +252,8 @@ class Dispatcher:
         self.deliver_at = deliver_at if settings.delayed_delivery_enabled else None
         self.partition_index = partition_index
         self.name = name
+        # maxUnackedMessagesPerConsumer holds for Shared and Key_Shared only, as in Pulsar.
+        self._unacked_limit = settings.max_unacked_per_consumer if self.limits_unacked else 0
         self.consumers: list[ServerConsumer] = []
         self._buffer: list[Entry] = []
         self._stale: set[Position] = set()  # acked while waiting in the buffer
@@ -337,10 +352,19 @@ class Dispatcher:
         self._after_ack()
 
     def _after_ack(self) -> None:
-        if self._blocked_any or self._needs_ack_kick():
-            self._blocked_any = False
-            self.schedule()
-        elif self._at_end():
+        unblocked = False
+        if self._blocked_any:
+            limit = self._unacked_limit
+            still = False
+            for c in self.consumers:
+                if c.blocked:
+                    if c.pending_messages < limit:
+                        c.blocked = False
+                        unblocked = True
+                    else:
+                        still = True
+            self._blocked_any = still
+        if unblocked or self._needs_ack_kick() or self._at_end():
             self.schedule()
 
     def _needs_ack_kick(self) -> bool:
@@ -366,14 +390,16 @@ class Dispatcher:
             consumer.pending_messages = 0
             for e in entries:
                 self._owner.pop(e.position, None)
-            return entries
-        entries = []
-        for p in positions:
-            if self._owner.get(p) is consumer:
-                del self._owner[p]
-                entry = consumer.pending.pop(p)
-                consumer.pending_messages -= entry.num_messages
-                entries.append(entry)
+        else:
+            entries = []
+            for p in positions:
+                if self._owner.get(p) is consumer:
+                    del self._owner[p]
+                    entry = consumer.pending.pop(p)
+                    consumer.pending_messages -= entry.num_messages
+                    entries.append(entry)
+        if consumer.blocked and consumer.pending_messages < self._unacked_limit:
+            consumer.blocked = False
         return entries
 
     def _requeue(self, entries: list[Entry]) -> None:
@@ -429,6 +455,9 @@ class Dispatcher:
         consumer.permits -= n
         consumer.pending[p] = entry
         consumer.pending_messages += n
+        if self._unacked_limit and consumer.pending_messages >= self._unacked_limit:
+            consumer.blocked = True
+            self._blocked_any = True
         consumer.msg_out += n
         consumer.bytes_out += len(entry.data)
         self._owner[p] = consumer
@@ -549,7 +578,11 @@ class Dispatcher:
         deliver_at = self.deliver_at
         if deliver_at is None:
             return False
-        at = deliver_at(entry)
+        try:
+            at = deliver_at(entry)
+        except Exception:
+            log.exception("deliver-at hook failed; delivering now", extra=kv(sub=self.name))
+            return False
         if at is None or at <= now_ms:
             return False
         heapq.heappush(self._delayed, (at, entry.position, entry))
@@ -750,6 +783,7 @@ class SharedDispatcher(Dispatcher):
     sub_type = SubType.SHARED
     individual_redelivery = True
     uses_delays = True
+    limits_unacked = True
 
     _levels: list[tuple[int, list[ServerConsumer]]]
     _next: dict[int, int]
@@ -774,22 +808,15 @@ class SharedDispatcher(Dispatcher):
         self._next = {level: self._next.get(level, 0) for level in groups}
 
     def _next_consumer(self) -> ServerConsumer | None:
-        limit = self.settings.max_unacked_per_consumer
         for level, group in self._levels:
             size = len(group)
             start = self._next[level]
             for step in range(size):
                 index = (start + step) % size
                 consumer = group[index]
-                if consumer.permits <= 0:
-                    continue
-                if limit and consumer.pending_messages >= limit:
-                    consumer.blocked = True
-                    self._blocked_any = True
-                    continue
-                consumer.blocked = False
-                self._next[level] = index + 1
-                return consumer
+                if consumer.permits > 0 and not consumer.blocked:
+                    self._next[level] = index + 1
+                    return consumer
         return None
 
     def _dispatch_buffer(self, out: dict[ServerConsumer, list[Delivery]]) -> None:
@@ -810,15 +837,11 @@ class SharedDispatcher(Dispatcher):
         del buffer[:i]
 
     def _available_permits(self) -> int:
-        limit = self.settings.max_unacked_per_consumer
         total = 0
         for c in self.consumers:
-            if c.permits > 0 and not (limit and c.pending_messages >= limit):
+            if c.permits > 0 and not c.blocked:
                 total += c.permits
         return total
-
-    def _needs_ack_kick(self) -> bool:
-        return bool(self._buffer) and any(c.blocked for c in self.consumers)
 
 
 class KeySharedDispatcher(Dispatcher):
@@ -827,6 +850,7 @@ class KeySharedDispatcher(Dispatcher):
     sub_type = SubType.KEY_SHARED
     individual_redelivery = True
     uses_delays = True
+    limits_unacked = True
 
     meta: KeySharedMeta | None
     _auto: AutoSplitSelector | None
@@ -885,8 +909,7 @@ class KeySharedDispatcher(Dispatcher):
         return None
 
     def _slot_of(self, entry: Entry) -> int:
-        key = self.key_of(entry) if self.key_of is not None else None
-        return key_hash(key or NONE_KEY)
+        return key_hash(safe_key(self.key_of, entry, self.name))
 
     def _lift_recent(self) -> bool:
         if not self._recent:
@@ -902,12 +925,10 @@ class KeySharedDispatcher(Dispatcher):
         return lifted
 
     def _needs_ack_kick(self) -> bool:
-        lifted = self._lift_recent()
-        return lifted or (bool(self._buffer) and any(c.blocked for c in self.consumers))
+        return self._lift_recent()
 
     def _dispatch_buffer(self, out: dict[ServerConsumer, list[Delivery]]) -> None:
         self._lift_recent()
-        limit = self.settings.max_unacked_per_consumer
         now_ms = self._now_ms() if self.deliver_at is not None else 0
         slots = self._slots
         keep: list[Entry] = []
@@ -921,13 +942,7 @@ class KeySharedDispatcher(Dispatcher):
                     continue
                 slot = self._slot_of(entry)
             consumer = self._select(slot)
-            if consumer is None or consumer.permits <= 0:
-                slots[entry.position] = slot
-                keep.append(entry)
-                continue
-            if limit and consumer.pending_messages >= limit:
-                consumer.blocked = True
-                self._blocked_any = True
+            if consumer is None or consumer.permits <= 0 or consumer.blocked:
                 slots[entry.position] = slot
                 keep.append(entry)
                 continue
@@ -936,14 +951,13 @@ class KeySharedDispatcher(Dispatcher):
                 slots[entry.position] = slot
                 keep.append(entry)
                 continue
-            consumer.blocked = False
             self._assign(consumer, entry, out)
         self._buffer = keep
 
     def _available_permits(self) -> int:
         total = 0
         for c in self.consumers:
-            if c.permits > 0:
+            if c.permits > 0 and not c.blocked:
                 total += c.permits
         return total
 

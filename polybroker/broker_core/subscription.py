@@ -40,12 +40,12 @@ from polybroker.broker_core.consumer import (
 )
 from polybroker.broker_core.dispatcher import (
     DISPATCHERS,
-    NONE_KEY,
     AutoSplitSelector,
     Dispatcher,
     DispatchSettings,
     StickySelector,
     pick_failover_active,
+    safe_key,
 )
 from polybroker.broker_core.errors import (
     ConsumerBusyError,
@@ -557,8 +557,7 @@ class NonPersistentSubscription(SubscriptionAPI):
                     return self.consumers[index]
             return None
         if self.sub_type is SubType.KEY_SHARED:
-            key = self.key_of(entry) if self.key_of is not None else None
-            slot = key_hash(key or NONE_KEY)
+            slot = key_hash(safe_key(self.key_of, entry, self.name))
             selector = self._auto or self._sticky
             return selector.select(slot) if selector is not None else None
         return self._active

@@ -652,7 +652,11 @@ class PersistentTopic(Topic):
                 if not entries:
                     break
                 for entry in entries:
-                    found = self.inspector.producer_sequence(entry)
+                    try:
+                        found = self.inspector.producer_sequence(entry)
+                    except Exception:
+                        log.exception("sequence hook failed", extra=kv(topic=self.name))
+                        found = None
                     if found is not None and found[1] > dedup.persisted.get(found[0], -1):
                         dedup.persisted[found[0]] = found[1]
                     dedup.since_snapshot += 1
