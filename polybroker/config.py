@@ -51,6 +51,16 @@ _KEYS: tuple[Key, ...] = (
     Key("managedLedgerMinLedgerRolloverTimeMinutes", int, 10, "Never roll a younger ledger"),
     Key("managedLedgerCacheSizeMB", int, 256, "Entry cache for tailing reads"),
     Key("managedLedgerDefaultMarkDeleteRateLimit", float, 1.0, "Cursor persists per second"),
+    # Topics, dispatch and deduplication (Pulsar's names and defaults)
+    Key("allowAutoTopicCreation", bool, True, "Create topics on first produce/subscribe"),
+    Key("allowAutoTopicCreationType", str, "non-partitioned", "non-partitioned or partitioned"),
+    Key("defaultNumPartitions", int, 1, "Partitions of auto-created partitioned topics"),
+    Key("brokerDeduplicationEnabled", bool, False, "Deduplicate by producer sequence id"),
+    Key("brokerDeduplicationEntriesInterval", int, 1000, "Entries between dedup snapshots"),
+    Key("dispatcherMaxReadBatchSize", int, 100, "Most entries a dispatcher reads at once"),
+    Key("maxUnackedMessagesPerConsumer", int, 50_000, "Shared consumers pause here (0: no cap)"),
+    Key("delayedDeliveryEnabled", bool, True, "Honour deliver-at times (Shared, Key_Shared)"),
+    Key("statsUpdateFrequencyInSecs", int, 60, "How often topic rates are recomputed"),
     # Bookie (BookKeeper's names)
     Key("bookiePort", int, 3181, "Bookie protocol port"),
     Key("journalSyncData", bool, True, "fdatasync the journal before acknowledging adds"),
