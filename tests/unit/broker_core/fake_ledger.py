@@ -302,7 +302,8 @@ class FakeManagedLedger(ManagedLedger):
     def _store(self, data: bytes, num: int, t: int | None) -> Entry:
         log = self.data
         ledger = log.ledger_ids[-1]
-        in_ledger = sum(1 for e in log.entries if e.position.ledger_id == ledger)
+        last = log.entries[-1].position if log.entries else None
+        in_ledger = last.entry_id + 1 if last is not None and last.ledger_id == ledger else 0
         if in_ledger >= self.factory.max_entries_per_ledger:
             ledger += 1
             log.ledger_ids.append(ledger)
