@@ -317,14 +317,18 @@ class Dispatcher:
     def acked(self, positions: Sequence[Position]) -> None:
         """Forget acknowledged positions (the cursor has been told)."""
         owner = self._owner
-        buffered = bool(self._buffer)
+        buffer = self._buffer
+        low = buffer[0].position if buffer else None
+        high = buffer[-1].position if buffer else None
         for p in positions:
             sc = owner.pop(p, None)
             if sc is not None:
                 entry = sc.pending.pop(p, None)
                 if entry is not None:
                     sc.pending_messages -= entry.num_messages
-            elif buffered:
+            elif low is not None and low <= p <= high:  # type: ignore[operator]
+                # Acked while waiting in the buffer (e.g. by a client that got it earlier):
+                # dropped when the dispatcher comes to it.
                 self._stale.add(p)
         if self.redeliveries:
             for p in positions:

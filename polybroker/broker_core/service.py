@@ -181,6 +181,9 @@ class BrokerService:
         self._closed = False
         # Decides deduplication per topic (namespace policy); None falls back to the config.
         self.deduplication_policy: Callable[[str], bool | None] | None = None
+        # Whether a namespace ("tenant/ns") exists; topics are created only in one that does.
+        # None: every namespace exists.
+        self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
         cluster = _cfg(config, "clusterName", "standalone")
         counter = itertools.count()
         instance = secrets.token_hex(3)
@@ -274,6 +277,12 @@ class BrokerService:
 
     async def _open(self, ref: TopicRef, create: bool) -> Topic:
         may_create = create and self._auto_create
+        if may_create and self.namespace_exists is not None:
+            known = self.namespace_exists(ref.namespace_name)
+            if isinstance(known, Deferred):
+                known = await known
+            if not known:
+                raise TopicNotFoundError(f"namespace {ref.namespace_name} does not exist")
         if not ref.persistent:
             if not may_create:
                 raise TopicNotFoundError(f"topic {ref.full} does not exist")

@@ -473,17 +473,19 @@ class Topic(abc.ABC):
 
     def _base_stats(self) -> dict[str, object]:
         subs = {name: sub.stats() for name, sub in self.subscriptions.items()}
-        msg_out = sum(int(s["msgOutCounter"]) for s in subs.values())  # type: ignore[call-overload]
-        bytes_out = sum(int(s["bytesOutCounter"]) for s in subs.values())  # type: ignore[call-overload]
+
+        def total(key: str) -> float:
+            return sum(float(s[key]) for s in subs.values())  # type: ignore[arg-type]
+
         return {
             "msgRateIn": self.msg_rate_in,
             "msgThroughputIn": self.msg_throughput_in,
-            "msgRateOut": sum(float(s["msgRateOut"]) for s in subs.values()),  # type: ignore[arg-type]
-            "msgThroughputOut": sum(float(s["msgThroughputOut"]) for s in subs.values()),  # type: ignore[arg-type]
+            "msgRateOut": total("msgRateOut"),
+            "msgThroughputOut": total("msgThroughputOut"),
             "msgInCounter": self.msg_in,
             "bytesInCounter": self.bytes_in,
-            "msgOutCounter": msg_out,
-            "bytesOutCounter": bytes_out,
+            "msgOutCounter": int(total("msgOutCounter")),
+            "bytesOutCounter": int(total("bytesOutCounter")),
             "averageMsgSize": self.bytes_in / self.msg_in if self.msg_in else 0.0,
             "publishers": [p.stats() for p in self.producers.values()],
             "waitingPublishers": len(self._waiting),

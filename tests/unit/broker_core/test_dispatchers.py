@@ -287,3 +287,18 @@ def test_type_change_keeps_entries_already_read() -> None:
     s2 = bench.subscribe("s", second, SubType.EXCLUSIVE)
     s2.flow(10)
     assert payloads(second) == ["m1", "m2", "m3"]
+
+
+def test_failing_entry_hooks_do_not_stop_delivery() -> None:
+    """A key or deliver-at hook that raises is treated as absent; entries still flow."""
+
+    def broken(entry: object) -> None:
+        raise ValueError("cannot parse")
+
+    bench = make_topic()
+    shared, keyed = RecordingConsumer(), RecordingConsumer()
+    bench.subscribe("shared", shared, SubType.SHARED, deliver_at=broken).flow(10)
+    bench.subscribe("keyed", keyed, SubType.KEY_SHARED, key_of=broken).flow(10)
+    bench.publish("m0", "m1")
+    assert payloads(shared) == ["m0", "m1"]
+    assert payloads(keyed) == ["m0", "m1"]

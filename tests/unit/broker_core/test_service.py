@@ -102,6 +102,17 @@ def test_auto_creation_can_be_disabled() -> None:
     assert isinstance(failure_of(env.service.publish("new", b"x")), TopicNotFoundError)
 
 
+def test_topics_are_created_only_in_existing_namespaces() -> None:
+    """With a namespace check installed, auto-creation in an unknown namespace is TopicNotFound."""
+    env = Env()
+    env.service.namespace_exists = lambda ns: ns == "public/default"
+    assert env.topic("persistent://public/default/ok").name.endswith("/ok")
+    assert isinstance(
+        failure_of(env.service.get_topic("persistent://nobody/nothing/x")), TopicNotFoundError
+    )
+    assert "nobody/nothing/persistent/x" not in env.factory.logs
+
+
 def test_concurrent_loads_share_one_topic() -> None:
     """Two get_topic calls during a slow open get the same topic; the log is opened once."""
     env = Env()
