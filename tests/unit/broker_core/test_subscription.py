@@ -12,7 +12,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_ledger import RecordingConsumer, failure_of, make_topic, payload_of, result_of
 
 from polybroker.broker_core.consumer import SubType
-from polybroker.broker_core.errors import NotAllowedError, SubscriptionBusyError
+from polybroker.broker_core.errors import (
+    NotAllowedError,
+    ServiceNotReadyError,
+    SubscriptionBusyError,
+)
 from polybroker.ledger.api import InitialPosition, Position
 
 
@@ -343,3 +347,43 @@ def test_closing_a_consumer_twice_is_harmless(sub_type: SubType) -> None:
     result_of(server.close())
     result_of(server.close())
     assert bench.topic.subscriptions["s"].consumers == []
+
+
+def test_entries_of_the_last_consumer_wait_for_the_next_one() -> None:
+    """When the only consumer leaves, its unacked entries go to whoever subscribes next."""
+    bench = make_topic()
+    first = RecordingConsumer()
+    s1 = bench.subscribe("s", first, SubType.SHARED)
+    s1.flow(10)
+    bench.publish("m0", "m1")
+    s1.ack([first.positions[0]])
+    result_of(s1.close())
+    assert not bench.ledger.cursors["s"].waiting
+    second = RecordingConsumer()
+    bench.subscribe("s", second, SubType.SHARED).flow(10)
+    assert payloads(second) == ["m1"]
+    assert second.deliveries[0].redelivery_count == 1
+
+
+@pytest.mark.parametrize(
+    ("initial", "expected"),
+    [(InitialPosition.EARLIEST, ["old", "new"]), (InitialPosition.LATEST, ["new"])],
+)
+def test_reader_without_start_position_uses_the_initial_position(
+    initial: InitialPosition, expected: list[str]
+) -> None:
+    """A non-durable subscription without a start position starts at EARLIEST or LATEST."""
+    bench = make_topic()
+    bench.publish("old")
+    reader = RecordingConsumer()
+    bench.subscribe("r", reader, durable=False, initial_position=initial).flow(10)
+    bench.publish("new")
+    assert payloads(reader) == expected
+
+
+def test_subscribing_to_a_closed_topic_fails_retryably() -> None:
+    """A topic being unloaded refuses subscriptions with a ServiceNotReady-kind error."""
+    bench = make_topic()
+    result_of(bench.topic.close())
+    error = failure_of(bench.topic.subscribe("s", RecordingConsumer()))
+    assert isinstance(error, ServiceNotReadyError)

@@ -411,3 +411,15 @@ def test_non_persistent_shared_round_robins_and_subscription_goes_with_last_cons
     result_of(sa.close())
     result_of(sb.close())
     assert topic.subscriptions == {}
+
+
+def test_a_waiting_producer_that_closes_is_failed_and_leaves_the_queue() -> None:
+    """Closing a WaitForExclusive producer before it is granted fails its ready Deferred."""
+    topic = make_topic().topic
+    holder = topic.add_producer("h", ProducerAccessMode.EXCLUSIVE)
+    waiter = topic.add_producer("w", ProducerAccessMode.WAIT_FOR_EXCLUSIVE)
+    waiter.close()
+    assert isinstance(failure_of(waiter.ready), ProducerClosedError)
+    holder.close()
+    assert topic.producers == {}
+    assert topic.stats()["waitingPublishers"] == 0
