@@ -199,6 +199,7 @@ class Subscription(SubscriptionAPI):
                 current.deliver_at = self.deliver_at
         self.last_type = sub_type
         server = ServerConsumer(consumer, self, sub_type, _now_ms(self.topic.clock), metadata)
+        assert self.dispatcher is not None
         self.dispatcher.add_consumer(server, key_shared)
         self._keep_after_seek = False
         return server
@@ -315,9 +316,7 @@ class Subscription(SubscriptionAPI):
         def found(position: Position | None) -> Deferred[None]:
             return self.reset_cursor(position if position is not None else self._after_last())
 
-        d = self.topic.ledger.position_of_time(timestamp_ms)
-        d.addCallback(found)
-        return d
+        return self.topic.ledger.position_of_time(timestamp_ms).addCallback(found)
 
     def reset_cursor(self, position: Position) -> Deferred[None]:
         """Make ``position`` the next entry read, dropping every consumer first."""
@@ -525,11 +524,10 @@ class NonPersistentSubscription(SubscriptionAPI):
             changed = consumer.active != is_active
             consumer.active = is_active
             if self.sub_type is SubType.FAILOVER and (changed or consumer is joined):
-                _tell(
-                    consumer,
-                    "active change",
-                    lambda c=consumer, a=is_active: c.consumer.active_changed(a),
-                )
+                try:
+                    consumer.consumer.active_changed(is_active)
+                except Exception:
+                    log.exception("consumer failed on active change", extra=kv(sub=self.name))
 
     def deliver(self, entry: Entry) -> None:
         """Hand a just-published entry to one consumer with permits, or drop it."""

@@ -678,32 +678,25 @@ class PersistentTopic(Topic):
             await self.metadata_store.delete(self._dedup_path())
 
     def _snapshot_dedup(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._write_dedup_snapshot())
+
+    async def _write_dedup_snapshot(self) -> None:
         dedup = self._dedup
         last = self._last_entry
         if dedup is None or last is None or dedup.snapshotting:
-            return succeed(None)
+            return
         dedup.snapshotting = True
         dedup.since_snapshot = 0
         position = last.position
         doc = {"position": [position.ledger_id, position.entry_id], "producers": dedup.persisted}
-        d: Deferred[Any]
-        if self.metadata_store is not None:
-            d = self.metadata_store.put(self._dedup_path(), json.dumps(doc).encode())
-        else:
-            d = succeed(None)
-
-        def move_cursor(_: object) -> Deferred[None] | None:
+        try:
+            if self.metadata_store is not None:
+                await self.metadata_store.put(self._dedup_path(), json.dumps(doc).encode())
+            # Only now may replay start here: entries before it are covered by the snapshot.
             if dedup.cursor is not None and self._dedup is dedup:
-                return dedup.cursor.mark_delete(position)
-            return None
-
-        def done(result: object) -> object:
+                await dedup.cursor.mark_delete(position)
+        finally:
             dedup.snapshotting = False
-            return result
-
-        d.addCallback(move_cursor)
-        d.addBoth(done)
-        return d
 
     def _last_sequence_id(self, producer_name: str) -> int:
         if self._dedup is None:
@@ -924,9 +917,7 @@ class PersistentTopic(Topic):
         def found(entries: list[Entry]) -> LastMessageId:
             return LastMessageId(last, entries[0].num_messages if entries else 1)
 
-        d = self.ledger.read(last, 1)
-        d.addCallback(found)
-        return d
+        return self.ledger.read(last, 1).addCallback(found)
 
     # -- lifecycle ------------------------------------------------------------------------
 
