@@ -27,6 +27,10 @@ Rule 5 (Key_Shared): a consumer that joins while entries are unacknowledged rece
         its subscription allows out-of-order delivery.
 Rule 6 (Shared, Key_Shared): an entry whose deliver-at time is in the future waits in a timer
         heap and joins the buffer when due.
+Rule 7 (Key_Shared): an entry is not sent to a consumer while entries of the same hash slot
+        are unacknowledged at another consumer (the slot's previous owner, before a join or a
+        leave moved it). Rule 5 alone lets entries read before the join, but not yet sent,
+        overtake older entries of their key still held by the previous owner.
 """
 
 from __future__ import annotations
@@ -861,6 +865,9 @@ class KeySharedDispatcher(Dispatcher):
     _sticky: StickySelector | None
     _recent: list[ServerConsumer]
     _slots: dict[Position, int]
+    _pending_slots: dict[Position, int]
+    _holders: dict[int, list[object]]
+    _drained: bool
 
     def _init_type_state(self) -> None:
         self.meta = None
@@ -868,6 +875,41 @@ class KeySharedDispatcher(Dispatcher):
         self._sticky = None
         self._recent = []
         self._slots = {}  # slot of entries kept in the buffer
+        self._pending_slots = {}  # slot of each delivered, unacknowledged entry
+        # Per slot with unacknowledged entries: [consumer holding them, how many] (Rule 7).
+        self._holders = {}
+        self._drained = False
+
+    def _release(self, positions: Sequence[Position]) -> None:
+        pending_slots = self._pending_slots
+        holders = self._holders
+        for p in positions:
+            slot = pending_slots.pop(p, None)
+            if slot is None:
+                continue
+            holder = holders[slot]
+            count = holder[1] - 1  # type: ignore[operator]
+            if count:
+                holder[1] = count
+            else:
+                del holders[slot]
+                self._drained = True
+
+    def acked(self, positions: Sequence[Position]) -> None:
+        if self._pending_slots:
+            self._release(positions)
+        super().acked(positions)
+
+    def acked_up_to(self, position: Position) -> None:
+        self._release([p for p in self._pending_slots if p <= position])
+        super().acked_up_to(position)
+
+    def _take_pending(
+        self, consumer: ServerConsumer, positions: Sequence[Position] | None
+    ) -> list[Entry]:
+        entries = super()._take_pending(consumer, positions)
+        self._release([e.position for e in entries])
+        return entries
 
     def add_consumer(self, consumer: ServerConsumer, key_shared: KeySharedMeta | None) -> None:
         meta = key_shared or KeySharedMeta()
@@ -929,12 +971,16 @@ class KeySharedDispatcher(Dispatcher):
         return lifted
 
     def _needs_ack_kick(self) -> bool:
-        return self._lift_recent()
+        drained = self._drained and bool(self._buffer)
+        self._drained = False
+        return self._lift_recent() or drained
 
     def _dispatch_buffer(self, out: dict[ServerConsumer, list[Delivery]]) -> None:
         self._lift_recent()
         now_ms = self._now_ms() if self.deliver_at is not None else 0
         slots = self._slots
+        holders = self._holders
+        out_of_order = self.meta is not None and self.meta.allow_out_of_order
         keep: list[Entry] = []
         for entry in self._buffer:
             if self._is_stale(entry):
@@ -955,6 +1001,18 @@ class KeySharedDispatcher(Dispatcher):
                 slots[entry.position] = slot
                 keep.append(entry)
                 continue
+            if not out_of_order:
+                holder = holders.get(slot)
+                if holder is None:
+                    holders[slot] = [consumer, 1]
+                elif holder[0] is consumer:
+                    holder[1] += 1  # type: ignore[operator]
+                else:
+                    # The key's earlier entries are still unacknowledged at its previous owner.
+                    slots[entry.position] = slot
+                    keep.append(entry)
+                    continue
+                self._pending_slots[entry.position] = slot
             self._assign(consumer, entry, out)
         self._buffer = keep
 
@@ -969,6 +1027,8 @@ class KeySharedDispatcher(Dispatcher):
         super().reset()
         self._recent.clear()
         self._slots.clear()
+        self._pending_slots.clear()
+        self._holders.clear()
 
     def take_over(self, previous: Dispatcher) -> None:
         super().take_over(previous)
