@@ -283,6 +283,16 @@ class BrokerService:
                 known = await known
             if not known:
                 raise TopicNotFoundError(f"namespace {ref.namespace_name} does not exist")
+        # A partitioned topic's name is not a topic itself: its partitions are.
+        if (
+            may_create
+            and ref.partition_index < 0
+            and await self.metadata_store.get(ref.partitioned_path) is not None
+        ):
+            raise NotAllowedError(
+                f"{ref.full} is a partitioned topic; use its partitions "
+                f"{ref.full}{PARTITION_SUFFIX}<n>"
+            )
         if not ref.persistent:
             if not may_create:
                 raise TopicNotFoundError(f"topic {ref.full} does not exist")

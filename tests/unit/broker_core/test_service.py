@@ -214,6 +214,15 @@ def test_partitioned_topic_names_may_not_be_taken_twice() -> None:
     assert isinstance(failure_of(env.service.create_partitioned_topic("z", 0)), NotAllowedError)
 
 
+def test_the_name_of_a_partitioned_topic_is_not_a_topic() -> None:
+    """Publishing to a partitioned topic's own name is refused, not auto-created beside it."""
+    env = Env()
+    result_of(env.service.create_partitioned_topic("p", 2))
+    assert isinstance(failure_of(env.service.publish("p", b"x")), NotAllowedError)
+    assert isinstance(result_of(env.service.publish("p-partition-1", b"x")), Entry)
+    assert list(env.factory.logs) == ["public/default/persistent/p-partition-1"]
+
+
 def test_partitions_may_only_grow() -> None:
     """update_partitioned_topic raises the count and refuses to lower it."""
     env = Env()
