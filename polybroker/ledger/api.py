@@ -5,16 +5,17 @@ Three levels, each built on the one below, each one async primitive per operatio
 * ``BookieClient``: one bookie, over the wire protocol of ``ledger.wire``.
 * ``LedgerClient`` / ``WriteHandle`` / ``ReadHandle``: ledgers replicated with ensemble size E,
   write quorum Qw and ack quorum Qa (BookKeeper's model).
-* ``ManagedLedgerFactory`` / ``ManagedLedger`` / ``Cursor``: one named log per topic (partition) over
-  a sequence of ledgers, with durable cursors (Pulsar's managed ledger).
+* ``ManagedLedgerFactory`` / ``ManagedLedger`` / ``Cursor``: one named log per topic (partition)
+  over a sequence of ledgers, with durable cursors (Pulsar's managed ledger).
 
 Invariants the implementations keep (numbers refer to the storage-invariants reference):
 
-Rule 1 (I1, I11): an add completes only after Qa bookies of its write set fsync'd it to their journal
-        and every lower entry completed; the last-add-confirmed (LAC) is the highest such entry.
-Rule 2 (I15, I16): a ledger is written by one writer; after fencing (recovery open) the old writer's
-        adds fail with ``LedgerFencedError`` and the ledger is closed at an entry >= every entry ever
-        acknowledged.
+Rule 1 (I1, I11): an add completes only after Qa bookies of its write set fsync'd it to their
+        journal and every lower entry completed; the last-add-confirmed (LAC) is the highest such
+        entry.
+Rule 2 (I15, I16): a ledger is written by one writer; after fencing (recovery open) the old
+        writer's adds fail with ``LedgerFencedError`` and the ledger is closed at an entry >= every
+        entry ever acknowledged.
 Rule 3 (I18, I25): ledger metadata and managed-ledger metadata change only by compare-and-set.
 Rule 4 (I26): a cursor's mark-delete position never moves backwards except by an explicit reset;
         individually deleted positions are always above it.

@@ -1,13 +1,14 @@
 """The MetadataStore seam: a small hierarchical key-value store with versions.
 
-Contract, shared by every implementation (the contract tests in ``tests/contract/`` hold them to it):
+Contract, shared by every implementation (the contract tests in ``tests/contract/`` hold them
+to it):
 
 Rule 1: paths are absolute, ``/``-separated, with no trailing slash (except the root ``/``).
 Rule 2: ``put`` creates missing parents (as empty, persistent nodes). A node's version starts at 0
         and grows by one on each successful ``put``.
-Rule 3: ``expected_version`` is compare-and-set: ``None`` means "any", ``-1`` means "must not exist",
-        ``n >= 0`` means "must exist with version n". A mismatch fails with ``BadVersionError``
-        (and nothing changes).
+Rule 3: ``expected_version`` is compare-and-set: ``None`` means "any", ``-1`` means "must not
+        exist", ``n >= 0`` means "must exist with version n". A mismatch fails with
+        ``BadVersionError`` (and nothing changes).
 Rule 4: ``delete`` of a node that has children fails with ``NotEmptyError``; of a missing node with
         ``NotFoundError``.
 Rule 5: ephemeral nodes belong to the store's session: they vanish when the session ends (``close``,
@@ -22,6 +23,7 @@ Rule 8: every operation returns a Deferred; callbacks run on the reactor thread.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,9 +150,7 @@ class MetadataStore(abc.ABC):
         def run(p: str):  # type: ignore[no-untyped-def]
             for child in (yield self.children(p)):
                 yield run(f"{p.rstrip('/')}/{child}")
-            try:
+            with contextlib.suppress(NotFoundError):
                 yield self.delete(p)
-            except NotFoundError:
-                pass
 
         return run(path)
