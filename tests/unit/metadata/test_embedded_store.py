@@ -56,7 +56,8 @@ async def test_a_torn_tail_is_truncated_and_acknowledged_data_kept(tmp_path: Pat
     store = await _open(tmp_path)
     try:
         got = await store.get("/k/after")
-        assert got is not None and got.value == b"x"
+        assert got is not None
+        assert got.value == b"x"
     finally:
         await store.close()
 
@@ -75,14 +76,15 @@ async def test_a_record_with_a_bad_checksum_ends_the_replay(tmp_path: Path) -> N
     store = await _open(tmp_path)
     try:
         a = await store.get("/a")
-        assert a is not None and a.value == b"1"
+        assert a is not None
+        assert a.value == b"1"
         assert await store.get("/b") is None
     finally:
         await store.close()
 
 
 async def test_a_checksummed_record_that_does_not_decode_fails_the_open(tmp_path: Path) -> None:
-    """Corruption that passes the checksum is not a torn tail: the open fails and changes nothing."""
+    """Corruption passing the checksum is no torn tail: the open fails and changes nothing."""
     store = await _open(tmp_path)
     await store.put("/a", b"1")
     await store.close()
@@ -176,6 +178,7 @@ async def test_kill_9_loses_no_acknowledged_put(tmp_path: Path) -> None:
     try:
         for i in range(acked + 1):
             got = await store.get(f"/seq/{i}")
-            assert got is not None and got.value == str(i).encode()
+            assert got is not None
+            assert got.value == str(i).encode()
     finally:
         await store.close()
