@@ -1,0 +1,710 @@
+"""The HTTP service of a broker: admin REST v2, HTTP lookup, health and Prometheus metrics.
+
+Paths, JSON shapes and status codes are Pulsar's: GET answers 200 with JSON, a successful
+PUT/POST/DELETE answers 204, failures answer ``{"reason": "..."}`` with 404 (unknown), 409
+(already exists), 412 (precondition: busy, invalid name, not allowed), 405 (no such method on a
+known path), 413 (body too large), 503 (not ready) or 500.
+
+Every handler is a coroutine over the Broker API (``BrokerService``) and the ``PolicyStore``;
+``AdminServer.site()`` is the ``twisted.web`` factory the broker binds on ``webServicePort``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from polybroker.broker_core.admin_metrics import render_metrics
+from polybroker.broker_core.admin_policies import AdminError, PolicyStore, not_found, precondition
+from polybroker.broker_core.errors import (
+    BrokerError,
+    ConsumerBusyError,
+    InvalidTopicNameError,
+    NotAllowedError,
+    ServiceNotReadyError,
+    SubscriptionBusyError,
+    SubscriptionNotFoundError,
+    TopicAlreadyExistsError,
+    TopicBusyError,
+    TopicNotFoundError,
+    TopicTerminatedError,
+)
+from polybroker.broker_core.service import (
+    PARTITIONED_ROOT,
+    BrokerService,
+    TopicListMode,
+    TopicRef,
+)
+from polybroker.ledger.api import InitialPosition, Position
+from polybroker.logs import kv
+
+log = logging.getLogger(__name__)
+
+#: Largest request body read (admin bodies are small JSON documents).
+MAX_BODY_BYTES = 1024 * 1024
+
+_STATUS_OF: tuple[tuple[type[Exception], int], ...] = (
+    (TopicNotFoundError, 404),
+    (SubscriptionNotFoundError, 404),
+    (TopicAlreadyExistsError, 409),
+    (TopicBusyError, 412),
+    (SubscriptionBusyError, 412),
+    (ConsumerBusyError, 412),
+    (InvalidTopicNameError, 412),
+    (NotAllowedError, 412),
+    (TopicTerminatedError, 412),
+    (ServiceNotReadyError, 503),
+)
+
+#: Namespace policies stored as given: ``{path name: Policies key}``. Only deduplication
+#: changes what the broker does today; the others are kept for the tools that read them.
+NAMESPACE_POLICY_FIELDS: dict[str, str] = {
+    "deduplication": "deduplicationEnabled",
+    "schemaCompatibilityStrategy": "schema_compatibility_strategy",
+    "isAllowAutoUpdateSchema": "is_allow_auto_update_schema",
+    "schemaValidationEnforced": "schema_validation_enforced",
+    "retention": "retention_policies",
+    "messageTTL": "message_ttl_in_seconds",
+    "autoTopicCreation": "autoTopicCreationOverride",
+}
+
+
+@dataclass
+class Response:
+    """What a route answers: status, body and its content type."""
+
+    status: int = 204
+    body: bytes = b""
+    content_type: str = "application/json"
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200) -> Response:
+        return cls(status, json.dumps(value).encode())
+
+    @classmethod
+    def text(cls, value: str, content_type: str = "text/plain; charset=utf-8") -> Response:
+        return cls(200, value.encode(), content_type)
+
+
+@dataclass
+class Call:
+    """One request as routes see it."""
+
+    method: str
+    path: str
+    params: dict[str, str]
+    query: dict[str, list[str]]
+    body: bytes
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        values = self.query.get(name)
+        if not values:
+            return default
+        return values[-1].lower() in ("true", "1", "yes", "")
+
+    def json_body(self, default: Any = None) -> Any:
+        if not self.body.strip():
+            return default
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise AdminError(400, "request body is not valid JSON") from None
+
+
+Handler = Callable[[Call], Awaitable[Response]]
+
+
+@dataclass
+class _Route:
+    method: str
+    pattern: re.Pattern[str]
+    handler: Handler
+
+
+@dataclass
+class Router:
+    """Maps ``METHOD /path/{name}`` patterns to handlers; first match wins."""
+
+    routes: list[_Route] = field(default_factory=list)
+
+    def add(self, method: str, pattern: str, handler: Handler) -> None:
+        """``{name}`` matches one path segment; ``{name:a|b}`` one of the listed values."""
+        regex = ""
+        for segment in pattern.strip("/").split("/"):
+            m = re.fullmatch(r"\{(\w+)(?::([^}]+))?\}", segment)
+            if m is None:
+                regex += "/" + re.escape(segment)
+            elif m.group(2):
+                regex += f"/(?P<{m.group(1)}>{m.group(2)})"
+            else:
+                regex += f"/(?P<{m.group(1)}>[^/]+)"
+        self.routes.append(_Route(method, re.compile(regex + "/?"), handler))
+
+    def find(self, method: str, path: str) -> tuple[Handler, dict[str, str]] | int:
+        """The handler and decoded path parameters, or 404 / 405."""
+        known_path = False
+        for route in self.routes:
+            m = route.pattern.fullmatch(path)
+            if m is None:
+                continue
+            known_path = True
+            if route.method == method:
+                return route.handler, {k: unquote(v) for k, v in m.groupdict().items()}
+        return 405 if known_path else 404
+
+
+def _position_json(position: Position, partition: int) -> dict[str, int]:
+    return {
+        "ledgerId": position.ledger_id,
+        "entryId": position.entry_id,
+        "partitionIndex": partition,
+    }
+
+
+def _int_body(call: Call) -> int:
+    body = call.json_body()
+    if isinstance(body, dict):
+        body = body.get("partitions")
+    if isinstance(body, bool) or not isinstance(body, int):
+        raise precondition("expected the number of partitions")
+    return body
+
+
+def _sum_stats(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Aggregate per-partition topic stats as Pulsar's partitioned-stats does."""
+    out: dict[str, Any] = {"metadata": {"partitions": len(parts)}}
+    subs: dict[str, dict[str, Any]] = {}
+    publishers: list[Any] = []
+    for stats in parts.values():
+        for key, value in stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[key] = out.get(key, 0) + value
+        publishers.extend(stats.get("publishers", []))
+        for name, sub in stats.get("subscriptions", {}).items():
+            merged = subs.setdefault(name, {"consumers": [], "type": sub.get("type")})
+            for key, value in sub.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    merged[key] = merged.get(key, 0) + value
+            merged["consumers"].extend(sub.get("consumers", []))
+    if "msgInCounter" in out and out.get("msgInCounter"):
+        out["averageMsgSize"] = out.get("bytesInCounter", 0) / out["msgInCounter"]
+    out["publishers"] = publishers
+    out["subscriptions"] = subs
+    out["replication"] = {}
+    return out
+
+
+class AdminServer:
+    """The broker's HTTP service (module docstring)."""
+
+    def __init__(
+        self,
+        service: BrokerService,
+        policies: PolicyStore,
+        *,
+        urls: Callable[[], dict[str, str]],
+        clock: Any = None,
+    ) -> None:
+        """``urls`` returns the lookup answer's URLs (``brokerUrl``, ``httpUrl``, ...) once the
+        listeners are bound; it is asked on every lookup."""
+        self.service = service
+        self.policies = policies
+        self.urls = urls
+        self.clock = clock if clock is not None else service.reactor
+        self.router = Router()
+        self._register()
+
+    # -- twisted.web glue -----------------------------------------------------------------
+
+    def site(self) -> Site:
+        """The HTTP factory to bind."""
+        site = Site(_Root(self))
+        site.displayTracebacks = False
+        return site
+
+    def handle(self, request: Request) -> Deferred[Response]:
+        """Route a request; fire with its response (never fails)."""
+        return Deferred.fromCoroutine(self._handle(request))
+
+    async def _handle(self, request: Request) -> Response:
+        method = request.method.decode("ascii", "replace")
+        path = request.path.decode("utf-8", "replace")
+        try:
+            length = int(request.getHeader("content-length") or 0)
+        except ValueError:
+            length = 0
+        if length > MAX_BODY_BYTES:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        body = request.content.read(MAX_BODY_BYTES + 1) if request.content is not None else b""
+        if len(body) > MAX_BODY_BYTES:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        found = self.router.find(method, path)
+        if isinstance(found, int):
+            return _error(found, "Method Not Allowed" if found == 405 else "Not Found")
+        handler, params = found
+        raw_query = request.uri.partition(b"?")[2].decode("utf-8", "replace")
+        call = Call(method, path, params, parse_qs(raw_query, keep_blank_values=True), body)
+        try:
+            return await handler(call)
+        except AdminError as e:
+            return _error(e.status, e.reason)
+        except BrokerError as e:
+            for kind, status in _STATUS_OF:
+                if isinstance(e, kind):
+                    return _error(status, str(e))
+            return _error(500, str(e))
+        except Exception as e:
+            log.error(
+                "admin request failed",
+                exc_info=True,
+                extra=kv(method=method, path=path, error=str(e)),
+            )
+            return _error(500, f"{type(e).__name__}: {e}")
+
+    # -- routes ---------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        r = self.router.add
+        dom = "{domain:persistent|non-persistent}"
+        topic = f"/admin/v2/{dom}/{{tenant}}/{{ns}}/{{topic}}"
+        r("GET", "/admin/v2/brokers/health", self._health)
+        r("GET", "/admin/v2/brokers/ready", self._health)
+        r("GET", "/admin/v2/brokers/{cluster}", self._brokers)
+        r("GET", "/metrics", self._metrics)
+        r("GET", f"/lookup/v2/topic/{dom}/{{tenant}}/{{ns}}/{{topic}}", self._lookup)
+        r("GET", f"/lookup/v2/topic/{dom}/{{tenant}}/{{ns}}/{{topic}}/bundle", self._bundle)
+        # clusters
+        r("GET", "/admin/v2/clusters", self._clusters)
+        r("GET", "/admin/v2/clusters/{cluster}", self._get_cluster)
+        r("PUT", "/admin/v2/clusters/{cluster}", self._create_cluster)
+        r("POST", "/admin/v2/clusters/{cluster}", self._update_cluster)
+        r("DELETE", "/admin/v2/clusters/{cluster}", self._delete_cluster)
+        # tenants
+        r("GET", "/admin/v2/tenants", self._tenants)
+        r("GET", "/admin/v2/tenants/{tenant}", self._get_tenant)
+        r("PUT", "/admin/v2/tenants/{tenant}", self._create_tenant)
+        r("POST", "/admin/v2/tenants/{tenant}", self._update_tenant)
+        r("DELETE", "/admin/v2/tenants/{tenant}", self._delete_tenant)
+        # namespaces
+        r("GET", "/admin/v2/namespaces/{tenant}", self._namespaces)
+        r("GET", "/admin/v2/namespaces/{tenant}/{ns}", self._get_namespace)
+        r("PUT", "/admin/v2/namespaces/{tenant}/{ns}", self._create_namespace)
+        r("DELETE", "/admin/v2/namespaces/{tenant}/{ns}", self._delete_namespace)
+        r("GET", "/admin/v2/namespaces/{tenant}/{ns}/topics", self._namespace_topics)
+        fields = "|".join(NAMESPACE_POLICY_FIELDS)
+        policy = f"/admin/v2/namespaces/{{tenant}}/{{ns}}/{{field:{fields}}}"
+        r("GET", policy, self._get_policy)
+        r("POST", policy, self._set_policy)
+        r("PUT", policy, self._set_policy)
+        r("DELETE", policy, self._remove_policy)
+        # topics
+        r("GET", f"/admin/v2/{dom}/{{tenant}}/{{ns}}", self._list_topics)
+        r("GET", f"/admin/v2/{dom}/{{tenant}}/{{ns}}/partitioned", self._list_partitioned)
+        r("PUT", topic, self._create_topic)
+        r("DELETE", topic, self._delete_topic)
+        r("GET", f"{topic}/partitions", self._get_partitions)
+        r("PUT", f"{topic}/partitions", self._create_partitioned)
+        r("POST", f"{topic}/partitions", self._update_partitions)
+        r("DELETE", f"{topic}/partitions", self._delete_partitioned)
+        r("GET", f"{topic}/stats", self._stats)
+        r("GET", f"{topic}/partitioned-stats", self._partitioned_stats)
+        r("GET", f"{topic}/internalStats", self._internal_stats)
+        r("GET", f"{topic}/lastMessageId", self._last_message_id)
+        r("POST", f"{topic}/terminate", self._terminate)
+        r("PUT", f"{topic}/unload", self._unload)
+        r("GET", f"{topic}/subscriptions", self._subscriptions)
+        r("DELETE", f"{topic}/subscription/{{sub}}", self._delete_subscription)
+        r("POST", f"{topic}/subscription/{{sub}}/skip_all", self._skip_all)
+        r("POST", f"{topic}/subscription/{{sub}}/resetcursor/{{time:\\d+}}", self._reset_time)
+        r("POST", f"{topic}/subscription/{{sub}}/resetcursor", self._reset_position)
+
+    # -- broker ---------------------------------------------------------------------------
+
+    async def _health(self, call: Call) -> Response:
+        return Response.text("ok")
+
+    async def _brokers(self, call: Call) -> Response:
+        if call.params["cluster"] != self.policies.cluster:
+            raise not_found("Cluster does not exist")
+        http = self.urls().get("httpUrl", "")
+        return Response.json([http.removeprefix("http://")] if http else [])
+
+    async def _metrics(self, call: Call) -> Response:
+        text = render_metrics(self.service, self.policies.cluster)
+        return Response.text(text, "text/plain; version=0.0.4; charset=utf-8")
+
+    async def _lookup(self, call: Call) -> Response:
+        ref = self._topic(call)
+        await self._require_namespace(ref.namespace_name)
+        urls = self.urls()
+        answer = {
+            "brokerUrl": urls.get("brokerUrl", ""),
+            "brokerUrlTls": urls.get("brokerUrlTls", ""),
+            "httpUrl": urls.get("httpUrl", ""),
+            "httpUrlTls": urls.get("httpUrlTls", ""),
+            "nativeUrl": urls.get("brokerUrl", ""),
+        }
+        return Response.json(answer)
+
+    async def _bundle(self, call: Call) -> Response:
+        ref = self._topic(call)
+        await self._require_namespace(ref.namespace_name)
+        return Response.text("0x00000000_0xffffffff")
+
+    # -- clusters, tenants, namespaces ----------------------------------------------------
+
+    async def _clusters(self, call: Call) -> Response:
+        return Response.json(await self.policies.clusters())
+
+    async def _get_cluster(self, call: Call) -> Response:
+        return Response.json(await self.policies.get_cluster(call.params["cluster"]))
+
+    async def _create_cluster(self, call: Call) -> Response:
+        await self.policies.create_cluster(call.params["cluster"], _dict_body(call))
+        return Response()
+
+    async def _update_cluster(self, call: Call) -> Response:
+        await self.policies.update_cluster(call.params["cluster"], _dict_body(call))
+        return Response()
+
+    async def _delete_cluster(self, call: Call) -> Response:
+        await self.policies.delete_cluster(call.params["cluster"])
+        return Response()
+
+    async def _tenants(self, call: Call) -> Response:
+        return Response.json(await self.policies.tenants())
+
+    async def _get_tenant(self, call: Call) -> Response:
+        return Response.json(await self.policies.get_tenant(call.params["tenant"]))
+
+    async def _create_tenant(self, call: Call) -> Response:
+        await self.policies.create_tenant(call.params["tenant"], _dict_body(call))
+        return Response()
+
+    async def _update_tenant(self, call: Call) -> Response:
+        await self.policies.update_tenant(call.params["tenant"], _dict_body(call))
+        return Response()
+
+    async def _delete_tenant(self, call: Call) -> Response:
+        await self.policies.delete_tenant(call.params["tenant"])
+        return Response()
+
+    async def _namespaces(self, call: Call) -> Response:
+        return Response.json(await self.policies.namespaces(call.params["tenant"]))
+
+    @staticmethod
+    def _namespace(call: Call) -> str:
+        return f"{call.params['tenant']}/{call.params['ns']}"
+
+    async def _require_namespace(self, namespace: str) -> None:
+        if not await self.policies.namespace_exists(namespace):
+            raise not_found("Namespace does not exist")
+
+    async def _get_namespace(self, call: Call) -> Response:
+        return Response.json(await self.policies.get_policies(self._namespace(call)))
+
+    async def _create_namespace(self, call: Call) -> Response:
+        await self.policies.create_namespace(self._namespace(call), _dict_body(call))
+        return Response()
+
+    async def _delete_namespace(self, call: Call) -> Response:
+        namespace = self._namespace(call)
+        await self.policies.get_policies(namespace)
+        topics = await self.service.topics_of_namespace(namespace, TopicListMode.ALL)
+        partitioned = await self._partitioned_names(namespace, "persistent")
+        partitioned += await self._partitioned_names(namespace, "non-persistent")
+        if (topics or partitioned) and not call.flag("force"):
+            raise AdminError(409, "Cannot delete non empty namespace")
+        for name in partitioned:
+            await self.service.delete_partitioned_topic(name, force=True)
+        for name in topics:
+            with contextlib.suppress(TopicNotFoundError):
+                await self.service.delete_topic(name, force=True)
+        await self.policies.delete_namespace(namespace)
+        return Response()
+
+    async def _namespace_topics(self, call: Call) -> Response:
+        namespace = self._namespace(call)
+        await self._require_namespace(namespace)
+        raw = (call.query.get("mode") or ["PERSISTENT"])[-1].upper()
+        try:
+            mode = TopicListMode(raw)
+        except ValueError:
+            raise precondition(f"invalid mode {raw!r}") from None
+        return Response.json(await self.service.topics_of_namespace(namespace, mode))
+
+    async def _get_policy(self, call: Call) -> Response:
+        policies = await self.policies.get_policies(self._namespace(call))
+        value = policies.get(NAMESPACE_POLICY_FIELDS[call.params["field"]])
+        if value is None:
+            # Pulsar answers 204 with no body for a policy that was never set.
+            return Response()
+        return Response.json(value)
+
+    async def _set_policy(self, call: Call) -> Response:
+        field_name = call.params["field"]
+        value = call.json_body()
+        if value is None:
+            raise precondition(f"{field_name}: a value is required")
+        if field_name == "deduplication" and not isinstance(value, bool):
+            raise precondition("deduplication: expected true or false")
+        namespace = self._namespace(call)
+        await self.policies.update_policies(namespace, {NAMESPACE_POLICY_FIELDS[field_name]: value})
+        if field_name == "deduplication":
+            await self._apply_deduplication(namespace)
+        return Response()
+
+    async def _remove_policy(self, call: Call) -> Response:
+        namespace = self._namespace(call)
+        key = NAMESPACE_POLICY_FIELDS[call.params["field"]]
+        await self.policies.update_policies(namespace, {key: None})
+        if call.params["field"] == "deduplication":
+            await self._apply_deduplication(namespace)
+        return Response()
+
+    async def _apply_deduplication(self, namespace: str) -> None:
+        """Switch the loaded topics of ``namespace`` to its (new) deduplication setting."""
+        prefix = f"persistent://{namespace}/"
+        for name, topic in list(self.service.topics.items()):
+            setter = getattr(topic, "set_deduplication", None)
+            if not name.startswith(prefix) or setter is None:
+                continue
+            chosen = self.policies.deduplication_of(name)
+            if chosen is None:
+                chosen = bool(
+                    self.service.config and self.service.config["brokerDeduplicationEnabled"]
+                )
+            await setter(chosen)
+
+    # -- topics ---------------------------------------------------------------------------
+
+    def _topic(self, call: Call) -> TopicRef:
+        p = call.params
+        try:
+            return TopicRef.parse(f"{p['domain']}://{p['tenant']}/{p['ns']}/{p['topic']}")
+        except InvalidTopicNameError as e:
+            raise precondition(str(e)) from None
+
+    async def _partitioned_names(self, namespace: str, domain: str) -> list[str]:
+        root = f"{PARTITIONED_ROOT}/{namespace}/{domain}"
+        return [
+            f"{domain}://{namespace}/{unquote(child)}"
+            for child in await self.service.metadata_store.children(root)
+        ]
+
+    async def _partitions_of(self, ref: TopicRef) -> int:
+        return await self.service.partitioned_topic_metadata(ref.full)
+
+    async def _targets(self, ref: TopicRef) -> list[str]:
+        """The topics an operation on ``ref`` touches: its partitions, or itself."""
+        partitions = await self._partitions_of(ref)
+        if partitions:
+            return [ref.partition(i).full for i in range(partitions)]
+        return [ref.full]
+
+    async def _list_topics(self, call: Call) -> Response:
+        namespace = self._namespace(call)
+        await self._require_namespace(namespace)
+        mode = (
+            TopicListMode.PERSISTENT
+            if call.params["domain"] == "persistent"
+            else TopicListMode.NON_PERSISTENT
+        )
+        return Response.json(await self.service.topics_of_namespace(namespace, mode))
+
+    async def _list_partitioned(self, call: Call) -> Response:
+        namespace = self._namespace(call)
+        await self._require_namespace(namespace)
+        return Response.json(
+            sorted(await self._partitioned_names(namespace, call.params["domain"]))
+        )
+
+    async def _create_topic(self, call: Call) -> Response:
+        ref = self._topic(call)
+        await self._require_namespace(ref.namespace_name)
+        if await self._partitions_of(ref):
+            raise AdminError(409, "This topic already exists (as a partitioned topic)")
+        if ref.full in self.service.topics or (
+            ref.persistent and await self.service.ledger_factory.exists(ref.managed_ledger_name)
+        ):
+            raise AdminError(409, "This topic already exists")
+        await self.service.get_topic(ref.full, create=True)
+        return Response()
+
+    async def _delete_topic(self, call: Call) -> Response:
+        ref = self._topic(call)
+        if await self._partitions_of(ref):
+            raise precondition(f"{ref.full} is a partitioned topic: delete .../partitions")
+        await self.service.delete_topic(ref.full, force=call.flag("force"))
+        return Response()
+
+    async def _get_partitions(self, call: Call) -> Response:
+        ref = self._topic(call)
+        create = call.flag("checkAllowAutoCreation")
+        if create:
+            await self._require_namespace(ref.namespace_name)
+        n = await self.service.partitioned_topic_metadata(ref.full, create=create)
+        return Response.json({"partitions": n})
+
+    async def _create_partitioned(self, call: Call) -> Response:
+        ref = self._topic(call)
+        partitions = _int_body(call)
+        await self._require_namespace(ref.namespace_name)
+        await self.service.create_partitioned_topic(ref.full, partitions)
+        return Response()
+
+    async def _update_partitions(self, call: Call) -> Response:
+        ref = self._topic(call)
+        await self.service.update_partitioned_topic(ref.full, _int_body(call))
+        return Response()
+
+    async def _delete_partitioned(self, call: Call) -> Response:
+        ref = self._topic(call)
+        await self.service.delete_partitioned_topic(ref.full, force=call.flag("force"))
+        return Response()
+
+    async def _stats(self, call: Call) -> Response:
+        ref = self._topic(call)
+        return Response.json(await self.service.stats(ref.full))
+
+    async def _partitioned_stats(self, call: Call) -> Response:
+        ref = self._topic(call)
+        partitions = await self._partitions_of(ref)
+        if not partitions:
+            raise not_found(f"partitioned topic {ref.full} does not exist")
+        parts: dict[str, dict[str, Any]] = {}
+        for i in range(partitions):
+            name = ref.partition(i).full
+            try:
+                parts[name] = await self.service.stats(name)
+            except TopicNotFoundError:
+                continue
+        out = _sum_stats(parts)
+        out["metadata"] = {"partitions": partitions}
+        if call.flag("perPartition", True):
+            out["partitions"] = parts
+        return Response.json(out)
+
+    async def _internal_stats(self, call: Call) -> Response:
+        ref = self._topic(call)
+        return Response.json(await self.service.internal_stats(ref.full))
+
+    async def _last_message_id(self, call: Call) -> Response:
+        ref = self._topic(call)
+        last = await self.service.last_message_id(ref.full)
+        out = _position_json(last.position, ref.partition_index)
+        if last.num_messages > 1:
+            out["batchIndex"] = last.batch_index
+        return Response.json(out)
+
+    async def _terminate(self, call: Call) -> Response:
+        ref = self._topic(call)
+        position = await self.service.terminate_topic(ref.full)
+        return Response.json(_position_json(position, ref.partition_index))
+
+    async def _unload(self, call: Call) -> Response:
+        ref = self._topic(call)
+        for name in await self._targets(ref):
+            await self.service.unload_topic(name)
+        return Response()
+
+    async def _subscriptions(self, call: Call) -> Response:
+        ref = self._topic(call)
+        names: set[str] = set()
+        for name in await self._targets(ref):
+            topic = await self.service.get_topic(name, create=False)
+            names.update(topic.subscriptions)
+        return Response.json(sorted(names))
+
+    async def _each_subscription(self, call: Call) -> list[Any]:
+        """The named subscription on the topic (or on each partition that has it)."""
+        ref = self._topic(call)
+        sub_name = call.params["sub"]
+        found = []
+        for name in await self._targets(ref):
+            topic = await self.service.get_topic(name, create=False)
+            sub = topic.subscriptions.get(sub_name)
+            if sub is not None:
+                found.append(sub)
+        if not found:
+            raise not_found("Subscription not found")
+        return found
+
+    async def _delete_subscription(self, call: Call) -> Response:
+        for sub in await self._each_subscription(call):
+            await sub.delete(call.flag("force"))
+        return Response()
+
+    async def _skip_all(self, call: Call) -> Response:
+        for sub in await self._each_subscription(call):
+            await sub.seek(InitialPosition.LATEST)
+        return Response()
+
+    async def _reset_time(self, call: Call) -> Response:
+        timestamp = int(call.params["time"])
+        for sub in await self._each_subscription(call):
+            await sub.seek_time(timestamp)
+        return Response()
+
+    async def _reset_position(self, call: Call) -> Response:
+        body = call.json_body()
+        if not isinstance(body, dict) or not all(
+            isinstance(body.get(k), int) for k in ("ledgerId", "entryId")
+        ):
+            raise precondition("expected a MessageId body {ledgerId, entryId}")
+        position = Position(body["ledgerId"], body["entryId"])
+        subs = await self._each_subscription(call)
+        if len(subs) > 1:
+            raise precondition("reset by message id needs a partition, not a partitioned topic")
+        await subs[0].seek(position)
+        return Response()
+
+
+def _dict_body(call: Call) -> dict[str, Any]:
+    body = call.json_body({})
+    if not isinstance(body, dict):
+        raise AdminError(400, "expected a JSON object")
+    return body
+
+
+def _error(status: int, reason: str) -> Response:
+    return Response.json({"reason": reason}, status)
+
+
+class _Root(Resource):
+    """Hands every request to the router (one leaf resource, no resource tree)."""
+
+    isLeaf = True
+
+    def __init__(self, server: AdminServer) -> None:
+        super().__init__()
+        self.server = server
+
+    def render(self, request: Request) -> int:
+        d = self.server.handle(request)
+
+        def send(response: Response) -> None:
+            if request.finished or request._disconnected:
+                return
+            request.setResponseCode(response.status)
+            if response.body or response.status != 204:
+                request.setHeader(b"content-type", response.content_type.encode())
+            request.write(response.body)
+            request.finish()
+
+        def broken(f: Failure) -> None:
+            log.error("admin response failed", extra=kv(error=f.getErrorMessage()))
+
+        d.addCallback(send).addErrback(broken)
+        return NOT_DONE_YET

@@ -1,0 +1,287 @@
+"""Clusters, tenants and namespaces (with their policies), kept in the metadata store.
+
+Layout (Pulsar's): ``/admin/clusters/<cluster>`` holds ClusterData JSON,
+``/admin/policies/<tenant>`` TenantInfo JSON and ``/admin/policies/<tenant>/<ns>`` the
+namespace's Policies JSON. A tenant's namespaces are its node's children, so a tenant with
+namespaces cannot be deleted by accident (the store refuses to delete a node with children).
+
+The store is the truth; this class keeps a cache of namespace policies, filled by ``load`` and
+updated by every write through it, because the Broker API asks synchronously whether a
+topic's namespace deduplicates (``deduplication_of``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from twisted.internet.defer import Deferred
+
+from polybroker.metadata.api import BadVersionError, MetadataStore, NotEmptyError, NotFoundError
+
+CLUSTERS_ROOT = "/admin/clusters"
+POLICIES_ROOT = "/admin/policies"
+
+_NAME_RE = re.compile(r"^[-=:.\w]+$")
+
+
+class AdminError(Exception):
+    """An admin operation refused, with Pulsar's HTTP status for it."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def not_found(reason: str) -> AdminError:
+    return AdminError(404, reason)
+
+
+def conflict(reason: str) -> AdminError:
+    return AdminError(409, reason)
+
+
+def precondition(reason: str) -> AdminError:
+    return AdminError(412, reason)
+
+
+def check_name(kind: str, name: str) -> None:
+    """Raise a 412 ``AdminError`` for a name Pulsar would not accept."""
+    if not name or not _NAME_RE.match(name):
+        raise precondition(f"{kind} name is not valid: {name!r}")
+
+
+def default_policies(cluster: str) -> dict[str, Any]:
+    """The Policies of a namespace created with no body."""
+    return {
+        "bundles": {"boundaries": ["0x00000000", "0xffffffff"], "numBundles": 1},
+        "replication_clusters": [cluster],
+        "auth_policies": {
+            "namespace_auth": {},
+            "destination_auth": {},
+            "subscription_auth_roles": {},
+        },
+        "deleted": False,
+        "schema_compatibility_strategy": "UNDEFINED",
+        "is_allow_auto_update_schema": True,
+        "schema_validation_enforced": False,
+    }
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True).encode()
+
+
+def _load(raw: bytes) -> Any:
+    return json.loads(raw) if raw else {}
+
+
+class PolicyStore:
+    """Clusters, tenants and namespaces in the metadata store (module docstring)."""
+
+    def __init__(self, store: MetadataStore, cluster: str) -> None:
+        self.store = store
+        self.cluster = cluster
+        self._namespaces: dict[str, dict[str, Any]] = {}
+
+    def load(self) -> Deferred[None]:
+        """Read every namespace's policies into the cache."""
+        return Deferred.fromCoroutine(self._load_all())
+
+    async def _load_all(self) -> None:
+        cache: dict[str, dict[str, Any]] = {}
+        for tenant in await self.store.children(POLICIES_ROOT):
+            for ns in await self.store.children(f"{POLICIES_ROOT}/{tenant}"):
+                found = await self.store.get(f"{POLICIES_ROOT}/{tenant}/{ns}")
+                if found is not None:
+                    cache[f"{tenant}/{ns}"] = _load(found.value)
+        self._namespaces = cache
+
+    # -- hooks for the Broker API ---------------------------------------------------------
+
+    def namespace_exists(self, namespace: str) -> Deferred[bool]:
+        """Whether ``tenant/ns`` exists (asks the store when the cache does not know it)."""
+        return Deferred.fromCoroutine(self._namespace_exists(namespace))
+
+    async def _namespace_exists(self, namespace: str) -> bool:
+        if namespace in self._namespaces:
+            return True
+        found = await self.store.get(f"{POLICIES_ROOT}/{namespace}")
+        if found is None or "/" not in namespace:
+            return False
+        self._namespaces[namespace] = _load(found.value)
+        return True
+
+    def deduplication_of(self, topic: str) -> bool | None:
+        """The namespace's deduplication setting for a full topic name (None: not set)."""
+        rest = topic.partition("://")[2]
+        namespace = "/".join(rest.split("/")[:2])
+        policies = self._namespaces.get(namespace)
+        if policies is None:
+            return None
+        value = policies.get("deduplicationEnabled")
+        return None if value is None else bool(value)
+
+    # -- clusters -------------------------------------------------------------------------
+
+    async def clusters(self) -> list[str]:
+        return await self.store.children(CLUSTERS_ROOT)
+
+    async def get_cluster(self, name: str) -> dict[str, Any]:
+        found = await self.store.get(f"{CLUSTERS_ROOT}/{name}")
+        if found is None:
+            raise not_found("Cluster does not exist")
+        return dict(_load(found.value))
+
+    async def create_cluster(self, name: str, data: dict[str, Any]) -> None:
+        check_name("Cluster", name)
+        try:
+            await self.store.put(f"{CLUSTERS_ROOT}/{name}", _dump(data), -1)
+        except BadVersionError:
+            raise conflict("Cluster already exists") from None
+
+    async def update_cluster(self, name: str, data: dict[str, Any]) -> None:
+        found = await self.store.get(f"{CLUSTERS_ROOT}/{name}")
+        if found is None:
+            raise not_found("Cluster does not exist")
+        await self.store.put(f"{CLUSTERS_ROOT}/{name}", _dump(data), found.stat.version)
+
+    async def delete_cluster(self, name: str) -> None:
+        for tenant in await self.tenants():
+            info = await self.get_tenant(tenant)
+            if name in info.get("allowedClusters", []):
+                raise precondition(f"Cluster not empty: tenant {tenant} uses it")
+        try:
+            await self.store.delete(f"{CLUSTERS_ROOT}/{name}")
+        except NotFoundError:
+            raise not_found("Cluster does not exist") from None
+
+    # -- tenants --------------------------------------------------------------------------
+
+    async def tenants(self) -> list[str]:
+        return await self.store.children(POLICIES_ROOT)
+
+    async def get_tenant(self, name: str) -> dict[str, Any]:
+        found = await self.store.get(f"{POLICIES_ROOT}/{name}")
+        if found is None:
+            raise not_found("Tenant does not exist")
+        info = dict(_load(found.value))
+        info.setdefault("adminRoles", [])
+        info.setdefault("allowedClusters", [])
+        return info
+
+    async def _check_clusters(self, info: dict[str, Any]) -> None:
+        known = set(await self.clusters())
+        for cluster in info.get("allowedClusters", []) or []:
+            if cluster not in known:
+                raise precondition(f"Clusters do not exist: {cluster}")
+
+    async def create_tenant(self, name: str, info: dict[str, Any]) -> None:
+        check_name("Tenant", name)
+        info = {
+            "adminRoles": list(info.get("adminRoles") or []),
+            "allowedClusters": list(info.get("allowedClusters") or []),
+        }
+        await self._check_clusters(info)
+        try:
+            await self.store.put(f"{POLICIES_ROOT}/{name}", _dump(info), -1)
+        except BadVersionError:
+            raise conflict("Tenant already exists") from None
+
+    async def update_tenant(self, name: str, info: dict[str, Any]) -> None:
+        found = await self.store.get(f"{POLICIES_ROOT}/{name}")
+        if found is None:
+            raise not_found("Tenant does not exist")
+        await self._check_clusters(info)
+        await self.store.put(f"{POLICIES_ROOT}/{name}", _dump(info), found.stat.version)
+
+    async def delete_tenant(self, name: str) -> None:
+        if await self.store.get(f"{POLICIES_ROOT}/{name}") is None:
+            raise not_found("Tenant does not exist")
+        try:
+            await self.store.delete(f"{POLICIES_ROOT}/{name}")
+        except NotEmptyError:
+            raise conflict("The tenant still has active namespaces") from None
+        except NotFoundError:
+            raise not_found("Tenant does not exist") from None
+
+    # -- namespaces -----------------------------------------------------------------------
+
+    async def namespaces(self, tenant: str) -> list[str]:
+        if await self.store.get(f"{POLICIES_ROOT}/{tenant}") is None:
+            raise not_found("Tenant does not exist")
+        return [f"{tenant}/{ns}" for ns in await self.store.children(f"{POLICIES_ROOT}/{tenant}")]
+
+    async def get_policies(self, namespace: str) -> dict[str, Any]:
+        found = await self.store.get(f"{POLICIES_ROOT}/{namespace}")
+        if found is None:
+            raise not_found("Namespace does not exist")
+        policies = dict(_load(found.value))
+        self._namespaces[namespace] = policies
+        return policies
+
+    async def create_namespace(self, namespace: str, policies: dict[str, Any] | None) -> None:
+        tenant, _, ns = namespace.partition("/")
+        check_name("Namespace", ns)
+        if await self.store.get(f"{POLICIES_ROOT}/{tenant}") is None:
+            raise not_found("Tenant does not exist")
+        merged = default_policies(self.cluster)
+        merged.update(policies or {})
+        try:
+            await self.store.put(f"{POLICIES_ROOT}/{namespace}", _dump(merged), -1)
+        except BadVersionError:
+            raise conflict("Namespace already exists") from None
+        self._namespaces[namespace] = merged
+
+    async def update_policies(self, namespace: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply ``changes`` (None values remove a key) with compare-and-set; retry on races."""
+        path = f"{POLICIES_ROOT}/{namespace}"
+        while True:
+            found = await self.store.get(path)
+            if found is None:
+                raise not_found("Namespace does not exist")
+            policies = dict(_load(found.value))
+            for key, value in changes.items():
+                if value is None:
+                    policies.pop(key, None)
+                else:
+                    policies[key] = value
+            try:
+                await self.store.put(path, _dump(policies), found.stat.version)
+            except BadVersionError:
+                continue
+            self._namespaces[namespace] = policies
+            return policies
+
+    async def delete_namespace(self, namespace: str) -> None:
+        try:
+            await self.store.delete(f"{POLICIES_ROOT}/{namespace}")
+        except NotFoundError:
+            raise not_found("Namespace does not exist") from None
+        finally:
+            self._namespaces.pop(namespace, None)
+
+    # -- first start ----------------------------------------------------------------------
+
+    def ensure_defaults(
+        self, cluster_data: dict[str, Any], tenant: str = "public", namespace: str = "default"
+    ) -> Deferred[None]:
+        """Create this cluster, the tenant and its namespace unless they exist (idempotent)."""
+        return Deferred.fromCoroutine(self._ensure_defaults(cluster_data, tenant, namespace))
+
+    async def _ensure_defaults(
+        self, cluster_data: dict[str, Any], tenant: str, namespace: str
+    ) -> None:
+        for create in (
+            lambda: self.create_cluster(self.cluster, cluster_data),
+            lambda: self.create_tenant(tenant, {"allowedClusters": [self.cluster]}),
+            lambda: self.create_namespace(f"{tenant}/{namespace}", None),
+        ):
+            try:
+                await create()
+            except AdminError as e:
+                if e.status != 409:
+                    raise
+        await self._load_all()

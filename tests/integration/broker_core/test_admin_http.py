@@ -1,0 +1,268 @@
+"""The broker's HTTP service over real loopback HTTP: health, metrics, lookup and admin v2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest_twisted
+
+sys.path.insert(0, str(Path(__file__).parent.parent.parent / "unit" / "broker_core"))
+
+from fake_ledger import RecordingConsumer
+
+from polybroker.broker_core.consumer import SubType
+from polybroker.ledger.api import InitialPosition
+
+Admin = Any  # the fixture of this folder's conftest.py
+
+T = "/admin/v2/persistent/public/default"
+
+
+@pytest_twisted.ensureDeferred
+async def test_health_answers_ok(admin: Admin) -> None:
+    """GET /admin/v2/brokers/health answers 200 with the body ok."""
+    reply = await admin.request("GET", "/admin/v2/brokers/health")
+    assert (reply.status, reply.body) == (200, b"ok")
+
+
+@pytest_twisted.ensureDeferred
+async def test_unknown_path_and_method(admin: Admin) -> None:
+    """An unknown path is 404 and a known path with another method 405, both with a reason."""
+    missing = await admin.request("GET", "/admin/v2/nothing/here")
+    assert missing.status == 404
+    assert "reason" in missing.json()
+    wrong = await admin.request("DELETE", "/admin/v2/brokers/health")
+    assert wrong.status == 405
+
+
+@pytest_twisted.ensureDeferred
+async def test_defaults_exist(admin: Admin) -> None:
+    """Cluster standalone, tenant public and namespace public/default are listed."""
+    assert (await admin.request("GET", "/admin/v2/clusters")).json() == ["standalone"]
+    assert (await admin.request("GET", "/admin/v2/tenants")).json() == ["public"]
+    assert (await admin.request("GET", "/admin/v2/namespaces/public")).json() == ["public/default"]
+    tenant = (await admin.request("GET", "/admin/v2/tenants/public")).json()
+    assert tenant["allowedClusters"] == ["standalone"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_tenant_lifecycle_and_status_codes(admin: Admin) -> None:
+    """Create answers 204, a second create 409, a tenant with namespaces refuses delete (409)."""
+    body = {"adminRoles": [], "allowedClusters": ["standalone"]}
+    assert (await admin.request("PUT", "/admin/v2/tenants/acme", body)).status == 204
+    again = await admin.request("PUT", "/admin/v2/tenants/acme", body)
+    assert again.status == 409
+    assert again.json()["reason"] == "Tenant already exists"
+    bad = await admin.request("PUT", "/admin/v2/tenants/other", {"allowedClusters": ["nowhere"]})
+    assert bad.status == 412
+    assert (await admin.request("PUT", "/admin/v2/namespaces/acme/orders")).status == 204
+    assert (await admin.request("PUT", "/admin/v2/namespaces/acme/orders")).status == 409
+    busy = await admin.request("DELETE", "/admin/v2/tenants/acme")
+    assert busy.status == 409
+    assert (await admin.request("DELETE", "/admin/v2/namespaces/acme/orders")).status == 204
+    assert (await admin.request("DELETE", "/admin/v2/tenants/acme")).status == 204
+    assert (await admin.request("GET", "/admin/v2/tenants/acme")).status == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_namespace_in_unknown_tenant_is_404(admin: Admin) -> None:
+    """A namespace cannot be created in a tenant that does not exist."""
+    reply = await admin.request("PUT", "/admin/v2/namespaces/ghost/ns")
+    assert reply.status == 404
+    assert reply.json()["reason"] == "Tenant does not exist"
+
+
+@pytest_twisted.ensureDeferred
+async def test_namespace_policies_and_deduplication(admin: Admin) -> None:
+    """Policies read back; deduplication set over HTTP reaches the Broker API's hook."""
+    policies = (await admin.request("GET", "/admin/v2/namespaces/public/default")).json()
+    assert policies["replication_clusters"] == ["standalone"]
+    path = "/admin/v2/namespaces/public/default/deduplication"
+    assert (await admin.request("POST", path, True)).status == 204
+    assert (await admin.request("GET", path)).json() is True
+    assert admin.service.deduplication_policy("persistent://public/default/t") is True
+    strategy = "/admin/v2/namespaces/public/default/schemaCompatibilityStrategy"
+    assert (await admin.request("PUT", strategy, "FORWARD")).status == 204
+    assert (await admin.request("GET", strategy)).json() == "FORWARD"
+    assert (await admin.request("POST", path, "maybe")).status == 412
+
+
+@pytest_twisted.ensureDeferred
+async def test_topics_only_in_existing_namespaces(admin: Admin) -> None:
+    """The namespace-existence hook keeps the Broker API from creating topics elsewhere."""
+    reply = await admin.request("PUT", "/admin/v2/persistent/nowhere/ns/t")
+    assert reply.status == 404
+    d = admin.service.get_topic("persistent://nowhere/ns/t")
+    failures: list[Any] = []
+    d.addErrback(failures.append)
+    await d
+    assert failures
+    assert "does not exist" in failures[0].getErrorMessage()
+
+
+@pytest_twisted.ensureDeferred
+async def test_non_partitioned_topic_lifecycle(admin: Admin) -> None:
+    """Create 204 then 409, list, stats, internal stats, delete 204 then 404."""
+    assert (await admin.request("PUT", f"{T}/orders")).status == 204
+    assert (await admin.request("PUT", f"{T}/orders")).status == 409
+    listed = (await admin.request("GET", T)).json()
+    assert listed == ["persistent://public/default/orders"]
+    await admin.service.publish("persistent://public/default/orders", b"x" * 10)
+    stats = (await admin.request("GET", f"{T}/orders/stats")).json()
+    assert stats["msgInCounter"] == 1
+    assert stats["storageSize"] > 0
+    internal = (await admin.request("GET", f"{T}/orders/internalStats")).json()
+    assert internal["entriesAddedCounter"] == 1
+    last = (await admin.request("GET", f"{T}/orders/lastMessageId")).json()
+    assert last["entryId"] == 0
+    assert last["partitionIndex"] == -1
+    assert (await admin.request("DELETE", f"{T}/orders")).status == 204
+    assert (await admin.request("DELETE", f"{T}/orders")).status == 404
+    assert (await admin.request("GET", f"{T}/orders/stats")).status == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_partitioned_topic_lifecycle(admin: Admin) -> None:
+    """PUT partitions with a bare number, read it, grow it, 409 on re-create, delete."""
+    assert (await admin.request("PUT", f"{T}/p/partitions", 3)).status == 204
+    assert (await admin.request("PUT", f"{T}/p/partitions", 3)).status == 409
+    assert (await admin.request("GET", f"{T}/p/partitions")).json() == {"partitions": 3}
+    assert (await admin.request("GET", f"{T}/partitioned")).json() == [
+        "persistent://public/default/p"
+    ]
+    assert (await admin.request("POST", f"{T}/p/partitions", 4)).status == 204
+    shrink = await admin.request("POST", f"{T}/p/partitions", 2)
+    assert shrink.status == 412
+    topics = (await admin.request("GET", "/admin/v2/namespaces/public/default/topics")).json()
+    assert topics == [f"persistent://public/default/p-partition-{i}" for i in range(4)]
+    await admin.service.publish("persistent://public/default/p-partition-1", b"one")
+    stats = (await admin.request("GET", f"{T}/p/partitioned-stats")).json()
+    assert stats["msgInCounter"] == 1
+    assert stats["metadata"] == {"partitions": 4}
+    assert (await admin.request("DELETE", f"{T}/p/partitions")).status == 204
+    assert (await admin.request("GET", f"{T}/p/partitions")).json() == {"partitions": 0}
+
+
+@pytest_twisted.ensureDeferred
+async def test_partitions_of_unknown_topic_and_metadata_body(admin: Admin) -> None:
+    """An unknown topic has 0 partitions; the partitioned-metadata body form is accepted."""
+    assert (await admin.request("GET", f"{T}/none/partitions")).json() == {"partitions": 0}
+    body = {"partitions": 2, "properties": {}}
+    assert (await admin.request("PUT", f"{T}/q/partitions", body)).status == 204
+    assert (await admin.request("GET", f"{T}/q/partitions")).json() == {"partitions": 2}
+    assert (await admin.request("PUT", f"{T}/r/partitions", "x")).status == 412
+    assert (await admin.request("PUT", f"{T}/r/partitions", raw=b"{nope")).status == 400
+
+
+@pytest_twisted.ensureDeferred
+async def test_auto_created_partitioned_topic_through_lookup_metadata(
+    admin_factory: Any,
+) -> None:
+    """checkAllowAutoCreation creates a partitioned topic when the broker is configured so."""
+    fx = await admin_factory(
+        {"allowAutoTopicCreationType": "partitioned", "defaultNumPartitions": 2}
+    )
+    reply = await fx.request("GET", f"{T}/auto/partitions?checkAllowAutoCreation=true")
+    assert reply.json() == {"partitions": 2}
+
+
+@pytest_twisted.ensureDeferred
+async def test_lookup_answers_like_pulsar(admin: Admin) -> None:
+    """Lookup gives the broker's URLs; an unknown namespace is 404."""
+    reply = await admin.request("GET", "/lookup/v2/topic/persistent/public/default/t")
+    data = reply.json()
+    assert data["brokerUrl"] == "pulsar://127.0.0.1:6650"
+    assert data["nativeUrl"] == "pulsar://127.0.0.1:6650"
+    assert data["httpUrl"] == f"http://127.0.0.1:{admin.port}"
+    assert "brokerUrlTls" in data
+    missing = await admin.request("GET", "/lookup/v2/topic/persistent/nope/default/t")
+    assert missing.status == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_subscriptions_skip_reset_and_delete(admin: Admin) -> None:
+    """Subscriptions list, clear their backlog, reset by time and id, delete (412 when busy)."""
+    name = "persistent://public/default/subs"
+    for i in range(3):
+        await admin.service.publish(name, f"m{i}".encode())
+    consumer = RecordingConsumer()
+    server_consumer = await admin.service.subscribe(
+        name, "s1", consumer, SubType.EXCLUSIVE, InitialPosition.EARLIEST
+    )
+    assert (await admin.request("GET", f"{T}/subs/subscriptions")).json() == ["s1"]
+
+    def backlog(stats: dict[str, Any]) -> int:
+        return int(stats["subscriptions"]["s1"]["msgBacklog"])
+
+    assert backlog((await admin.request("GET", f"{T}/subs/stats")).json()) == 3
+    busy = await admin.request("DELETE", f"{T}/subs/subscription/s1")
+    assert busy.status == 412
+    assert (await admin.request("POST", f"{T}/subs/subscription/s1/skip_all")).status == 204
+    assert backlog((await admin.request("GET", f"{T}/subs/stats")).json()) == 0
+    assert consumer.disconnects == 1
+    await admin.service.topics[name].subscriptions["s1"].remove_consumer(server_consumer)
+    reset = await admin.request("POST", f"{T}/subs/subscription/s1/resetcursor/0")
+    assert reset.status == 204
+    assert backlog((await admin.request("GET", f"{T}/subs/stats")).json()) == 3
+    msg_id = {"ledgerId": 0, "entryId": 2}
+    last = (await admin.request("GET", f"{T}/subs/lastMessageId")).json()
+    msg_id["ledgerId"] = last["ledgerId"]
+    by_id = await admin.request("POST", f"{T}/subs/subscription/s1/resetcursor", msg_id)
+    assert by_id.status == 204
+    assert backlog((await admin.request("GET", f"{T}/subs/stats")).json()) == 1
+    assert (await admin.request("DELETE", f"{T}/subs/subscription/s1")).status == 204
+    gone = await admin.request("DELETE", f"{T}/subs/subscription/s1")
+    assert gone.status == 404
+    assert (await admin.request("GET", f"{T}/subs/subscriptions")).json() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_terminate_and_unload(admin: Admin) -> None:
+    """Terminate returns the last message id and refuses later publishes; unload is 204."""
+    name = "persistent://public/default/term"
+    await admin.service.publish(name, b"a")
+    reply = await admin.request("POST", f"{T}/term/terminate")
+    assert reply.status == 200
+    assert reply.json()["entryId"] == 0
+    assert (await admin.request("GET", f"{T}/term/stats")).json()["isTerminated"] is True
+    assert (await admin.request("PUT", f"{T}/term/unload")).status == 204
+    assert name not in admin.service.topics
+
+
+@pytest_twisted.ensureDeferred
+async def test_delete_namespace_with_topics(admin: Admin) -> None:
+    """A namespace with topics refuses delete (409) unless forced."""
+    assert (await admin.request("PUT", "/admin/v2/namespaces/public/tmp")).status == 204
+    await admin.service.publish("persistent://public/tmp/t", b"a")
+    assert (await admin.request("DELETE", "/admin/v2/namespaces/public/tmp")).status == 409
+    forced = await admin.request("DELETE", "/admin/v2/namespaces/public/tmp?force=true")
+    assert forced.status == 204
+    assert (await admin.request("GET", "/admin/v2/namespaces/public")).json() == ["public/default"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_in_prometheus_format(admin: Admin) -> None:
+    """/metrics lists per-topic counters and broker totals in Prometheus text format."""
+    await admin.service.publish("persistent://public/default/m", b"12345")
+    await admin.service.publish("persistent://public/default/m", b"12345")
+    reply = await admin.request("GET", "/metrics")
+    assert reply.status == 200
+    assert reply.content_type.startswith("text/plain; version=0.0.4")
+    lines = reply.body.decode().splitlines()
+    labels = 'cluster="standalone",namespace="public/default",topic="persistent://public/default/m"'
+    assert f"pulsar_in_messages_total{{{labels}}} 2" in lines
+    assert f"pulsar_in_bytes_total{{{labels}}} 10" in lines
+    assert 'pulsar_broker_topics_count{cluster="standalone"} 1' in lines
+    assert "# TYPE pulsar_in_messages_total counter" in lines
+    for line in lines:
+        assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_oversize_body_is_refused(admin: Admin) -> None:
+    """A body over the limit gets 413 and the server keeps serving."""
+    reply = await admin.request("PUT", "/admin/v2/tenants/big", raw=b"x" * (2 * 1024 * 1024))
+    assert reply.status == 413
+    assert (await admin.request("GET", "/admin/v2/brokers/health")).status == 200
