@@ -31,8 +31,31 @@ def _add_bookie(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(run=run)
 
 
+def _add_standalone(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("standalone", help="run metadata store, bookie and broker in one process")
+    p.add_argument("--data-dir", default=None, help="where data lives (dataDir; ./data)")
+    p.add_argument("--bind", default=None, help="bind address (bindAddress; 127.0.0.1)")
+    for flag, key, default in (
+        ("--pulsar-port", "brokerServicePort", 6650),
+        ("--http-port", "webServicePort", 8080),
+        ("--kafka-port", "kafkaListenerPort", 9092),
+        ("--mqtt-port", "mqttListenerPort", 1883),
+        ("--amqp-port", "amqpListenerPort", 5672),
+    ):
+        p.add_argument(flag, type=int, default=None, help=f"{key} ({default}; 0 = any free port)")
+    p.add_argument("--config", default=None, help="broker.conf-style key=value file")
+
+    def run(args: argparse.Namespace) -> int:
+        from polybroker.standalone import run_standalone
+
+        return run_standalone(args)
+
+    p.set_defaults(run=run)
+
+
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ignore[type-arg]
     _add_bookie,
+    _add_standalone,
 ]
 
 
