@@ -1,0 +1,281 @@
+"""``polybroker standalone`` as a real process: ready line, health, signals, kill -9 and restart.
+
+Every process is started with every port 0 (the ready line tells the ports) and stopped by PID
+at teardown (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_READY = "polybroker standalone ready "
+_PLUGIN_INSTALL = Path(__file__).parent.parent / "plugins" / "echo_protocol" / "install.py"
+
+
+@dataclass
+class Broker:
+    """A running standalone process and its bound ports."""
+
+    pid: int
+    ports: dict[str, int]
+    data_dir: Path
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.ports['webServicePort']}"
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    """One HTTP request; return (status, body) also for error statuses."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_healthy(broker: Broker, timeout: float = 30.0) -> None:
+    """Poll the health endpoint until it answers 200 ok, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            status, body = http("GET", f"{broker.http}/admin/v2/brokers/health", timeout=2)
+            if (status, body) == (200, b"ok"):
+                return
+            last = (status, body)
+        except OSError as e:
+            last = e
+        time.sleep(0.05)
+    raise AssertionError(f"not healthy within {timeout}s: {last}")
+
+
+class Standalones:
+    """Starts standalone processes; stops all of them at teardown."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.logs: dict[int, Path] = {}
+        self.count = 0
+
+    def spawn(
+        self,
+        data_dir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        self.count += 1
+        log = self.root / f"standalone-{self.count}.log"
+        cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
+        for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port"):
+            if flag not in extra:
+                cmd += [flag, "0"]
+        if "--amqp-port" not in extra:
+            cmd += ["--amqp-port", "0"]
+        cmd += list(extra)
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, env={**os.environ, **(env or {})}
+            )
+        self.procs[proc.pid] = proc
+        self.logs[proc.pid] = log
+        return proc
+
+    def start(
+        self, data_dir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> Broker:
+        """Start one and wait (bounded) for its ready line."""
+        proc = self.spawn(data_dir, *extra, env=env)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        buffered = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.stop(proc.pid, signal.SIGKILL)
+                    raise TimeoutError(f"not ready in {timeout}s: {self.log(proc.pid)}")
+                if not sel.select(remaining):
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    code = proc.wait(10)
+                    raise RuntimeError(f"standalone exited with {code}: {self.log(proc.pid)}")
+                buffered += chunk
+                for line in buffered.decode(errors="replace").splitlines():
+                    if line.startswith(_READY):
+                        ports = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+                        return Broker(proc.pid, ports, data_dir)
+
+    def run_to_exit(self, data_dir: Path, *extra: str, timeout: float = 60) -> tuple[int, str]:
+        """Run one expected to refuse to start; return (exit status, stderr)."""
+        proc = self.spawn(data_dir, *extra)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"kept running: {self.log(proc.pid)}") from None
+        self.procs.pop(proc.pid)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return code, self.log(proc.pid)
+
+    def stop(self, pid: int, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal one by PID and wait for it; return its exit status."""
+        proc = self.procs.pop(pid)
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout)
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def log(self, pid: int) -> str:
+        return self.logs[pid].read_text(errors="replace")
+
+    def close(self) -> None:
+        for pid in list(self.procs):
+            proc = self.procs[pid]
+            if proc.poll() is None:
+                try:
+                    self.stop(pid, signal.SIGTERM, timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+            else:
+                self.procs.pop(pid)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+
+
+@pytest.fixture
+def standalones(tmp_path: Path) -> Iterator[Standalones]:
+    """A factory of standalone processes, all stopped at teardown."""
+    factory = Standalones(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+def test_ready_healthy_defaults_and_sigterm(standalones: Standalones, tmp_path: Path) -> None:
+    """The ready line lists the ports; health is ok; defaults exist; SIGTERM exits 0 quickly."""
+    broker = standalones.start(tmp_path / "data")
+    assert broker.ports["webServicePort"] > 0
+    assert broker.ports["bookiePort"] > 0
+    wait_healthy(broker)
+    assert http("GET", f"{broker.http}/admin/v2/clusters") == (200, b'["standalone"]')
+    assert http("GET", f"{broker.http}/admin/v2/namespaces/public") == (
+        200,
+        b'["public/default"]',
+    )
+    status, metrics = http("GET", f"{broker.http}/metrics")
+    assert status == 200
+    assert b"pulsar_broker_topics_count" in metrics
+    started = time.monotonic()
+    assert standalones.stop(broker.pid, signal.SIGTERM) == 0
+    assert time.monotonic() - started < 10
+
+
+def test_sigint_stops_cleanly(standalones: Standalones, tmp_path: Path) -> None:
+    """Ctrl+C (SIGINT) stops it with exit status 0."""
+    broker = standalones.start(tmp_path / "data")
+    wait_healthy(broker)
+    assert standalones.stop(broker.pid, signal.SIGINT) == 0
+
+
+def test_kill9_then_restart_on_the_same_data_dir(standalones: Standalones, tmp_path: Path) -> None:
+    """After kill -9 a restart is healthy, keeps its bookie address and every namespace."""
+    data = tmp_path / "data"
+    first = standalones.start(data)
+    wait_healthy(first)
+    body = {"allowedClusters": ["standalone"]}
+    assert http("PUT", f"{first.http}/admin/v2/tenants/acme", body)[0] == 204
+    assert http("PUT", f"{first.http}/admin/v2/namespaces/acme/orders")[0] == 204
+    assert http("PUT", f"{first.http}/admin/v2/persistent/acme/orders/t/partitions", 2)[0] == 204
+    standalones.stop(first.pid, signal.SIGKILL)
+    second = standalones.start(data)
+    wait_healthy(second)
+    assert second.ports["bookiePort"] == first.ports["bookiePort"]
+    assert http("GET", f"{second.http}/admin/v2/namespaces/public")[1] == b'["public/default"]'
+    assert http("GET", f"{second.http}/admin/v2/namespaces/acme")[1] == b'["acme/orders"]'
+    status, body_bytes = http("GET", f"{second.http}/admin/v2/persistent/acme/orders/t/partitions")
+    assert (status, json.loads(body_bytes)) == (200, {"partitions": 2})
+    assert standalones.stop(second.pid) == 0
+
+
+def test_a_port_in_use_is_refused_and_nothing_stays_bound(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """A busy HTTP port exits 1 naming the key and port; the data dir is free again after."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = standalones.run_to_exit(tmp_path / "data", "--http-port", str(port))
+    assert code == 1
+    assert f"webServicePort (broker) on 127.0.0.1:{port}" in err
+    broker = standalones.start(tmp_path / "data")
+    wait_healthy(broker)
+
+
+def test_an_unknown_protocol_is_refused(standalones: Standalones, tmp_path: Path) -> None:
+    """messagingProtocols naming nothing installed exits 1 listing what is installed."""
+    conf = tmp_path / "broker.conf"
+    conf.write_text("messagingProtocols=nonesuch\n")
+    code, err = standalones.run_to_exit(tmp_path / "data", "--config", str(conf))
+    assert code == 1
+    assert "unknown protocol(s) nonesuch; installed:" in err
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_third_party_protocol_served_by_the_standalone(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """The echo plugin, installed as a distribution on PYTHONPATH, is served when enabled."""
+    spec = importlib.util.spec_from_file_location("echo_plugin_install", _PLUGIN_INSTALL)
+    assert spec is not None
+    assert spec.loader is not None
+    installer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installer)
+    paths = installer.install_into(tmp_path / "site")
+    pythonpath = os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")])
+    conf = tmp_path / "broker.conf"
+    conf.write_text("messagingProtocols=echo\n")
+    broker = standalones.start(
+        tmp_path / "data", "--config", str(conf), env={"PYTHONPATH": pythonpath}
+    )
+    wait_healthy(broker)
+    with socket.create_connection(("127.0.0.1", broker.ports["echoPort"]), timeout=10) as s:
+        s.sendall(b"hello")
+        received = b""
+        deadline = time.monotonic() + 10
+        while b"hello" not in received and time.monotonic() < deadline:
+            chunk = s.recv(1024)
+            if not chunk:
+                break
+            received += chunk
+    assert received == b"echo from standalone\nhello"
+    assert standalones.stop(broker.pid) == 0
