@@ -27,6 +27,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from polybroker.broker_core.admin_metrics import render_metrics
 from polybroker.broker_core.admin_policies import AdminError, PolicyStore, not_found, precondition
+from polybroker.broker_core.consumer import SubType
 from polybroker.broker_core.errors import (
     BrokerError,
     ConsumerBusyError,
@@ -324,6 +325,7 @@ class AdminServer:
         r("POST", f"{topic}/terminate", self._terminate)
         r("PUT", f"{topic}/unload", self._unload)
         r("GET", f"{topic}/subscriptions", self._subscriptions)
+        r("PUT", f"{topic}/subscription/{{sub}}", self._create_subscription)
         r("DELETE", f"{topic}/subscription/{{sub}}", self._delete_subscription)
         r("POST", f"{topic}/subscription/{{sub}}/skip_all", self._skip_all)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor/{{time:\\d+}}", self._reset_time)
@@ -641,6 +643,34 @@ class AdminServer:
             raise not_found("Subscription not found")
         return found
 
+    async def _create_subscription(self, call: Call) -> Response:
+        ref = self._topic(call)
+        sub_name = call.params["sub"]
+        body = call.json_body()
+        start: Position | None = None
+        initial = InitialPosition.LATEST
+        if isinstance(body, dict) and isinstance(body.get("ledgerId"), int):
+            ledger_id, entry_id = body["ledgerId"], int(body.get("entryId", -1))
+            if ledger_id < 0:
+                initial = InitialPosition.EARLIEST
+            elif ledger_id < 2**63 - 1:
+                start = Position(ledger_id, entry_id)
+        targets = await self._targets(ref)
+        topics = [await self.service.get_topic(name, create=False) for name in targets]
+        if any(sub_name in t.subscriptions for t in topics):
+            raise AdminError(409, "Subscription already exists for topic")
+        for topic in topics:
+            # A durable subscription outlives its consumers: attach a placeholder that
+            # takes no messages (no permits), then detach it.
+            placeholder = _AdminConsumer()
+            server = await self.service.subscribe(
+                topic.name, sub_name, placeholder, SubType.EXCLUSIVE, initial, create_topic=False
+            )
+            await server.close()
+            if start is not None:
+                await topic.subscriptions[sub_name].seek(start)
+        return Response()
+
     async def _delete_subscription(self, call: Call) -> Response:
         for sub in await self._each_subscription(call):
             await sub.delete(call.flag("force"))
@@ -669,6 +699,26 @@ class AdminServer:
             raise precondition("reset by message id needs a partition, not a partitioned topic")
         await subs[0].seek(position)
         return Response()
+
+
+class _AdminConsumer:
+    """A consumer with no client behind it, used to create a subscription."""
+
+    consumer_id = 0
+    consumer_name = "admin"
+    priority_level = 0
+
+    def send_entries(self, deliveries: list[Any]) -> None:
+        """Never called: this consumer grants no permits."""
+
+    def active_changed(self, is_active: bool) -> None:
+        """Nothing to tell."""
+
+    def reached_end_of_topic(self) -> None:
+        """Nothing to tell."""
+
+    def disconnect(self) -> None:
+        """Nothing to close."""
 
 
 def _dict_body(call: Call) -> dict[str, Any]:

@@ -266,3 +266,29 @@ async def test_oversize_body_is_refused(admin: Admin) -> None:
     reply = await admin.request("PUT", "/admin/v2/tenants/big", raw=b"x" * (2 * 1024 * 1024))
     assert reply.status == 413
     assert (await admin.request("GET", "/admin/v2/brokers/health")).status == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_create_subscription_at_latest_earliest_or_an_id(admin: Admin) -> None:
+    """PUT subscription creates a durable one (latest by default); twice is 409."""
+    name = "persistent://public/default/created"
+    for i in range(3):
+        await admin.service.publish(name, f"m{i}".encode())
+
+    async def backlog(sub: str) -> int:
+        stats = (await admin.request("GET", f"{T}/created/stats")).json()
+        return int(stats["subscriptions"][sub]["msgBacklog"])
+
+    assert (await admin.request("PUT", f"{T}/created/subscription/late")).status == 204
+    assert await backlog("late") == 0
+    earliest = {"ledgerId": -1, "entryId": -1, "partitionIndex": -1}
+    reply = await admin.request("PUT", f"{T}/created/subscription/early", earliest)
+    assert reply.status == 204
+    assert await backlog("early") == 3
+    last = (await admin.request("GET", f"{T}/created/lastMessageId")).json()
+    at = {"ledgerId": last["ledgerId"], "entryId": 1}
+    assert (await admin.request("PUT", f"{T}/created/subscription/mid", at)).status == 204
+    assert await backlog("mid") == 2
+    assert (await admin.request("PUT", f"{T}/created/subscription/late")).status == 409
+    missing = await admin.request("PUT", f"{T}/nosuchtopic/subscription/s")
+    assert missing.status == 404
