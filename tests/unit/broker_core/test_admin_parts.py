@@ -1,0 +1,138 @@
+"""The HTTP service's parts without sockets: routing, metrics text, the policy store."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import pytest
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+
+from polybroker.broker_core.admin import Call, Response, Router
+from polybroker.broker_core.admin_metrics import render_metrics
+from polybroker.broker_core.admin_policies import AdminError, PolicyStore
+from polybroker.metadata.memory import MemoryMetadataStore
+
+T = TypeVar("T")
+
+
+def result_of(d: Deferred[T]) -> T:
+    """Return what an already-fired Deferred fired with; raise its failure."""
+    out: list[object] = []
+    d.addBoth(out.append)
+    assert out, "the Deferred has not fired"
+    if isinstance(out[0], Failure):
+        out[0].raiseException()
+    return out[0]  # type: ignore[return-value]
+
+
+async def _ok(call: Call) -> Response:
+    return Response.text("ok")
+
+
+def test_router_matches_segments_constraints_and_methods() -> None:
+    """Placeholders match one decoded segment, constraints restrict them, method mismatch 405."""
+    router = Router()
+    router.add("GET", "/admin/v2/{domain:persistent|non-persistent}/{t}/{ns}/{topic}/stats", _ok)
+    found = router.find("GET", "/admin/v2/persistent/public/default/a%2Fb/stats")
+    assert not isinstance(found, int)
+    assert found[1] == {"domain": "persistent", "t": "public", "ns": "default", "topic": "a/b"}
+    assert router.find("GET", "/admin/v2/namespaces/public/default/x/stats") == 404
+    assert router.find("POST", "/admin/v2/persistent/public/default/x/stats") == 405
+    assert router.find("GET", "/admin/v2/persistent/public/default/x/stats/") != 404
+
+
+class _Topic:
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+
+class _Broken:
+    def stats(self) -> dict[str, Any]:
+        raise RuntimeError("closing")
+
+
+class _Service:
+    def __init__(self, topics: dict[str, Any]) -> None:
+        self.topics = topics
+
+
+def test_metrics_text_sums_and_escapes() -> None:
+    """Per-topic samples carry escaped labels; broker totals add them; failing topics skip."""
+    stats = {
+        "msgRateIn": 2.5,
+        "msgInCounter": 7,
+        "bytesInCounter": 70,
+        "storageSize": 100,
+        "publishers": [{}],
+        "subscriptions": {"s": {"msgBacklog": 4, "consumers": [{}, {}]}},
+    }
+    service = _Service(
+        {
+            'persistent://t/ns/a"b': _Topic(stats),
+            "persistent://t/ns/c": _Topic(stats),
+            "persistent://t/ns/broken": _Broken(),
+        }
+    )
+    lines = render_metrics(service, "c1").splitlines()
+    assert (
+        'pulsar_in_messages_total{cluster="c1",namespace="t/ns",topic="persistent://t/ns/a\\"b"} 7'
+        in lines
+    )
+    assert 'pulsar_broker_in_messages_total{cluster="c1"} 14.0' in lines
+    assert 'pulsar_broker_msg_backlog{cluster="c1"} 8.0' in lines
+    assert 'pulsar_broker_consumers_count{cluster="c1"} 4.0' in lines
+    assert 'pulsar_broker_topics_count{cluster="c1"} 2' in lines
+    assert not any("broken" in line for line in lines)
+
+
+def _policies() -> PolicyStore:
+    return PolicyStore(MemoryMetadataStore(Clock()), "standalone")
+
+
+def _status(d: Deferred[Any]) -> int:
+    with pytest.raises(AdminError) as info:
+        result_of(d)
+    return info.value.status
+
+
+def test_defaults_are_created_once() -> None:
+    """ensure_defaults creates cluster, tenant and namespace, and is idempotent."""
+    policies = _policies()
+    result_of(policies.ensure_defaults({"serviceUrl": "http://h:8080"}))
+    result_of(policies.ensure_defaults({"serviceUrl": "http://h:8080"}))
+    assert result_of(Deferred.fromCoroutine(policies.clusters())) == ["standalone"]
+    assert result_of(Deferred.fromCoroutine(policies.namespaces("public"))) == ["public/default"]
+    assert result_of(policies.namespace_exists("public/default")) is True
+    assert result_of(policies.namespace_exists("public/other")) is False
+
+
+def test_status_codes_of_refusals() -> None:
+    """Unknown is 404, existing is 409, bad names and unknown clusters are 412."""
+    policies = _policies()
+    result_of(policies.ensure_defaults({}))
+    assert _status(Deferred.fromCoroutine(policies.get_tenant("nope"))) == 404
+    assert _status(Deferred.fromCoroutine(policies.create_tenant("public", {}))) == 409
+    assert _status(Deferred.fromCoroutine(policies.create_tenant("bad/name", {}))) == 412
+    unknown_cluster = policies.create_tenant("t", {"allowedClusters": ["x"]})
+    assert _status(Deferred.fromCoroutine(unknown_cluster)) == 412
+    assert _status(Deferred.fromCoroutine(policies.delete_tenant("public"))) == 409
+    assert _status(Deferred.fromCoroutine(policies.delete_cluster("standalone"))) == 412
+
+
+def test_deduplication_policy_is_answered_from_the_cache() -> None:
+    """A namespace's deduplication setting reaches the synchronous hook; unset is None."""
+    policies = _policies()
+    result_of(policies.ensure_defaults({}))
+    assert policies.deduplication_of("persistent://public/default/t") is None
+    change = policies.update_policies("public/default", {"deduplicationEnabled": True})
+    result_of(Deferred.fromCoroutine(change))
+    assert policies.deduplication_of("persistent://public/default/t") is True
+    assert policies.deduplication_of("persistent://other/ns/t") is None
+    reloaded = PolicyStore(policies.store, "standalone")
+    result_of(reloaded.load())
+    assert reloaded.deduplication_of("persistent://public/default/t") is True
