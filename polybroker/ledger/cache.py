@@ -1,0 +1,114 @@
+"""The entry cache: recently appended entries kept in memory for tailing readers.
+
+Rule 1: an entry is cached only once its append completed (never ahead of durability).
+Rule 2: each log's cache holds entries in append order, so the oldest is always at the front:
+        eviction behind the slowest reader and eviction by size both pop from the front.
+Rule 3: the caches of one factory share one byte budget; when it is exceeded, the largest caches
+        give back their oldest entries until the total is under 90% of the budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from polybroker.ledger.api import Entry
+
+# Per-entry bookkeeping (dict slot, Entry and Position objects) counted against the budget.
+ENTRY_OVERHEAD = 96
+EVICTION_WATERMARK = 0.9
+
+
+class EntryCacheManager:
+    """Owns the byte budget shared by every log's ``EntryCache``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max(0, max_bytes)
+        self.size = 0
+        self._caches: set[EntryCache] = set()
+        self.evictions = 0
+
+    def new_cache(self, name: str) -> EntryCache:
+        """Return a cache for one log; release it with ``EntryCache.close``."""
+        cache = EntryCache(self, name)
+        self._caches.add(cache)
+        return cache
+
+    def _forget(self, cache: EntryCache) -> None:
+        self._caches.discard(cache)
+
+    def _grew(self) -> None:
+        if self.size <= self.max_bytes:
+            return
+        target = int(self.max_bytes * EVICTION_WATERMARK)
+        # Few logs are hot at once, so sorting the caches on the rare overflow is cheap.
+        for cache in sorted(self._caches, key=lambda c: c.size, reverse=True):
+            if self.size <= target:
+                break
+            cache.evict_bytes(self.size - target)
+
+
+class EntryCache:
+    """One log's cached entries, keyed by the log's entry sequence number (append order)."""
+
+    def __init__(self, manager: EntryCacheManager, name: str) -> None:
+        self.name = name
+        self.size = 0
+        self._manager = manager
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, seq: int, entry: Entry) -> None:
+        """Cache ``entry`` as number ``seq``; ``seq`` must exceed every cached one (Rule 2)."""
+        if self._manager.max_bytes == 0:
+            return
+        cost = len(entry.data) + ENTRY_OVERHEAD
+        self._entries[seq] = entry
+        self.size += cost
+        self._manager.size += cost
+        self._manager._grew()
+
+    def get(self, seq: int) -> Entry | None:
+        """Return the cached entry number ``seq``, or None."""
+        return self._entries.get(seq)
+
+    def first_seq(self) -> int | None:
+        """The oldest cached entry's number, or None if empty."""
+        for seq in self._entries:
+            return seq
+        return None
+
+    def evict_before(self, seq: int) -> None:
+        """Drop every entry numbered below ``seq`` (no reader needs them from memory)."""
+        entries = self._entries
+        while entries:
+            first = next(iter(entries))
+            if first >= seq:
+                break
+            self._drop_first()
+
+    def evict_bytes(self, wanted: int) -> None:
+        """Drop the oldest entries until ``wanted`` bytes were freed or the cache is empty."""
+        freed = 0
+        while self._entries and freed < wanted:
+            freed += self._drop_first()
+        self._manager.evictions += 1
+
+    def clear(self) -> None:
+        """Drop everything."""
+        self._manager.size -= self.size
+        self.size = 0
+        self._entries.clear()
+
+    def close(self) -> None:
+        """Drop everything and leave the manager."""
+        self.clear()
+        self._manager._forget(self)
+
+    def _drop_first(self) -> int:
+        _, entry = self._entries.popitem(last=False)
+        cost = len(entry.data) + ENTRY_OVERHEAD
+        self.size -= cost
+        self._manager.size -= cost
+        return cost

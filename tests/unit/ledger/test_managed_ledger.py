@@ -1,0 +1,540 @@
+"""Managed ledger over the fake ledger client: appends, rollover, failures, recovery, lookups."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from twisted.internet.defer import Deferred
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_ledger_client import Rig, failure_of, fired, result_of
+
+from polybroker.ledger import entry_format
+from polybroker.ledger.api import (
+    BookieError,
+    Entry,
+    InitialPosition,
+    LedgerState,
+    ManagedLedgerClosedError,
+    ManagedLedgerFencedError,
+    ManagedLedgerTerminatedError,
+    Position,
+)
+
+NAME = "t/ns/persistent/topic"
+
+
+def payloads(n: int, start: int = 0) -> list[bytes]:
+    return [b"m%d" % i for i in range(start, start + n)]
+
+
+def read_all(ml, start: Position | None = None) -> list[Entry]:  # type: ignore[no-untyped-def]
+    return result_of(ml.read(start or ml.first_position, 10_000))
+
+
+# -- appends ----------------------------------------------------------------------------------
+
+
+def test_appends_complete_in_order_with_dense_indexes() -> None:
+    """Entries get consecutive positions and indexes that count messages, not entries."""
+    rig = Rig()
+    ml = rig.open()
+    a = result_of(ml.append(b"a", 1))
+    b = result_of(ml.append(b"b", 5))
+    c = result_of(ml.append(b"c", 2))
+    assert [e.position.entry_id for e in (a, b, c)] == [0, 1, 2]
+    assert [e.index for e in (a, b, c)] == [0, 1, 6]
+    assert ml.next_index == 8
+    assert ml.entries == 3
+    assert ml.last_confirmed == c.position
+
+
+def test_appends_complete_in_order_when_the_ledger_answers_late() -> None:
+    """Adds answered after a delay still complete in append order, once each."""
+    rig = Rig(add_delay=0.005)
+    ml = rig.open()
+    done: list[bytes] = []
+    ds = [ml.append(p).addCallback(lambda e: done.append(e.data) or e) for p in payloads(20)]
+    assert not any(fired(d) for d in ds)
+    rig.clock.advance(0.01)
+    assert done == payloads(20)
+
+
+def test_each_stored_entry_carries_its_broker_metadata_header() -> None:
+    """The ledger holds header + data; the header has the publish time, index and count."""
+    rig = Rig()
+    ml = rig.open()
+    rig.clock.advance(12.5)
+    result_of(ml.append(b"x", 3))
+    entry = result_of(ml.append(b"payload", 4, publish_time_ms=777))
+    raw = rig.client.confirmed(entry.position.ledger_id)[1]
+    header, data = entry_format.decode(raw)
+    assert data == b"payload"
+    assert header == entry_format.EntryHeader(777, 3, 4)
+    first = entry_format.decode_header(rig.client.confirmed(entry.position.ledger_id)[0])
+    assert first.publish_time_ms == 12_500
+
+
+def test_read_returns_entries_from_a_position_across_ledgers() -> None:
+    """``read`` starts at the given position and crosses ledger boundaries in order."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=3)
+    entries = rig.append(ml, *payloads(8))
+    got = result_of(ml.read(entries[2].position, 4))
+    assert [e.data for e in got] == payloads(4, 2)
+    assert got == entries[2:6]
+
+
+def test_bad_num_messages_is_refused() -> None:
+    """An entry must hold at least one message."""
+    ml = Rig().open()
+    assert isinstance(failure_of(ml.append(b"x", 0)), ValueError)
+
+
+# -- rollover ---------------------------------------------------------------------------------
+
+
+def test_rollover_by_entries() -> None:
+    """A ledger takes at most max_entries_per_ledger entries; the next starts a new ledger."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=4)
+    entries = rig.append(ml, *payloads(10))
+    ids = sorted({e.position.ledger_id for e in entries})
+    assert len(ids) == 3
+    assert [info.entries for info in ml.ledgers[:3]] == [4, 4, 2]
+    assert [info.first_index for info in ml.ledgers[:3]] == [0, 4, 8]
+    assert [e.data for e in read_all(ml)] == payloads(10)
+    # The full ledgers were closed, not abandoned.
+    assert rig.client.ledgers[ids[0]].state is LedgerState.CLOSED
+
+
+def test_rollover_by_size() -> None:
+    """A ledger that reached max_size_per_ledger_bytes is followed by a new one."""
+    rig = Rig()
+    ml = rig.open(max_size_per_ledger_bytes=100)
+    entries = rig.append(ml, *[b"x" * 60 for _ in range(4)])
+    assert [e.position.entry_id for e in entries] == [0, 1, 0, 1]
+    assert entries[0].position.ledger_id != entries[2].position.ledger_id
+
+
+def test_rollover_waits_for_min_rollover_time() -> None:
+    """A full ledger younger than min_ledger_rollover_time_s keeps taking entries."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2, min_ledger_rollover_time_s=60)
+    entries = rig.append(ml, *payloads(5))
+    assert {e.position.ledger_id for e in entries} == {entries[0].position.ledger_id}
+    rig.clock.advance(61)
+    later = result_of(ml.append(b"late"))
+    assert later.position.ledger_id != entries[0].position.ledger_id
+
+
+def test_rollover_by_time_of_a_ledger_with_entries() -> None:
+    """After max_ledger_rollover_time_s a ledger with entries is closed and a new one made;
+    an empty ledger is left alone."""
+    rig = Rig()
+    ml = rig.open(max_ledger_rollover_time_s=100)
+    first = ml.ledgers[-1].ledger_id
+    rig.clock.advance(150)
+    assert ml.ledgers[-1].ledger_id == first  # empty: kept
+    e = result_of(ml.append(b"a"))
+    assert e.position.ledger_id == first
+    rig.clock.advance(101)
+    assert ml.ledgers[-1].ledger_id != first
+    assert rig.client.ledgers[first].state is LedgerState.CLOSED
+    assert result_of(ml.append(b"b")).position.ledger_id == ml.ledgers[-1].ledger_id
+
+
+def test_rollover_waits_for_pending_adds_and_keeps_order() -> None:
+    """While adds are pending on a full ledger, new appends queue; after the pending ones
+    complete, the ledger closes and the queued ones go to the next ledger, in order."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2)
+    rig.client.hold = True
+    ds = [ml.append(p) for p in payloads(5)]
+    first = ml.ledgers[-1].ledger_id
+    assert len(rig.client.ledgers[first].entries) == 2  # the rest waits
+    rig.client.writer(first).release()
+    rig.client.release()  # second ledger's two
+    rig.client.release()  # third ledger's one
+    got = [result_of(d) for d in ds]
+    assert [e.data for e in got] == payloads(5)
+    assert [e.index for e in got] == [0, 1, 2, 3, 4]
+    assert [e.position.entry_id for e in got] == [0, 1, 0, 1, 0]
+    assert len({e.position.ledger_id for e in got}) == 3
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def test_failed_ledger_resends_pending_appends_to_a_new_ledger_in_order() -> None:
+    """A ledger failure moves the unconfirmed appends, in order and with the same indexes,
+    to a new ledger; nothing is lost or reordered and the old ledger keeps what it confirmed."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    ds = [ml.append(p) for p in payloads(6)]
+    first = ml.ledgers[-1].ledger_id
+    rig.client.writer(first).release(2)
+    rig.client.fail_pending(first)
+    later = ml.append(b"m6")
+    rig.client.release()
+    got = [result_of(d) for d in [*ds, later]]
+    assert [e.data for e in got] == payloads(7)
+    assert [e.index for e in got] == list(range(7))
+    assert [e.position.ledger_id for e in got[:2]] == [first, first]
+    assert {e.position.ledger_id for e in got[2:]} == {ml.ledgers[-1].ledger_id}
+    assert [i.entries for i in ml.ledgers] == [2, 5]
+    assert [e.data for e in read_all(ml)] == payloads(7)
+
+
+def test_injected_add_failure_mid_stream_loses_nothing() -> None:
+    """An add that fails while others complete: every append still completes, in order."""
+    rig = Rig(add_delay=0.001)
+    ml = rig.open()
+    rig.client.fail_appends_after = 3
+    ds = [ml.append(p) for p in payloads(8)]
+    rig.clock.advance(0.01)
+    rig.clock.advance(0.01)
+    got = [result_of(d) for d in ds]
+    assert [e.data for e in got] == payloads(8)
+    assert [e.index for e in got] == list(range(8))
+    assert [e.data for e in read_all(ml)] == payloads(8)
+
+
+def test_no_new_ledger_fails_appends_cleanly_and_the_next_append_retries() -> None:
+    """If no ledger can be created, pending appends fail (none is silently dropped) and the
+    log recovers on the next append with the index where it left off."""
+    rig = Rig()
+    ml = rig.open()
+    result_of(ml.append(b"ok"))
+    rig.client.hold = True
+    d = ml.append(b"lost")
+    rig.client.fail_creates = 1
+    rig.client.fail_pending(ml.ledgers[-1].ledger_id)
+    assert isinstance(failure_of(d), BookieError)
+    rig.client.hold = False
+    e = result_of(ml.append(b"next"))
+    assert e.index == 1
+    assert [x.data for x in read_all(ml)] == [b"ok", b"next"]
+
+
+def test_fenced_ledger_fences_the_managed_ledger() -> None:
+    """A fenced add means another owner: pending and later appends fail with
+    ManagedLedgerFencedError."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    d = ml.append(b"x")
+    result_of(rig.client.open(ml.ledgers[-1].ledger_id, recovery=True))
+    assert isinstance(failure_of(d), ManagedLedgerFencedError)
+    assert isinstance(failure_of(ml.append(b"y")), ManagedLedgerFencedError)
+    assert ml.fenced
+
+
+def test_metadata_cas_conflict_fences_the_log() -> None:
+    """When another writer changed the ledger list, the next list update fails its CAS and
+    the log stops with ManagedLedgerFencedError."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2)
+    path = f"/managed-ledgers/{NAME}"
+    node = result_of(rig.store.get(path))
+    result_of(rig.store.put(path, node.value, node.stat.version))
+    result_of(ml.append(b"a"))
+    d = ml.append(b"b")  # fills the ledger: the rollover's CAS fails
+    assert fired(d)
+    e = failure_of(ml.append(b"c"))
+    assert isinstance(e, ManagedLedgerFencedError)
+
+
+def test_reopen_after_crash_recovers_and_fences_the_old_writer() -> None:
+    """A new owner recovers the last ledger (fencing it) and appends after the old entries;
+    the old owner's appends then fail and it can change nothing."""
+    rig = Rig()
+    old = rig.open()
+    rig.append(old, *payloads(3))
+    owner = rig.new_owner()
+    new = owner.open()
+    assert new.next_index == 3
+    assert [e.data for e in read_all(new)] == payloads(3)
+    e = result_of(new.append(b"m3"))
+    assert e.index == 3
+    assert isinstance(failure_of(old.append(b"stale")), ManagedLedgerFencedError)
+    assert [x.data for x in read_all(new)] == payloads(4)
+    assert (old.ledgers[0].ledger_id, True) in owner.client.opens
+
+
+def test_reopen_recovers_entries_of_a_ledger_never_closed() -> None:
+    """Entries confirmed to a crashed owner are all found by the next owner, with their
+    lookups (time, index) intact."""
+    rig = Rig()
+    old = rig.open()
+    for i, p in enumerate(payloads(5)):
+        result_of(old.append(p, 2, publish_time_ms=1000 + i))
+    new = rig.new_owner().open()
+    assert new.next_index == 10
+    info = new.ledgers[0]
+    assert (info.entries, info.messages, info.first_publish_time_ms) == (5, 10, 1000)
+    assert info.last_publish_time_ms == 1004
+    assert result_of(new.position_of_index(7)) == Position(info.ledger_id, 3)
+    assert result_of(new.position_of_time(1003)) == Position(info.ledger_id, 3)
+
+
+def test_reopen_drops_an_empty_last_ledger() -> None:
+    """A last ledger with no entries is removed from the list and deleted on recovery."""
+    rig = Rig()
+    old = rig.open()
+    rig.append(old, *payloads(2))
+    empty_owner = rig.new_owner()
+    mid = empty_owner.open()
+    empty = mid.ledgers[-1].ledger_id
+    third_owner = rig.new_owner()
+    third = third_owner.open()
+    assert empty not in [i.ledger_id for i in third.ledgers]
+    assert empty in third_owner.client.deleted
+    assert [e.data for e in read_all(third)] == payloads(2)
+
+
+def test_clean_close_and_reopen_needs_no_recovery() -> None:
+    """After close, the last ledger is recorded as sealed; reopening reads nothing to find
+    its end and continues the indexes."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=3)
+    rig.append(ml, *payloads(7))
+    result_of(ml.close())
+    assert isinstance(failure_of(ml.append(b"x")), ManagedLedgerClosedError)
+    reads = rig.client.reads
+    again = rig.open(max_entries_per_ledger=3)
+    assert rig.client.reads == reads
+    assert again is not ml
+    assert again.next_index == 7
+    assert result_of(again.append(b"m7")).index == 7
+    assert [e.data for e in read_all(again)] == payloads(8)
+
+
+def test_factory_opens_a_log_once() -> None:
+    """Two opens of one name give the same instance, even while the first is in progress."""
+    rig = Rig()
+    d1 = rig.factory.open(NAME)
+    d2 = rig.factory.open(NAME)
+    assert result_of(d1) is result_of(d2)
+    assert rig.client.creates == 1
+
+
+# -- lookups ----------------------------------------------------------------------------------
+
+
+def _batched_log(rig: Rig, **config: object):  # type: ignore[no-untyped-def]
+    """Twelve entries of 1..3 messages, times 100 ms apart, over ledgers of 4 entries."""
+    ml = rig.open(max_entries_per_ledger=4, **config)
+    entries = []
+    for i in range(12):
+        d = ml.append(b"e%d" % i, i % 3 + 1, publish_time_ms=10_000 + 100 * i)
+        entries.append(result_of(d))
+    return ml, entries
+
+
+@pytest.mark.parametrize("reopened", [False, True])
+def test_index_and_position_lookups_are_exact_across_ledgers(reopened: bool) -> None:
+    """position_of_index finds the entry holding each message; index_of_position is its
+    inverse; both also after a restart (lookups then read entries, O(log n) of them)."""
+    rig = Rig()
+    ml, entries = _batched_log(rig)
+    if reopened:
+        result_of(ml.close())
+        ml = rig.new_owner().open(max_entries_per_ledger=4)
+    for e in entries:
+        assert result_of(ml.index_of_position(e.position)) == e.index
+        for index in range(e.index, e.last_index + 1):
+            assert result_of(ml.position_of_index(index)) == e.position
+    assert result_of(ml.position_of_index(ml.next_index)) is None
+    assert result_of(ml.position_of_index(-1)) is None
+
+
+def test_index_lookup_after_restart_reads_logarithmically_many_entries() -> None:
+    """A lookup in a recovered ledger of batches reads O(log n) entries, not the ledger."""
+    rig = Rig()
+    ml = rig.open()
+    for i in range(1000):
+        result_of(ml.append(b"x", 1 + i % 2))
+    result_of(ml.close())
+    again = rig.new_owner()
+    ml2 = again.open()
+    before = again.client.entries_read
+    position = result_of(ml2.position_of_index(1234))
+    assert position is not None
+    assert again.client.entries_read - before <= 12
+    entry = result_of(ml2.read(position, 1))[0]
+    assert entry.index <= 1234 <= entry.last_index
+
+
+@pytest.mark.parametrize("reopened", [False, True])
+def test_time_lookup_finds_the_first_entry_at_or_after(reopened: bool) -> None:
+    """position_of_time returns the first entry published at or after the time."""
+    rig = Rig()
+    ml, entries = _batched_log(rig)
+    if reopened:
+        result_of(ml.close())
+        ml = rig.new_owner().open(max_entries_per_ledger=4)
+    assert result_of(ml.position_of_time(0)) == entries[0].position
+    assert result_of(ml.position_of_time(10_500)) == entries[5].position
+    assert result_of(ml.position_of_time(10_450)) == entries[5].position
+    assert result_of(ml.position_of_time(11_100)) == entries[11].position
+    assert result_of(ml.position_of_time(11_101)) is None
+
+
+# -- consumed ledgers, terminate, delete, factory ---------------------------------------------
+
+
+def test_consumed_ledgers_are_deleted_but_never_the_current_one() -> None:
+    """Once every durable cursor passed a ledger, it leaves the list and the client."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2, retention_time_s=0)
+    a = result_of(ml.open_cursor("a", InitialPosition.EARLIEST))
+    b = result_of(ml.open_cursor("b", InitialPosition.EARLIEST))
+    entries = rig.append(ml, *payloads(6))
+    first = entries[0].position.ledger_id
+    a.mark_delete(entries[5].position)
+    rig.clock.advance(1)
+    assert first in rig.client.ledgers  # b still needs it
+    b.mark_delete(entries[2].position)
+    rig.clock.advance(1)
+    assert first not in rig.client.ledgers
+    assert first in rig.client.deleted
+    assert ml.ledgers[0].ledger_id == entries[2].position.ledger_id
+    assert ml.first_position == entries[2].position
+    assert ml.first_index == 2
+    doc = json.loads(result_of(rig.store.get(f"/managed-ledgers/{NAME}")).value)
+    assert first not in [item["id"] for item in doc["ledgers"]]
+    b.mark_delete(entries[5].position)
+    rig.clock.advance(1)
+    assert ml.ledgers[-1].ledger_id in rig.client.ledgers
+    assert len(ml.ledgers) == 1
+
+
+def test_without_durable_cursors_every_closed_ledger_is_consumed() -> None:
+    """With no subscription and no retention, closed ledgers are deleted (Pulsar's default)."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2, retention_time_s=0)
+    entries = rig.append(ml, *payloads(5))
+    assert [i.ledger_id for i in ml.ledgers] == [entries[4].position.ledger_id]
+    assert ml.first_position == entries[4].position
+
+
+def test_retention_time_keeps_consumed_ledgers() -> None:
+    """With retention, consumed ledgers stay until they are older than the retention time."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2, retention_time_s=60)
+    c = result_of(ml.open_cursor("c", InitialPosition.EARLIEST))
+    entries = rig.append(ml, *payloads(4))
+    c.mark_delete(entries[3].position)
+    rig.clock.advance(1)
+    assert entries[0].position.ledger_id in rig.client.ledgers
+    rig.clock.advance(61)
+    result_of(ml.append(b"more"))  # the rollover re-checks
+    rig.clock.advance(1)
+    c.mark_delete(ml.last_confirmed)
+    rig.clock.advance(1)
+    assert entries[0].position.ledger_id not in rig.client.ledgers
+
+
+def test_terminate_refuses_appends_durably() -> None:
+    """terminate returns the last position; appends then fail, also after a reopen."""
+    rig = Rig()
+    ml = rig.open()
+    entries = rig.append(ml, *payloads(3))
+    assert result_of(ml.terminate()) == entries[-1].position
+    assert ml.terminated
+    assert isinstance(failure_of(ml.append(b"x")), ManagedLedgerTerminatedError)
+    result_of(ml.close())
+    again = rig.open()
+    assert again.terminated
+    assert isinstance(failure_of(again.append(b"x")), ManagedLedgerTerminatedError)
+    assert [e.data for e in read_all(again)] == payloads(3)
+
+
+def test_terminate_waits_for_pending_appends() -> None:
+    """Pending appends complete before the log ends; the end position includes them."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    d = ml.append(b"a")
+    t = ml.terminate()
+    assert not fired(t)
+    rig.client.release()
+    assert result_of(t) == result_of(d).position
+
+
+def test_close_waits_for_pending_appends() -> None:
+    """close lets pending appends complete, then seals the ledger."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    d = ml.append(b"a")
+    closing = ml.close()
+    assert not fired(closing)
+    rig.client.release()
+    result_of(closing)
+    assert result_of(d).data == b"a"
+    assert rig.client.ledgers[ml.ledgers[-1].ledger_id].state is LedgerState.CLOSED
+
+
+def test_delete_removes_ledgers_cursors_and_metadata() -> None:
+    """delete drops every ledger and the log's metadata; the name no longer exists."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2)
+    result_of(ml.open_cursor("c"))
+    rig.append(ml, *payloads(5))
+    ids = [i.ledger_id for i in ml.ledgers]
+    result_of(rig.factory.delete(NAME))
+    assert not any(i in rig.client.ledgers for i in ids)
+    assert not result_of(rig.factory.exists(NAME))
+    assert result_of(rig.store.get(f"/managed-ledgers/{NAME}")) is None
+
+
+def test_factory_list_and_exists() -> None:
+    """list finds logs by name prefix, without mistaking cursors for logs."""
+    rig = Rig()
+    for name in ("a/ns/persistent/x", "a/ns/persistent/y", "b/ns/persistent/x"):
+        ml = rig.open(name)
+        result_of(ml.open_cursor("sub/with/slashes"))
+    assert result_of(rig.factory.list()) == [
+        "a/ns/persistent/x",
+        "a/ns/persistent/y",
+        "b/ns/persistent/x",
+    ]
+    assert result_of(rig.factory.list("a/")) == ["a/ns/persistent/x", "a/ns/persistent/y"]
+    assert result_of(rig.factory.list("a/ns/persistent/y")) == ["a/ns/persistent/y"]
+    assert result_of(rig.factory.exists("a/ns/persistent/x"))
+    assert not result_of(rig.factory.exists("a/ns/persistent/z"))
+    assert not result_of(rig.factory.exists("a/ns"))
+
+
+def test_factory_close_closes_logs_and_client() -> None:
+    """Closing the factory closes its logs and the ledger client."""
+    rig = Rig()
+    ml = rig.open()
+    result_of(rig.factory.close())
+    assert rig.client.closed
+    assert isinstance(failure_of(ml.append(b"x")), ManagedLedgerClosedError)
+    assert isinstance(failure_of(rig.factory.open("x/y")), ManagedLedgerClosedError)
+
+
+def test_invalid_names_are_refused() -> None:
+    """Names that would break the metadata layout are refused."""
+    rig = Rig()
+    for name in ("", "a//b", "a/cursors/b", "/a"):
+        assert isinstance(failure_of(rig.factory.open(name)), ValueError)
+
+
+def test_open_fails_when_the_last_ledger_cannot_be_recovered() -> None:
+    """If the last ledger cannot be opened the log does not open (nothing is guessed)."""
+    rig = Rig()
+    ml = rig.open()
+    rig.append(ml, b"a")
+    del rig.client.ledgers[ml.ledgers[-1].ledger_id]
+    d: Deferred[object] = rig.new_owner().factory.open(NAME)
+    assert failure_of(d) is not None
