@@ -183,7 +183,12 @@ class Standalone:
             store, StaticBookieRegistry([bookie.address]), tcp_connector(reactor), reactor
         )
         self._stops.append(("ledger client", client.close))
-        factory = ManagedLedgerFactoryImpl(store, client, reactor)
+        factory = ManagedLedgerFactoryImpl(
+            store,
+            client,
+            reactor,
+            cache_size_bytes=int(config["managedLedgerCacheSizeMB"]) * 1024 * 1024,
+        )
         service = BrokerService(factory, reactor, config, store)
         # Closing the service closes the ledger factory too.
         self._stops.append(("broker", service.close))
