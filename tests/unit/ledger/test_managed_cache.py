@@ -1,0 +1,119 @@
+"""The entry cache behind tailing reads: hits, bounds, eviction behind the slowest reader."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_ledger_client import Rig, failure_of, result_of
+
+from polybroker.ledger.api import BookieError, Entry, InitialPosition, Position
+from polybroker.ledger.cache import ENTRY_OVERHEAD, EntryCacheManager
+
+
+def test_tailing_reads_are_served_from_memory() -> None:
+    """A cursor that keeps up reads what was just appended without asking the ledgers."""
+    rig = Rig()
+    ml = rig.open()
+    c = result_of(ml.open_cursor("sub"))
+    for i in range(50):
+        result_of(ml.append(b"x%d" % i))
+        assert [e.data for e in result_of(c.read(10))] == [b"x%d" % i]
+    assert rig.client.reads == 0
+
+
+def test_nothing_is_cached_without_readers() -> None:
+    """With no cursor, appends do not fill the cache."""
+    rig = Rig()
+    ml = rig.open()
+    rig.append(ml, b"a", b"b")
+    assert rig.factory.cache_manager.size == 0
+
+
+def test_cache_stays_within_its_budget_and_misses_go_to_the_ledger() -> None:
+    """The shared budget is never exceeded; evicted entries are read back from the ledger."""
+    budget = 10 * (100 + 24 + ENTRY_OVERHEAD)
+    rig = Rig(cache_size_bytes=budget)
+    ml = rig.open()
+    c = result_of(ml.open_cursor("sub", InitialPosition.EARLIEST))
+    entries = [result_of(ml.append(bytes([i]) * 100)) for i in range(40)]
+    assert 0 < rig.factory.cache_manager.size <= budget
+    got = result_of(c.read(40))
+    assert got == entries
+    assert rig.client.reads > 0
+
+
+def test_budget_is_shared_between_logs() -> None:
+    """Two logs' caches together stay within one budget; the bigger one gives back first."""
+    rig = Rig(cache_size_bytes=20_000)
+    a = rig.open("a/ns/persistent/x")
+    b = rig.open("b/ns/persistent/y")
+    result_of(a.open_cursor("s"))
+    result_of(b.open_cursor("s"))
+    for _ in range(30):
+        result_of(a.append(b"a" * 500))
+    for _ in range(10):
+        result_of(b.append(b"b" * 500))
+    manager = rig.factory.cache_manager
+    assert manager.size <= 20_000
+    assert manager.evictions > 0
+    assert b._cache.size > 0
+
+
+def test_entries_behind_the_slowest_cursor_are_evicted() -> None:
+    """Once every cursor read past an entry it leaves the cache; entries the slowest cursor
+    has yet to read stay."""
+    rig = Rig()
+    ml = rig.open()
+    fast = result_of(ml.open_cursor("fast"))
+    slow = result_of(ml.open_cursor("slow"))
+    rig.append(ml, *[b"%d" % i for i in range(10)])
+    result_of(fast.read(10))
+    assert len(ml._cache) == 10
+    result_of(slow.read(4))
+    assert len(ml._cache) == 6
+    result_of(slow.read(10))
+    assert len(ml._cache) == 0
+    assert rig.client.reads == 0
+
+
+def test_a_failed_read_leaves_the_cursor_where_it_was() -> None:
+    """A read that misses the cache and fails is reported and can be retried."""
+    rig = Rig(cache_size_bytes=0)
+    ml = rig.open()
+    c = result_of(ml.open_cursor("sub"))
+    entry = result_of(ml.append(b"x"))
+    rig.client.fail_reads = 1
+    assert isinstance(failure_of(c.read(5)), BookieError)
+    assert c.read_position == entry.position
+    assert result_of(c.read(5)) == [entry]
+
+
+def test_misses_are_read_in_batches() -> None:
+    """A cold read of many entries of one ledger asks the ledger a few times, not per entry."""
+    rig = Rig(cache_size_bytes=0)
+    ml = rig.open()
+    c = result_of(ml.open_cursor("sub"))
+    rig.append(ml, *[b"%d" % i for i in range(250)])
+    got = result_of(c.read(250))
+    assert len(got) == 250
+    assert rig.client.reads == 3
+
+
+def test_manager_accounts_every_put_and_eviction() -> None:
+    """The manager's size is the sum of its caches' sizes through puts, evictions, clears."""
+    manager = EntryCacheManager(10_000)
+    one, two = manager.new_cache("one"), manager.new_cache("two")
+    for i in range(30):
+        one.put(i, Entry(Position(1, i), i, 1, 0, b"x" * 300))
+        two.put(i, Entry(Position(1, i), i, 1, 0, b"y" * 100))
+        assert manager.size == one.size + two.size <= 10_000
+    one.evict_before(25)
+    assert one.first_seq() is not None
+    assert one.first_seq() >= 25  # type: ignore[operator]
+    assert manager.size == one.size + two.size
+    two.close()
+    assert manager.size == one.size
+    assert two.get(29) is None
