@@ -195,6 +195,7 @@ class FakeLedgerClient(LedgerClient):
         self.writers: dict[int, FakeWriteHandle] = {}
         self._ids = itertools.count(1)
         self.hold = False
+        self.create_delay = 0.0
         self.fail_creates = 0
         self.fail_reads = 0
         self.fail_close = 0
@@ -218,6 +219,10 @@ class FakeLedgerClient(LedgerClient):
         self.ledgers[ledger_id] = ledger
         handle = FakeWriteHandle(self, ledger)
         self.writers[ledger_id] = handle
+        if self.create_delay > 0 and self.clock is not None:
+            d: Deferred[WriteHandle] = Deferred()
+            self.clock.callLater(self.create_delay, d.callback, handle)
+            return d
         return succeed(handle)
 
     def open(self, ledger_id: int, *, recovery: bool = True) -> Deferred[ReadHandle]:

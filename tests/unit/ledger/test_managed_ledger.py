@@ -538,3 +538,64 @@ def test_open_fails_when_the_last_ledger_cannot_be_recovered() -> None:
     del rig.client.ledgers[ml.ledgers[-1].ledger_id]
     d: Deferred[object] = rig.new_owner().factory.open(NAME)
     assert failure_of(d) is not None
+
+
+# -- more failure paths -----------------------------------------------------------------------
+
+
+def test_appends_made_while_a_ledger_is_created_wait_and_keep_order() -> None:
+    """Appends during a slow ledger creation queue and go out in order once it exists."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2)
+    rig.client.create_delay = 1.0
+    first = rig.append(ml, b"m0", b"m1")  # fills the ledger: the next one is being created
+    ds = [ml.append(p) for p in payloads(3, 2)]
+    assert not any(fired(d) for d in ds)
+    rig.clock.advance(1.0)
+    rig.clock.advance(1.0)
+    got = first + [result_of(d) for d in ds]
+    assert [e.index for e in got] == list(range(5))
+    assert [e.data for e in read_all(ml)] == payloads(5)
+
+
+def test_a_ledger_that_cannot_be_closed_on_rollover_stays_readable() -> None:
+    """If sealing a full ledger fails, its confirmed entries are still read back (the read
+    path recovers it) and appends go on in the next ledger."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2)
+    rig.client.fail_close = 1
+    entries = rig.append(ml, *payloads(4))
+    first = entries[0].position.ledger_id
+    assert rig.client.ledgers[first].state is LedgerState.OPEN
+    ml._cache.clear()
+    assert [e.data for e in read_all(ml)] == payloads(4)
+    assert (first, True) in rig.client.opens
+    assert rig.client.ledgers[first].state is LedgerState.CLOSED
+
+
+def test_fencing_during_a_rollover_stops_the_log_and_drops_the_new_ledger() -> None:
+    """Another owner fencing the log while a new ledger is created: queued appends fail and
+    the half-made ledger is deleted, never written."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=1)
+    rig.client.create_delay = 1.0
+    result_of(ml.append(b"a"))
+    d = ml.append(b"b")
+    path = f"/managed-ledgers/{NAME}"
+    node = result_of(rig.store.get(path))
+    result_of(rig.store.put(path, node.value, node.stat.version))  # another owner
+    rig.clock.advance(1.0)
+    assert isinstance(failure_of(d), ManagedLedgerFencedError)
+    newest = max(rig.client.writers)
+    assert newest in rig.client.deleted
+    assert rig.client.writers[newest].ledger.entries == []
+
+
+def test_reads_of_ledgers_fail_cleanly_on_garbage() -> None:
+    """An entry that is not in the managed-ledger format fails the read with a clear error."""
+    rig = Rig(cache_size_bytes=0)
+    ml = rig.open()
+    entry = result_of(ml.append(b"x"))
+    rig.client.ledgers[entry.position.ledger_id].entries[0] = b"garbage"
+    err = failure_of(ml.read(entry.position, 1))
+    assert isinstance(err, entry_format.EntryFormatError)
