@@ -121,6 +121,9 @@ class ManagedCursorImpl(Cursor):
         """Fire once the current state is durable (Rule 2)."""
         if not self.durable:
             return succeed(None)
+        if self._fenced is None and self._ml.fenced:
+            # The log has another owner: its cursors are that owner's to write.
+            self._fenced = ManagedLedgerFencedError(f"{self._ml.name} has another owner")
         if self._fenced is not None:
             return fail(self._fenced)
         self._dirty = True

@@ -225,6 +225,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._trim_again = False
         self._reader_names = 0
         self._error: Exception | None = None
+        self._closing: list[Deferred[None]] | None = None  # waiters while a close runs
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -1110,11 +1111,32 @@ class ManagedLedgerImpl(ManagedLedger):
             self._delete_ledger_later(ledger.ledger_id)
 
     def close(self) -> Deferred[None]:
+        if self._state is _State.CLOSED:
+            return succeed(None)
+        if self._closing is not None:
+            return self._when_closed()
+        self._closing = []
         return Deferred.fromCoroutine(self._close())
 
+    def _when_closed(self) -> Deferred[None]:
+        """Fire once a close in progress finished (at once if none is)."""
+        if self._closing is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._closing.append(d)
+        return d
+
     async def _close(self) -> None:
-        if self._state is _State.CLOSED:
-            return
+        try:
+            await self._close_now()
+        finally:
+            self._state = _State.CLOSED
+            self._factory._forget(self)
+            waiters, self._closing = self._closing or [], None
+            for d in waiters:
+                d.callback(None)
+
+    async def _close_now(self) -> None:
         self._accepting = False
         await self._idle()
         for cursor in list(self._cursors.values()):
@@ -1137,13 +1159,12 @@ class ManagedLedgerImpl(ManagedLedger):
             self._close_quietly(handle)
         self._handles.clear()
         self._cache.close()
-        self._factory._forget(self)
 
     def delete(self) -> Deferred[None]:
         return Deferred.fromCoroutine(self._delete())
 
     async def _delete(self) -> None:
-        await self._close()
+        await self.close()
         for ledger in self._ledgers:
             with contextlib.suppress(NoSuchLedgerError):
                 await self._client.delete(ledger.ledger_id)
@@ -1181,7 +1202,12 @@ class ManagedLedgerFactoryImpl(ManagedLedgerFactory):
             return fail(e)
         ml = self._open.get(name)
         if ml is not None:
-            return succeed(ml)
+            if ml._closing is None:
+                return succeed(ml)
+            # Reopen only once the close finished writing its metadata.
+            closed = ml._when_closed()
+            closed.addCallback(lambda _: self.open(name, config))
+            return closed  # type: ignore[return-value]
         d: Deferred[ManagedLedger] = Deferred()
         waiters = self._opening.get(name)
         if waiters is not None:

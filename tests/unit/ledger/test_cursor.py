@@ -392,3 +392,15 @@ def test_recover_rejects_garbage_state() -> None:
     _rig, ml, _c, _e = setup()
     with pytest.raises(ManagedLedgerError, match="unreadable"):
         ManagedCursorImpl.recover(ml, b'{"x": 1}', 0)
+
+
+def test_cursors_of_a_fenced_log_write_nothing() -> None:
+    """Once another owner took the log, the old owner's acks fail instead of overwriting the
+    new owner's cursor state."""
+    rig, ml, c, e = setup()
+    rig.new_owner().open(max_entries_per_ledger=4)
+    failure_of(ml.append(b"x"))  # the old owner learns it was fenced
+    assert ml.fenced
+    assert isinstance(failure_of(c.mark_delete(e[5].position)), ManagedLedgerFencedError)
+    settle(rig)
+    assert stored(rig)["md"] != [e[5].position.ledger_id, e[5].position.entry_id]

@@ -599,3 +599,24 @@ def test_reads_of_ledgers_fail_cleanly_on_garbage() -> None:
     rig.client.ledgers[entry.position.ledger_id].entries[0] = b"garbage"
     err = failure_of(ml.read(entry.position, 1))
     assert isinstance(err, entry_format.EntryFormatError)
+
+
+def test_reopening_while_closing_waits_for_the_close() -> None:
+    """An open during a close gets a fresh instance after the close recorded its state,
+    so the two never race on the ledger list."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    d = ml.append(b"a")
+    closing = ml.close()
+    second = ml.close()
+    reopened = rig.factory.open(NAME)
+    assert not fired(reopened)
+    rig.client.hold = False
+    rig.client.release()
+    result_of(closing)
+    result_of(second)
+    fresh = result_of(reopened)
+    assert fresh is not ml
+    assert not fresh.fenced
+    assert result_of(fresh.append(b"b")).index == result_of(d).index + 1
