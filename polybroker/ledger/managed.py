@@ -236,14 +236,21 @@ class ManagedLedgerImpl(ManagedLedger):
         if found is None or not found.value:
             doc: dict[str, Any] = {"version": FORMAT_VERSION, "ledgers": [], "next_index": 0}
             try:
-                stat = await self._store.put(path, self._encode(doc), -1 if found is None else 0)
+                expected = -1 if found is None else found.stat.version
+                stat = await self._store.put(path, self._encode(doc), expected)
             except BadVersionError as e:
                 raise ManagedLedgerFencedError(f"{self.name}: created by another owner") from e
             self._version = stat.version
         else:
-            doc = json.loads(found.value)
+            try:
+                doc = json.loads(found.value)
+            except ValueError as e:
+                raise ManagedLedgerError(f"{self.name}: unreadable metadata") from e
             self._version = found.stat.version
-        self._load(doc)
+        try:
+            self._load(doc)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManagedLedgerError(f"{self.name}: unreadable ledger list: {e!r}") from e
         dropped = await self._recover_last()
         for name in await self._store.children(f"{path}/cursors"):
             node = await self._store.get(f"{path}/cursors/{name}")
@@ -395,6 +402,8 @@ class ManagedLedgerImpl(ManagedLedger):
 
     def _is_full(self) -> bool:
         config = self.config
+        if self._sent_entries == 0:
+            return False  # an empty ledger is never full, whatever the limits say
         if (
             self._sent_entries < config.max_entries_per_ledger
             and self._sent_bytes < config.max_size_per_ledger_bytes

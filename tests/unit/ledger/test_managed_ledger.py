@@ -620,3 +620,21 @@ def test_reopening_while_closing_waits_for_the_close() -> None:
     assert fresh is not ml
     assert not fresh.fenced
     assert result_of(fresh.append(b"b")).index == result_of(d).index + 1
+
+
+def test_unreadable_metadata_fails_the_open_clearly() -> None:
+    """Garbage in the log's metadata node is reported, not guessed around."""
+    rig = Rig()
+    for garbage in (b"{not json", b'{"ledgers": [{"id": 1}]}'):
+        result_of(rig.store.put(f"/managed-ledgers/{NAME}", garbage))
+        err = failure_of(rig.factory.open(NAME))
+        assert "unreadable" in str(err)
+
+
+def test_limits_of_zero_still_write_one_entry_per_ledger() -> None:
+    """Degenerate limits never spin creating empty ledgers."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=0)
+    entries = rig.append(ml, *payloads(3))
+    assert len({e.position.ledger_id for e in entries}) == 3
+    assert rig.client.creates <= 4
