@@ -68,6 +68,8 @@ DEFAULT_CACHE_SIZE_BYTES = 256 * 1024 * 1024
 FORMAT_VERSION = 1
 # Reads that miss the cache fetch at most this many entries from a ledger in one request.
 READ_BATCH = 100
+# Sealed ledgers keep the index and time of every SPARSE_STEP-th entry (16 bytes per step).
+SPARSE_STEP = 64
 
 
 def ledger_path(name: str) -> str:
@@ -105,6 +107,7 @@ class _Ledger:
         "sealed",
         "size",
         "start",
+        "step",
         "times",
     )
 
@@ -131,10 +134,21 @@ class _Ledger:
         self.first_time = first_time
         self.last_time = last_time
         self.sealed = sealed
-        # Per-entry index and publish time, kept for ledgers written by this instance so that
-        # lookups in them need no reads (8 bytes each per entry).
+        # For ledgers written by this instance: the index of every entry (exact lookups and
+        # backlogs with no reads; dropped when sealed if every entry holds one message, as
+        # arithmetic then does) and the publish time of every ``step``-th entry (dense while
+        # current; sparse once sealed, so a time lookup reads one window of entries at most).
         self.indexes: array[int] | None = array("q") if in_memory else None
         self.times: array[int] | None = array("q") if in_memory else None
+        self.step = 1
+
+    def compact(self) -> None:
+        """Shrink the lookup arrays of a ledger that takes no more entries."""
+        if self.times is not None and self.step == 1:
+            self.times = self.times[::SPARSE_STEP]
+            self.step = SPARSE_STEP
+        if self.messages == self.entries:
+            self.indexes = None
 
     def info(self) -> LedgerInfo:
         return LedgerInfo(
@@ -532,6 +546,7 @@ class ManagedLedgerImpl(ManagedLedger):
         dropped: list[int] = []
         if previous is not None:
             previous.sealed = sealed
+            previous.compact()
             if previous.entries == 0 and self._ledgers and self._ledgers[-1] is previous:
                 self._remove_last_ledger()
                 dropped.append(previous.ledger_id)
@@ -709,10 +724,10 @@ class ManagedLedgerImpl(ManagedLedger):
             return self._next_index
         ledger = self._ledgers[i]
         e = max(seq - ledger.start, 0)
-        if ledger.indexes is not None and e < len(ledger.indexes):
-            return ledger.indexes[e]
         if ledger.messages == ledger.entries or ledger.entries == 0:
             return ledger.first_index + e
+        if ledger.indexes is not None and e < len(ledger.indexes):
+            return ledger.indexes[e]
         return ledger.first_index + e * ledger.messages // ledger.entries
 
     # -- reading ---------------------------------------------------------------------------
@@ -961,11 +976,11 @@ class ManagedLedgerImpl(ManagedLedger):
             i -= 1
         ledger = self._ledgers[i]
         count = self._ledger_end(i) - ledger.start
+        if ledger.messages == ledger.entries:
+            return succeed(Position(ledger.ledger_id, index - ledger.first_index))
         if ledger.indexes is not None and len(ledger.indexes) >= count:
             e = bisect_right(ledger.indexes, index, 0, count) - 1
             return succeed(Position(ledger.ledger_id, e))
-        if ledger.messages == ledger.entries:
-            return succeed(Position(ledger.ledger_id, index - ledger.first_index))
         return Deferred.fromCoroutine(self._search(i, count, index, by_time=False))
 
     async def _search(self, i: int, count: int, target: int, *, by_time: bool) -> Position | None:
@@ -993,6 +1008,16 @@ class ManagedLedgerImpl(ManagedLedger):
                 hi = mid - 1
         return Position(ledger.ledger_id, found)
 
+    async def _scan_time(self, i: int, lo: int, hi: int, target: int) -> Position | None:
+        """The first of entries lo..hi of ledger ``i`` published at or after ``target``,
+        read in one request."""
+        ledger = self._ledgers[i]
+        entries = await self._read_seqs(range(ledger.start + lo, ledger.start + hi + 1))
+        for n, entry in enumerate(entries):
+            if entry.publish_time_ms >= target:
+                return Position(ledger.ledger_id, lo + n)
+        return None
+
     def index_of_position(self, position: Position) -> Deferred[int]:
         seq = self._ceil(position)
         if seq >= self._next_seq:
@@ -1000,10 +1025,13 @@ class ManagedLedgerImpl(ManagedLedger):
         seq = max(seq, self._first_seq)
         ledger = self._ledgers[self._ledger_of(seq)]
         e = seq - ledger.start
-        if ledger.indexes is not None and e < len(ledger.indexes):
-            return succeed(ledger.indexes[e])
         if ledger.messages == ledger.entries:
             return succeed(ledger.first_index + e)
+        if ledger.indexes is not None and e < len(ledger.indexes):
+            return succeed(ledger.indexes[e])
+        cached = self._cache.get(seq)
+        if cached is not None:
+            return succeed(cached.index)
         return self._read_one(seq).addCallback(lambda entry: entry.index)
 
     def position_of_time(self, timestamp_ms: int) -> Deferred[Position | None]:
@@ -1018,9 +1046,18 @@ class ManagedLedgerImpl(ManagedLedger):
             return succeed(None)
         ledger = self._ledgers[i]
         count = self._ledger_end(i) - ledger.start
-        if ledger.times is not None and len(ledger.times) >= count:
-            e = bisect_left(ledger.times, timestamp_ms, 0, count)
+        times, step = ledger.times, ledger.step
+        if times is not None and step == 1 and len(times) >= count:
+            e = bisect_left(times, timestamp_ms, 0, count)
             return succeed(Position(ledger.ledger_id, e) if e < count else None)
+        if times is not None and step > 1:
+            # The first sampled entry at or after the time bounds the window from above.
+            j = bisect_left(times, timestamp_ms)
+            if j == 0:
+                return succeed(Position(ledger.ledger_id, 0))
+            lo = (j - 1) * step + 1
+            hi = min(j * step, count - 1)
+            return Deferred.fromCoroutine(self._scan_time(i, lo, hi, timestamp_ms))
         return Deferred.fromCoroutine(self._search(i, count, timestamp_ms, by_time=True))
 
     # -- properties ------------------------------------------------------------------------
@@ -1109,6 +1146,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._current_ledger = None
         if ledger is None:
             return
+        ledger.compact()
         if handle is not None:
             try:
                 await handle.close_ledger()

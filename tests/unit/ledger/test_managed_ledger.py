@@ -638,3 +638,18 @@ def test_limits_of_zero_still_write_one_entry_per_ledger() -> None:
     entries = rig.append(ml, *payloads(3))
     assert len({e.position.ledger_id for e in entries}) == 3
     assert rig.client.creates <= 4
+
+
+def test_time_lookup_in_a_sealed_ledger_reads_one_sparse_window() -> None:
+    """A sealed ledger keeps every 64th publish time: a lookup reads at most one window of
+    entries, with one request, and is exact."""
+    rig = Rig(cache_size_bytes=0)
+    ml = rig.open(max_entries_per_ledger=300)
+    entries = [result_of(ml.append(b"x", 1, publish_time_ms=1000 + 10 * i)) for i in range(600)]
+    assert entries[0].position.ledger_id != entries[-1].position.ledger_id
+    for i in (0, 1, 63, 64, 65, 200, 299, 300, 301, 450, 599):
+        reads, read_entries = rig.client.reads, rig.client.entries_read
+        assert result_of(ml.position_of_time(1000 + 10 * i - 5)) == entries[i].position
+        assert rig.client.reads - reads <= 1
+        assert rig.client.entries_read - read_entries <= 64
+    assert result_of(ml.position_of_time(1000 + 10 * 600)) is None
