@@ -1,0 +1,1012 @@
+"""``BookKeeperClient``: ledgers replicated over bookies (the ``LedgerClient`` of ``ledger.api``).
+
+Rule 1 (I11): entry e goes to ``write_set(e)``; its add completes once Qa bookies of that write set
+        acknowledged it and every lower entry completed. The LAC is the highest completed entry and
+        rides on every add sent after it (I12).
+Rule 2 (I12): each entry is stored as a record ``version, lac, cumulative length, crc32c`` + data;
+        the checksum covers the ledger id and entry id too, so a corrupt or misplaced entry is
+        refused (``DigestMismatchError``) and read from another replica.
+Rule 3 (I18, I20, I21): a failed (or timed out) bookie is replaced by one outside the ensemble in a
+        new fragment starting at LAC+1, recorded by compare-and-set before anything is sent to the
+        replacement; adds complete no further while the change runs, then the outstanding adds of
+        the failed bookie are re-sent to its replacement. A lost CAS is re-read: a ledger no longer
+        OPEN means a recovery fenced it (``LedgerFencedError``).
+Rule 4 (I15, I16, I19): a recovery open moves the metadata to IN_RECOVERY, fences Qw-Qa+1 bookies
+        of every write set of the last ensemble, reads forward with fencing reads from
+        max(LAC seen, first entry of the last fragment - 1), re-writes each entry found to its whole
+        write set and closes the ledger at the last one (CAS), so the end covers every entry any
+        writer had acknowledged.
+Rule 5: nothing waits forever: adds are checked against ``add_timeout_s`` by one sweep timer
+        looking at the oldest pending add only, and every other bookie request has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import crc32c
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError, fail, succeed
+from twisted.python.failure import Failure
+from typing_extensions import override
+
+from polybroker.ledger.api import (
+    BookieClient,
+    BookieError,
+    BookieProtocolError,
+    BookieUnavailableError,
+    DigestMismatchError,
+    FenceResult,
+    LedgerClient,
+    LedgerClosedError,
+    LedgerConfig,
+    LedgerFencedError,
+    LedgerMetadata,
+    LedgerState,
+    NoSuchEntryError,
+    NoSuchLedgerError,
+    ReadHandle,
+    ReadResult,
+    StorageError,
+    WriteHandle,
+)
+from polybroker.ledger.placement import choose_ensemble, replace_bookies
+from polybroker.ledger.registry import BookieRegistry, tcp_connector
+from polybroker.metadata.api import BadVersionError, MetadataStore
+
+__all__ = ["BookKeeperClient", "decode_metadata", "encode_metadata", "tcp_connector"]
+
+log = logging.getLogger(__name__)
+
+LEDGERS_PATH = "/ledgers"
+_ID_PREFIX = "/ledger-ids/id-"
+
+_RECORD = struct.Struct(">BqQI")  # version, lac, cumulative length, crc32c
+_DIGEST = struct.Struct(">QqqQ")  # ledger id, entry id, lac, cumulative length
+_RECORD_VERSION = 1
+_READ_RANGE_BYTES = 4 * 1024 * 1024
+_RECOVERY_WINDOW = 64  # recovery reads this many entries ahead of the one it decides on
+_CAS_ATTEMPTS = 5
+_MAX_METADATA_BYTES = 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry records and metadata encoding
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_record(ledger_id: int, entry_id: int, lac: int, length: int, data: bytes) -> bytes:
+    """Wrap ``data`` in the digest-protected record stored on bookies (Rule 2)."""
+    crc = crc32c.crc32c(data, crc32c.crc32c(_DIGEST.pack(ledger_id, entry_id, lac, length)))
+    return _RECORD.pack(_RECORD_VERSION, lac, length, crc) + data
+
+
+def decode_record(ledger_id: int, entry_id: int, raw: bytes) -> tuple[bytes, int, int]:
+    """Return (data, lac, cumulative length) of a stored record; ``DigestMismatchError`` if the
+    record is malformed or does not belong to ``ledger_id:entry_id``."""
+    if len(raw) < _RECORD.size:
+        raise DigestMismatchError(f"{ledger_id}:{entry_id}: record of {len(raw)} bytes is short")
+    version, lac, length, crc = _RECORD.unpack_from(raw)
+    if version != _RECORD_VERSION:
+        raise DigestMismatchError(f"{ledger_id}:{entry_id}: unknown record version {version}")
+    data = raw[_RECORD.size :]
+    if lac < -1 or lac >= entry_id or length < len(data):
+        raise DigestMismatchError(f"{ledger_id}:{entry_id}: impossible lac {lac}/length {length}")
+    expected = crc32c.crc32c(data, crc32c.crc32c(_DIGEST.pack(ledger_id, entry_id, lac, length)))
+    if expected != crc:
+        raise DigestMismatchError(f"{ledger_id}:{entry_id}: checksum mismatch")
+    return data, lac, length
+
+
+def encode_metadata(meta: LedgerMetadata) -> bytes:
+    """Serialise ledger metadata as JSON (what ``/ledgers/<id>`` holds)."""
+    doc = {
+        "ledger_id": meta.ledger_id,
+        "ensemble_size": meta.ensemble_size,
+        "write_quorum": meta.write_quorum,
+        "ack_quorum": meta.ack_quorum,
+        "state": meta.state.value,
+        "last_entry_id": meta.last_entry_id,
+        "length": meta.length,
+        "fragments": [[first, list(ensemble)] for first, ensemble in meta.fragments],
+        "ctime_ms": meta.ctime_ms,
+        "custom": dict(meta.custom),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _int(doc: dict[str, Any], key: str, low: int) -> int:
+    value = doc.get(key)
+    if type(value) is not int or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def decode_metadata(raw: bytes) -> LedgerMetadata:
+    """Parse what ``encode_metadata`` wrote; ``StorageError`` on anything malformed."""
+    try:
+        if len(raw) > _MAX_METADATA_BYTES:
+            raise ValueError(f"{len(raw)} bytes")
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+        e, qw, qa = (_int(doc, k, 1) for k in ("ensemble_size", "write_quorum", "ack_quorum"))
+        if not e >= qw >= qa:
+            raise ValueError(f"E={e} Qw={qw} Qa={qa}")
+        fragments = []
+        for item in doc.get("fragments", []):
+            first, ensemble = item
+            if type(first) is not int or first < 0 or (fragments and first <= fragments[-1][0]):
+                raise ValueError(f"fragment start {first!r}")
+            if (
+                not isinstance(ensemble, list)
+                or len(ensemble) != e
+                or not all(isinstance(a, str) for a in ensemble)
+                or len(set(ensemble)) != e
+            ):
+                raise ValueError(f"ensemble {ensemble!r}")
+            fragments.append((first, tuple(ensemble)))
+        if not fragments or fragments[0][0] != 0:
+            raise ValueError("the first fragment must start at entry 0")
+        custom = doc.get("custom", {})
+        if not isinstance(custom, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in custom.items()
+        ):
+            raise ValueError("custom must map strings to strings")
+        return LedgerMetadata(
+            ledger_id=_int(doc, "ledger_id", 0),
+            ensemble_size=e,
+            write_quorum=qw,
+            ack_quorum=qa,
+            state=LedgerState(doc.get("state")),
+            last_entry_id=_int(doc, "last_entry_id", -1),
+            length=_int(doc, "length", 0),
+            fragments=tuple(fragments),
+            ctime_ms=_int(doc, "ctime_ms", 0),
+            custom=custom,
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        raise StorageError(f"malformed ledger metadata: {e}") from None
+
+
+def _path(ledger_id: int) -> str:
+    return f"{LEDGERS_PATH}/{ledger_id}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small Deferred helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _timeout_error(failure: Failure, what: str, seconds: float) -> Failure:
+    if failure.check(CancelledError, TimeoutError):
+        return Failure(BookieUnavailableError(f"{what} timed out after {seconds}s"))
+    return failure
+
+
+def _gather_all(ds: Sequence[Deferred[Any]]) -> Deferred[list[tuple[bool, Any]]]:
+    """Fire with (ok, result-or-Failure) of every Deferred once all fired; never errbacks."""
+    out: Deferred[list[tuple[bool, Any]]] = Deferred()
+    results: list[tuple[bool, Any]] = [(False, None)] * len(ds)
+    left = [len(ds)]
+    if not ds:
+        out.callback(results)
+        return out
+
+    def done(value: Any, i: int, ok: bool) -> None:
+        results[i] = (ok, value)
+        left[0] -= 1
+        if left[0] == 0:
+            out.callback(results)
+
+    for i, d in enumerate(ds):
+        d.addCallbacks(done, done, callbackArgs=(i, True), errbackArgs=(i, False))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Handles
+# ---------------------------------------------------------------------------------------------
+
+
+class _ReadHandle(ReadHandle):
+    """Reads of one ledger, up to the LAC (see ``ReadHandle``)."""
+
+    def __init__(
+        self, client: BookKeeperClient, metadata: LedgerMetadata, version: int, lac: int
+    ) -> None:
+        self._client = client
+        self.ledger_id = metadata.ledger_id
+        self._metadata = metadata
+        self._version = version
+        self._lac = lac
+
+    @property
+    @override
+    def metadata(self) -> LedgerMetadata:
+        return self._metadata
+
+    @property
+    @override
+    def last_add_confirmed(self) -> int:
+        return self._lac
+
+    @override
+    def read(self, first_entry_id: int, last_entry_id: int) -> Deferred[list[bytes]]:
+        if first_entry_id < 0 or first_entry_id > last_entry_id or last_entry_id > self._lac:
+            return fail(
+                NoSuchEntryError(
+                    f"ledger {self.ledger_id}: entries {first_entry_id}..{last_entry_id} are "
+                    f"not all confirmed (LAC {self._lac})"
+                )
+            )
+        return self._client._read_entries(self._metadata, first_entry_id, last_entry_id)
+
+    @override
+    def read_last_add_confirmed(self) -> Deferred[int]:
+        client = self._client
+
+        def got_metadata(found: tuple[LedgerMetadata, int]) -> Deferred[int] | int:
+            meta, version = found
+            self._metadata, self._version = meta, version
+            if meta.state is LedgerState.CLOSED:
+                self._lac = max(self._lac, meta.last_entry_id)
+                return self._lac
+            return client._read_lac(meta).addCallback(update)
+
+        def update(lac: int) -> int:
+            self._lac = max(self._lac, lac)
+            return self._lac
+
+        if self._metadata.state is LedgerState.CLOSED:
+            return succeed(self._lac)
+        return client._get(self.ledger_id).addCallback(got_metadata)
+
+    @override
+    def close(self) -> Deferred[None]:
+        return succeed(None)
+
+
+class _PendingAdd:
+    """One add not yet completed."""
+
+    __slots__ = ("acked", "d", "data_len", "length", "record", "sent_at", "write_set")
+
+    def __init__(self, record: bytes, length: int, data_len: int, now: float) -> None:
+        self.record = record
+        self.length = length  # cumulative bytes through this entry
+        self.data_len = data_len
+        self.d: Deferred[int] = Deferred()
+        self.acked: set[str] = set()
+        self.write_set: tuple[str, ...] | None = None  # None: not sent yet (ensemble change)
+        self.sent_at = now
+
+
+class _WriteHandle(_ReadHandle, WriteHandle):
+    """The single writer of a ledger (Rules 1, 3, 5)."""
+
+    def __init__(self, client: BookKeeperClient, metadata: LedgerMetadata, version: int) -> None:
+        super().__init__(client, metadata, version, -1)
+        self._qa = metadata.ack_quorum
+        self._reactor = client._reactor
+        self._timeout = client._add_timeout_s
+        self._next = 0
+        self._sent_length = 0
+        self._length = 0
+        self._pending: dict[int, _PendingAdd] = {}
+        self._error: Exception | None = None
+        self._closing = False
+        self._close_d: Deferred[None] | None = None
+        self._sealing = False
+        self._changing = False
+        self._to_replace: set[str] = set()
+        self._failed_bookies: set[str] = set()
+        self._sweep_call: Any = None
+
+    @property
+    @override
+    def length(self) -> int:
+        return self._length
+
+    # -- adds --------------------------------------------------------------------------------
+
+    @override
+    def append(self, data: bytes) -> Deferred[int]:
+        if self._error is not None:
+            return fail(self._error)
+        if self._closing:
+            return fail(LedgerClosedError(f"ledger {self.ledger_id} is closed"))
+        entry_id = self._next
+        self._next = entry_id + 1
+        self._sent_length += len(data)
+        record = encode_record(self.ledger_id, entry_id, self._lac, self._sent_length, data)
+        p = _PendingAdd(record, self._sent_length, len(data), self._reactor.seconds())
+        self._pending[entry_id] = p
+        if not self._changing:
+            self._send(entry_id, p, self._metadata.write_set(entry_id))
+        if self._sweep_call is None:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
+        return p.d
+
+    def _send(self, entry_id: int, p: _PendingAdd, targets: Sequence[str]) -> None:
+        if p.write_set is None:
+            p.write_set = self._metadata.write_set(entry_id)
+        bookie = self._client._bookie
+        for address in targets:
+            bookie(address).add_entry(self.ledger_id, entry_id, self._lac, p.record).addCallbacks(
+                self._acked,
+                self._add_failed,
+                callbackArgs=(entry_id, address),
+                errbackArgs=(entry_id, address),
+            )
+
+    def _acked(self, _: object, entry_id: int, address: str) -> None:
+        p = self._pending.get(entry_id)
+        if p is None or p.write_set is None or address not in p.write_set:
+            return  # completed or failed already, or an answer of a replaced bookie
+        p.acked.add(address)
+        if entry_id == self._lac + 1 and len(p.acked) >= self._qa and not self._changing:
+            self._complete()
+
+    def _complete(self) -> None:
+        pending, qa = self._pending, self._qa
+        while True:
+            p = pending.get(self._lac + 1)
+            if p is None or len(p.acked) < qa:
+                break
+            del pending[self._lac + 1]
+            self._lac += 1
+            self._length = p.length
+            p.d.callback(self._lac)
+        if not pending and self._closing:
+            self._seal()
+
+    def _add_failed(self, failure: Failure, entry_id: int, address: str) -> None:
+        if failure.check(LedgerFencedError):
+            self._fail(LedgerFencedError(f"ledger {self.ledger_id} was fenced by a recovery"))
+            return
+        if failure.check(BookieProtocolError):
+            # Every bookie would refuse this request: no ensemble change can help.
+            self._fail(failure.value)  # type: ignore[arg-type]
+            return
+        p = self._pending.get(entry_id)
+        if p is None or p.write_set is None or address not in p.write_set:
+            return
+        log.info(
+            "ledger %d: bookie %s failed add %d: %s",
+            self.ledger_id,
+            address,
+            entry_id,
+            failure.getErrorMessage(),
+        )
+        self._replace(address)
+
+    def _sweep_interval(self) -> float:
+        return max(0.01, self._timeout / 4)
+
+    def _sweep(self) -> None:
+        """Replace the bookies that let the oldest pending add wait past the timeout."""
+        self._sweep_call = None
+        if not self._pending or self._error is not None:
+            return
+        p = self._pending.get(self._lac + 1)
+        if (
+            p is not None
+            and p.write_set is not None
+            and not self._changing
+            and self._reactor.seconds() - p.sent_at >= self._timeout
+        ):
+            slow = [a for a in p.write_set if a not in p.acked]
+            log.info("ledger %d: add %d timed out on %s", self.ledger_id, self._lac + 1, slow)
+            for address in slow:
+                self._replace(address)
+        if self._pending and self._error is None:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
+
+    def _fail(self, error: Exception) -> None:
+        """Fail every pending and later add with ``error`` (in entry order)."""
+        if self._error is None:
+            self._error = error
+        pending = sorted(self._pending.items())
+        self._pending.clear()
+        for _, p in pending:
+            p.d.errback(self._error)
+        if self._sweep_call is not None and self._sweep_call.active():
+            self._sweep_call.cancel()
+        self._sweep_call = None
+        close_d, self._close_d = self._close_d, None
+        if close_d is not None:
+            close_d.errback(self._error)
+
+    # -- ensemble change (Rule 3) ------------------------------------------------------------
+
+    def _replace(self, address: str) -> None:
+        self._to_replace.add(address)
+        if not self._changing:
+            self._change()
+
+    def _change(self) -> None:
+        ensemble = self._metadata.fragments[-1][1]
+        failed = {a for a in self._to_replace if a in ensemble}
+        self._to_replace.clear()
+        if not failed or self._error is not None:
+            return
+        self._changing = True
+        self._failed_bookies |= failed
+        self._client._registry.writable_bookies().addCallback(
+            self._got_bookies, failed, 0
+        ).addErrback(self._change_failed)
+
+    def _got_bookies(self, available: list[str], failed: set[str], attempt: int) -> Any:
+        if self._error is not None:
+            return None
+        meta = self._metadata
+        first, ensemble = meta.fragments[-1]
+        new_ensemble = replace_bookies(
+            ensemble, failed, available, self._client._rng, self._failed_bookies
+        )
+        start = self._lac + 1
+        fragments = list(meta.fragments)
+        if first >= start:
+            fragments[-1] = (first, new_ensemble)  # no entry was completed in it: redo it
+        else:
+            fragments.append((start, new_ensemble))
+        new_meta = replace(meta, fragments=tuple(fragments))
+        log.info(
+            "ledger %d: ensemble change at entry %d: %s -> %s",
+            self.ledger_id,
+            start,
+            list(ensemble),
+            list(new_ensemble),
+        )
+
+        def conflict(failure: Failure) -> Any:
+            failure.trap(BadVersionError)
+            return self._client._get(self.ledger_id).addCallback(reread)
+
+        def reread(found: tuple[LedgerMetadata, int]) -> Any:
+            current, version = found
+            if current.state is not LedgerState.OPEN:
+                raise LedgerFencedError(f"ledger {self.ledger_id} is {current.state.value}")
+            if current.fragments != meta.fragments or attempt + 1 >= _CAS_ATTEMPTS:
+                raise LedgerFencedError(f"ledger {self.ledger_id}: another writer changed it")
+            # Another field changed (custom metadata): keep it, retry on its version.
+            self._metadata, self._version = current, version
+            return self._got_bookies(available, failed, attempt + 1)
+
+        return (
+            self._client._store.put(_path(self.ledger_id), encode_metadata(new_meta), self._version)
+            .addCallback(lambda stat: self._changed(new_meta, stat.version))
+            .addErrback(conflict)
+        )
+
+    def _changed(self, new_meta: LedgerMetadata, version: int) -> None:
+        if self._error is not None:
+            return
+        self._metadata, self._version = new_meta, version
+        now = self._reactor.seconds()
+        for entry_id in range(self._lac + 1, self._next):
+            p = self._pending.get(entry_id)
+            if p is None:
+                continue
+            new_ws = new_meta.write_set(entry_id)
+            old_ws = p.write_set
+            p.sent_at = now
+            if old_ws is None:
+                self._send(entry_id, p, new_ws)
+                continue
+            if old_ws == new_ws:
+                continue
+            p.acked.intersection_update(new_ws)
+            p.write_set = new_ws
+            self._send(entry_id, p, [a for a in new_ws if a not in old_ws])
+        self._changing = False
+        if self._to_replace:
+            self._change()
+        if not self._changing:
+            self._complete()
+
+    def _change_failed(self, failure: Failure) -> None:
+        self._changing = False
+        error = failure.value
+        if not isinstance(error, StorageError):
+            error = BookieUnavailableError(f"ensemble change failed: {failure.getErrorMessage()}")
+        log.warning("ledger %d: %s", self.ledger_id, error)
+        self._fail(error)  # type: ignore[arg-type]
+
+    # -- closing -----------------------------------------------------------------------------
+
+    @override
+    def close_ledger(self) -> Deferred[None]:
+        if self._close_d is not None:
+            return self._chain(self._close_d)
+        if self._error is not None:
+            if isinstance(self._error, LedgerClosedError):
+                return succeed(None)
+            return fail(self._error)
+        self._closing = True
+        self._close_d = Deferred()
+        d = self._chain(self._close_d)
+        if not self._pending:
+            self._seal()
+        return d
+
+    @staticmethod
+    def _chain(source: Deferred[None]) -> Deferred[None]:
+        out: Deferred[None] = Deferred()
+
+        def relay(result: Any) -> Any:
+            if isinstance(result, Failure):
+                out.errback(result)
+            else:
+                out.callback(result)
+            return result
+
+        source.addBoth(relay)
+        source.addErrback(lambda _: None)  # consumed by ``out``
+        return out
+
+    def _seal(self) -> None:
+        if self._close_d is None or self._error is not None or self._sealing:
+            return
+        self._sealing = True
+        lac, length = self._lac, self._length
+
+        def attempt(meta: LedgerMetadata, version: int, n: int) -> Deferred[None]:
+            closed = replace(meta, state=LedgerState.CLOSED, last_entry_id=lac, length=length)
+            return (
+                self._client._store.put(_path(self.ledger_id), encode_metadata(closed), version)
+                .addCallback(lambda stat: done(closed, stat.version))
+                .addErrback(conflict, n)
+            )
+
+        def conflict(failure: Failure, n: int) -> Any:
+            failure.trap(BadVersionError)
+            return self._client._get(self.ledger_id).addCallback(reread, n)
+
+        def reread(found: tuple[LedgerMetadata, int], n: int) -> Any:
+            current, version = found
+            if current.state is LedgerState.CLOSED and current.last_entry_id == lac:
+                return done(current, version)  # a recovery closed it where we stand
+            if current.state is not LedgerState.OPEN:
+                raise LedgerFencedError(f"ledger {self.ledger_id} is {current.state.value}")
+            if n + 1 >= _CAS_ATTEMPTS:
+                raise LedgerFencedError(f"ledger {self.ledger_id}: metadata keeps changing")
+            return attempt(current, version, n + 1)
+
+        def done(meta: LedgerMetadata, version: int) -> None:
+            self._metadata, self._version = meta, version
+            self._error = LedgerClosedError(f"ledger {self.ledger_id} is closed")
+            close_d, self._close_d = self._close_d, None
+            if close_d is not None:
+                close_d.callback(None)
+
+        def failed(failure: Failure) -> None:
+            self._fail(failure.value)  # type: ignore[arg-type]
+
+        attempt(self._metadata, self._version, 0).addErrback(failed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+# ---------------------------------------------------------------------------------------------
+
+
+class BookKeeperClient(LedgerClient):
+    """Creates, opens, recovers and deletes ledgers over bookies (see the module rules).
+
+    ``connect`` is called lazily, once per bookie address; the clients it returns are cached and
+    closed by ``close``."""
+
+    def __init__(
+        self,
+        store: MetadataStore,
+        registry: BookieRegistry,
+        connect: Callable[[str], BookieClient],
+        reactor: Any,
+        *,
+        add_timeout_s: float = 30.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._connect = connect
+        self._reactor = reactor
+        self._add_timeout_s = add_timeout_s
+        self._rng = rng or random.Random()
+        self._bookies: dict[str, BookieClient] = {}
+        self._closed = False
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _bookie(self, address: str) -> BookieClient:
+        client = self._bookies.get(address)
+        if client is None:
+            client = self._bookies[address] = self._connect(address)
+        return client
+
+    def _timed(self, d: Deferred[Any], what: str) -> Deferred[Any]:
+        seconds = self._add_timeout_s
+        d.addTimeout(seconds, self._reactor)
+        return d.addErrback(_timeout_error, what, seconds)
+
+    def _get(self, ledger_id: int) -> Deferred[tuple[LedgerMetadata, int]]:
+        def got(found: Any) -> tuple[LedgerMetadata, int]:
+            if found is None:
+                raise NoSuchLedgerError(f"no ledger {ledger_id}")
+            return decode_metadata(found.value), found.stat.version
+
+        return self._store.get(_path(ledger_id)).addCallback(got)
+
+    # -- LedgerClient ------------------------------------------------------------------------
+
+    @override
+    def create(self, config: LedgerConfig) -> Deferred[WriteHandle]:
+        return Deferred.fromCoroutine(self._create(config))
+
+    async def _create(self, config: LedgerConfig) -> WriteHandle:
+        if self._closed:
+            raise LedgerClosedError("the ledger client is closed")
+        available = await self._registry.writable_bookies()
+        ensemble = choose_ensemble(available, config.ensemble_size, self._rng)
+        path = await self._store.create_sequential(_ID_PREFIX, b"")
+        ledger_id = int(path[len(_ID_PREFIX) :])
+        # The sequence node only hands out the id; the counter survives its deletion (Rule 6).
+        await self._store.delete(path)
+        meta = LedgerMetadata(
+            ledger_id=ledger_id,
+            ensemble_size=config.ensemble_size,
+            write_quorum=config.write_quorum,
+            ack_quorum=config.ack_quorum,
+            state=LedgerState.OPEN,
+            last_entry_id=-1,
+            length=0,
+            fragments=((0, ensemble),),
+            ctime_ms=int(self._reactor.seconds() * 1000),
+            custom=dict(config.custom),
+        )
+        stat = await self._store.put(_path(ledger_id), encode_metadata(meta), expected_version=-1)
+        return _WriteHandle(self, meta, stat.version)
+
+    @override
+    def open(self, ledger_id: int, *, recovery: bool = True) -> Deferred[ReadHandle]:
+        return Deferred.fromCoroutine(self._open(ledger_id, recovery))
+
+    async def _open(self, ledger_id: int, recovery: bool) -> ReadHandle:
+        meta, version = await self._get(ledger_id)
+        if meta.state is LedgerState.CLOSED:
+            return _ReadHandle(self, meta, version, meta.last_entry_id)
+        if not recovery:
+            handle = _ReadHandle(self, meta, version, -1)
+            try:
+                await handle.read_last_add_confirmed()
+            except BookieError as e:
+                log.info("ledger %d: no LAC from its bookies yet: %s", ledger_id, e)
+            return handle
+        return await self._recover(meta, version)
+
+    @override
+    def delete(self, ledger_id: int) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._delete(ledger_id))
+
+    async def _delete(self, ledger_id: int) -> None:
+        meta, version = await self._get(ledger_id)
+        # Metadata first (I24): a bookie may forget the data only once no metadata points at it.
+        await self._store.delete(_path(ledger_id), version)
+        bookies = dict.fromkeys(a for _, ensemble in meta.fragments for a in ensemble)
+        results = await _gather_all(
+            [
+                self._timed(self._bookie(a).delete_ledger(ledger_id), f"delete on {a}")
+                for a in bookies
+            ]
+        )
+        for address, (ok, value) in zip(bookies, results, strict=True):
+            if not ok and not value.check(NoSuchLedgerError):
+                # The bookie's garbage collection reclaims it, as the metadata is gone.
+                log.info("ledger %d: delete on %s: %s", ledger_id, address, value.getErrorMessage())
+
+    @override
+    def get_metadata(self, ledger_id: int) -> Deferred[LedgerMetadata]:
+        return self._get(ledger_id).addCallback(lambda found: found[0])
+
+    @override
+    def close(self) -> Deferred[None]:
+        self._closed = True
+        bookies, self._bookies = list(self._bookies.values()), {}
+        return _gather_all([b.close() for b in bookies]).addCallback(lambda _: None)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def _read_one(
+        self, meta: LedgerMetadata, entry_id: int, *, fence: bool = False
+    ) -> Deferred[tuple[bytes, int, int]]:
+        """Read one entry from its write set, replica after replica; (data, lac, length)."""
+        ledger_id = meta.ledger_id
+        write_set = meta.write_set(entry_id)
+        out: Deferred[tuple[bytes, int, int]] = Deferred()
+        errors: list[Failure] = []
+
+        def attempt(i: int) -> None:
+            if i == len(write_set):
+                out.errback(_best_error(errors))
+                return
+            address = write_set[i]
+            d = self._timed(
+                self._bookie(address).read_entry(ledger_id, entry_id, fence=fence),
+                f"read {ledger_id}:{entry_id} on {address}",
+            )
+            d.addCallback(lambda raw: decode_record(ledger_id, entry_id, raw))
+            d.addCallbacks(out.callback, failed, errbackArgs=(i,))
+
+        def failed(failure: Failure, i: int) -> None:
+            errors.append(failure)
+            attempt(i + 1)
+
+        attempt(0)
+        return out
+
+    def _read_entries(self, meta: LedgerMetadata, first: int, last: int) -> Deferred[list[bytes]]:
+        """Read first..last; ranges from one bookie where it holds them all (E == Qw)."""
+        return Deferred.fromCoroutine(self._read_entries_async(meta, first, last))
+
+    async def _read_entries_async(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
+        if meta.ensemble_size != meta.write_quorum:
+            # Striped: each bookie holds every E-th... entries; read them one by one, in parallel.
+            results = await _gather_all([self._read_one(meta, e) for e in range(first, last + 1)])
+            out = []
+            for ok, value in results:
+                if not ok:
+                    value.raiseException()
+                out.append(value[0])
+            return out
+        out = []
+        entry_id = first
+        while entry_id <= last:
+            got = await self._read_range(meta, entry_id, last)
+            if not got:
+                data, _, _ = await self._read_one(meta, entry_id)
+                got = [data]
+            out.extend(got)
+            entry_id += len(got)
+        return out
+
+    async def _read_range(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
+        """Read a verified prefix of first..last (within one fragment) from one replica; []
+        when no replica gave a usable first entry (the caller falls back to single reads)."""
+        fragment_end = last
+        for start, _ in meta.fragments:
+            if start > first:
+                fragment_end = min(last, start - 1)
+                break
+        ledger_id = meta.ledger_id
+        for address in meta.write_set(first):
+            try:
+                results: list[ReadResult] = await self._timed(
+                    self._bookie(address).read_range(
+                        ledger_id, first, fragment_end, _READ_RANGE_BYTES
+                    ),
+                    f"read {ledger_id}:{first}..{fragment_end} on {address}",
+                )
+            except BookieError as e:
+                log.debug("ledger %d: range read on %s: %s", ledger_id, address, e)
+                continue
+            out: list[bytes] = []
+            for expected, result in enumerate(results, start=first):
+                if result.entry_id != expected or expected > fragment_end:
+                    break
+                try:
+                    out.append(decode_record(ledger_id, expected, result.data)[0])
+                except DigestMismatchError as e:
+                    log.warning("ledger %d on %s: %s", ledger_id, address, e)
+                    break
+            if out:
+                return out
+        return []
+
+    def _read_lac(self, meta: LedgerMetadata) -> Deferred[int]:
+        """Return the highest LAC the bookies of the last ensemble report."""
+        ensemble = meta.fragments[-1][1]
+        ds = [
+            self._timed(self._bookie(a).read_lac(meta.ledger_id), f"read LAC on {a}")
+            for a in ensemble
+        ]
+
+        def best(results: list[tuple[bool, Any]]) -> int:
+            lacs = [value for ok, value in results if ok]
+            if not lacs:
+                raise _best_error([value for _, value in results]).value
+            # Entries below the last fragment completed before it was made.
+            return max(*lacs, meta.fragments[-1][0] - 1)
+
+        return _gather_all(ds).addCallback(best)
+
+    # -- recovery (Rule 4) -------------------------------------------------------------------
+
+    async def _recover(self, meta: LedgerMetadata, version: int) -> ReadHandle:
+        ledger_id = meta.ledger_id
+        if meta.state is LedgerState.OPEN:
+            in_recovery = replace(meta, state=LedgerState.IN_RECOVERY)
+            try:
+                stat = await self._store.put(
+                    _path(ledger_id), encode_metadata(in_recovery), version
+                )
+                meta, version = in_recovery, stat.version
+            except BadVersionError:
+                return await self._open(ledger_id, True)  # it changed under us: look again
+        lac = await self._fence(meta)
+        start = max(lac, meta.fragments[-1][0] - 1)
+        length = 0
+        if start >= 0:
+            _, _, length = await self._read_one(meta, start)
+        last, length = await self._recover_forward(meta, start, length)
+        closed = replace(meta, state=LedgerState.CLOSED, last_entry_id=last, length=length)
+        for _ in range(_CAS_ATTEMPTS):
+            try:
+                stat = await self._store.put(_path(ledger_id), encode_metadata(closed), version)
+                return _ReadHandle(self, closed, stat.version, last)
+            except BadVersionError:
+                current, version = await self._get(ledger_id)
+                if current.state is LedgerState.CLOSED:
+                    # Another recovery won; its end is as good as ours (both cover every ack).
+                    return _ReadHandle(self, current, version, current.last_entry_id)
+                closed = replace(current, state=LedgerState.CLOSED, last_entry_id=last)
+                closed = replace(closed, length=length)
+        raise StorageError(f"ledger {ledger_id}: cannot close after recovery, metadata churns")
+
+    async def _fence(self, meta: LedgerMetadata) -> int:
+        """Fence the last ensemble until no write set can reach Qa acks; return the max LAC."""
+        ensemble = meta.fragments[-1][1]
+        e, qw, qa = meta.ensemble_size, meta.write_quorum, meta.ack_quorum
+        need = qw - qa + 1
+        write_sets = [[ensemble[(i + k) % e] for k in range(qw)] for i in range(e)]
+        fenced: set[str] = set()
+        lacs = [-1]
+        errors: list[Failure] = []
+        left = [len(ensemble)]
+        done: Deferred[None] = Deferred()
+
+        def enough() -> bool:
+            return all(sum(1 for a in ws if a in fenced) >= need for ws in write_sets)
+
+        def ok(result: FenceResult, address: str) -> None:
+            fenced.add(address)
+            lacs.append(result.lac)
+            answered()
+
+        def bad(failure: Failure, address: str) -> None:
+            errors.append(failure)
+            log.info("ledger %d: fence on %s: %s", meta.ledger_id, address, failure.value)
+            answered()
+
+        def answered() -> None:
+            left[0] -= 1
+            if done.called:
+                return
+            if enough():
+                done.callback(None)
+            elif left[0] == 0:
+                done.errback(
+                    BookieUnavailableError(
+                        f"ledger {meta.ledger_id}: could fence only {sorted(fenced)} of "
+                        f"{list(ensemble)}: {_best_error(errors).getErrorMessage()}"
+                    )
+                )
+
+        for address in ensemble:
+            d = self._timed(self._bookie(address).fence(meta.ledger_id), f"fence on {address}")
+            d.addCallbacks(ok, bad, callbackArgs=(address,), errbackArgs=(address,))
+        await done
+        return max(lacs)
+
+    async def _recover_forward(
+        self, meta: LedgerMetadata, start: int, length: int
+    ) -> tuple[int, int]:
+        """Read past ``start`` with fencing reads, re-replicate what is found; (last, length)."""
+        last = start
+        writes: list[Deferred[None]] = []
+        done = False
+        while not done:
+            window = [
+                self._recovery_read(meta, e) for e in range(last + 1, last + 1 + _RECOVERY_WINDOW)
+            ]
+            results = await _gather_all(window)
+            for ok, value in results:
+                if not ok:
+                    value.raiseException()
+                if value is None:
+                    done = True
+                    break
+                raw, entry_lac, entry_length = value
+                last += 1
+                length = entry_length
+                writes.append(self._rewrite(meta, last, entry_lac, raw))
+        for ok, value in await _gather_all(writes):
+            if not ok:
+                value.raiseException()
+        return last, length
+
+    def _recovery_read(self, meta: LedgerMetadata, entry_id: int) -> Deferred[Any]:
+        """Fire with (record, lac, length) if some replica holds the entry, None if Qw-Qa+1 say
+        it has none; fail if neither can be decided."""
+        ledger_id = meta.ledger_id
+        write_set = meta.write_set(entry_id)
+        absent_needed = meta.write_quorum - meta.ack_quorum + 1
+        out: Deferred[Any] = Deferred()
+        absent = [0]
+        left = [len(write_set)]
+        errors: list[Failure] = []
+
+        def found(raw: bytes) -> None:
+            try:
+                _, lac, length = decode_record(ledger_id, entry_id, raw)
+            except DigestMismatchError:
+                missed(Failure())
+                return
+            left[0] -= 1
+            if not out.called:
+                out.callback((raw, lac, length))
+
+        def missed(failure: Failure) -> None:
+            left[0] -= 1
+            if failure.check(NoSuchEntryError, NoSuchLedgerError):
+                absent[0] += 1
+            else:
+                errors.append(failure)
+            if out.called:
+                return
+            if absent[0] >= absent_needed:
+                out.callback(None)
+            elif left[0] == 0:
+                out.errback(_best_error(errors))
+
+        for address in write_set:
+            d = self._timed(
+                self._bookie(address).read_entry(ledger_id, entry_id, fence=True),
+                f"recovery read {ledger_id}:{entry_id} on {address}",
+            )
+            d.addCallbacks(found, missed)
+        return out
+
+    def _rewrite(self, meta: LedgerMetadata, entry_id: int, lac: int, raw: bytes) -> Deferred[None]:
+        """Write a recovered record to its whole write set; done once Qa bookies took it."""
+        write_set = meta.write_set(entry_id)
+        out: Deferred[None] = Deferred()
+        acks = [0]
+        left = [len(write_set)]
+        errors: list[Failure] = []
+
+        def ok(_: object) -> None:
+            acks[0] += 1
+            left[0] -= 1
+            if acks[0] == meta.ack_quorum and not out.called:
+                out.callback(None)
+
+        def bad(failure: Failure) -> None:
+            errors.append(failure)
+            left[0] -= 1
+            if left[0] == 0 and not out.called:
+                out.errback(_best_error(errors))
+
+        for address in write_set:
+            d = self._timed(
+                self._bookie(address).add_entry(meta.ledger_id, entry_id, lac, raw, recovery=True),
+                f"recovery write {meta.ledger_id}:{entry_id} on {address}",
+            )
+            d.addCallbacks(ok, bad)
+        return out
+
+
+def _best_error(errors: Sequence[Failure]) -> Failure:
+    """The most telling of several replicas' failures (corruption first, then absence)."""
+    if not errors:
+        return Failure(BookieUnavailableError("no replica answered"))
+    for kind in (DigestMismatchError, LedgerFencedError, NoSuchEntryError, NoSuchLedgerError):
+        for f in errors:
+            if f.check(kind):
+                return f
+    return errors[-1]

@@ -1,0 +1,393 @@
+"""BookKeeperClient over fake bookies: quorums, ordering, LAC, ensemble changes, reads, closing."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_bookie import FakeCluster, LedgerRig, failure_of, result_of
+from twisted.internet.task import Clock
+
+from polybroker.ledger.api import (
+    DigestMismatchError,
+    LedgerClosedError,
+    LedgerConfig,
+    LedgerState,
+    NoSuchEntryError,
+    NoSuchLedgerError,
+    NotEnoughBookiesError,
+    StorageError,
+)
+from polybroker.ledger.client import (
+    BookKeeperClient,
+    decode_metadata,
+    decode_record,
+    encode_metadata,
+    encode_record,
+)
+from polybroker.ledger.placement import choose_ensemble, replace_bookies
+from polybroker.ledger.registry import MetadataBookieRegistry, StaticBookieRegistry
+from polybroker.metadata.memory import MemoryMetadataStore
+
+
+def data(i: int) -> bytes:
+    return f"entry-{i}".encode() * (1 + i % 5)
+
+
+# -- quorum arithmetic and placement ----------------------------------------------------------
+
+
+def test_adds_go_to_their_write_sets() -> None:
+    """Entry e goes to Qw bookies from position e mod E of the ensemble, and to no other."""
+    rig = LedgerRig(4)
+    w = rig.create(3, 2, 2)
+    for i in range(7):
+        assert result_of(w.append(data(i))) == i
+    ensemble = w.metadata.fragments[0][1]
+    assert len(ensemble) == 3
+    for i in range(7):
+        expected = {ensemble[i % 3], ensemble[(i + 1) % 3]}
+        holders = {a for a, b in rig.cluster.bookies.items() if i in b.entry_ids(w.ledger_id)}
+        assert holders == expected
+
+
+def test_create_needs_enough_bookies_and_valid_quorums() -> None:
+    """A create asking for more bookies than exist fails; E >= Qw >= Qa is enforced."""
+    rig = LedgerRig(2)
+    assert isinstance(failure_of(rig.client.create(LedgerConfig(3, 2, 2))), NotEnoughBookiesError)
+    with pytest.raises(ValueError, match="ensemble size"):
+        LedgerConfig(2, 3, 2)
+
+
+def test_placement_keeps_positions_and_avoids_excluded() -> None:
+    """A replacement takes the failed member's position and is never excluded or a member."""
+    rng = random.Random(3)
+    ensemble = choose_ensemble(["a", "b", "c", "d", "e"], 3, rng)
+    assert len(set(ensemble)) == 3
+    failed = {ensemble[1]}
+    spare = [x for x in "abcde" if x not in ensemble]
+    new = replace_bookies(ensemble, failed, list("abcde"), rng, exclude={spare[0]})
+    assert (new[0], new[2]) == (ensemble[0], ensemble[2])
+    assert new[1] == spare[1]
+    with pytest.raises(NotEnoughBookiesError):
+        replace_bookies(ensemble, failed, list("abcde"), rng, exclude=set(spare))
+
+
+def test_ledger_ids_are_unique_across_clients() -> None:
+    """Two clients on one store never hand out the same ledger id."""
+    rig = LedgerRig(1)
+    other = rig.new_client()
+    ids = [rig.create(1, 1, 1).ledger_id for _ in range(3)]
+    ids += [result_of(other.create(LedgerConfig())).ledger_id for _ in range(3)]
+    assert len(set(ids)) == 6
+
+
+# -- add completion and LAC -------------------------------------------------------------------
+
+
+def test_adds_complete_in_order() -> None:
+    """Entry 1 acknowledged by its quorum before entry 0 completes only after entry 0."""
+    rig = LedgerRig(2)
+    w = rig.create(2, 2, 2)
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    done: list[int] = []
+    d0, d1 = w.append(b"zero"), w.append(b"one")
+    d0.addCallback(done.append)
+    d1.addCallback(done.append)
+    for b in rig.cluster.bookies.values():
+        b.release_entry(w.ledger_id, 1)
+    assert done == []
+    assert w.last_add_confirmed == -1
+    first = rig.bookie(w.metadata.fragments[0][1][0])
+    first.release_entry(w.ledger_id, 0)
+    assert done == [], "one ack of entry 0 is below the ack quorum"
+    for b in rig.cluster.bookies.values():
+        if b is not first:
+            b.release_entry(w.ledger_id, 0)
+    assert done == [0, 1]
+    assert w.last_add_confirmed == 1
+    assert w.length == len(b"zero") + len(b"one")
+
+
+def test_ack_quorum_smaller_than_write_quorum() -> None:
+    """With Qw=3, Qa=2 an add completes on two acks while the third bookie is still silent."""
+    rig = LedgerRig(3)
+    w = rig.create(3, 3, 2)
+    slow = rig.bookie(w.metadata.fragments[0][1][2])
+    slow.hold = True
+    assert result_of(w.append(b"x")) == 0
+    assert len(slow.held) == 1
+
+
+def test_lac_is_piggybacked_on_later_adds() -> None:
+    """Each add carries the LAC at send time, both to the bookie and inside its record."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    bookie = rig.bookie(w.metadata.fragments[0][1][0])
+    bookie.hold = True
+    w.append(b"a")
+    w.append(b"b")
+    bookie.release()
+    w.append(b"c")
+    assert [lac for _, _, lac, _ in bookie.adds] == [-1, -1, 1]
+    stored = bookie.ledgers[w.ledger_id].entries
+    assert [decode_record(w.ledger_id, e, stored[e])[1] for e in range(3)] == [-1, -1, 1]
+
+
+def test_records_detect_corruption_and_misplacement() -> None:
+    """A record decodes only for its own ledger and entry and only with intact bytes."""
+    raw = encode_record(5, 3, 2, 100, b"payload")
+    assert decode_record(5, 3, raw) == (b"payload", 2, 100)
+    for ledger, entry, bad in ((5, 4, raw), (6, 3, raw), (5, 3, raw[:-1] + b"X"), (5, 3, b"x")):
+        with pytest.raises(DigestMismatchError):
+            decode_record(ledger, entry, bad)
+
+
+def test_metadata_round_trips_and_rejects_garbage() -> None:
+    """Metadata survives encoding; malformed documents fail with StorageError."""
+    rig = LedgerRig(3)
+    meta = rig.create(3, 2, 1).metadata
+    assert decode_metadata(encode_metadata(meta)) == meta
+    for raw in (b"{", b"[]", b'{"ensemble_size": 1}', encode_metadata(meta).replace(b"3", b"0")):
+        with pytest.raises(StorageError):
+            decode_metadata(raw)
+
+
+# -- ensemble changes ------------------------------------------------------------------------
+
+
+def test_ensemble_change_resends_outstanding_adds() -> None:
+    """A bookie crashing with adds outstanding is replaced in a new fragment (by CAS) and
+    its adds are re-sent to the replacement; every entry is acknowledged and readable."""
+    rig = LedgerRig(4)
+    w = rig.create(3, 2, 2)
+    ensemble = w.metadata.fragments[0][1]
+    for i in range(4):
+        result_of(w.append(data(i)))
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    pending = [w.append(data(i)) for i in range(4, 10)]
+    for a in w.metadata.write_set(4):
+        rig.bookie(a).release_entry(w.ledger_id, 4)  # entry 4 completes before the crash
+    assert result_of(pending[0]) == 4
+    victim = rig.bookie(ensemble[1])
+    victim.crash()
+    spare = next(a for a in rig.cluster.addresses if a not in ensemble)
+    stored = rig.stored_metadata(w.ledger_id)
+    new_ensemble = tuple(spare if a == ensemble[1] else a for a in ensemble)
+    assert stored.fragments == ((0, ensemble), (5, new_ensemble))
+    assert w.metadata == stored
+    for b in rig.cluster.bookies.values():
+        b.hold = False
+        b.release()
+    assert [result_of(d) for d in pending] == list(range(4, 10))
+    moved = [i for i in range(5, 10) if spare in stored.write_set(i)]
+    assert rig.bookie(spare).entry_ids(w.ledger_id) == moved
+    reader = result_of(rig.new_client().open(w.ledger_id, recovery=True))
+    assert reader.last_add_confirmed == 9
+    assert result_of(reader.read(0, 9)) == [data(i) for i in range(10)]
+
+
+def test_second_failure_during_change_is_handled_after_it() -> None:
+    """Two bookies failing one after the other both get replaced and the adds go on."""
+    rig = LedgerRig(5)
+    w = rig.create(3, 3, 2)
+    ensemble = w.metadata.fragments[0][1]
+    rig.bookie(ensemble[0]).down = True
+    rig.bookie(ensemble[1]).down = True
+    assert [result_of(w.append(data(i))) for i in range(3)] == [0, 1, 2]
+    final = rig.stored_metadata(w.ledger_id).fragments[-1][1]
+    assert not {ensemble[0], ensemble[1]} & set(final)
+    assert len(rig.stored_metadata(w.ledger_id).fragments) == 1, "no entry was in the old one"
+
+
+def test_not_enough_bookies_fails_pending_and_later_adds() -> None:
+    """Without a spare bookie the pending adds and every later one fail NotEnoughBookiesError;
+    what was acknowledged stays readable."""
+    rig = LedgerRig(3)
+    w = rig.create(3, 2, 2)
+    ensemble = w.metadata.fragments[0][1]
+    result_of(w.append(b"kept"))
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    pending = [w.append(data(i)) for i in range(3)]
+    rig.bookie(ensemble[2]).crash()
+    assert all(isinstance(failure_of(d), NotEnoughBookiesError) for d in pending)
+    assert isinstance(failure_of(w.append(b"later")), NotEnoughBookiesError)
+    for b in rig.cluster.bookies.values():
+        b.hold = False
+        b.release()
+    assert result_of(w.read(0, 0)) == [b"kept"]
+
+
+def test_silent_bookie_is_replaced_after_the_add_timeout() -> None:
+    """A bookie that never answers holds the adds only until the add timeout, then is replaced."""
+    rig = LedgerRig(3, add_timeout_s=2.0)
+    w = rig.create(2, 2, 2)
+    ensemble = w.metadata.fragments[0][1]
+    rig.bookie(ensemble[0]).silent = True
+    d = w.append(b"x")
+    rig.clock.advance(1.0)
+    assert not d.called
+    rig.clock.advance(1.5)
+    assert result_of(d) == 0
+    assert ensemble[0] not in rig.stored_metadata(w.ledger_id).fragments[-1][1]
+
+
+def test_ensemble_change_survives_a_foreign_metadata_update() -> None:
+    """A concurrent change of another field (lost CAS, still OPEN) is re-read and kept."""
+    rig = LedgerRig(3)
+    w = rig.create(2, 2, 2)
+    result_of(w.append(b"a"))
+    got = result_of(rig.store.get(f"/ledgers/{w.ledger_id}"))
+    meta = decode_metadata(got.value)
+    bumped = encode_metadata(meta.__class__(**{**meta.__dict__, "custom": {"k": "v"}}))
+    result_of(rig.store.put(f"/ledgers/{w.ledger_id}", bumped, got.stat.version))
+    rig.bookie(w.metadata.fragments[0][1][0]).down = True
+    assert result_of(w.append(b"b")) == 1
+    stored = rig.stored_metadata(w.ledger_id)
+    assert stored.custom == {"k": "v"}
+    assert len(stored.fragments) == 2
+
+
+# -- reads -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("e", "qw"), [(2, 2), (3, 2)])
+def test_digest_mismatch_falls_back_to_another_replica(e: int, qw: int) -> None:
+    """A corrupt copy is refused and the entry is read from the next bookie of its write set."""
+    rig = LedgerRig(3)
+    w = rig.create(e, qw, qw)
+    for i in range(6):
+        result_of(w.append(data(i)))
+    rig.bookie(w.metadata.write_set(2)[0]).corrupt(w.ledger_id, 2)
+    assert result_of(w.read(0, 5)) == [data(i) for i in range(6)]
+    rig.bookie(w.metadata.write_set(2)[1]).corrupt(w.ledger_id, 2)
+    assert isinstance(failure_of(w.read(2, 2)), DigestMismatchError)
+
+
+def test_read_falls_back_when_a_replica_is_down_or_silent() -> None:
+    """Reads go on from other replicas when one bookie is down or never answers (timeout)."""
+    rig = LedgerRig(2, add_timeout_s=1.0)
+    w = rig.create(2, 2, 1)
+    for i in range(3):
+        result_of(w.append(data(i)))
+    rig.bookie(w.metadata.write_set(0)[0]).down = True
+    assert result_of(w.read(0, 2)) == [data(i) for i in range(3)]
+    rig.bookie(w.metadata.write_set(0)[0]).down = False
+    rig.bookie(w.metadata.write_set(0)[0]).silent = True
+    d = w.read(0, 0)
+    assert not d.called
+    rig.clock.advance(1.0)
+    assert result_of(d) == [data(0)]
+
+
+def test_reads_beyond_the_lac_are_refused() -> None:
+    """A read past the LAC fails with NoSuchEntryError (those entries may be truncated)."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    result_of(w.append(b"a"))
+    assert isinstance(failure_of(w.read(0, 1)), NoSuchEntryError)
+
+
+def test_tailing_reader_follows_the_lac_without_fencing() -> None:
+    """A no-recovery open reads up to the bookies' LAC, and the writer keeps writing."""
+    rig = LedgerRig(2)
+    w = rig.create(2, 2, 2)
+    for i in range(3):
+        result_of(w.append(data(i)))
+    reader = result_of(rig.new_client().open(w.ledger_id, recovery=False))
+    assert reader.last_add_confirmed == 1  # the LAC rode on entry 2's add
+    assert result_of(reader.read(0, 1)) == [data(0), data(1)]
+    result_of(w.append(data(3)))
+    assert result_of(reader.read_last_add_confirmed()) == 2
+    assert rig.stored_metadata(w.ledger_id).state is LedgerState.OPEN
+    assert all(b.fences == 0 for b in rig.cluster.bookies.values())
+
+
+# -- close, delete, connections --------------------------------------------------------------
+
+
+def test_close_ledger_waits_for_pending_adds_then_seals() -> None:
+    """close_ledger waits for outstanding adds, closes at the LAC by CAS; later adds fail."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    bookie = rig.bookie(w.metadata.fragments[0][1][0])
+    bookie.hold = True
+    d = w.append(b"12345")
+    closing = w.close_ledger()
+    assert not closing.called
+    assert isinstance(failure_of(w.append(b"late")), LedgerClosedError)
+    bookie.release()
+    assert result_of(d) == 0
+    result_of(closing)
+    stored = rig.stored_metadata(w.ledger_id)
+    assert (stored.state, stored.last_entry_id, stored.length) == (LedgerState.CLOSED, 0, 5)
+    result_of(w.close_ledger())  # idempotent
+    reader = result_of(rig.client.open(w.ledger_id))
+    assert result_of(reader.read(0, 0)) == [b"12345"]
+
+
+def test_delete_removes_metadata_and_tells_every_bookie() -> None:
+    """delete drops the metadata and asks each bookie of each fragment to forget the ledger."""
+    rig = LedgerRig(3)
+    w = rig.create(2, 2, 2)
+    result_of(w.append(b"a"))
+    rig.bookie(w.metadata.fragments[0][1][0]).down = True
+    result_of(w.append(b"b"))
+    rig.bookie(w.metadata.fragments[0][1][0]).down = False
+    result_of(rig.client.delete(w.ledger_id))
+    assert isinstance(failure_of(rig.client.get_metadata(w.ledger_id)), NoSuchLedgerError)
+    assert all(w.ledger_id in b.deleted for b in rig.cluster.bookies.values())
+    assert isinstance(failure_of(rig.client.delete(w.ledger_id)), NoSuchLedgerError)
+    assert isinstance(failure_of(rig.client.open(w.ledger_id)), NoSuchLedgerError)
+
+
+def test_one_connection_per_bookie_closed_with_the_client() -> None:
+    """connect is called once per address however many ledgers use it; close closes them."""
+    rig = LedgerRig(2)
+    for _ in range(3):
+        w = rig.create(2, 2, 2)
+        result_of(w.append(b"a"))
+    assert rig.cluster.connects == dict.fromkeys(rig.cluster.addresses, 1)
+    result_of(rig.client.close())
+    assert all(b.closed for b in rig.cluster.bookies.values())
+
+
+def test_metadata_registry_follows_available_bookies() -> None:
+    """The registry lists /bookies/available and stays current as bookies come and go."""
+    clock = Clock()
+    store = MemoryMetadataStore(clock)
+    registry = MetadataBookieRegistry(store)
+    assert result_of(registry.writable_bookies()) == []
+    bookie_session = store.new_session()
+    result_of(bookie_session.put("/bookies/available/b1:1", b"{}", ephemeral=True))
+    result_of(bookie_session.put("/bookies/available/b2:1", b"{}", ephemeral=True))
+    assert result_of(registry.writable_bookies()) == ["b1:1", "b2:1"]
+    result_of(bookie_session.delete("/bookies/available/b1:1"))
+    assert result_of(registry.writable_bookies()) == ["b2:1"]
+    result_of(bookie_session.close())
+    assert result_of(registry.writable_bookies()) == []
+    registry.close()
+    assert result_of(StaticBookieRegistry(["x:1", "x:1", "y:1"]).writable_bookies()) == [
+        "x:1",
+        "y:1",
+    ]
+
+
+def test_client_over_metadata_registry_creates_ledgers() -> None:
+    """A client choosing bookies from the metadata registry writes to announced bookies only."""
+    clock = Clock()
+    store = MemoryMetadataStore(clock)
+    cluster = FakeCluster(clock, 3)
+    for a in cluster.addresses[:2]:
+        result_of(store.put(f"/bookies/available/{a}", b"{}", ephemeral=True))
+    client = BookKeeperClient(store, MetadataBookieRegistry(store), cluster.connect, clock)
+    w = result_of(client.create(LedgerConfig(2, 2, 2)))
+    assert set(w.metadata.fragments[0][1]) == set(cluster.addresses[:2])
