@@ -240,6 +240,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._reader_names = 0
         self._error: Exception | None = None
         self._closing: list[Deferred[None]] | None = None  # waiters while a close runs
+        self._switching = False  # a _start_ledger runs
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -279,7 +280,11 @@ class ManagedLedgerImpl(ManagedLedger):
             await self._write_metadata()
         else:
             self._state = _State.ROLLING
-            await self._start_ledger(None)
+            self._switching = True
+            try:
+                await self._start_ledger(None)
+            finally:
+                self._switching = False
         for ledger_id in dropped:
             self._delete_ledger_later(ledger_id)
         self._maybe_trim()
@@ -402,7 +407,7 @@ class ManagedLedgerImpl(ManagedLedger):
             self._queued.append(add)
             if state is _State.NO_LEDGER:
                 self._state = _State.ROLLING
-                self._run(self._start_ledger(None))
+                self._switch(None)
         return add.d
 
     def _refusal(self) -> Exception:
@@ -472,7 +477,7 @@ class ManagedLedgerImpl(ManagedLedger):
             self._wake_readers()
         if not pending:
             if self._state is _State.ROLLING and self._current is handle:
-                self._run(self._start_ledger(handle))
+                self._switch(handle)
             elif self._state is _State.OPEN and self._is_full():
                 self._begin_roll()
             self._check_idle()
@@ -500,13 +505,13 @@ class ManagedLedgerImpl(ManagedLedger):
         self._current = None
         self._state = _State.ROLLING
         self._close_quietly(handle)
-        self._run(self._start_ledger(None))
+        self._switch(None)
 
     def _begin_roll(self) -> None:
         """Roll to a new ledger as soon as the current one is idle of pending adds."""
         self._state = _State.ROLLING
         if not self._pending:
-            self._run(self._start_ledger(self._current))
+            self._switch(self._current)
 
     def _check_roll_time(self) -> None:
         self._roll_timer = None
@@ -522,8 +527,36 @@ class ManagedLedgerImpl(ManagedLedger):
             self._roll_timer.cancel()
         self._roll_timer = self._reactor.callLater(max(delay, 0.0), self._check_roll_time)
 
+    def _switch(self, old: WriteHandle | None) -> None:
+        """Start ``_start_ledger`` unless one runs (callbacks may ask for it twice)."""
+        if self._switching:
+            return
+        self._switching = True
+
+        def done(result: object) -> None:
+            self._switching = False
+            if isinstance(result, Failure):
+                log.error("%s: %s", self.name, result.getTraceback())
+                return
+            # Only now, with the flag down, may the sends below ask for the next rollover.
+            self._send_queued()
+
+        Deferred.fromCoroutine(self._start_ledger(old)).addBoth(done)
+
+    def _send_queued(self) -> None:
+        """Send what queued to the current ledger, in order, while it takes entries."""
+        queued, handle = self._queued, self._current
+        while queued and self._state is _State.OPEN and self._current is handle:
+            if self._is_full():
+                self._begin_roll()
+                break
+            self._send(queued.popleft())
+        self._maybe_trim()
+        self._check_idle()
+
     async def _start_ledger(self, old: WriteHandle | None) -> None:
-        """Close ``old`` (idle), create the next ledger, CAS the list, send what queued."""
+        """Close ``old`` (idle), create the next ledger and CAS the list (run by ``_switch``,
+        which then sends what queued)."""
         if old is not None:
             try:
                 await old.close_ledger()
@@ -587,17 +620,8 @@ class ManagedLedgerImpl(ManagedLedger):
         self._sent_bytes = 0
         self._sent_index = self._next_index
         self._arm_roll_timer(cfg.max_ledger_rollover_time_s)
-        if self._state is not _State.ROLLING:
-            return
-        self._state = _State.OPEN
-        queued = self._queued
-        while queued and self._state is _State.OPEN and self._current is handle:
-            if self._is_full():
-                self._begin_roll()
-                break
-            self._send(queued.popleft())
-        self._maybe_trim()
-        self._check_idle()
+        if self._state is _State.ROLLING:
+            self._state = _State.OPEN
 
     def _no_ledger(self, error: Exception) -> None:
         """No ledger to write to: fail what waits; the next append tries again."""

@@ -182,6 +182,10 @@ class FakeWriteHandle(FakeReadHandle, WriteHandle):
             return fail(LedgerFencedError(f"ledger {self.ledger_id} is fenced"))
         self.closing = True
         self.ledger.state = LedgerState.CLOSED
+        if client.close_delay > 0 and client.clock is not None:
+            d: Deferred[None] = Deferred()
+            client.clock.callLater(client.close_delay, d.callback, None)
+            return d
         return succeed(None)
 
 
@@ -196,6 +200,7 @@ class FakeLedgerClient(LedgerClient):
         self._ids = itertools.count(1)
         self.hold = False
         self.create_delay = 0.0
+        self.close_delay = 0.0
         self.fail_creates = 0
         self.fail_reads = 0
         self.fail_close = 0

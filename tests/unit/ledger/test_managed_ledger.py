@@ -653,3 +653,26 @@ def test_time_lookup_in_a_sealed_ledger_reads_one_sparse_window() -> None:
         assert rig.client.reads - reads <= 1
         assert rig.client.entries_read - read_entries <= 64
     assert result_of(ml.position_of_time(1000 + 10 * 600)) is None
+
+
+def test_an_append_from_the_completion_that_fills_a_ledger_rolls_over_once() -> None:
+    """Appending from inside the callback of the append that filled the ledger, while sealing
+    takes time, starts exactly one rollover and keeps the order."""
+    rig = Rig()
+    rig.client.close_delay = 0.5
+    ml = rig.open(max_entries_per_ledger=2)
+    chained: list[Deferred[Entry]] = []
+
+    def again(entry: Entry) -> Entry:
+        if entry.data == b"m1":
+            chained.append(ml.append(b"m2"))
+        return entry
+
+    first = [ml.append(b"m0"), ml.append(b"m1").addCallback(again)]
+    creates = rig.client.creates
+    rig.clock.advance(0.5)
+    assert rig.client.creates == creates + 1
+    got = [result_of(d) for d in first + chained]
+    assert [e.index for e in got] == [0, 1, 2]
+    assert got[2].position.ledger_id != got[0].position.ledger_id
+    assert [e.data for e in read_all(ml)] == payloads(3)
