@@ -409,6 +409,12 @@ class Cursor(abc.ABC):
     def mark_delete_position(self) -> Position:
         """Everything at or below this is acknowledged."""
 
+    @property
+    def persisted_mark_delete_position(self) -> Position:
+        """The mark-delete position as last made durable: after a crash the cursor resumes
+        after this one. Equal to ``mark_delete_position`` unless a write is still due."""
+        return self.mark_delete_position
+
     @abc.abstractmethod
     def individually_deleted(self) -> Sequence[tuple[Position, Position]]:
         """Acknowledged ranges above the mark-delete, as closed intervals, ascending."""

@@ -75,6 +75,8 @@ class ManagedCursorImpl(Cursor):
         self._next_waiters: list[Deferred[None]] = []
         self._inflight_waiters: list[Deferred[None]] = []
         self._fenced: Exception | None = None
+        self._persisted_md = mark_delete  # md of the last successful write
+        self._writing_md = mark_delete
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class ManagedCursorImpl(Cursor):
             cursor._append_range(max(first, md + 1), last)
         cursor._advance()
         cursor._read = cursor._md + 1
+        cursor._persisted_md = cursor._md
         return cursor
 
     def _snapshot(self) -> bytes:
@@ -166,6 +169,7 @@ class ManagedCursorImpl(Cursor):
         self._next_waiters = []
         self._dirty = False
         self._writing = True
+        self._writing_md = self._md
         self._last_write = self._ml._reactor.seconds()
         d = self._ml._store.put(
             cursor_path(self._ml.name, self.name), self._snapshot(), self._version
@@ -174,6 +178,7 @@ class ManagedCursorImpl(Cursor):
 
     def _written(self, stat: Any) -> None:
         self._version = stat.version
+        self._persisted_md = self._writing_md
         self._writing = False
         waiters, self._inflight_waiters = self._inflight_waiters, []
         for d in waiters:
@@ -225,6 +230,13 @@ class ManagedCursorImpl(Cursor):
     def mark_delete_position(self) -> Position:
         ml = self._ml
         return ml._position(max(self._md, ml._first_seq - 1))
+
+    @property
+    def persisted_mark_delete_position(self) -> Position:
+        if not self.durable:
+            return self.mark_delete_position
+        ml = self._ml
+        return ml._position(max(self._persisted_md, ml._first_seq - 1))
 
     def individually_deleted(self) -> Sequence[tuple[Position, Position]]:
         pos = self._ml._position

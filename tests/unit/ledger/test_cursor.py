@@ -404,3 +404,16 @@ def test_cursors_of_a_fenced_log_write_nothing() -> None:
     assert isinstance(failure_of(c.mark_delete(e[5].position)), ManagedLedgerFencedError)
     settle(rig)
     assert stored(rig)["md"] != [e[5].position.ledger_id, e[5].position.entry_id]
+
+
+def test_persisted_mark_delete_lags_until_the_write() -> None:
+    """persisted_mark_delete_position shows what a restart would resume after."""
+    rig, _ml, c, e = setup()
+    c.mark_delete(e[1].position)
+    rig.clock.advance(1)
+    assert c.persisted_mark_delete_position == e[1].position
+    c.mark_delete(e[5].position)
+    assert c.mark_delete_position == e[5].position
+    assert c.persisted_mark_delete_position == e[1].position
+    rig.clock.advance(1)
+    assert c.persisted_mark_delete_position == e[5].position
