@@ -880,7 +880,17 @@ class ManagedLedgerImpl(ManagedLedger):
         else:
             md = self._first_seq - 1 if initial is InitialPosition.EARLIEST else self._next_seq - 1
             cursor = ManagedCursorImpl(self, name, durable=True, mark_delete=md)
-            await cursor._create()
+            try:
+                await cursor._create()
+            except BadVersionError:
+                # Opened twice at once: the first open made it.
+                existing = self._cursors.get(name)
+                if existing is not None and existing.durable:
+                    return existing
+                raise
+        existing = self._cursors.get(name)
+        if existing is not None and existing.durable:
+            return existing
         self._cursors[name] = cursor
         return cursor
 
@@ -971,15 +981,16 @@ class ManagedLedgerImpl(ManagedLedger):
                 if n == 0:
                     return
                 removed = self._ledgers[:n]
-                saved = (self._ledgers, self._ids, self._starts)
                 self._ledgers = self._ledgers[n:]
                 self._ids = self._ids[n:]
                 self._starts = self._starts[n:]
                 try:
                     await self._write_metadata()
                 except Exception:
-                    if self._state is not _State.FENCED:
-                        self._ledgers, self._ids, self._starts = saved
+                    # Put them back in front (a rollover may have added a ledger meanwhile).
+                    self._ledgers = removed + self._ledgers
+                    self._ids = [x.ledger_id for x in removed] + self._ids
+                    self._starts = [x.start for x in removed] + self._starts
                     raise
                 self._cache.evict_before(self._first_seq)
                 for ledger in removed:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -24,6 +24,7 @@ from polybroker.ledger.api import (
     ManagedLedgerTerminatedError,
     Position,
 )
+from polybroker.metadata.api import StoreClosedError
 
 NAME = "t/ns/persistent/topic"
 
@@ -676,3 +677,33 @@ def test_an_append_from_the_completion_that_fills_a_ledger_rolls_over_once() -> 
     assert [e.index for e in got] == [0, 1, 2]
     assert got[2].position.ledger_id != got[0].position.ledger_id
     assert [e.data for e in read_all(ml)] == payloads(3)
+
+
+def test_a_failed_trim_keeps_the_ledger_list_whole() -> None:
+    """If writing the shortened list fails, no ledger is deleted and the list is as before;
+    a later trim succeeds."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=2, retention_time_s=0)
+    c = result_of(ml.open_cursor("c", InitialPosition.EARLIEST))
+    entries = rig.append(ml, *payloads(5))
+    before = [i.ledger_id for i in ml.ledgers]
+    real_put = rig.store.put
+    failures = [1]  # fail the next write of the ledger list once
+
+    def failing_put(path: str, value: bytes, expected_version: int | None = None, **kw: object):  # type: ignore[no-untyped-def]
+        if path == f"/managed-ledgers/{NAME}" and failures[0]:
+            failures[0] -= 1
+            return fail(StoreClosedError("store down"))
+        return real_put(path, value, expected_version, **kw)  # type: ignore[arg-type]
+
+    rig.store.put = failing_put  # type: ignore[method-assign]
+    c.mark_delete(entries[3].position)
+    rig.clock.advance(1)
+    assert failures == [0]
+    assert [i.ledger_id for i in ml.ledgers] == before
+    assert not rig.client.deleted
+    assert [e.data for e in result_of(ml.read(entries[4].position, 1))] == [b"m4"]
+    result_of(ml.append(b"m5"))  # the rollover trims again
+    rig.clock.advance(1)
+    assert entries[0].position.ledger_id in rig.client.deleted
+    assert [e.data for e in read_all(ml)][-2:] == [b"m4", b"m5"]
