@@ -18,7 +18,7 @@ Rule 2: a decoder never reads past the buffer it is given and raises ``EntryForm
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from polybroker.ledger.api import StorageError
 
@@ -33,7 +33,8 @@ class EntryFormatError(StorageError):
     """Stored bytes are not an entry this version of the format can read."""
 
 
-class EntryHeader(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class EntryHeader:
     """The decoded broker entry metadata of one entry."""
 
     publish_time_ms: int

@@ -22,6 +22,7 @@ seqs, so ranges of acknowledgements merge by integer arithmetic across ledger bo
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import enum
 import json
@@ -441,7 +442,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._sent_bytes += len(add.raw)
         self._pending.append(add)
         handle.append(add.raw).addCallbacks(
-            self._add_done, self._add_failed, (add, handle), None, (add, handle)
+            self._add_done, self._add_failed, callbackArgs=(add, handle), errbackArgs=(add, handle)
         )
 
     def _add_done(self, entry_id: int, add: _Add, handle: WriteHandle) -> None:
@@ -1328,8 +1329,8 @@ class ManagedLedgerFactoryImpl(ManagedLedgerFactory):
     def list(self, prefix: str = "") -> Deferred[list[str]]:
         return Deferred.fromCoroutine(self._list(prefix))
 
-    async def _list(self, prefix: str) -> list[str]:
-        out: list[str] = []
+    async def _list(self, prefix: str) -> builtins.list[str]:
+        out: builtins.list[str] = []
 
         async def walk(name: str) -> None:
             path = ledger_path(name) if name else ROOT
