@@ -40,7 +40,6 @@ from polybroker.ledger import entry_format
 from polybroker.ledger.api import (
     EARLIEST,
     Cursor,
-    CursorNotFoundError,
     Entry,
     InitialPosition,
     LedgerClient,
@@ -911,11 +910,9 @@ class ManagedLedgerImpl(ManagedLedger):
         cursor = self._cursors.pop(name, None)
         if cursor is not None:
             cursor._stop()
-        try:
+        # Deleting a cursor that is gone already is not an error (the broker may retry).
+        with contextlib.suppress(NotFoundError):
             await self._store.delete(cursor_path(self.name, name))
-        except NotFoundError:
-            if cursor is None:
-                raise CursorNotFoundError(f"{self.name} has no cursor {name!r}") from None
         self._maybe_trim()
 
     def _cursor_closed(self, cursor: ManagedCursorImpl) -> None:

@@ -14,7 +14,6 @@ from fake_ledger_client import Rig, failure_of, fired, result_of
 
 from polybroker.ledger.api import (
     EARLIEST,
-    CursorNotFoundError,
     InitialPosition,
     ManagedLedgerClosedError,
     ManagedLedgerError,
@@ -300,7 +299,7 @@ def test_delete_cursor_removes_its_state() -> None:
     assert result_of(waiting) == []
     assert "sub" not in ml.cursors
     assert result_of(rig.store.get(cursor_path(NAME, "sub"))) is None
-    assert isinstance(failure_of(ml.delete_cursor("nope")), CursorNotFoundError)
+    result_of(ml.delete_cursor("nope"))  # idempotent, as the broker may retry
     ml2 = rig.new_owner().open(max_entries_per_ledger=4)
     assert "sub" not in ml2.cursors
 
