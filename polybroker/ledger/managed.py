@@ -478,7 +478,7 @@ class ManagedLedgerImpl(ManagedLedger):
         if not pending:
             if self._state is _State.ROLLING and self._current is handle:
                 self._switch(handle)
-            elif self._state is _State.OPEN and self._is_full():
+            elif self._state is _State.OPEN and self._accepting and self._is_full():
                 self._begin_roll()
             self._check_idle()
 
@@ -515,8 +515,8 @@ class ManagedLedgerImpl(ManagedLedger):
 
     def _check_roll_time(self) -> None:
         self._roll_timer = None
-        if self._state is not _State.OPEN:
-            return
+        if self._state is not _State.OPEN or not self._accepting:
+            return  # closing or terminating: the ledger is sealed, not rolled
         if self._sent_entries == 0:
             self._arm_roll_timer(self.config.max_ledger_rollover_time_s)
             return
@@ -1154,6 +1154,7 @@ class ManagedLedgerImpl(ManagedLedger):
 
     async def _terminate(self) -> Position:
         self._accepting = False
+        self._cancel_roll_timer()
         self._error = ManagedLedgerTerminatedError(f"{self.name} is terminated")
         # Appends not yet sent never will be: the log ends at what is durable now.
         queued = list(self._queued)
@@ -1218,6 +1219,7 @@ class ManagedLedgerImpl(ManagedLedger):
 
     async def _close_now(self) -> None:
         self._accepting = False
+        self._cancel_roll_timer()
         await self._idle()
         for cursor in list(self._cursors.values()):
             try:

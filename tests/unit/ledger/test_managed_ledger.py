@@ -707,3 +707,20 @@ def test_a_failed_trim_keeps_the_ledger_list_whole() -> None:
     rig.clock.advance(1)
     assert entries[0].position.ledger_id in rig.client.deleted
     assert [e.data for e in read_all(ml)][-2:] == [b"m4", b"m5"]
+
+
+def test_closing_a_full_ledger_seals_it_without_rolling_over() -> None:
+    """A close that waits for the append filling the ledger makes no new ledger, and the
+    rollover timer does not fire after it."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=1, max_ledger_rollover_time_s=10)
+    rig.client.hold = True
+    d = ml.append(b"last")
+    creates = rig.client.creates
+    closing = ml.close()
+    rig.client.release()
+    result_of(closing)
+    rig.clock.advance(60)
+    assert rig.client.creates == creates
+    assert result_of(d).data == b"last"
+    assert rig.client.ledgers[result_of(d).position.ledger_id].state is LedgerState.CLOSED
