@@ -722,5 +722,6 @@ def test_closing_a_full_ledger_seals_it_without_rolling_over() -> None:
     result_of(closing)
     rig.clock.advance(60)
     assert rig.client.creates == creates
-    assert result_of(d).data == b"last"
-    assert rig.client.ledgers[result_of(d).position.ledger_id].state is LedgerState.CLOSED
+    entry = result_of(d)
+    assert entry.data == b"last"
+    assert rig.client.ledgers[entry.position.ledger_id].state is LedgerState.CLOSED
