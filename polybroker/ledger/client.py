@@ -275,12 +275,11 @@ class _ReadHandle(ReadHandle):
 class _PendingAdd:
     """One add not yet completed."""
 
-    __slots__ = ("acked", "d", "data_len", "length", "record", "sent_at", "write_set")
+    __slots__ = ("acked", "d", "length", "record", "sent_at", "write_set")
 
-    def __init__(self, record: bytes, length: int, data_len: int, now: float) -> None:
+    def __init__(self, record: bytes, length: int, now: float) -> None:
         self.record = record
         self.length = length  # cumulative bytes through this entry
-        self.data_len = data_len
         self.d: Deferred[int] = Deferred()
         self.acked: set[str] = set()
         self.write_set: tuple[str, ...] | None = None  # None: not sent yet (ensemble change)
@@ -307,11 +306,22 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         self._to_replace: set[str] = set()
         self._failed_bookies: set[str] = set()
         self._sweep_call: Any = None
+        self._write_sets = self._last_write_sets(metadata)
+
+    @staticmethod
+    def _last_write_sets(meta: LedgerMetadata) -> tuple[tuple[str, ...], ...]:
+        """The E write sets of the last fragment, where every pending add lives (by e mod E)."""
+        first, e = meta.fragments[-1][0], meta.ensemble_size
+        return tuple(meta.write_set(first + (i - first) % e) for i in range(e))
 
     @property
     @override
     def length(self) -> int:
         return self._length
+
+    @override
+    def read_last_add_confirmed(self) -> Deferred[int]:
+        return succeed(self._lac)  # the writer is the authority on its own LAC
 
     # -- adds --------------------------------------------------------------------------------
 
@@ -323,22 +333,21 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             return fail(LedgerClosedError(f"ledger {self.ledger_id} is closed"))
         entry_id = self._next
         self._next = entry_id + 1
-        self._sent_length += len(data)
-        record = encode_record(self.ledger_id, entry_id, self._lac, self._sent_length, data)
-        p = _PendingAdd(record, self._sent_length, len(data), self._reactor.seconds())
+        length = self._sent_length = self._sent_length + len(data)
+        record = encode_record(self.ledger_id, entry_id, self._lac, length, data)
+        p = _PendingAdd(record, length, self._reactor.seconds())
         self._pending[entry_id] = p
         if not self._changing:
-            self._send(entry_id, p, self._metadata.write_set(entry_id))
+            p.write_set = ws = self._write_sets[entry_id % self._metadata.ensemble_size]
+            self._send(entry_id, p, ws)
         if self._sweep_call is None:
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
         return p.d
 
     def _send(self, entry_id: int, p: _PendingAdd, targets: Sequence[str]) -> None:
-        if p.write_set is None:
-            p.write_set = self._metadata.write_set(entry_id)
-        bookie = self._client._bookie
+        bookie, ledger_id, lac, record = self._client._bookie, self.ledger_id, self._lac, p.record
         for address in targets:
-            bookie(address).add_entry(self.ledger_id, entry_id, self._lac, p.record).addCallbacks(
+            bookie(address).add_entry(ledger_id, entry_id, lac, record).addCallbacks(
                 self._acked,
                 self._add_failed,
                 callbackArgs=(entry_id, address),
@@ -489,6 +498,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         if self._error is not None:
             return
         self._metadata, self._version = new_meta, version
+        self._write_sets = self._last_write_sets(new_meta)
         now = self._reactor.seconds()
         for entry_id in range(self._lac + 1, self._next):
             p = self._pending.get(entry_id)
@@ -498,6 +508,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             old_ws = p.write_set
             p.sent_at = now
             if old_ws is None:
+                p.write_set = new_ws
                 self._send(entry_id, p, new_ws)
                 continue
             if old_ws == new_ws:
