@@ -440,6 +440,10 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             self._change()
 
     def _change(self) -> None:
+        if self._client._closed:
+            self._to_replace.clear()
+            self._fail(LedgerClosedError(f"ledger {self.ledger_id}: the ledger client is closed"))
+            return
         ensemble = self._metadata.fragments[-1][1]
         failed = {a for a in self._to_replace if a in ensemble}
         self._to_replace.clear()
@@ -638,6 +642,9 @@ class BookKeeperClient(LedgerClient):
     def _bookie(self, address: str) -> BookieClient:
         client = self._bookies.get(address)
         if client is None:
+            if self._closed:
+                # Requests after close fail fast instead of opening new connections.
+                return _ClosedBookie(address)
             client = self._bookies[address] = self._connect(address)
         return client
 
@@ -854,7 +861,9 @@ class BookKeeperClient(LedgerClient):
         length = 0
         if start >= 0:
             _, _, length = await self._read_one(meta, start)
-        last, length = await self._recover_forward(meta, start, length)
+        last, length, found = await self._recover_forward(meta, start, length)
+        if found:
+            meta, version = await self._replicate(meta, version, found)
         closed = replace(meta, state=LedgerState.CLOSED, last_entry_id=last, length=length)
         for _ in range(_CAS_ATTEMPTS):
             try:
@@ -916,10 +925,11 @@ class BookKeeperClient(LedgerClient):
 
     async def _recover_forward(
         self, meta: LedgerMetadata, start: int, length: int
-    ) -> tuple[int, int]:
-        """Read past ``start`` with fencing reads, re-replicate what is found; (last, length)."""
+    ) -> tuple[int, int, list[tuple[int, int, bytes]]]:
+        """Read past ``start`` with fencing reads until an entry is absent; return (last entry,
+        its length, the (entry, lac, record) found)."""
+        found: list[tuple[int, int, bytes]] = []
         last = start
-        writes: list[Deferred[None]] = []
         done = False
         while not done:
             window = [
@@ -935,11 +945,38 @@ class BookKeeperClient(LedgerClient):
                 raw, entry_lac, entry_length = value
                 last += 1
                 length = entry_length
-                writes.append(self._rewrite(meta, last, entry_lac, raw))
-        for ok, value in await _gather_all(writes):
-            if not ok:
-                value.raiseException()
-        return last, length
+                found.append((last, entry_lac, raw))
+        return last, length, found
+
+    async def _replicate(
+        self, meta: LedgerMetadata, version: int, found: list[tuple[int, int, bytes]]
+    ) -> tuple[LedgerMetadata, int]:
+        """Write the recovered entries to their whole write sets (Qa acks each). Bookies that
+        cannot take them are replaced in a fragment starting at the first recovered entry,
+        recorded by CAS while the ledger is IN_RECOVERY; return the metadata written."""
+        for _ in range(_CAS_ATTEMPTS):
+            results = await _gather_all([self._rewrite(meta, e, lac, raw) for e, lac, raw in found])
+            failed: set[str] = set()
+            for ok, value in results:
+                if not ok:
+                    value.raiseException()
+                failed |= value
+            if not failed:
+                return meta, version
+            first, ensemble = meta.fragments[-1]
+            available = await self._registry.writable_bookies()
+            new_ensemble = replace_bookies(ensemble, failed, available, self._rng)
+            start = found[0][0]
+            fragments = list(meta.fragments)
+            if first >= start:
+                fragments[-1] = (first, new_ensemble)
+            else:
+                fragments.append((start, new_ensemble))
+            changed = replace(meta, fragments=tuple(fragments))
+            log.info("ledger %d: recovery replaces %s", meta.ledger_id, sorted(failed))
+            stat = await self._store.put(_path(meta.ledger_id), encode_metadata(changed), version)
+            meta, version = changed, stat.version
+        raise BookieUnavailableError(f"ledger {meta.ledger_id}: recovery writes keep failing")
 
     def _recovery_read(self, meta: LedgerMetadata, entry_id: int) -> Deferred[Any]:
         """Fire with (record, lac, length) if some replica holds the entry, None if Qw-Qa+1 say
@@ -983,33 +1020,82 @@ class BookKeeperClient(LedgerClient):
             d.addCallbacks(found, missed)
         return out
 
-    def _rewrite(self, meta: LedgerMetadata, entry_id: int, lac: int, raw: bytes) -> Deferred[None]:
-        """Write a recovered record to its whole write set; done once Qa bookies took it."""
+    def _rewrite(
+        self, meta: LedgerMetadata, entry_id: int, lac: int, raw: bytes
+    ) -> Deferred[set[str]]:
+        """Write a recovered record to its whole write set. Fire with an empty set once Qa
+        bookies took it, else with the bookies that failed (all answered by then)."""
         write_set = meta.write_set(entry_id)
-        out: Deferred[None] = Deferred()
+        out: Deferred[set[str]] = Deferred()
         acks = [0]
         left = [len(write_set)]
-        errors: list[Failure] = []
+        failed: set[str] = set()
 
         def ok(_: object) -> None:
             acks[0] += 1
-            left[0] -= 1
-            if acks[0] == meta.ack_quorum and not out.called:
-                out.callback(None)
+            settle()
 
-        def bad(failure: Failure) -> None:
-            errors.append(failure)
+        def bad(failure: Failure, address: str) -> None:
+            log.info("ledger %d: recovery write on %s: %s", meta.ledger_id, address, failure.value)
+            failed.add(address)
+            settle()
+
+        def settle() -> None:
             left[0] -= 1
-            if left[0] == 0 and not out.called:
-                out.errback(_best_error(errors))
+            if out.called:
+                return
+            if acks[0] >= meta.ack_quorum:
+                out.callback(set())
+            elif left[0] == 0:
+                out.callback(failed)
 
         for address in write_set:
             d = self._timed(
                 self._bookie(address).add_entry(meta.ledger_id, entry_id, lac, raw, recovery=True),
                 f"recovery write {meta.ledger_id}:{entry_id} on {address}",
             )
-            d.addCallbacks(ok, bad)
+            d.addCallbacks(ok, bad, errbackArgs=(address,))
         return out
+
+
+class _ClosedBookie(BookieClient):
+    """What a closed client hands out: every request fails with ``BookieUnavailableError``."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def _closed(self) -> Deferred[Any]:
+        return fail(BookieUnavailableError(f"{self.address}: the ledger client is closed"))
+
+    def add_entry(
+        self, ledger_id: int, entry_id: int, lac: int, data: bytes, *, recovery: bool = False
+    ) -> Deferred[None]:
+        return self._closed()
+
+    def read_entry(self, ledger_id: int, entry_id: int, *, fence: bool = False) -> Deferred[bytes]:
+        return self._closed()
+
+    def read_range(
+        self, ledger_id: int, first_entry_id: int, last_entry_id: int, max_bytes: int
+    ) -> Deferred[list[ReadResult]]:
+        return self._closed()
+
+    def read_lac(
+        self, ledger_id: int, *, previous_lac: int | None = None, timeout_ms: int = 0
+    ) -> Deferred[int]:
+        return self._closed()
+
+    def fence(self, ledger_id: int) -> Deferred[FenceResult]:
+        return self._closed()
+
+    def delete_ledger(self, ledger_id: int) -> Deferred[None]:
+        return self._closed()
+
+    def instance_id(self) -> Deferred[str]:
+        return self._closed()
+
+    def close(self) -> Deferred[None]:
+        return succeed(None)
 
 
 def _best_error(errors: Sequence[Failure]) -> Failure:

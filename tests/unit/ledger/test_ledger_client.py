@@ -391,3 +391,15 @@ def test_client_over_metadata_registry_creates_ledgers() -> None:
     client = BookKeeperClient(store, MetadataBookieRegistry(store), cluster.connect, clock)
     w = result_of(client.create(LedgerConfig(2, 2, 2)))
     assert set(w.metadata.fragments[0][1]) == set(cluster.addresses[:2])
+
+
+def test_closed_client_fails_adds_without_reconnecting() -> None:
+    """After close, a writer's adds fail with LedgerClosedError and no bookie is reconnected."""
+    rig = LedgerRig(3)
+    w = rig.create(2, 2, 2)
+    result_of(w.append(b"a"))
+    connects = dict(rig.cluster.connects)
+    result_of(rig.client.close())
+    assert isinstance(failure_of(w.append(b"b")), LedgerClosedError)
+    assert isinstance(failure_of(w.append(b"c")), LedgerClosedError)
+    assert rig.cluster.connects == connects

@@ -185,3 +185,43 @@ def test_tailing_reader_sees_the_close() -> None:
     result_of(w.close_ledger())
     assert result_of(reader.read_last_add_confirmed()) == 2
     assert result_of(reader.read(2, 2)) == [data(2)]
+
+
+def test_recovery_replaces_a_dead_bookie_it_must_rewrite_to() -> None:
+    """Entries past the LAC whose write set holds a dead bookie are rewritten to a replacement
+    recorded in a new fragment (by CAS), so recovery completes and every entry is readable."""
+    rig = LedgerRig(4)
+    w = rig.create(3, 2, 2)
+    for i in range(4):
+        result_of(w.append(data(i)))
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    for i in (4, 5, 6):
+        w.append(data(i))
+    ensemble = w.metadata.fragments[0][1]
+    dead = ensemble[0]
+    rig.bookie(dead).down = True  # its held adds stay unanswered: the writer is stuck, not failed
+    for b in rig.cluster.bookies.values():
+        b.hold = False
+    handle = recover(rig, w.ledger_id)
+    assert handle.last_add_confirmed == 6
+    spare = next(a for a in rig.cluster.addresses if a not in ensemble)
+    meta = rig.stored_metadata(w.ledger_id)
+    assert meta.state is LedgerState.CLOSED
+    assert meta.fragments == ((0, ensemble), (4, (spare, ensemble[1], ensemble[2])))
+    assert rig.bookie(spare).entry_ids(w.ledger_id) == [
+        e for e in (4, 5, 6) if dead in w.metadata.write_set(e)
+    ]
+    assert result_of(handle.read(0, 6)) == [data(i) for i in range(7)]
+
+
+def test_recovery_does_not_wait_for_a_silent_bookie() -> None:
+    """Fencing and recovery reads go on once the quorums answered; a bookie that never answers
+    does not hold recovery up until its timeout."""
+    rig = LedgerRig(3)
+    w = rig.create(3, 3, 2)
+    for i in range(3):
+        result_of(w.append(data(i)))
+    rig.bookie(w.metadata.fragments[0][1][2]).silent = True
+    handle = recover(rig, w.ledger_id)  # fired without the clock moving
+    assert handle.last_add_confirmed == 2
