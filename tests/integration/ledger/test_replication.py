@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest_twisted
@@ -12,6 +13,7 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
+from polybroker.config import Config
 from polybroker.ledger.api import (
     LedgerConfig,
     LedgerFencedError,
@@ -19,8 +21,9 @@ from polybroker.ledger.api import (
     NotEnoughBookiesError,
     WriteHandle,
 )
+from polybroker.ledger.bookie.server import BookieServer
 from polybroker.ledger.client import BookKeeperClient, tcp_connector
-from polybroker.ledger.registry import StaticBookieRegistry
+from polybroker.ledger.registry import MetadataBookieRegistry, StaticBookieRegistry
 from polybroker.metadata.memory import MemoryMetadataStore
 
 # The fixture types live in this folder's conftest.py, which tests cannot import by name.
@@ -201,3 +204,51 @@ async def test_recovery_open_fences_the_writer(
     finally:
         await reader_client.close()
         await writer_client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_replacement_comes_from_the_registered_bookies(tmp_path: Path) -> None:
+    """In-process bookies announce themselves in the metadata store; when one of the ensemble
+    stops (and withdraws), the writer takes the registered spare and loses nothing."""
+    store = MemoryMetadataStore(reactor)
+    servers = [
+        BookieServer(
+            Config({"journalMaxGroupWaitMSec": 1.0}),
+            tmp_path / f"b{i}",
+            reactor,
+            metadata_store=store,
+        )
+        for i in range(4)
+    ]
+    for server in servers:
+        await server.start()
+    registry = MetadataBookieRegistry(store)
+    client = BookKeeperClient(store, registry, tcp_connector(reactor), reactor, add_timeout_s=5.0)
+    stopped: list[BookieServer] = []
+    try:
+        assert sorted(await registry.writable_bookies()) == sorted(s.address for s in servers)
+        handle = await client.create(LedgerConfig(3, 2, 2))
+        ensemble = handle.metadata.fragments[0][1]
+        victim = next(s for s in servers if s.address == ensemble[0])
+        spare = next(s.address for s in servers if s.address not in ensemble)
+        stream = Stream(handle, 2000).start()
+        await wait_for(lambda: len(stream.acked) >= 500, "500 acks")
+        stopped.append(victim)
+        await victim.stop()
+        assert victim.address not in await registry.writable_bookies()
+        await wait_for(lambda: stream.finished, "the stream to finish")
+        assert stream.errors == []
+        assert len(stream.acked) == 2000
+        assert handle.metadata.fragments[-1][1] == (spare, ensemble[1], ensemble[2])
+        await handle.close_ledger()
+        reader = new_client(store, [s.address for s in servers if s is not victim])
+        try:
+            assert await check_readable(reader, handle.ledger_id, stream.acked) == 1999
+        finally:
+            await reader.close()
+    finally:
+        await client.close()
+        registry.close()
+        for server in servers:
+            if server not in stopped:
+                await server.stop()
