@@ -138,7 +138,7 @@ def decode_metadata(raw: bytes) -> LedgerMetadata:
         e, qw, qa = (_int(doc, k, 1) for k in ("ensemble_size", "write_quorum", "ack_quorum"))
         if not e >= qw >= qa:
             raise ValueError(f"E={e} Qw={qw} Qa={qa}")
-        fragments = []
+        fragments: list[tuple[int, tuple[str, ...]]] = []
         for item in doc.get("fragments", []):
             first, ensemble = item
             if type(first) is not int or first < 0 or (fragments and first <= fragments[-1][0]):
