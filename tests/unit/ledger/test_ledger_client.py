@@ -403,3 +403,35 @@ def test_closed_client_fails_adds_without_reconnecting() -> None:
     assert isinstance(failure_of(w.append(b"b")), LedgerClosedError)
     assert isinstance(failure_of(w.append(b"c")), LedgerClosedError)
     assert rig.cluster.connects == connects
+
+
+def test_range_reads_cross_fragments() -> None:
+    """With E == Qw reads go by ranges, each within one fragment's ensemble, and still fall
+    back to the other replica when a bookie of an old fragment is gone."""
+    rig = LedgerRig(3)
+    w = rig.create(2, 2, 2)
+    for i in range(5):
+        result_of(w.append(data(i)))
+    first = w.metadata.fragments[0][1]
+    rig.bookie(first[0]).down = True
+    for i in range(5, 10):
+        result_of(w.append(data(i)))
+    assert [start for start, _ in w.metadata.fragments] == [0, 5]
+    reader = result_of(rig.new_client().open(w.ledger_id, recovery=True))
+    assert result_of(reader.read(0, 9)) == [data(i) for i in range(10)]
+    assert result_of(reader.read(3, 6)) == [data(i) for i in range(3, 7)]
+
+
+def test_delayed_acks_complete_on_the_clock_without_a_timeout() -> None:
+    """Acks that take less than the add timeout complete when they arrive and replace no one."""
+    rig = LedgerRig(3, add_timeout_s=2.0)
+    w = rig.create(3, 3, 3)
+    for b in rig.cluster.bookies.values():
+        b.add_delay = 1.5
+    ds = [w.append(data(i)) for i in range(20)]
+    rig.clock.advance(1.0)
+    assert not any(d.called for d in ds)
+    rig.clock.advance(0.5)
+    assert [result_of(d) for d in ds] == list(range(20))
+    rig.clock.advance(10.0)
+    assert len(rig.stored_metadata(w.ledger_id).fragments) == 1
