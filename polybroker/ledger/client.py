@@ -384,8 +384,13 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             self._fail(failure.value)  # type: ignore[arg-type]
             return
         p = self._pending.get(entry_id)
-        if p is None or p.write_set is None or address not in p.write_set:
+        if p is not None:
+            if p.write_set is None or address not in p.write_set:
+                return  # a replaced bookie's late answer
+        elif self._error is not None or entry_id < self._metadata.fragments[-1][0]:
             return
+        # A failure after the entry completed still replaces the bookie: it would otherwise
+        # stay in the ensemble, silently holding fewer copies of every later entry.
         log.info(
             "ledger %d: bookie %s failed add %d: %s",
             self.ledger_id,
@@ -567,8 +572,8 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         return out
 
     def _seal(self) -> None:
-        if self._close_d is None or self._error is not None or self._sealing:
-            return
+        if self._close_d is None or self._error is not None or self._sealing or self._changing:
+            return  # an ensemble change in flight seals when it is done
         self._sealing = True
         lac, length = self._lac, self._length
 

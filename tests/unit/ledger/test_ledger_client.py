@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_bookie import FakeCluster, LedgerRig, failure_of, result_of
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from polybroker.ledger.api import (
@@ -31,7 +32,11 @@ from polybroker.ledger.client import (
     encode_record,
 )
 from polybroker.ledger.placement import choose_ensemble, replace_bookies
-from polybroker.ledger.registry import MetadataBookieRegistry, StaticBookieRegistry
+from polybroker.ledger.registry import (
+    BookieRegistry,
+    MetadataBookieRegistry,
+    StaticBookieRegistry,
+)
 from polybroker.metadata.memory import MemoryMetadataStore
 
 
@@ -435,3 +440,56 @@ def test_delayed_acks_complete_on_the_clock_without_a_timeout() -> None:
     assert [result_of(d) for d in ds] == list(range(20))
     rig.clock.advance(10.0)
     assert len(rig.stored_metadata(w.ledger_id).fragments) == 1
+
+
+class HeldRegistry(BookieRegistry):
+    """Answers ``writable_bookies`` at once, or, once ``hold`` is set, when the test says so."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.hold = False
+        self.waiting: list[Deferred[list[str]]] = []
+
+    def writable_bookies(self) -> Deferred[list[str]]:
+        if not self.hold:
+            return succeed(list(self.addresses))
+        d: Deferred[list[str]] = Deferred()
+        self.waiting.append(d)
+        return d
+
+    def answer(self) -> None:
+        self.waiting.pop(0).callback(list(self.addresses))
+
+
+def test_failure_after_completion_still_replaces_the_bookie() -> None:
+    """A bookie failing an add that already completed on the others is replaced anyway, from
+    the next entry on, so later entries get their full write quorum."""
+    rig = LedgerRig(4)
+    w = rig.create(3, 3, 2)
+    ensemble = w.metadata.fragments[0][1]
+    rig.bookie(w.metadata.write_set(0)[2]).fail_adds = 1
+    assert result_of(w.append(b"a")) == 0
+    meta = rig.stored_metadata(w.ledger_id)
+    assert [start for start, _ in meta.fragments] == [0, 1]
+    assert w.metadata.write_set(0)[2] not in meta.fragments[1][1]
+    assert set(ensemble) - set(meta.fragments[1][1]) == {w.metadata.write_set(0)[2]}
+
+
+def test_close_waits_for_a_running_ensemble_change() -> None:
+    """close_ledger during an ensemble change seals only after the change's CAS, at the LAC."""
+    clock = Clock()
+    store = MemoryMetadataStore(clock)
+    cluster = FakeCluster(clock, 4)
+    registry = HeldRegistry(cluster.addresses)
+    client = BookKeeperClient(store, registry, cluster.connect, clock, rng=random.Random(2))
+    w = result_of(client.create(LedgerConfig(3, 3, 2)))
+    registry.hold = True
+    cluster.bookies[w.metadata.write_set(0)[2]].fail_adds = 1
+    assert result_of(w.append(b"a")) == 0
+    assert registry.waiting, "the ensemble change waits for the registry"
+    closing = w.close_ledger()
+    assert not closing.called
+    registry.answer()
+    result_of(closing)
+    meta = result_of(client.get_metadata(w.ledger_id))
+    assert (meta.state, meta.last_entry_id, len(meta.fragments)) == (LedgerState.CLOSED, 0, 2)
