@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from polybroker.ledger.managed import ManagedLedgerImpl
 
 CURSOR_FORMAT_VERSION = 1
+WRITE_RETRY_S = 1.0  # after a failed state write
 ROOT = "/managed-ledgers"
 
 
@@ -201,8 +202,9 @@ class ManagedCursorImpl(Cursor):
             self._dirty = True
         for d in waiters:
             d.errback(error)
-        if self._fenced is None:
-            self._schedule()
+        if self._fenced is None and not self._closed and self._timer is None:
+            # Retry later, not at once: a store that fails at once would otherwise spin.
+            self._timer = self._ml._reactor.callLater(WRITE_RETRY_S, self._write)
 
     async def _flush(self) -> None:
         """Write now, whatever the rate, and wait until the state is durable."""

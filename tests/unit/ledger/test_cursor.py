@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from twisted.internet.defer import fail
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -21,6 +22,7 @@ from polybroker.ledger.api import (
     Position,
 )
 from polybroker.ledger.cursor import ManagedCursorImpl, cursor_path
+from polybroker.metadata.api import StoreClosedError
 
 NAME = "t/ns/persistent/topic"
 
@@ -416,3 +418,25 @@ def test_persisted_mark_delete_lags_until_the_write() -> None:
     assert c.persisted_mark_delete_position == e[1].position
     rig.clock.advance(1)
     assert c.persisted_mark_delete_position == e[5].position
+
+
+def test_a_failed_state_write_is_retried_later() -> None:
+    """A store error fails the acks waiting on that write; the state is written again a
+    moment later, without spinning."""
+    rig, _ml, c, e = setup(cursor_mark_delete_rate_per_s=0)
+    real_put = rig.store.put
+    failures = [1]
+
+    def flaky_put(path: str, value: bytes, expected_version: int | None = None, **kw: object):  # type: ignore[no-untyped-def]
+        if failures[0]:
+            failures[0] -= 1
+            return fail(StoreClosedError("store down"))
+        return real_put(path, value, expected_version, **kw)  # type: ignore[arg-type]
+
+    rig.store.put = flaky_put  # type: ignore[method-assign]
+    d = c.mark_delete(e[3].position)
+    assert isinstance(failure_of(d), StoreClosedError)
+    assert stored(rig)["md"] != [e[3].position.ledger_id, e[3].position.entry_id]
+    rig.clock.advance(1)
+    assert stored(rig)["md"] == [e[3].position.ledger_id, e[3].position.entry_id]
+    assert c.persisted_mark_delete_position == e[3].position
