@@ -83,16 +83,28 @@ class ManagedCursorImpl(Cursor):
 
     @classmethod
     def recover(cls, ml: ManagedLedgerImpl, value: bytes, version: int) -> ManagedCursorImpl:
-        """Rebuild a durable cursor from its persisted snapshot."""
-        doc = json.loads(value)
-        if not isinstance(doc, dict) or "name" not in doc or "md" not in doc:
-            raise ManagedLedgerError(f"{ml.name}: unreadable cursor state {value[:80]!r}")
-        md = ml._floor(Position(int(doc["md"][0]), int(doc["md"][1])))
-        cursor = cls(ml, str(doc["name"]), durable=True, mark_delete=md)
+        """Rebuild a durable cursor from its persisted snapshot; raise ``ManagedLedgerError``
+        if it is not one."""
+        try:
+            doc = json.loads(value)
+            if not isinstance(doc, dict) or "name" not in doc or "md" not in doc:
+                raise ValueError("missing fields")
+            md = ml._floor(Position(int(doc["md"][0]), int(doc["md"][1])))
+            ranges = [
+                (
+                    ml._ceil(Position(int(item[0]), int(item[1]))),
+                    ml._floor(Position(int(item[2]), int(item[3]))),
+                )
+                for item in doc.get("ranges", [])
+            ]
+            name = str(doc["name"])
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise ManagedLedgerError(
+                f"{ml.name}: unreadable cursor state {value[:80]!r}: {e}"
+            ) from e
+        cursor = cls(ml, name, durable=True, mark_delete=md)
         cursor._version = version
-        for item in doc.get("ranges", []):
-            first = ml._ceil(Position(int(item[0]), int(item[1])))
-            last = ml._floor(Position(int(item[2]), int(item[3])))
+        for first, last in sorted(ranges):
             cursor._append_range(max(first, md + 1), last)
         cursor._advance()
         cursor._read = cursor._md + 1

@@ -391,8 +391,12 @@ def test_seek_back_wakes_a_waiting_read() -> None:
 def test_recover_rejects_garbage_state() -> None:
     """Unreadable persisted cursor state is reported, not guessed."""
     _rig, ml, _c, _e = setup()
+    for garbage in (b'{"x": 1}', b"not json", b'{"name": "a", "md": [1]}', b"[]"):
+        with pytest.raises(ManagedLedgerError, match="unreadable"):
+            ManagedCursorImpl.recover(ml, garbage, 0)
+    bad_ranges = b'{"name": "a", "md": [1, 0], "ranges": [[1, "x"]]}'
     with pytest.raises(ManagedLedgerError, match="unreadable"):
-        ManagedCursorImpl.recover(ml, b'{"x": 1}', 0)
+        ManagedCursorImpl.recover(ml, bad_ranges, 0)
 
 
 def test_cursors_of_a_fenced_log_write_nothing() -> None:
