@@ -264,7 +264,7 @@ class ManagedLedgerImpl(ManagedLedger):
             self._version = found.stat.version
         try:
             self._load(doc)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise ManagedLedgerError(f"{self.name}: unreadable ledger list: {e!r}") from e
         dropped = await self._recover_last()
         for name in await self._store.children(f"{path}/cursors"):

@@ -626,7 +626,7 @@ def test_reopening_while_closing_waits_for_the_close() -> None:
 def test_unreadable_metadata_fails_the_open_clearly() -> None:
     """Garbage in the log's metadata node is reported, not guessed around."""
     rig = Rig()
-    for garbage in (b"{not json", b'{"ledgers": [{"id": 1}]}'):
+    for garbage in (b"{not json", b'{"ledgers": [{"id": 1}]}', b"[1]", b'{"terminated": [1]}'):
         result_of(rig.store.put(f"/managed-ledgers/{NAME}", garbage))
         err = failure_of(rig.factory.open(NAME))
         assert "unreadable" in str(err)
