@@ -1,0 +1,342 @@
+"""Sans-IO codec of the Pulsar binary protocol: frames in, frames out, no networking.
+
+Rules this module keeps:
+
+1. Every size read from the wire is bounded before anything is allocated for it: a frame never
+   exceeds ``max_frame_size``, a command never exceeds its frame, metadata never exceeds its
+   payload. A violation raises ``CodecError`` (or a subclass) with a clear message.
+2. A payload command's tail is kept byte for byte as the entry the broker stores:
+   ``[0x0e01][crc32c][metadataSize][MessageMetadata][payload]``. A tail that arrived without a
+   checksum (protocol < 6) is given one, so every stored entry has the same shape.
+3. A bad checksum is not a framing error: the frame decodes with ``checksum_ok=False`` so the
+   connection can answer with the protocol's ChecksumError and keep going.
+
+All integers are big-endian.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+from google.protobuf.message import DecodeError, EncodeError
+
+from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
+
+MAGIC_CRC32C = 0x0E01
+MAGIC_BROKER_ENTRY_METADATA = 0x0E02
+#: Slack above ``maxMessageSize`` for the command and metadata of a full-size message.
+FRAME_OVERHEAD = 10 * 1024
+DEFAULT_MAX_MESSAGE_SIZE = 5 * 1024 * 1024
+#: The newest protocol version this broker speaks.
+MAX_PROTOCOL_VERSION = 20
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U32U32 = struct.Struct(">II")
+
+Type = pb.BaseCommand.Type
+
+
+class CodecError(Exception):
+    """The bytes are not a valid Pulsar frame; the connection must be closed."""
+
+
+class FrameTooLargeError(CodecError):
+    """A frame declares a size above the limit."""
+
+
+def crc32c(data: bytes) -> int:
+    """CRC32C (Castagnoli) of ``data``."""
+    return _crc32c.crc32c(data)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded frame: the command and, for payload commands, the normalized tail."""
+
+    command: pb.BaseCommand
+    payload: bytes | None = None
+    checksum_ok: bool = True
+
+
+# -- encoding ------------------------------------------------------------------------------
+
+
+def encode_command(command: pb.BaseCommand) -> bytes:
+    """Frame a simple command: ``[totalSize][commandSize][command]``."""
+    body = command.SerializeToString()
+    return _U32U32.pack(len(body) + 4, len(body)) + body
+
+
+def encode_payload_command(command: pb.BaseCommand, tail: bytes) -> bytes:
+    """Frame a payload command; ``tail`` is a stored entry (``0x0e01``, checksum, metadata,
+    payload) and is sent unchanged."""
+    body = command.SerializeToString()
+    return _U32U32.pack(4 + len(body) + len(tail), len(body)) + body + tail
+
+
+def build_tail(metadata: pb.MessageMetadata, payload: bytes) -> bytes:
+    """Build a stored entry from metadata and (possibly compressed, possibly batched) payload."""
+    md = metadata.SerializeToString()
+    rest = _U32.pack(len(md)) + md + payload
+    return _U16.pack(MAGIC_CRC32C) + _U32.pack(crc32c(rest)) + rest
+
+
+def command(type_: int, field: str | None = None, **fields: object) -> pb.BaseCommand:
+    """Build a ``BaseCommand`` of ``type_`` whose sub-command ``field`` holds ``fields``.
+
+    Message-typed values are copied in; lists extend repeated fields."""
+    cmd = pb.BaseCommand(type=type_)  # type: ignore[arg-type]
+    if field is not None:
+        sub = getattr(cmd, field)
+        sub.SetInParent()
+        for name, value in fields.items():
+            if value is None:
+                continue
+            target = getattr(sub, name)
+            if isinstance(value, list | tuple):
+                for item in value:
+                    if hasattr(item, "SerializeToString"):
+                        target.add().CopyFrom(item)
+                    else:
+                        target.append(item)
+            elif hasattr(value, "SerializeToString"):
+                target.CopyFrom(value)
+            else:
+                setattr(sub, name, value)
+    return cmd
+
+
+# -- decoding ------------------------------------------------------------------------------
+
+
+def _parse_command(data: bytes) -> pb.BaseCommand:
+    cmd = pb.BaseCommand()
+    try:
+        cmd.ParseFromString(data)
+    except (DecodeError, EncodeError, ValueError) as e:
+        raise CodecError(f"malformed command: {e}") from None
+    return cmd
+
+
+def normalize_tail(tail: bytes) -> tuple[bytes, bool]:
+    """Return the tail as stored (checksummed) and whether its checksum matched.
+
+    Skips a leading broker entry metadata block; raises ``CodecError`` if the layout is bad."""
+    pos = 0
+    if len(tail) >= 6 and _U16.unpack_from(tail, 0)[0] == MAGIC_BROKER_ENTRY_METADATA:
+        (bem_size,) = _U32.unpack_from(tail, 2)
+        pos = 6 + bem_size
+        if pos > len(tail):
+            raise CodecError("broker entry metadata runs past the frame")
+    if len(tail) - pos >= 2 and _U16.unpack_from(tail, pos)[0] == MAGIC_CRC32C:
+        if len(tail) - pos < 10:
+            raise CodecError("truncated payload header")
+        (checksum,) = _U32.unpack_from(tail, pos + 2)
+        rest = tail[pos + 6 :]
+        _check_metadata_size(rest)
+        return (tail[pos:] if pos else tail), crc32c(rest) == checksum
+    rest = tail[pos:]
+    _check_metadata_size(rest)
+    return _U16.pack(MAGIC_CRC32C) + _U32.pack(crc32c(rest)) + rest, True
+
+
+def _check_metadata_size(rest: bytes) -> None:
+    if len(rest) < 4:
+        raise CodecError("truncated payload: no metadata size")
+    (md_size,) = _U32.unpack_from(rest, 0)
+    if md_size > len(rest) - 4:
+        raise CodecError(f"metadata size {md_size} runs past the frame")
+
+
+def decode_frame(frame: bytes) -> Frame:
+    """Decode one frame's body (everything after ``totalSize``)."""
+    if len(frame) < 4:
+        raise CodecError("frame shorter than its command size field")
+    (cmd_size,) = _U32.unpack_from(frame, 0)
+    if cmd_size > len(frame) - 4:
+        raise CodecError(f"command size {cmd_size} runs past the frame of {len(frame)} bytes")
+    cmd = _parse_command(frame[4 : 4 + cmd_size])
+    tail = frame[4 + cmd_size :]
+    if not tail:
+        return Frame(cmd)
+    stored, ok = normalize_tail(tail)
+    return Frame(cmd, stored, ok)
+
+
+class FrameDecoder:
+    """Accumulates bytes and yields complete frames.
+
+    ``feed`` raises ``CodecError`` on the first bad frame; the decoder is then unusable."""
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_MESSAGE_SIZE + FRAME_OVERHEAD) -> None:
+        self.max_frame_size = max_frame_size
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        """Add ``data``; yield every frame now complete."""
+        self._buf += data
+        buf = self._buf
+        start = 0
+        try:
+            while len(buf) - start >= 4:
+                (size,) = _U32.unpack_from(buf, start)
+                if size > self.max_frame_size:
+                    raise FrameTooLargeError(
+                        f"frame of {size} bytes exceeds the limit of {self.max_frame_size}"
+                    )
+                if size < 4:
+                    raise CodecError(f"frame size {size} is too small")
+                if len(buf) - start - 4 < size:
+                    break
+                body = bytes(buf[start + 4 : start + 4 + size])
+                start += 4 + size
+                yield decode_frame(body)
+        finally:
+            del buf[:start]
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)
+
+
+# -- stored entries ------------------------------------------------------------------------
+
+
+def split_tail(tail: bytes) -> tuple[pb.MessageMetadata, bytes]:
+    """Parse a stored entry into its ``MessageMetadata`` and payload; raise ``CodecError``."""
+    if len(tail) < 10 or _U16.unpack_from(tail, 0)[0] != MAGIC_CRC32C:
+        raise CodecError("not a Pulsar entry")
+    (md_size,) = _U32.unpack_from(tail, 6)
+    if md_size > len(tail) - 10:
+        raise CodecError(f"metadata size {md_size} runs past the entry")
+    md = pb.MessageMetadata()
+    try:
+        md.ParseFromString(tail[10 : 10 + md_size])
+    except (DecodeError, ValueError) as e:
+        raise CodecError(f"malformed message metadata: {e}") from None
+    return md, tail[10 + md_size :]
+
+
+def decompress(metadata: pb.MessageMetadata, payload: bytes, limit: int) -> bytes:
+    """Undo the payload's compression; refuse an uncompressed size above ``limit``."""
+    kind = metadata.compression
+    if kind == pb.NONE:
+        return payload
+    size = metadata.uncompressed_size
+    if size > limit:
+        raise CodecError(f"uncompressed size {size} exceeds the limit of {limit}")
+    try:
+        if kind == pb.LZ4:
+            import lz4.block
+
+            out = lz4.block.decompress(payload, uncompressed_size=size)
+        elif kind == pb.ZLIB:
+            d = zlib.decompressobj()
+            out = d.decompress(payload, size or limit)
+        elif kind == pb.ZSTD:
+            import zstandard
+
+            out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size or limit)
+        elif kind == pb.SNAPPY:
+            import snappy
+
+            out = snappy.uncompress(payload)
+        else:
+            raise CodecError(f"unknown compression {kind}")
+    except CodecError:
+        raise
+    except Exception as e:
+        raise CodecError(f"cannot decompress payload: {e}") from None
+    if len(out) > limit:
+        raise CodecError(f"uncompressed payload exceeds the limit of {limit}")
+    return bytes(out)
+
+
+def decode_batch(
+    metadata: pb.MessageMetadata, payload: bytes
+) -> list[tuple[pb.SingleMessageMetadata, bytes]]:
+    """Split an uncompressed batch payload into its messages; raise ``CodecError``."""
+    count = metadata.num_messages_in_batch
+    out: list[tuple[pb.SingleMessageMetadata, bytes]] = []
+    pos = 0
+    for _ in range(count):
+        if len(payload) - pos < 4:
+            raise CodecError("truncated batch: no single-message metadata size")
+        (size,) = _U32.unpack_from(payload, pos)
+        pos += 4
+        if size > len(payload) - pos:
+            raise CodecError("single-message metadata runs past the batch")
+        smm = pb.SingleMessageMetadata()
+        try:
+            smm.ParseFromString(payload[pos : pos + size])
+        except (DecodeError, ValueError) as e:
+            raise CodecError(f"malformed single-message metadata: {e}") from None
+        pos += size
+        n = smm.payload_size
+        if n < 0 or n > len(payload) - pos:
+            raise CodecError("message payload runs past the batch")
+        out.append((smm, payload[pos : pos + n]))
+        pos += n
+    return out
+
+
+def encode_batch(messages: list[tuple[pb.SingleMessageMetadata, bytes]]) -> bytes:
+    """Build an uncompressed batch payload (the inverse of ``decode_batch``)."""
+    parts: list[bytes] = []
+    for smm, data in messages:
+        smm.payload_size = len(data)
+        raw = smm.SerializeToString()
+        parts += [_U32.pack(len(raw)), raw, data]
+    return b"".join(parts)
+
+
+# -- message ids ---------------------------------------------------------------------------
+
+_U64 = 1 << 64
+
+
+def to_signed64(value: int) -> int:
+    """Read a uint64 wire value as the int64 the client meant (2**64-1 is -1)."""
+    return value - _U64 if value >= 1 << 63 else value
+
+
+def to_unsigned64(value: int) -> int:
+    """Write an int64 (possibly -1) into a uint64 field."""
+    return value + _U64 if value < 0 else value
+
+
+def message_id(
+    ledger_id: int, entry_id: int, partition: int = -1, batch_index: int = -1
+) -> pb.MessageIdData:
+    """A ``MessageIdData``; negative ledger/entry ids are written as the client expects."""
+    return pb.MessageIdData(
+        ledgerId=to_unsigned64(ledger_id),
+        entryId=to_unsigned64(entry_id),
+        partition=partition,
+        batch_index=batch_index,
+    )
+
+
+def ack_set_words(bits: int, size: int) -> list[int]:
+    """Pack a bitset of ``size`` bits into signed 64-bit words (BitSet.toLongArray order)."""
+    words: list[int] = []
+    for start in range(0, size, 64):
+        word = (bits >> start) & ((1 << 64) - 1)
+        words.append(word - _U64 if word >= 1 << 63 else word)
+    while words and words[-1] == 0:
+        words.pop()
+    return words
+
+
+def ack_set_bits(words: list[int]) -> int:
+    """Unpack signed 64-bit words into a bitset."""
+    bits = 0
+    for i, word in enumerate(words):
+        bits |= (word & ((1 << 64) - 1)) << (64 * i)
+    return bits
