@@ -249,23 +249,26 @@ class _ReadHandle(ReadHandle):
 
     @override
     def read_last_add_confirmed(self) -> Deferred[int]:
-        client = self._client
-
-        def got_metadata(found: tuple[LedgerMetadata, int]) -> Deferred[int] | int:
-            meta, version = found
-            self._metadata, self._version = meta, version
-            if meta.state is LedgerState.CLOSED:
-                self._lac = max(self._lac, meta.last_entry_id)
-                return self._lac
-            return client._read_lac(meta).addCallback(update)
-
-        def update(lac: int) -> int:
-            self._lac = max(self._lac, lac)
-            return self._lac
-
         if self._metadata.state is LedgerState.CLOSED:
             return succeed(self._lac)
-        return client._get(self.ledger_id).addCallback(got_metadata)
+        return Deferred.fromCoroutine(self._refresh_lac())
+
+    async def _refresh_lac(self) -> int:
+        # The LAC is asked before the metadata is read again: a fragment is recorded before any
+        # of its entries is sent, so the metadata read afterwards covers every entry <= LAC.
+        client = self._client
+        lac: int | None
+        try:
+            lac = await client._read_lac(self._metadata)
+        except BookieError:
+            lac = None  # the ensemble may have moved on: the metadata says where
+        self._metadata, self._version = await client._get(self.ledger_id)
+        if self._metadata.state is LedgerState.CLOSED:
+            lac = self._metadata.last_entry_id
+        elif lac is None:
+            lac = await client._read_lac(self._metadata)
+        self._lac = max(self._lac, lac)
+        return self._lac
 
     @override
     def close(self) -> Deferred[None]:

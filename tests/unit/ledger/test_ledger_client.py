@@ -493,3 +493,21 @@ def test_close_waits_for_a_running_ensemble_change() -> None:
     result_of(closing)
     meta = result_of(client.get_metadata(w.ledger_id))
     assert (meta.state, meta.last_entry_id, len(meta.fragments)) == (LedgerState.CLOSED, 0, 2)
+
+
+def test_tailing_reader_follows_the_writer_to_a_new_ensemble() -> None:
+    """A tailing reader whose whole known ensemble was replaced finds the LAC and the entries
+    on the new one (the metadata is read after the LAC, so it covers it)."""
+    rig = LedgerRig(4)
+    w = rig.create(2, 2, 2)
+    result_of(w.append(data(0)))
+    reader = result_of(rig.new_client().open(w.ledger_id, recovery=False))
+    old = w.metadata.fragments[0][1]
+    for i, address in enumerate(old, start=1):
+        rig.bookie(address).down = True
+        assert result_of(w.append(data(i))) == i
+    for i in range(3, 6):
+        assert result_of(w.append(data(i))) == i
+    assert not set(old) & set(w.metadata.fragments[-1][1])
+    assert result_of(reader.read_last_add_confirmed()) == 4
+    assert result_of(reader.read(1, 4)) == [data(i) for i in range(1, 5)]
