@@ -9,12 +9,15 @@ Rule 2 (I12): each entry is stored as a record ``version, lac, cumulative length
 Rule 3 (I18, I20, I21): a failed (or timed out) bookie is replaced by one outside the ensemble in a
         new fragment starting at LAC+1, recorded by compare-and-set before anything is sent to the
         replacement; adds complete no further while the change runs, then the outstanding adds of
-        the failed bookie are re-sent to its replacement. A lost CAS is re-read: a ledger no longer
-        OPEN means a recovery fenced it (``LedgerFencedError``).
+        the failed bookie are re-sent to its replacement. A bookie failing an add that already
+        completed is replaced too. A lost CAS is re-read: a ledger no longer OPEN means a recovery
+        fenced it (``LedgerFencedError``). No spare bookie: ``NotEnoughBookiesError`` for the
+        pending adds and every later one.
 Rule 4 (I15, I16, I19): a recovery open moves the metadata to IN_RECOVERY, fences Qw-Qa+1 bookies
         of every write set of the last ensemble, reads forward with fencing reads from
-        max(LAC seen, first entry of the last fragment - 1), re-writes each entry found to its whole
-        write set and closes the ledger at the last one (CAS), so the end covers every entry any
+        max(LAC seen, first entry of the last fragment - 1) until Qw-Qa+1 bookies lack an entry,
+        re-writes each entry found to its whole write set (replacing, by CAS, bookies that cannot
+        take them) and closes the ledger at the last one (CAS), so the end covers every entry any
         writer had acknowledged.
 Rule 5: nothing waits forever: adds are checked against ``add_timeout_s`` by one sweep timer
         looking at the oldest pending add only, and every other bookie request has a timeout.
@@ -682,7 +685,8 @@ class BookKeeperClient(LedgerClient):
         ensemble = choose_ensemble(available, config.ensemble_size, self._rng)
         path = await self._store.create_sequential(_ID_PREFIX, b"")
         ledger_id = int(path[len(_ID_PREFIX) :])
-        # The sequence node only hands out the id; the counter survives its deletion (Rule 6).
+        # The sequence node only hands out the id: the store never reuses a suffix, even after
+        # the node is deleted (the metadata contract's Rule 6).
         await self._store.delete(path)
         meta = LedgerMetadata(
             ledger_id=ledger_id,
