@@ -279,3 +279,102 @@ def test_a_third_party_protocol_served_by_the_standalone(
             received += chunk
     assert received == b"echo from standalone\nhello"
     assert standalones.stop(broker.pid) == 0
+
+
+def _require_pulsar_handler() -> None:
+    """The Pulsar handler must be installed for the client tests (it is part of the package)."""
+    from polybroker.broker_core.host import installed_entry_points
+
+    names = {ep.name for ep in installed_entry_points()}
+    assert "pulsar" in names, f"the pulsar protocol handler is not installed: {sorted(names)}"
+
+
+def test_pulsar_client_over_http_service_url(standalones: Standalones, tmp_path: Path) -> None:
+    """The official client with an http:// service URL looks up over HTTP and round-trips."""
+    import pulsar
+
+    _require_pulsar_handler()
+    broker = standalones.start(tmp_path / "data")
+    wait_healthy(broker)
+    client = pulsar.Client(broker.http, operation_timeout_seconds=20)
+    try:
+        topic = "persistent://public/default/over-http"
+        consumer = client.subscribe(topic, "s", initial_position=pulsar.InitialPosition.Earliest)
+        producer = client.create_producer(topic)
+        producer.send(b"hello-pulsar")
+        msg = consumer.receive(timeout_millis=20_000)
+        assert msg.data() == b"hello-pulsar"
+        consumer.acknowledge(msg)
+    finally:
+        client.close()
+    assert standalones.stop(broker.pid) == 0
+
+
+def test_kill9_loses_no_acknowledged_message_and_keeps_acks(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """Produce, consume and ack half, kill -9, restart: the other half arrives, in order."""
+    import pulsar
+
+    _require_pulsar_handler()
+    data = tmp_path / "data"
+    conf = tmp_path / "broker.conf"
+    # Persist every mark-delete at once, so the test knows when acks are durable.
+    conf.write_text("managedLedgerDefaultMarkDeleteRateLimit=1000\n")
+    first = standalones.start(data, "--config", str(conf))
+    wait_healthy(first)
+    topic = "persistent://public/default/durable"
+    url = f"pulsar://127.0.0.1:{first.ports['brokerServicePort']}"
+    client = pulsar.Client(url, operation_timeout_seconds=20)
+    try:
+        consumer = client.subscribe(topic, "keep", initial_position=pulsar.InitialPosition.Earliest)
+        producer = client.create_producer(topic, batching_enabled=False)
+        for i in range(20):
+            producer.send(f"m{i}".encode())  # returns once the broker acknowledged it
+        for i in range(10):
+            msg = consumer.receive(timeout_millis=20_000)
+            assert msg.data() == f"m{i}".encode()
+            consumer.acknowledge(msg)
+        stats_url = f"{first.http}/admin/v2/persistent/public/default/durable/stats"
+        deadline = time.monotonic() + 20
+        backlog = -1
+        while time.monotonic() < deadline:
+            stats = json.loads(http("GET", stats_url)[1])
+            backlog = stats["subscriptions"]["keep"]["msgBacklog"]
+            if backlog == 10:
+                break
+            time.sleep(0.05)
+        assert backlog == 10
+        internal_url = f"{first.http}/admin/v2/persistent/public/default/durable/internalStats"
+        deadline = time.monotonic() + 20
+        persisted = ""
+        while time.monotonic() < deadline:
+            internal = json.loads(http("GET", internal_url)[1])
+            cursor = internal["cursors"]["keep"]
+            persisted = cursor.get("markDeletePosition", "")
+            if persisted.endswith(":9"):
+                break
+            time.sleep(0.05)
+        assert persisted.endswith(":9")
+    finally:
+        client.close()
+    standalones.stop(first.pid, signal.SIGKILL)
+
+    second = standalones.start(data, "--config", str(conf))
+    wait_healthy(second)
+    client = pulsar.Client(
+        f"pulsar://127.0.0.1:{second.ports['brokerServicePort']}", operation_timeout_seconds=20
+    )
+    try:
+        consumer = client.subscribe(topic, "keep")
+        got = []
+        for _ in range(10):
+            msg = consumer.receive(timeout_millis=20_000)
+            got.append(msg.data().decode())
+            consumer.acknowledge(msg)
+        assert got == [f"m{i}" for i in range(10, 20)]
+        with pytest.raises(pulsar.Timeout):
+            consumer.receive(timeout_millis=500)
+    finally:
+        client.close()
+    assert standalones.stop(second.pid) == 0
