@@ -305,6 +305,31 @@ def test_pulsar_client_over_http_service_url(standalones: Standalones, tmp_path:
         msg = consumer.receive(timeout_millis=20_000)
         assert msg.data() == b"hello-pulsar"
         consumer.acknowledge(msg)
+
+        # Partitioned metadata over HTTP: the client spreads keys over the three partitions.
+        base = f"{broker.http}/admin/v2/persistent/public/default"
+        assert http("PUT", f"{base}/parts/partitions", 3)[0] == 204
+        parts = "persistent://public/default/parts"
+        p_consumer = client.subscribe(parts, "s", initial_position=pulsar.InitialPosition.Earliest)
+        p_producer = client.create_producer(parts)
+        for i in range(12):
+            p_producer.send(f"p{i}".encode(), partition_key=f"k{i}")
+        got = set()
+        for _ in range(12):
+            m = p_consumer.receive(timeout_millis=20_000)
+            got.add(m.data().decode())
+            assert m.topic_name().startswith(f"{parts}-partition-")
+            p_consumer.acknowledge(m)
+        assert got == {f"p{i}" for i in range(12)}
+
+        # A pattern subscription lists the namespace's topics over HTTP.
+        pattern = re.compile(r"persistent://public/default/rx-.*")
+        rx_producer = client.create_producer("persistent://public/default/rx-1")
+        rx_consumer = client.subscribe(
+            pattern, "rx", initial_position=pulsar.InitialPosition.Earliest
+        )
+        rx_producer.send(b"matched")
+        assert rx_consumer.receive(timeout_millis=20_000).data() == b"matched"
     finally:
         client.close()
     assert standalones.stop(broker.pid) == 0
