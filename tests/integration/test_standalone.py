@@ -403,3 +403,49 @@ def test_kill9_loses_no_acknowledged_message_and_keeps_acks(
     finally:
         client.close()
     assert standalones.stop(second.pid) == 0
+
+
+def test_namespace_deduplication_set_over_http(standalones: Standalones, tmp_path: Path) -> None:
+    """With deduplication enabled on the namespace, a resent sequence id is stored once."""
+    import pulsar
+
+    _require_pulsar_handler()
+    broker = standalones.start(tmp_path / "data")
+    wait_healthy(broker)
+    dedup = f"{broker.http}/admin/v2/namespaces/public/default/deduplication"
+    assert http("POST", dedup, True)[0] == 204
+    client = pulsar.Client(
+        f"pulsar://127.0.0.1:{broker.ports['brokerServicePort']}", operation_timeout_seconds=20
+    )
+    try:
+        topic = "persistent://public/default/dedup"
+        consumer = client.subscribe(topic, "s", initial_position=pulsar.InitialPosition.Earliest)
+        producer = client.create_producer(topic, producer_name="p1", batching_enabled=False)
+        for seq in range(3):
+            producer.send(f"m{seq}".encode(), sequence_id=seq)
+        producer.close()
+        again = client.create_producer(topic, producer_name="p1", batching_enabled=False)
+        assert again.last_sequence_id() == 2
+        again.send(b"m1-again", sequence_id=1)
+        again.send(b"m3", sequence_id=3)
+        got = [consumer.receive(timeout_millis=20_000).data() for _ in range(4)]
+        assert got == [b"m0", b"m1", b"m2", b"m3"]
+    finally:
+        client.close()
+    assert standalones.stop(broker.pid) == 0
+
+
+def test_a_port_clash_between_protocol_and_http_is_refused(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """The Pulsar port equal to the HTTP port is refused before anything binds."""
+    _require_pulsar_handler()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code, err = standalones.run_to_exit(
+        tmp_path / "data", "--http-port", str(port), "--pulsar-port", str(port)
+    )
+    assert code == 1
+    assert "port clash: webServicePort (broker) and brokerServicePort (pulsar)" in err
+    assert str(port) in err
