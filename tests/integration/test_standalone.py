@@ -449,3 +449,26 @@ def test_a_port_clash_between_protocol_and_http_is_refused(
     assert code == 1
     assert "port clash: webServicePort (broker) and brokerServicePort (pulsar)" in err
     assert str(port) in err
+
+
+def test_sigterm_with_connected_clients_exits_cleanly(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """SIGTERM while a producer and a consumer are connected still exits 0 promptly."""
+    import pulsar
+
+    _require_pulsar_handler()
+    broker = standalones.start(tmp_path / "data")
+    wait_healthy(broker)
+    client = pulsar.Client(
+        f"pulsar://127.0.0.1:{broker.ports['brokerServicePort']}", operation_timeout_seconds=5
+    )
+    try:
+        topic = "persistent://public/default/busy"
+        client.subscribe(topic, "s")
+        client.create_producer(topic).send(b"x")
+        started = time.monotonic()
+        assert standalones.stop(broker.pid, signal.SIGTERM) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        client.close()
