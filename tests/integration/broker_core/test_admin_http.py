@@ -292,3 +292,33 @@ async def test_create_subscription_at_latest_earliest_or_an_id(admin: Admin) -> 
     assert (await admin.request("PUT", f"{T}/created/subscription/late")).status == 409
     missing = await admin.request("PUT", f"{T}/nosuchtopic/subscription/s")
     assert missing.status == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_garbage_on_the_http_port_does_not_hurt_others(admin: Admin) -> None:
+    """Random bytes and an endless header get an error or a close; the server keeps serving."""
+    from twisted.internet import reactor
+    from twisted.internet.defer import Deferred
+    from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+    from twisted.internet.protocol import Protocol
+
+    class Raw(Protocol):
+        def __init__(self) -> None:
+            self.data = b""
+            self.closed: Deferred[bytes] = Deferred()
+
+        def dataReceived(self, data: bytes) -> None:
+            self.data += data
+
+        def connectionLost(self, reason: object = None) -> None:
+            self.closed.callback(self.data)
+
+    for junk in (b"\x00\xff garbage \r\n\r\n", b"GET / HTTP/1.1\r\nX: " + b"a" * 100_000):
+        raw = Raw()
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", admin.port), raw)
+        assert raw.transport is not None
+        raw.transport.write(junk)
+        raw.closed.addTimeout(10, reactor)
+        answer = await raw.closed
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 4")
+    assert (await admin.request("GET", "/admin/v2/brokers/health")).status == 200
