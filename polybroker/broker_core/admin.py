@@ -215,14 +215,12 @@ class AdminServer:
         policies: PolicyStore,
         *,
         urls: Callable[[], dict[str, str]],
-        clock: Any = None,
     ) -> None:
         """``urls`` returns the lookup answer's URLs (``brokerUrl``, ``httpUrl``, ...) once the
         listeners are bound; it is asked on every lookup."""
         self.service = service
         self.policies = policies
         self.urls = urls
-        self.clock = clock if clock is not None else service.reactor
         self.router = Router()
         self._register()
 
@@ -742,10 +740,13 @@ class _Root(Resource):
         self.server = server
 
     def render(self, request: Request) -> int:
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
         d = self.server.handle(request)
 
         def send(response: Response) -> None:
-            if request.finished or request._disconnected:
+            if gone or request.finished:
+                # The client went away while the answer was being prepared.
                 return
             request.setResponseCode(response.status)
             if response.body or response.status != 204:
