@@ -214,6 +214,9 @@ class PulsarConnection(Protocol):
         self.producers: dict[int, _ProducerState] = {}
         self.consumers: dict[int, PulsarConsumer] = {}
         self._subscribing: dict[int, Deferred[Any]] = {}
+        # Producers the broker closed: their in-flight SENDs are dropped, not refused, because
+        # the client resends every unreceipted message once it has re-created the producer.
+        self._dropped_producers: set[int] = set()
         self._keep_alive: LoopingCall | None = None
         self._heard_since_ping = True
         self._ping_outstanding = False
@@ -462,6 +465,7 @@ class PulsarConnection(Protocol):
 
     def _on_producer(self, c: pb.CommandProducer) -> None:
         rid = c.request_id
+        self._dropped_producers.discard(c.producer_id)
         existing = self.producers.get(c.producer_id)
         if existing is not None:
             # The client retries a PRODUCER it timed out on: answer once it is registered.
@@ -563,6 +567,8 @@ class PulsarConnection(Protocol):
         state = self.producers.get(c.producer_id)
         seq = c.sequence_id
         highest = c.highest_sequence_id if c.HasField("highest_sequence_id") else 0
+        if state is None and c.producer_id in self._dropped_producers:
+            return
         if state is None or state.producer is None or not state.producer.is_ready:
             self._send_error(c.producer_id, seq, pb.NotAllowedError, "producer is not ready")
             return
@@ -842,8 +848,12 @@ class PulsarConnection(Protocol):
                 T.GET_LAST_MESSAGE_ID_RESPONSE,
                 "getLastMessageIdResponse",
                 request_id=rid,
+                # A lone message has no batch index; the client compares ids with it.
                 last_message_id=message_id(
-                    pos.ledger_id, pos.entry_id, partition, last.batch_index
+                    pos.ledger_id,
+                    pos.entry_id,
+                    partition,
+                    last.batch_index if last.num_messages > 1 else -1,
                 ),
             )
             md = last.mark_delete_position
