@@ -511,3 +511,22 @@ def test_tailing_reader_follows_the_writer_to_a_new_ensemble() -> None:
     assert not set(old) & set(w.metadata.fragments[-1][1])
     assert result_of(reader.read_last_add_confirmed()) == 4
     assert result_of(reader.read(1, 4)) == [data(i) for i in range(1, 5)]
+
+
+def test_late_acks_of_a_replaced_bookie_are_ignored() -> None:
+    """A slow bookie replaced after the add timeout answering later changes nothing: entries
+    complete once, in order, and later adds go to the new ensemble only."""
+    rig = LedgerRig(3, add_timeout_s=1.0)
+    w = rig.create(2, 2, 2)
+    slow = rig.bookie(w.metadata.fragments[0][1][0])
+    slow.hold = True
+    done: list[int] = []
+    for i in range(3):
+        w.append(data(i)).addCallback(done.append)
+    rig.clock.advance(1.5)
+    assert done == [0, 1, 2]
+    slow.release()
+    assert done == [0, 1, 2]
+    adds_before = len(slow.adds)
+    assert result_of(w.append(data(3))) == 3
+    assert len(slow.adds) == adds_before

@@ -225,3 +225,20 @@ def test_recovery_does_not_wait_for_a_silent_bookie() -> None:
     rig.bookie(w.metadata.fragments[0][1][2]).silent = True
     handle = recover(rig, w.ledger_id)  # fired without the clock moving
     assert handle.last_add_confirmed == 2
+
+
+def test_recovery_reads_past_a_corrupt_copy() -> None:
+    """A recovery read refusing a corrupt replica takes the entry from an intact one."""
+    rig = LedgerRig(3)
+    w = rig.create(3, 3, 2)
+    for i in range(3):
+        result_of(w.append(data(i)))
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    w.append(data(3))
+    for b in rig.cluster.bookies.values():
+        b.hold = False
+    rig.bookie(w.metadata.write_set(3)[0]).corrupt(w.ledger_id, 3)
+    handle = recover(rig, w.ledger_id)
+    assert handle.last_add_confirmed == 3
+    assert result_of(handle.read(3, 3)) == [data(3)]
