@@ -4,9 +4,10 @@ Wiring, started in this order and stopped in the reverse one:
 
 1. the protocol handlers are loaded and validated (no I/O yet: a bad config touches no data);
 2. the metadata store (embedded under ``<data-dir>/metadata`` unless ``metadataStoreUrl``);
-3. a bookie on ``<data-dir>/bookie``. Ledgers record their bookies' addresses, so the bookie
-   must come back at the same address after a restart: without an explicit ``bookiePort`` the
-   port picked on the first start is kept in ``<data-dir>/bookie-port`` and reused;
+3. a bookie on ``<data-dir>/bookie``, on 127.0.0.1 only. Ledgers record their bookies'
+   addresses, so the bookie must come back at the same address after a restart: without an
+   explicit ``bookiePort`` the port picked on the first start is kept in
+   ``<data-dir>/bookie-port`` and reused;
 4. the ledger client, the managed-ledger factory and the Broker API;
 5. cluster ``standalone`` (``clusterName``), tenant ``public`` and namespace ``public/default``,
    created on the first start;
@@ -166,12 +167,14 @@ class Standalone:
         )
         self._stops.append(("metadata store", store.close))
 
+        # The bookie serves only this process: it stays on loopback under one fixed address,
+        # whatever the broker binds or advertises, because ledgers record that address.
         bookie = BookieServer(
-            config,
+            config.with_overrides({"advertisedAddress": ""}),
             self.data_dir / "bookie",
             reactor,
             port=self._bookie_port(),
-            bind=bind,
+            bind="127.0.0.1",
             metadata_store=store,
         )
         bookie_port = await bookie.start()
