@@ -177,7 +177,16 @@ class Standalone:
             bind="127.0.0.1",
             metadata_store=store,
         )
-        bookie_port = await bookie.start()
+        try:
+            bookie_port = await bookie.start()
+        except CannotListenError as e:
+            from polybroker.broker_core.host import ListenerError
+
+            raise ListenerError(
+                f"cannot listen for bookiePort on 127.0.0.1:{e.port}: {e.socketError}; "
+                f"the bookie keeps its port (in {self.data_dir / BOOKIE_PORT_FILE}, or "
+                "bookiePort) because its ledgers record that address"
+            ) from e
         self._stops.append(("bookie", bookie.stop))
         self._remember_bookie_port(bookie_port)
         self.ports["bookiePort"] = bookie_port

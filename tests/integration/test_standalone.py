@@ -472,3 +472,20 @@ def test_sigterm_with_connected_clients_exits_cleanly(
         assert time.monotonic() - started < 10
     finally:
         client.close()
+
+
+def test_a_busy_remembered_bookie_port_is_explained(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """A restart whose remembered bookie port is taken exits 1 saying why the port is fixed."""
+    data = tmp_path / "data"
+    first = standalones.start(data)
+    wait_healthy(first)
+    assert standalones.stop(first.pid) == 0
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", first.ports["bookiePort"]))
+        busy.listen()
+        code, err = standalones.run_to_exit(data)
+    assert code == 1
+    assert f"bookiePort on 127.0.0.1:{first.ports['bookiePort']}" in err
+    assert "ledgers record that address" in err
