@@ -120,6 +120,9 @@ def _parse_command(data: bytes) -> pb.BaseCommand:
         cmd.ParseFromString(data)
     except (DecodeError, EncodeError, ValueError) as e:
         raise CodecError(f"malformed command: {e}") from None
+    if not cmd.IsInitialized():
+        missing = ", ".join(cmd.FindInitializationErrors())
+        raise CodecError(f"command lacks required fields: {missing}")
     return cmd
 
 

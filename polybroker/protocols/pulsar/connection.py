@@ -52,6 +52,7 @@ from polybroker.protocols.pulsar.codec import (
     encode_command,
     encode_payload_command,
     message_id,
+    split_tail,
     to_signed64,
 )
 
@@ -553,6 +554,7 @@ class PulsarConnection(Protocol):
         if state.closed:
             return
         self._forget_producer(state)
+        self._dropped_producers.add(state.producer_id)
         self.send(
             command(T.CLOSE_PRODUCER, "close_producer", producer_id=state.producer_id, request_id=0)
         )
@@ -577,6 +579,14 @@ class PulsarConnection(Protocol):
             return
         if not frame.checksum_ok:
             self._send_error(c.producer_id, seq, pb.ChecksumError, "payload checksum mismatch")
+            return
+        try:
+            md = split_tail(frame.payload)[0]
+        except CodecError as e:
+            self._protocol_error(f"SEND with a bad payload: {e}")
+            return
+        if not md.IsInitialized():
+            self._protocol_error("SEND whose message metadata lacks required fields")
             return
         pending = _PendingSend(seq, highest)
         state.sends.append(pending)

@@ -82,5 +82,3 @@ async def stop_broker(broker: Broker) -> None:
     await broker.listening.stopListening()
     broker.handler.stop()
     await broker.service.close()
-
-

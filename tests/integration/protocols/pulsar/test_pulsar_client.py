@@ -147,7 +147,8 @@ async def test_shared_subscription_spreads_messages(broker: Broker) -> None:
 
     got_a, got_b = await broker.run(scenario)
     assert sorted(got_a + got_b) == sorted(f"m{i}".encode() for i in range(40))
-    assert got_a and got_b
+    assert got_a
+    assert got_b
 
 
 @pytest_twisted.ensureDeferred

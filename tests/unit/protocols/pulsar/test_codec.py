@@ -1,0 +1,234 @@
+"""Unit tests of the sans-IO Pulsar codec: round trips and bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import struct
+import zlib
+
+import lz4.block
+import pytest
+import snappy
+import zstandard
+
+from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
+from polybroker.protocols.pulsar.codec import (
+    MAGIC_BROKER_ENTRY_METADATA,
+    MAGIC_CRC32C,
+    CodecError,
+    FrameDecoder,
+    FrameTooLargeError,
+    ack_set_bits,
+    ack_set_words,
+    build_tail,
+    command,
+    crc32c,
+    decode_batch,
+    decode_frame,
+    decompress,
+    encode_batch,
+    encode_command,
+    encode_payload_command,
+    message_id,
+    normalize_tail,
+    split_tail,
+    to_signed64,
+)
+
+T = pb.BaseCommand
+
+
+def metadata(**kw: object) -> pb.MessageMetadata:
+    fields: dict[str, object] = {"producer_name": "p", "sequence_id": 7, "publish_time": 1000}
+    fields.update(kw)
+    return pb.MessageMetadata(**fields)  # type: ignore[arg-type]
+
+
+def send_frame(tail: bytes, seq: int = 7) -> bytes:
+    return encode_payload_command(command(T.SEND, "send", producer_id=1, sequence_id=seq), tail)
+
+
+def test_simple_command_round_trip() -> None:
+    """A simple command decodes to the command that was encoded, with no payload."""
+    cmd = command(T.LOOKUP, "lookupTopic", topic="persistent://a/b/c", request_id=42)
+    frames = list(FrameDecoder().feed(encode_command(cmd)))
+    assert len(frames) == 1
+    assert frames[0].command == cmd
+    assert frames[0].payload is None
+
+
+def test_simple_command_layout() -> None:
+    """totalSize counts the command size field and the command; both are big-endian."""
+    raw = encode_command(command(T.PING, "ping"))
+    total, size = struct.unpack(">II", raw[:8])
+    assert total == len(raw) - 4
+    assert size == len(raw) - 8
+
+
+def test_payload_command_round_trip_keeps_tail_bytes() -> None:
+    """A SEND's tail (magic, checksum, metadata, payload) comes back byte for byte."""
+    tail = build_tail(metadata(partition_key="k"), b"hello")
+    frame = decode_frame(send_frame(tail)[4:])
+    assert frame.payload == tail
+    assert frame.checksum_ok
+    md, payload = split_tail(tail)
+    assert (md.partition_key, payload) == ("k", b"hello")
+    assert struct.unpack(">H", tail[:2])[0] == MAGIC_CRC32C
+    assert struct.unpack(">I", tail[2:6])[0] == crc32c(tail[6:])
+
+
+def test_bad_checksum_is_reported_not_raised() -> None:
+    """A corrupted payload decodes with checksum_ok False so the sender can be told."""
+    tail = bytearray(build_tail(metadata(), b"hello"))
+    tail[-1] ^= 0xFF
+    frame = decode_frame(send_frame(bytes(tail))[4:])
+    assert frame.checksum_ok is False
+
+
+def test_tail_without_checksum_is_given_one() -> None:
+    """A pre-v6 tail (no magic) is stored with a checksum, like every other entry."""
+    md = metadata().SerializeToString()
+    raw = struct.pack(">I", len(md)) + md + b"body"
+    stored, ok = normalize_tail(raw)
+    assert ok
+    assert split_tail(stored)[1] == b"body"
+
+
+def test_broker_entry_metadata_block_is_skipped() -> None:
+    """A leading 0x0e02 block is dropped and the rest kept as the stored entry."""
+    tail = build_tail(metadata(), b"x")
+    bem = pb.BrokerEntryMetadata(index=3).SerializeToString()
+    raw = struct.pack(">HI", MAGIC_BROKER_ENTRY_METADATA, len(bem)) + bem + tail
+    stored, ok = normalize_tail(raw)
+    assert (stored, ok) == (tail, True)
+
+
+def test_frames_split_anywhere_reassemble() -> None:
+    """Frames fed one byte at a time come out whole and in order."""
+    cmds = [command(T.FLOW, "flow", consumer_id=i, messagePermits=i + 1) for i in range(5)]
+    data = b"".join(encode_command(c) for c in cmds)
+    data += send_frame(build_tail(metadata(), b"p" * 100))
+    decoder = FrameDecoder()
+    out = []
+    for i in range(len(data)):
+        out.extend(decoder.feed(data[i : i + 1]))
+    assert [f.command for f in out[:5]] == cmds
+    assert split_tail(out[5].payload or b"")[1] == b"p" * 100
+    assert decoder.buffered == 0
+
+
+def test_oversize_frame_is_refused_before_reading_it() -> None:
+    """A frame declaring more than the limit raises at once, from its header alone."""
+    decoder = FrameDecoder(max_frame_size=1024)
+    with pytest.raises(FrameTooLargeError):
+        list(decoder.feed(struct.pack(">I", 1025)))
+
+
+def test_truncated_frame_waits_for_more() -> None:
+    """A partial frame yields nothing and is kept until the rest arrives."""
+    raw = encode_command(command(T.PING, "ping"))
+    decoder = FrameDecoder()
+    assert list(decoder.feed(raw[:-1])) == []
+    assert decoder.buffered == len(raw) - 1
+    assert len(list(decoder.feed(raw[-1:]))) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        struct.pack(">I", 100) + b"x",  # command size past the frame
+        struct.pack(">I", 3) + b"\xff\xff\xff",  # not protobuf
+        struct.pack(">I", 0),  # no type: a required field is missing
+        struct.pack(">I", 4) + b"\x08\x0b\x5a\x00",  # FLOW with an empty body
+    ],
+)
+def test_malformed_command_raises_codec_error(body: bytes) -> None:
+    """A frame whose command cannot be read raises CodecError."""
+    with pytest.raises(CodecError):
+        decode_frame(body)
+
+
+def test_frame_size_below_minimum_is_refused() -> None:
+    """A frame too small to hold its command size raises CodecError."""
+    with pytest.raises(CodecError):
+        list(FrameDecoder().feed(struct.pack(">I", 2) + b"ab"))
+
+
+def test_metadata_size_past_frame_is_refused() -> None:
+    """A payload whose metadata size runs past the frame raises CodecError."""
+    bad = struct.pack(">HII", MAGIC_CRC32C, 0, 1000) + b"short"
+    with pytest.raises(CodecError):
+        decode_frame(send_frame(bad)[4:])
+
+
+def test_random_bytes_raise_only_codec_errors() -> None:
+    """Random input either decodes or raises CodecError: nothing else escapes."""
+    rng = random.Random(1234)
+    for _ in range(2000):
+        data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        if rng.random() < 0.5:  # a plausible header makes the decoder read further
+            data = struct.pack(">I", len(data)) + data
+        with contextlib.suppress(CodecError):
+            list(FrameDecoder(max_frame_size=4096).feed(data))
+
+
+def test_batch_round_trip() -> None:
+    """A batch payload splits into its messages with their single-message metadata."""
+    msgs = [
+        (pb.SingleMessageMetadata(partition_key=f"k{i}", payload_size=0), b"v%d" % i)
+        for i in range(3)
+    ]
+    payload = encode_batch(msgs)
+    md = metadata(num_messages_in_batch=3)
+    out = decode_batch(md, payload)
+    assert [(s.partition_key, d) for s, d in out] == [("k0", b"v0"), ("k1", b"v1"), ("k2", b"v2")]
+
+
+def test_truncated_batch_raises() -> None:
+    """A batch shorter than its declared messages raises CodecError."""
+    payload = encode_batch([(pb.SingleMessageMetadata(payload_size=0), b"abc")])
+    with pytest.raises(CodecError):
+        decode_batch(metadata(num_messages_in_batch=2), payload)
+    with pytest.raises(CodecError):
+        decode_batch(metadata(num_messages_in_batch=1), payload[:-1])
+
+
+@pytest.mark.parametrize(
+    ("kind", "pack"),
+    [
+        (pb.LZ4, lambda b: lz4.block.compress(b, store_size=False)),
+        (pb.ZLIB, zlib.compress),
+        (pb.ZSTD, lambda b: zstandard.ZstdCompressor().compress(b)),
+        (pb.SNAPPY, snappy.compress),
+    ],
+)
+def test_decompress_each_codec(kind: int, pack: object) -> None:
+    """Each compression the client uses decompresses to the original payload."""
+    raw = b"abc" * 1000
+    md = metadata(compression=kind, uncompressed_size=len(raw))
+    assert decompress(md, pack(raw), limit=1 << 20) == raw  # type: ignore[operator]
+
+
+def test_decompress_refuses_declared_size_over_limit() -> None:
+    """A declared uncompressed size above the limit is refused before decompressing."""
+    md = metadata(compression=pb.LZ4, uncompressed_size=10_000)
+    with pytest.raises(CodecError):
+        decompress(md, b"\x00", limit=1000)
+
+
+def test_decompress_garbage_raises_codec_error() -> None:
+    """Corrupt compressed data raises CodecError, not the library's own error."""
+    md = metadata(compression=pb.ZLIB, uncompressed_size=10)
+    with pytest.raises(CodecError):
+        decompress(md, b"not zlib", limit=1000)
+
+
+def test_message_id_negative_values_and_ack_sets() -> None:
+    """-1 ids survive the uint64 fields; ack sets pack into signed 64-bit words and back."""
+    mid = message_id(-1, -1)
+    assert (to_signed64(mid.ledgerId), to_signed64(mid.entryId)) == (-1, -1)
+    bits = (1 << 63) | (1 << 70) | 1
+    words = ack_set_words(bits, 100)
+    assert words[0] < 0  # bit 63 set: a negative int64, as the client writes it
+    assert ack_set_bits(words) == bits
