@@ -598,7 +598,19 @@ class AdminServer:
 
     async def _internal_stats(self, call: Call) -> Response:
         ref = self._topic(call)
-        return Response.json(await self.service.internal_stats(ref.full))
+        stats = await self.service.internal_stats(ref.full)
+        # Beyond Pulsar's fields: where each cursor resumes after a crash, so operators (and
+        # tests) can tell an acknowledgement in memory from one made durable.
+        ledger = getattr(self.service.topics.get(ref.full), "ledger", None)
+        cursors = stats.get("cursors")
+        if ledger is not None and isinstance(cursors, dict):
+            for name, cursor in ledger.cursors.items():
+                entry = cursors.get(name)
+                if isinstance(entry, dict):
+                    entry["persistedMarkDeletePosition"] = str(
+                        cursor.persisted_mark_delete_position
+                    )
+        return Response.json(stats)
 
     async def _last_message_id(self, call: Call) -> Response:
         ref = self._topic(call)

@@ -376,7 +376,7 @@ def test_kill9_loses_no_acknowledged_message_and_keeps_acks(
         while time.monotonic() < deadline:
             internal = json.loads(http("GET", internal_url)[1])
             cursor = internal["cursors"]["keep"]
-            persisted = cursor.get("markDeletePosition", "")
+            persisted = cursor.get("persistedMarkDeletePosition", "")
             if persisted.endswith(":9"):
                 break
             time.sleep(0.05)

@@ -115,6 +115,10 @@ async def test_non_partitioned_topic_lifecycle(admin: Admin) -> None:
     assert stats["storageSize"] > 0
     internal = (await admin.request("GET", f"{T}/orders/internalStats")).json()
     assert internal["entriesAddedCounter"] == 1
+    await admin.request("PUT", f"{T}/orders/subscription/s")
+    internal = (await admin.request("GET", f"{T}/orders/internalStats")).json()
+    cursor = internal["cursors"]["s"]
+    assert cursor["persistedMarkDeletePosition"] == cursor["markDeletePosition"]
     last = (await admin.request("GET", f"{T}/orders/lastMessageId")).json()
     assert last["entryId"] == 0
     assert last["partitionIndex"] == -1
