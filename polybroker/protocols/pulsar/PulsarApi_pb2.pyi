@@ -144,7 +144,6 @@ class Schema(_message.Message):
     __slots__ = ("name", "schema_data", "type", "properties")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
-        None: _ClassVar[Schema.Type]
         String: _ClassVar[Schema.Type]
         Json: _ClassVar[Schema.Type]
         Protobuf: _ClassVar[Schema.Type]
@@ -165,7 +164,6 @@ class Schema(_message.Message):
         LocalTime: _ClassVar[Schema.Type]
         LocalDateTime: _ClassVar[Schema.Type]
         ProtobufNative: _ClassVar[Schema.Type]
-    None: Schema.Type
     String: Schema.Type
     Json: Schema.Type
     Protobuf: Schema.Type
