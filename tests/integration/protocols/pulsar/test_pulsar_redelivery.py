@@ -1,0 +1,100 @@
+"""The official client against the Pulsar handler: redelivery-driven features (dead-letter
+topics, ack timeout) and schemas carried by the client.
+
+(Regex discovery of topics created later is not tested end to end: the Python client ignores
+``pattern_auto_discovery_period`` and polls every 60 s; the unit tests cover the listing.)"""
+
+from __future__ import annotations
+
+import pulsar
+import pytest_twisted
+from pulsar.schema import JsonSchema, Record, String, StringSchema
+from pulsar_harness import Broker, client
+
+EARLIEST = pulsar.InitialPosition.Earliest
+
+
+@pytest_twisted.ensureDeferred
+async def test_dead_letter_after_max_redeliveries(broker: Broker) -> None:
+    """A message negatively acknowledged past max_redeliver_count lands in the DLQ topic."""
+
+    def scenario() -> tuple[list[int], bytes]:
+        c = client(broker.url)
+        try:
+            consumer = c.subscribe(
+                "t-dlq",
+                "sub",
+                consumer_type=pulsar.ConsumerType.Shared,
+                initial_position=EARLIEST,
+                negative_ack_redelivery_delay_ms=50,
+                dead_letter_policy=pulsar.ConsumerDeadLetterPolicy(
+                    max_redeliver_count=2,
+                    dead_letter_topic="t-dlq-dead",
+                    initial_subscription_name="dead-sub",
+                ),
+            )
+            c.create_producer("t-dlq").send(b"poison")
+            counts = []
+            for _ in range(3):
+                m = consumer.receive(5000)
+                counts.append(m.redelivery_count())
+                consumer.negative_acknowledge(m)
+            dead = c.subscribe("t-dlq-dead", "dead-sub", initial_position=EARLIEST)
+            return counts, dead.receive(5000).data()
+        finally:
+            c.close()
+
+    counts, dead = await broker.run(scenario)
+    assert counts == [0, 1, 2]
+    assert dead == b"poison"
+
+
+@pytest_twisted.ensureDeferred
+async def test_ack_timeout_redelivers(broker: Broker) -> None:
+    """A message not acknowledged within the ack timeout is delivered again."""
+
+    def scenario() -> tuple[bytes, int]:
+        c = client(broker.url)
+        try:
+            consumer = c.subscribe(
+                "t-ackto",
+                "sub",
+                consumer_type=pulsar.ConsumerType.Shared,
+                initial_position=EARLIEST,
+                unacked_messages_timeout_ms=10_000,
+            )
+            c.create_producer("t-ackto").send(b"slow")
+            consumer.receive(5000)  # not acknowledged
+            again = consumer.receive(20_000)
+            consumer.acknowledge(again)
+            return again.data(), again.redelivery_count()
+        finally:
+            c.close()
+
+    data, count = await broker.run(scenario)
+    assert data == b"slow"
+    assert count >= 1
+
+
+class Order(Record):
+    item = String()
+
+
+@pytest_twisted.ensureDeferred
+async def test_string_and_json_schema_round_trip(broker: Broker) -> None:
+    """Producers and consumers declaring String and JSON schemas exchange values."""
+
+    def scenario() -> tuple[str, str]:
+        c = client(broker.url)
+        try:
+            s_cons = c.subscribe("t-str", "sub", schema=StringSchema(), initial_position=EARLIEST)
+            c.create_producer("t-str", schema=StringSchema()).send("hello")
+            j_cons = c.subscribe(
+                "t-json", "sub", schema=JsonSchema(Order), initial_position=EARLIEST
+            )
+            c.create_producer("t-json", schema=JsonSchema(Order)).send(Order(item="book"))
+            return s_cons.receive(5000).value(), j_cons.receive(5000).value().item
+        finally:
+            c.close()
+
+    assert await broker.run(scenario) == ("hello", "book")
