@@ -34,7 +34,7 @@ from polybroker.broker_core.consumer import (
     ServerConsumer,
     SubType,
 )
-from polybroker.broker_core.errors import BrokerError
+from polybroker.broker_core.errors import BrokerError, TopicNotFoundError
 from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode
 from polybroker.ledger.api import Entry, InitialPosition, Position
@@ -364,7 +364,7 @@ class PulsarConnection(Protocol):
 
     def _on_partitioned_metadata(self, c: pb.CommandPartitionedTopicMetadata) -> None:
         rid = c.request_id
-        d = self.service.partitioned_topic_metadata(c.topic, create=True)
+        d = Deferred.fromCoroutine(self._partitions_of(c.topic))
 
         def ok(n: int) -> None:
             self.send(
@@ -391,6 +391,18 @@ class PulsarConnection(Protocol):
             )
 
         d.addCallbacks(ok, failed)
+
+    async def _partitions_of(self, topic: str) -> int:
+        # Clients ask this first for every producer and consumer: a topic in a namespace that
+        # does not exist is reported here as TopicNotFound, as Pulsar does.
+        exists = self.service.namespace_exists
+        if exists is not None:
+            known = exists(self.service.topic_ref(topic).namespace_name)
+            if isinstance(known, Deferred):
+                known = await known
+            if not known:
+                raise TopicNotFoundError(f"the namespace of {topic} does not exist")
+        return await self.service.partitioned_topic_metadata(topic, create=True)
 
     def _on_lookup(self, c: pb.CommandLookupTopic) -> None:
         rid = c.request_id

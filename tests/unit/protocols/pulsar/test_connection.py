@@ -251,6 +251,16 @@ def test_partitioned_metadata_of_bad_name_fails(peer: Peer) -> None:
     assert (r.response, r.error) == (r.Failed, pb.InvalidTopicName)
 
 
+def test_partitioned_metadata_of_unknown_namespace_is_topic_not_found(peer: Peer) -> None:
+    """A topic in a namespace that does not exist gets Failed with TopicNotFound."""
+    peer.service.namespace_exists = lambda ns: ns == "public/default"
+    peer.send(command(T.PARTITIONED_METADATA, "partitionMetadata", topic="nope/ns/t", request_id=1))
+    r = peer.one(T.PARTITIONED_METADATA_RESPONSE).partitionMetadataResponse
+    assert (r.response, r.error) == (r.Failed, pb.TopicNotFound)
+    peer.send(command(T.PARTITIONED_METADATA, "partitionMetadata", topic="t", request_id=2))
+    assert peer.one(T.PARTITIONED_METADATA_RESPONSE).partitionMetadataResponse.response == 0
+
+
 def test_lookup_answers_this_broker_authoritatively(peer: Peer) -> None:
     """LOOKUP answers Connect with this broker's URL, authoritative."""
     peer.send(command(T.LOOKUP, "lookupTopic", topic=TOPIC, request_id=9))
