@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.internet.task import LoopingCall
@@ -54,6 +54,13 @@ from polybroker.protocols.pulsar.codec import (
     message_id,
     split_tail,
     to_signed64,
+)
+from polybroker.protocols.pulsar.schemas import (
+    SchemaNotFoundError,
+    SchemaRegistry,
+    StoredSchema,
+    version_bytes,
+    version_of,
 )
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,8 @@ class PulsarSettings:
     keep_alive_s: float = 30.0
     #: The URL lookups answer with (this broker's advertised Pulsar address).
     service_url: Callable[[], str] = field(default=lambda: "pulsar://127.0.0.1:6650")
+    #: Where topics' schemas are kept (None: schemas are accepted and not checked).
+    schemas: SchemaRegistry | None = None
 
 
 class _PendingSend:
@@ -116,6 +125,7 @@ class _ProducerState:
         self.topic = topic
         self.partition = partition
         self.producer: Producer | None = None
+        self.schema_version: int | None = None
         self.closed = False
         self.sends: deque[_PendingSend] = deque()
 
@@ -454,25 +464,66 @@ class PulsarConnection(Protocol):
         d.addCallbacks(ok, lambda f: self._request_error(rid, f.value))
 
     def _on_get_schema(self, c: pb.CommandGetSchema) -> None:
-        self.send(
-            command(
-                T.GET_SCHEMA_RESPONSE,
-                "getSchemaResponse",
-                request_id=c.request_id,
-                error_code=pb.TopicNotFound,
-                error_message=f"no schema for topic {c.topic}",
+        rid = c.request_id
+        registry = self.settings.schemas
+
+        async def find() -> StoredSchema:
+            if registry is None:
+                raise SchemaNotFoundError("schemas are not kept by this broker")
+            version = version_of(c.schema_version) if c.HasField("schema_version") else None
+            return await registry.get(c.topic, version)
+
+        def ok(found: StoredSchema) -> None:
+            self.send(
+                command(
+                    T.GET_SCHEMA_RESPONSE,
+                    "getSchemaResponse",
+                    request_id=rid,
+                    schema=found.to_proto(),
+                    schema_version=version_bytes(found.version),
+                )
             )
-        )
+
+        def failed(f: Failure) -> None:
+            code, message = server_error(f.value)
+            self.send(
+                command(
+                    T.GET_SCHEMA_RESPONSE,
+                    "getSchemaResponse",
+                    request_id=rid,
+                    error_code=code,
+                    error_message=message,
+                )
+            )
+
+        Deferred.fromCoroutine(find()).addCallbacks(ok, failed)
 
     def _on_get_or_create_schema(self, c: pb.CommandGetOrCreateSchema) -> None:
-        self.send(
-            command(
-                T.GET_OR_CREATE_SCHEMA_RESPONSE,
-                "getOrCreateSchemaResponse",
-                request_id=c.request_id,
-                schema_version=bytes(8),
+        rid = c.request_id
+
+        def ok(version: int | None) -> None:
+            self.send(
+                command(
+                    T.GET_OR_CREATE_SCHEMA_RESPONSE,
+                    "getOrCreateSchemaResponse",
+                    request_id=rid,
+                    schema_version=version_bytes(version or 0),
+                )
             )
-        )
+
+        def failed(f: Failure) -> None:
+            code, message = server_error(f.value)
+            self.send(
+                command(
+                    T.GET_OR_CREATE_SCHEMA_RESPONSE,
+                    "getOrCreateSchemaResponse",
+                    request_id=rid,
+                    error_code=code,
+                    error_message=message,
+                )
+            )
+
+        self._register_schema(c.topic, c.schema).addCallbacks(ok, failed)
 
     # -- producers ------------------------------------------------------------------------
 
@@ -483,7 +534,7 @@ class PulsarConnection(Protocol):
         if existing is not None:
             # The client retries a PRODUCER it timed out on: answer once it is registered.
             if existing.producer is not None and existing.producer.is_ready:
-                self._producer_success(rid, existing.producer, ready=True)
+                self._producer_success(rid, existing, ready=True)
             else:
                 self._request_error(
                     rid, BrokerError(f"producer {c.producer_id} is still being created")
@@ -501,15 +552,21 @@ class PulsarConnection(Protocol):
         except ValueError:
             mode = ProducerAccessMode.SHARED
         name = c.producer_name if c.HasField("producer_name") and c.producer_name else None
-        d = self.service.add_producer(
-            c.topic,
-            name,
-            mode,
-            producer_id=c.producer_id,
-            topic_epoch=c.topic_epoch if c.HasField("topic_epoch") else None,
-            on_disconnect=lambda: self._producer_fenced(state),
-            metadata={kv_.key: kv_.value for kv_ in c.metadata},
-        )
+
+        def add(_: object) -> Deferred[Producer]:
+            return self.service.add_producer(  # type: ignore[no-any-return]
+                c.topic,
+                name,
+                mode,
+                producer_id=c.producer_id,
+                topic_epoch=c.topic_epoch if c.HasField("topic_epoch") else None,
+                on_disconnect=lambda: self._producer_fenced(state),
+                metadata={kv_.key: kv_.value for kv_ in c.metadata},
+            )
+
+        d = self._register_schema(c.topic, c.schema if c.HasField("schema") else None)
+        d.addCallback(lambda v: setattr(state, "schema_version", v))
+        d.addCallback(add)
 
         def registered(producer: Producer) -> None:
             if state.closed or self.state == self.CLOSED:
@@ -517,13 +574,13 @@ class PulsarConnection(Protocol):
                 return
             state.producer = producer
             if producer.is_ready:
-                self._producer_success(rid, producer, ready=True)
+                self._producer_success(rid, state, ready=True)
                 return
-            self._producer_success(rid, producer, ready=False)
+            self._producer_success(rid, state, ready=False)
 
             def granted(_p: Producer) -> None:
                 if not state.closed:
-                    self._producer_success(rid, producer, ready=True)
+                    self._producer_success(rid, state, ready=True)
 
             def refused(f: Failure) -> None:
                 if not state.closed:
@@ -538,7 +595,9 @@ class PulsarConnection(Protocol):
 
         d.addCallbacks(registered, failed)
 
-    def _producer_success(self, rid: int, producer: Producer, *, ready: bool) -> None:
+    def _producer_success(self, rid: int, state: _ProducerState, *, ready: bool) -> None:
+        producer = state.producer
+        assert producer is not None
         self.send(
             command(
                 T.PRODUCER_SUCCESS,
@@ -546,10 +605,20 @@ class PulsarConnection(Protocol):
                 request_id=rid,
                 producer_name=producer.name,
                 last_sequence_id=producer.last_sequence_id,
+                schema_version=(
+                    None if state.schema_version is None else version_bytes(state.schema_version)
+                ),
                 topic_epoch=producer.topic_epoch,
                 producer_ready=ready,
             )
         )
+
+    def _register_schema(self, topic: str, schema: pb.Schema | None) -> Deferred[int | None]:
+        """The version of ``schema`` on ``topic`` (registered if new); None without one."""
+        registry = self.settings.schemas
+        if schema is None or registry is None:
+            return succeed(None)
+        return Deferred.fromCoroutine(registry.get_or_create(topic, schema))
 
     def _forget_producer(self, state: _ProducerState) -> None:
         state.closed = True
@@ -704,21 +773,26 @@ class PulsarConnection(Protocol):
             if c.initialPosition == pb.CommandSubscribe.Earliest
             else InitialPosition.LATEST
         )
-        d = self.service.subscribe(
-            c.topic,
-            c.subscription,
-            consumer,
-            _SUB_TYPES.get(c.subType, SubType.EXCLUSIVE),
-            initial,
-            durable=c.durable,
-            # The client drops what precedes its start id itself, so resend the start entry:
-            # a start inside a batch must still deliver that batch's later messages.
-            start_position=start if not c.durable else None,
-            start_inclusive=True,
-            key_shared=key_shared,
-            metadata={kv_.key: kv_.value for kv_ in c.metadata},
-            create_topic=c.force_topic_creation,
-        )
+
+        def attach(_: object) -> Deferred[ServerConsumer]:
+            return self.service.subscribe(  # type: ignore[no-any-return]
+                c.topic,
+                c.subscription,
+                consumer,
+                _SUB_TYPES.get(c.subType, SubType.EXCLUSIVE),
+                initial,
+                durable=c.durable,
+                # The client drops what precedes its start id itself, so resend the start
+                # entry: a start inside a batch must still deliver that batch's later messages.
+                start_position=start if not c.durable else None,
+                start_inclusive=True,
+                key_shared=key_shared,
+                metadata={kv_.key: kv_.value for kv_ in c.metadata},
+                create_topic=c.force_topic_creation,
+            )
+
+        d = self._register_schema(c.topic, c.schema if c.HasField("schema") else None)
+        d.addCallback(attach)
         self._subscribing[cid] = d
 
         def attached(server: ServerConsumer) -> None:

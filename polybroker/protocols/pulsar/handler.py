@@ -14,6 +14,7 @@ from polybroker.broker_core.protocol_handler import BrokerContext, Listener, Pro
 from polybroker.config import Config, ConfigError
 from polybroker.protocols.pulsar.connection import PulsarFactory, PulsarSettings
 from polybroker.protocols.pulsar.inspector import PulsarEntryInspector
+from polybroker.protocols.pulsar.schemas import SchemaRegistry
 
 PORT_KEY = "brokerServicePort"
 KEEP_ALIVE_S = 30.0
@@ -55,6 +56,7 @@ class PulsarProtocolHandler(ProtocolHandler):
                 max_message_size=self.max_message_size,
                 keep_alive_s=KEEP_ALIVE_S,
                 service_url=self.service_url,
+                schemas=SchemaRegistry(broker.service.metadata_store),
             )
         )
         return None

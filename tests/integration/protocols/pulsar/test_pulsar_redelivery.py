@@ -1,5 +1,5 @@
 """The official client against the Pulsar handler: redelivery-driven features (dead-letter
-topics, ack timeout) and schemas carried by the client.
+topics, ack timeout) and schemas (registered, versioned, fetched, refused when incompatible).
 
 (Regex discovery of topics created later is not tested end to end: the Python client ignores
 ``pattern_auto_discovery_period`` and polls every 60 s; the unit tests cover the listing.)"""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pulsar
 import pytest_twisted
-from pulsar.schema import JsonSchema, Record, String, StringSchema
+from pulsar.schema import Integer, JsonSchema, Record, String, StringSchema
 from pulsar_harness import Broker, client
 
 EARLIEST = pulsar.InitialPosition.Earliest
@@ -98,3 +98,34 @@ async def test_string_and_json_schema_round_trip(broker: Broker) -> None:
             c.close()
 
     assert await broker.run(scenario) == ("hello", "book")
+
+
+class Book(Record):
+    title = String()
+    pages = Integer()
+
+
+@pytest_twisted.ensureDeferred
+async def test_schema_versions_and_incompatible_type(broker: Broker) -> None:
+    """Record values round-trip carrying schema version 0; a String producer is refused."""
+
+    def scenario() -> tuple[str, int, bytes, str]:
+        c = client(broker.url)
+        try:
+            consumer = c.subscribe(
+                "t-book", "sub", schema=JsonSchema(Book), initial_position=EARLIEST
+            )
+            c.create_producer("t-book", schema=JsonSchema(Book)).send(Book(title="t", pages=3))
+            m = consumer.receive(5000)
+            try:
+                c.create_producer("t-book", schema=StringSchema())
+                refused = "accepted"
+            except pulsar.IncompatibleSchema:
+                refused = "incompatible"
+            return m.value().title, m.value().pages, m.schema_version(), refused
+        finally:
+            c.close()
+
+    title, pages, version, refused = await broker.run(scenario)
+    assert (title, pages, refused) == ("t", 3, "incompatible")
+    assert version == "\x00" * 8  # version 0 as 8 big-endian bytes (the client gives a str)

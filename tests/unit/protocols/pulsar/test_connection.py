@@ -36,6 +36,7 @@ from polybroker.protocols.pulsar.codec import (
 )
 from polybroker.protocols.pulsar.connection import PulsarConnection, PulsarSettings
 from polybroker.protocols.pulsar.inspector import PulsarEntryInspector
+from polybroker.protocols.pulsar.schemas import SchemaRegistry
 
 T = pb.BaseCommand
 TOPIC = "persistent://public/default/t"
@@ -62,6 +63,7 @@ class Peer:
             max_message_size=max_message_size,
             keep_alive_s=30.0,
             service_url=lambda: "pulsar://broker:6650",
+            schemas=SchemaRegistry(self.store),
         )
         self.conn, self.transport = self.open()
         self.decoder = FrameDecoder(1 << 24)
@@ -682,3 +684,98 @@ def test_inspector_reads_keys_delays_and_sequences() -> None:
     md.ordering_key = b"ok"
     assert inspector.key_of(Entry(Position(1, 0), 0, 1, 1, build_tail(md, b""))) == b"ok"
     assert inspector.key_of(Entry(Position(1, 0), 0, 1, 1, b"not pulsar")) is None
+
+
+# -- schemas --------------------------------------------------------------------------------
+
+STRING = pb.Schema(name="s", schema_data=b"", type=pb.Schema.Type.Value("String"))
+JSON_V1 = pb.Schema(
+    name="j",
+    schema_data=b'{"type":"record","name":"R","fields":[{"name":"a","type":"string"}]}',
+    type=pb.Schema.Type.Value("Json"),
+)
+
+
+def test_producer_schema_versions_and_get_schema(peer: Peer) -> None:
+    """Producers register schema versions; GET_SCHEMA returns the latest or a given one."""
+    peer.send(
+        command(T.PRODUCER, "producer", topic=TOPIC, producer_id=1, request_id=1, schema=JSON_V1)
+    )
+    first = peer.one(T.PRODUCER_SUCCESS).producer_success
+    assert first.schema_version == bytes(8)
+    v2 = pb.Schema()
+    v2.CopyFrom(JSON_V1)
+    v2.schema_data = JSON_V1.schema_data.replace(b"}]}", b'},{"name":"b","type":"int"}]}')
+    peer.send(command(T.PRODUCER, "producer", topic=TOPIC, producer_id=2, request_id=2, schema=v2))
+    assert peer.one(T.PRODUCER_SUCCESS).producer_success.schema_version == struct.pack(">q", 1)
+    peer.send(command(T.GET_SCHEMA, "getSchema", request_id=3, topic=TOPIC))
+    latest = peer.one(T.GET_SCHEMA_RESPONSE).getSchemaResponse
+    assert (latest.schema.schema_data, latest.schema_version) == (
+        v2.schema_data,
+        struct.pack(">q", 1),
+    )
+    peer.send(
+        command(T.GET_SCHEMA, "getSchema", request_id=4, topic=TOPIC, schema_version=bytes(8))
+    )
+    assert (
+        peer.one(T.GET_SCHEMA_RESPONSE).getSchemaResponse.schema.schema_data == JSON_V1.schema_data
+    )
+
+
+def test_schema_of_another_type_is_incompatible(peer: Peer) -> None:
+    """A producer or consumer with a schema of another type is refused (IncompatibleSchema)."""
+    peer.send(
+        command(T.PRODUCER, "producer", topic=TOPIC, producer_id=1, request_id=1, schema=STRING)
+    )
+    peer.one(T.PRODUCER_SUCCESS)
+    peer.send(
+        command(T.PRODUCER, "producer", topic=TOPIC, producer_id=2, request_id=2, schema=JSON_V1)
+    )
+    assert peer.one(T.ERROR).error.error == pb.IncompatibleSchema
+    r = peer.subscribe(1, schema=JSON_V1, expect=False)
+    assert (r.type, r.error.error) == (T.ERROR, pb.IncompatibleSchema)
+
+
+def test_changed_field_type_is_incompatible(peer: Peer) -> None:
+    """A record schema changing a field's type is refused."""
+    peer.send(
+        command(
+            T.GET_OR_CREATE_SCHEMA, "getOrCreateSchema", request_id=1, topic=TOPIC, schema=JSON_V1
+        )
+    )
+    assert peer.one(
+        T.GET_OR_CREATE_SCHEMA_RESPONSE
+    ).getOrCreateSchemaResponse.schema_version == bytes(8)
+    changed = pb.Schema()
+    changed.CopyFrom(JSON_V1)
+    changed.schema_data = JSON_V1.schema_data.replace(b'"string"', b'"int"')
+    peer.send(
+        command(
+            T.GET_OR_CREATE_SCHEMA, "getOrCreateSchema", request_id=2, topic=TOPIC, schema=changed
+        )
+    )
+    r = peer.one(T.GET_OR_CREATE_SCHEMA_RESPONSE).getOrCreateSchemaResponse
+    assert r.error_code == pb.IncompatibleSchema
+
+
+def test_get_schema_of_topic_without_one(peer: Peer) -> None:
+    """GET_SCHEMA of a topic with no schema answers TopicNotFound."""
+    peer.send(command(T.GET_SCHEMA, "getSchema", request_id=1, topic=TOPIC))
+    assert peer.one(T.GET_SCHEMA_RESPONSE).getSchemaResponse.error_code == pb.TopicNotFound
+
+
+def test_partitions_share_their_topic_schema(peer: Peer) -> None:
+    """A schema registered through one partition is the schema of every partition."""
+    peer.send(
+        command(
+            T.PRODUCER,
+            "producer",
+            topic=TOPIC + "-partition-0",
+            producer_id=1,
+            request_id=1,
+            schema=STRING,
+        )
+    )
+    peer.one(T.PRODUCER_SUCCESS)
+    peer.send(command(T.GET_SCHEMA, "getSchema", request_id=2, topic=TOPIC + "-partition-3"))
+    assert peer.one(T.GET_SCHEMA_RESPONSE).getSchemaResponse.schema.type == STRING.type

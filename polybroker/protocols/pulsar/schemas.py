@@ -1,0 +1,189 @@
+"""Per-topic schemas with versions, as Pulsar clients register and fetch them.
+
+Storage: one metadata node per topic, ``/schemas/<tenant>/<namespace>/<url-encoded topic>``,
+holding ``{"versions": [{"type", "name", "data" (base64), "properties"}, ...]}``; a version is
+its index in that list. Partitions share their partitioned topic's schemas. Updates are
+compare-and-set on the node's version, so concurrent registrations never lose one.
+
+Compatibility (a small subset of Pulsar's default): a schema of another type is refused, and for
+record schemas (Avro and JSON, whose definitions are Avro records) a field present in both whose
+type changed is refused. A topic without schemas takes the first one it is given. Clients using
+plain bytes send no schema and are never checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from polybroker.broker_core.errors import BrokerError, InvalidTopicNameError
+from polybroker.metadata.api import BadVersionError, MetadataStore
+from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
+
+ROOT = "/schemas"
+_PARTITION = re.compile(r"^(.+)-partition-\d+$")
+_RETRIES = 5
+_RECORD_TYPES = {pb.Schema.Type.Value("Avro"), pb.Schema.Type.Value("Json")}
+
+
+class IncompatibleSchemaError(BrokerError):
+    """The schema does not fit the topic's schemas."""
+
+    pulsar_error = "IncompatibleSchema"
+
+
+class SchemaNotFoundError(BrokerError):
+    """The topic has no schema (of that version)."""
+
+    pulsar_error = "TopicNotFound"
+
+
+@dataclass(frozen=True)
+class StoredSchema:
+    """One version of a topic's schema."""
+
+    version: int
+    type: int
+    name: str
+    data: bytes
+    properties: dict[str, str] = field(default_factory=dict)
+
+    def to_proto(self) -> pb.Schema:
+        schema = pb.Schema(name=self.name, schema_data=self.data, type=self.type)  # type: ignore[arg-type]
+        for key, value in sorted(self.properties.items()):
+            schema.properties.add(key=key, value=value)
+        return schema
+
+
+def version_bytes(version: int) -> bytes:
+    """A schema version as clients carry it: an 8-byte big-endian integer."""
+    return struct.pack(">q", version)
+
+
+def version_of(raw: bytes) -> int:
+    """Read a schema version; raise ``SchemaNotFoundError`` for a malformed one."""
+    if len(raw) != 8:
+        raise SchemaNotFoundError(f"malformed schema version {raw!r}")
+    return int(struct.unpack(">q", raw)[0])
+
+
+def _fields(data: bytes) -> dict[str, str] | None:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("fields"), list):
+        return None
+    out: dict[str, str] = {}
+    for f in doc["fields"]:
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            out[f["name"]] = json.dumps(f.get("type"), sort_keys=True)
+    return out
+
+
+class SchemaRegistry:
+    """Schemas of every topic, kept in the metadata store (see the module docstring)."""
+
+    def __init__(self, store: MetadataStore) -> None:
+        self.store = store
+
+    @staticmethod
+    def path(topic: str) -> str:
+        """The node of ``topic``'s schemas (a partition maps to its partitioned topic)."""
+        name = topic.split("://", 1)[-1]
+        if "/" not in name:
+            name = f"public/default/{name}"
+        parts = name.split("/")
+        if len(parts) != 3 or not all(parts):
+            raise InvalidTopicNameError(f"invalid topic name {topic!r}")
+        tenant, ns, local = parts
+        m = _PARTITION.match(local)
+        if m:
+            local = m.group(1)
+        return f"{ROOT}/{tenant}/{ns}/{quote(local, safe='')}"
+
+    async def _load(self, topic: str) -> tuple[list[dict[str, Any]], int]:
+        found = await self.store.get(self.path(topic))
+        if found is None:
+            return [], -1
+        return list(json.loads(found.value)["versions"]), found.stat.version
+
+    @staticmethod
+    def _stored(index: int, doc: dict[str, Any]) -> StoredSchema:
+        return StoredSchema(
+            index,
+            int(doc["type"]),
+            str(doc.get("name", "")),
+            base64.b64decode(doc["data"]),
+            dict(doc.get("properties", {})),
+        )
+
+    async def versions(self, topic: str) -> list[StoredSchema]:
+        """Every version of ``topic``'s schema, oldest first."""
+        docs, _ = await self._load(topic)
+        return [self._stored(i, d) for i, d in enumerate(docs)]
+
+    async def get(self, topic: str, version: int | None = None) -> StoredSchema:
+        """The latest version, or ``version``; raise ``SchemaNotFoundError``."""
+        found = await self.versions(topic)
+        if not found:
+            raise SchemaNotFoundError(f"topic {topic} has no schema")
+        if version is None:
+            return found[-1]
+        if not 0 <= version < len(found):
+            raise SchemaNotFoundError(f"topic {topic} has no schema version {version}")
+        return found[version]
+
+    async def get_or_create(self, topic: str, schema: pb.Schema) -> int:
+        """The version of ``schema`` on ``topic``, registering it as a new version if it is
+        compatible; raise ``IncompatibleSchemaError``."""
+        for _ in range(_RETRIES):
+            docs, node_version = await self._load(topic)
+            existing = [self._stored(i, d) for i, d in enumerate(docs)]
+            for stored in existing:
+                if stored.type == schema.type and stored.data == schema.schema_data:
+                    return stored.version
+            if existing:
+                self._check(existing[-1], schema)
+            docs.append(
+                {
+                    "type": int(schema.type),
+                    "name": schema.name,
+                    "data": base64.b64encode(schema.schema_data).decode(),
+                    "properties": {p.key: p.value for p in schema.properties},
+                }
+            )
+            body = json.dumps({"versions": docs}).encode()
+            try:
+                await self.store.put(self.path(topic), body, node_version)
+            except BadVersionError:
+                continue  # another registration won the race: look again
+            return len(docs) - 1
+        raise BrokerError(f"could not register a schema on {topic}: too much contention")
+
+    async def check_consumer(self, topic: str, schema: pb.Schema) -> None:
+        """A consumer's schema must fit the topic's latest one (and is registered when the
+        topic has none); raise ``IncompatibleSchemaError``."""
+        await self.get_or_create(topic, schema)
+
+    @staticmethod
+    def _check(latest: StoredSchema, schema: pb.Schema) -> None:
+        if latest.type != schema.type:
+            raise IncompatibleSchemaError(
+                f"schema type {pb.Schema.Type.Name(schema.type)} does not match the topic's "
+                f"{pb.Schema.Type.Name(latest.type)}"  # type: ignore[arg-type]
+            )
+        if schema.type in _RECORD_TYPES:
+            old, new = _fields(latest.data), _fields(schema.schema_data)
+            if old is None or new is None:
+                return
+            changed = sorted(n for n in old.keys() & new.keys() if old[n] != new[n])
+            if changed:
+                raise IncompatibleSchemaError(
+                    f"schema changes the type of field(s) {', '.join(changed)}"
+                )
