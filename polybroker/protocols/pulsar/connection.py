@@ -9,8 +9,8 @@ wrong is this connection's problem, never the broker's.
 Ordering: SEND_RECEIPTs of one producer leave in the order of its SENDs (the client closes the
 connection on an out-of-order receipt), whatever order storage completes them in.
 
-Keep-alive: every ``keepAliveIntervalSeconds`` the broker sends PING; if nothing at all arrived
-from the client during a whole interval after a PING, the connection is closed.
+Keep-alive: every keep-alive interval (30 s by default) the broker sends PING; if nothing at all
+arrived from the client during a whole interval after a PING, the connection is closed.
 """
 
 from __future__ import annotations
@@ -428,6 +428,20 @@ class PulsarConnection(Protocol):
                     response=pb.CommandLookupTopicResponse.Failed,
                     error=code,
                     message=message,
+                )
+            )
+            return
+        if c.advertised_listener_name:
+            # This broker advertises no named listeners; the client reports this as a
+            # connection error, as it does against Pulsar.
+            self.send(
+                command(
+                    T.LOOKUP_RESPONSE,
+                    "lookupTopicResponse",
+                    request_id=rid,
+                    response=pb.CommandLookupTopicResponse.Failed,
+                    error=pb.ServiceNotReady,
+                    message=f"the broker do not have {c.advertised_listener_name} listener",
                 )
             )
             return

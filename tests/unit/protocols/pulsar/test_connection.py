@@ -275,6 +275,16 @@ def test_lookup_answers_this_broker_authoritatively(peer: Peer) -> None:
     )
 
 
+def test_lookup_of_unknown_listener_name_fails(peer: Peer) -> None:
+    """A lookup for a named listener this broker lacks fails with ServiceNotReady."""
+    peer.send(
+        command(T.LOOKUP, "lookupTopic", topic=TOPIC, request_id=3, advertised_listener_name="ext")
+    )
+    r = peer.one(T.LOOKUP_RESPONSE).lookupTopicResponse
+    assert (r.response, r.error) == (r.Failed, pb.ServiceNotReady)
+    assert "ext listener" in r.message
+
+
 def test_topics_of_namespace(peer: Peer) -> None:
     """GET_TOPICS_OF_NAMESPACE lists the namespace's topics, unfiltered."""
     peer.producer(1, topic="persistent://public/default/a")
