@@ -258,22 +258,3 @@ async def test_terminated_topic_refuses_producers(broker: Broker) -> None:
             c.close()
 
     assert await broker.run(again) == "terminated"
-
-
-@pytest_twisted.ensureDeferred
-async def test_unknown_listener_name_is_a_connect_error(broker: Broker) -> None:
-    """A client asking for a listener name the broker lacks never gets a producer: the lookup
-    fails (retryably, as Pulsar answers it) until the operation times out."""
-
-    def scenario() -> str:
-        c = client(broker.url, listener_name="external", operation_timeout_seconds=2)
-        try:
-            try:
-                c.create_producer("t-listener")
-            except (pulsar.ConnectError, pulsar.Timeout):
-                return "refused"
-            return "created"
-        finally:
-            c.close()
-
-    assert await broker.run(scenario) == "refused"
