@@ -224,7 +224,8 @@ class PulsarConnection(Protocol):
         self.client_version = ""
         self.producers: dict[int, _ProducerState] = {}
         self.consumers: dict[int, PulsarConsumer] = {}
-        self._subscribing: dict[int, Deferred[Any]] = {}
+        # Consumers whose SUBSCRIBE is under way, by consumer id.
+        self._subscribing: dict[int, PulsarConsumer] = {}
         # Producers the broker closed: their in-flight SENDs are dropped, not refused, because
         # the client resends every unreceipted message once it has re-created the producer.
         self._dropped_producers: set[int] = set()
@@ -807,11 +808,11 @@ class PulsarConnection(Protocol):
 
         d = self._register_schema(c.topic, c.schema if c.HasField("schema") else None)
         d.addCallback(attach)
-        self._subscribing[cid] = d
+        self._subscribing[cid] = consumer
 
         def attached(server: ServerConsumer) -> None:
             self._subscribing.pop(cid, None)
-            if self.state == self.CLOSED:
+            if self.state == self.CLOSED or consumer.closed:  # closed while subscribing
                 server.close().addErrback(lambda f: None)
                 return
             consumer.server = server
@@ -978,6 +979,9 @@ class PulsarConnection(Protocol):
         )
 
     def _on_close_consumer(self, c: pb.CommandCloseConsumer) -> None:
+        pending = self._subscribing.get(c.consumer_id)
+        if pending is not None:
+            pending.closed = True  # detached as soon as its subscription completes
         consumer = self.consumers.pop(c.consumer_id, None)
         if consumer is None or consumer.server is None:
             self._success(c.request_id)

@@ -184,6 +184,16 @@ def test_command_before_connect_is_refused_and_closed() -> None:
     assert p.closed
 
 
+def test_silent_connection_without_connect_is_closed() -> None:
+    """A socket that never sends CONNECT is closed after two keep-alive intervals."""
+    p = Peer()
+    p.clock.advance(30)
+    assert not p.closed
+    p.clock.advance(30)
+    assert p.closed
+    assert p.commands() == []  # no PING before the handshake
+
+
 def test_ping_is_answered_with_pong(peer: Peer) -> None:
     """A client PING gets a PONG."""
     peer.send(command(T.PING, "ping"))
@@ -644,6 +654,40 @@ def test_get_last_message_id(peer: Peer) -> None:
     peer.send(command(T.GET_LAST_MESSAGE_ID, "getLastMessageId", consumer_id=1, request_id=5))
     r = peer.one(T.GET_LAST_MESSAGE_ID_RESPONSE).getLastMessageIdResponse
     assert (r.request_id, r.last_message_id.entryId, r.last_message_id.batch_index) == (5, 0, -1)
+
+
+def test_close_consumer_while_subscribing_detaches_it(peer: Peer) -> None:
+    """A consumer closed before its SUBSCRIBE completes never stays attached."""
+    held: list[Any] = []
+    real_get_topic = peer.service.get_topic
+
+    def slow_get_topic(name: str, create: bool = True) -> Any:
+        from twisted.internet.defer import Deferred
+
+        d: Deferred[Any] = Deferred()
+        held.append((d, name, create))
+        return d
+
+    peer.service.get_topic = slow_get_topic  # type: ignore[method-assign]
+    peer.send(
+        command(
+            T.SUBSCRIBE,
+            "subscribe",
+            topic="persistent://public/default/slow",
+            subscription="s",
+            subType=pb.CommandSubscribe.Exclusive,
+            consumer_id=5,
+            request_id=1,
+        )
+    )
+    peer.send(command(T.CLOSE_CONSUMER, "close_consumer", consumer_id=5, request_id=2))
+    assert peer.one(T.SUCCESS).success.request_id == 2
+    peer.service.get_topic = real_get_topic  # type: ignore[method-assign]
+    d, name, create = held[0]
+    real_get_topic(name, create).chainDeferred(d)
+    topic = peer.service.topics["persistent://public/default/slow"]
+    assert topic.subscriptions["s"].consumers == []
+    assert 5 not in peer.conn.consumers
 
 
 def test_unsubscribe_and_close_consumer(peer: Peer) -> None:
