@@ -39,6 +39,7 @@ _KEYS: tuple[Key, ...] = (
     Key("amqpListenerPort", int, 5672, "AMQP 0-9-1 port"),
     Key("messagingProtocols", str, "pulsar", "Comma-separated protocol handlers to enable"),
     Key("maxMessageSize", int, 5 * 1024 * 1024, "Largest message (bytes); frames add overhead"),
+    Key("keepAliveIntervalSeconds", int, 30, "Ping idle Pulsar clients this often (0: never)"),
     Key("metadataStoreUrl", str, "", "Metadata store: empty = embedded under dataDir, zk://..."),
     Key("dataDir", str, "./data", "Where embedded metadata and bookie data live"),
     # Managed ledger (Pulsar's defaults)

@@ -1,7 +1,8 @@
 """``PulsarProtocolHandler``: the Pulsar binary protocol as a broker protocol handler.
 
 Config keys: ``brokerServicePort`` (default 6650), ``bindAddress``, ``advertisedAddress``,
-``maxMessageSize`` (announced in CONNECTED; frames may exceed it by ``FRAME_OVERHEAD``).
+``maxMessageSize`` (announced in CONNECTED; frames may exceed it by ``FRAME_OVERHEAD``),
+``keepAliveIntervalSeconds`` (PING period; a client silent for a period after one is dropped).
 On start it installs ``PulsarEntryInspector`` so the broker can read keys, deliver-at times
 and producer sequence ids from stored entries.
 """
@@ -17,7 +18,6 @@ from polybroker.protocols.pulsar.inspector import PulsarEntryInspector
 from polybroker.protocols.pulsar.schemas import SchemaRegistry
 
 PORT_KEY = "brokerServicePort"
-KEEP_ALIVE_S = 30.0
 
 
 class PulsarProtocolHandler(ProtocolHandler):
@@ -31,6 +31,7 @@ class PulsarProtocolHandler(ProtocolHandler):
         self.port = 6650
         self.bound_port: int | None = None
         self.max_message_size = 5 * 1024 * 1024
+        self.keep_alive_s = 30.0
         self.context: BrokerContext | None = None
         self.factory: PulsarFactory | None = None
 
@@ -42,8 +43,12 @@ class PulsarProtocolHandler(ProtocolHandler):
         size = int(config.get("maxMessageSize"))
         if size < 1024:
             raise ConfigError(f"maxMessageSize: {size} is below the 1024-byte minimum")
+        keep_alive = int(config.get("keepAliveIntervalSeconds"))
+        if keep_alive < 0:
+            raise ConfigError(f"keepAliveIntervalSeconds: {keep_alive} is negative")
         self.port = port
         self.max_message_size = size
+        self.keep_alive_s = float(keep_alive)
         self.host = str(config.get("bindAddress"))
 
     def start(self, broker: BrokerContext) -> Deferred[None] | None:
@@ -54,7 +59,7 @@ class PulsarProtocolHandler(ProtocolHandler):
                 service=broker.service,
                 clock=broker.reactor,
                 max_message_size=self.max_message_size,
-                keep_alive_s=KEEP_ALIVE_S,
+                keep_alive_s=self.keep_alive_s,
                 service_url=self.service_url,
                 schemas=SchemaRegistry(broker.service.metadata_store),
             )

@@ -51,10 +51,18 @@ def test_service_url_follows_the_bound_port_and_advertised_host() -> None:
     assert v6.service_url() == "pulsar://[::1]:6650"
 
 
-def test_bad_settings_are_refused() -> None:
-    """A message size below the minimum is a ConfigError at initialize."""
+@pytest.mark.parametrize("config", [{"maxMessageSize": 10}, {"keepAliveIntervalSeconds": -1}])
+def test_bad_settings_are_refused(config: dict[str, object]) -> None:
+    """A message size below the minimum or a negative keep-alive is a ConfigError."""
     with pytest.raises(ConfigError):
-        PulsarProtocolHandler().initialize(Config({"maxMessageSize": 10}))
+        PulsarProtocolHandler().initialize(Config(config))
+
+
+def test_keep_alive_interval_comes_from_config() -> None:
+    """keepAliveIntervalSeconds sets the connections' PING period."""
+    handler = started({"keepAliveIntervalSeconds": 7})
+    factory = handler.listeners()[PORT_KEY].factory
+    assert factory.settings.keep_alive_s == 7.0
 
 
 def test_start_installs_the_pulsar_entry_inspector() -> None:
