@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest_twisted
+from twisted.internet import threads
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -20,4 +22,7 @@ async def broker() -> AsyncIterator[Broker]:
     try:
         yield b
     finally:
+        # Destroy the test's client objects now, while the broker still answers them: the
+        # C++ client aborts the process if its objects are only finalized at interpreter exit.
+        await threads.deferToThread(gc.collect)
         await stop_broker(b)

@@ -11,8 +11,11 @@ Nothing touches broker objects from the scenario thread except through the react
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +65,25 @@ def client(url: str, **kwargs: Any) -> Any:
 
     kwargs.setdefault("operation_timeout_seconds", 10)
     return pulsar.Client(url, logger=CLIENT_LOG, **kwargs)
+
+
+def run_client_process(script: str, url: str, timeout_s: float = 60.0) -> Any:
+    """Run ``script`` (which reads the broker URL from ``sys.argv[1]`` and prints one JSON
+    line as its result) in its own Python process; return that result.
+
+    For client features whose teardown can crash the client library (the dead-letter
+    producer): the crash then ends that process only, after it has printed its result.
+    ``subprocess.run`` kills the process it started if it outlives ``timeout_s``."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), url],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"client process printed no result (rc={done.returncode}): {done.stderr[-2000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 async def start_broker(config: dict[str, Any] | None = None) -> Broker:

@@ -258,3 +258,81 @@ async def test_terminated_topic_refuses_producers(broker: Broker) -> None:
             c.close()
 
     assert await broker.run(again) == "terminated"
+
+
+@pytest_twisted.ensureDeferred
+async def test_failover_spreads_partitions_over_consumers(broker: Broker) -> None:
+    """Failover consumers of a partitioned topic each become active on some partitions."""
+    await broker.service.create_partitioned_topic("t-fo-part", 4)
+
+    def scenario() -> dict[str, set[str]]:
+        c = client(broker.url)
+        try:
+            kw: dict[str, Any] = {
+                "consumer_type": pulsar.ConsumerType.Failover,
+                "initial_position": EARLIEST,
+            }
+            consumers = {n: c.subscribe("t-fo-part", "sub", consumer_name=n, **kw) for n in "ab"}
+            producer = c.create_producer("t-fo-part")
+            for i in range(40):
+                producer.send(f"m{i}".encode(), partition_key=f"k{i}")
+            seen: dict[str, set[str]] = {n: set() for n in consumers}
+            total = 0
+            deadline = time.monotonic() + 10
+            while total < 40 and time.monotonic() < deadline:
+                for n, cons in consumers.items():
+                    try:
+                        m = cons.receive(50)
+                    except pulsar.Timeout:
+                        continue
+                    cons.acknowledge(m)
+                    seen[n].add(m.topic_name())
+                    total += 1
+            return seen
+        finally:
+            c.close()
+
+    seen = await broker.run(scenario)
+    assert seen["a"]
+    assert seen["b"]
+    assert not seen["a"] & seen["b"]
+    assert len(seen["a"] | seen["b"]) == 4
+
+
+@pytest_twisted.ensureDeferred
+async def test_exclusive_with_fencing_takes_over(broker: Broker) -> None:
+    """An ExclusiveWithFencing producer fences the current one, whose sends then fail."""
+
+    def scenario() -> tuple[str, bytes]:
+        c = client(broker.url)
+        try:
+            consumer = c.subscribe("t-fence", "sub", initial_position=EARLIEST)
+            old = c.create_producer("t-fence", access_mode=pulsar.ProducerAccessMode.Exclusive)
+            old.send(b"old")
+            new = c.create_producer(
+                "t-fence", access_mode=pulsar.ProducerAccessMode.ExclusiveWithFencing
+            )
+            new.send(b"new")
+            try:
+                old.send(b"stale")
+                outcome = "sent"
+            except pulsar.ProducerFenced:
+                outcome = "ProducerFenced"
+            got = [consumer.receive(5000).data() for _ in range(2)]
+            assert nothing_left(consumer)
+            return outcome, b",".join(got)
+        finally:
+            c.close()
+
+    outcome, got = await broker.run(scenario)
+    assert outcome == "ProducerFenced"
+    assert got == b"old,new"
+
+
+def nothing_left(consumer: Any) -> bool:
+    """True when no further message arrives within a short wait."""
+    try:
+        consumer.receive(300)
+    except pulsar.Timeout:
+        return True
+    return False

@@ -9,44 +9,53 @@ from __future__ import annotations
 import pulsar
 import pytest_twisted
 from pulsar.schema import Integer, JsonSchema, Record, String, StringSchema
-from pulsar_harness import Broker, client
+from pulsar_harness import Broker, client, run_client_process
 
 EARLIEST = pulsar.InitialPosition.Earliest
 
 
+DEAD_LETTER_SCENARIO = """
+    import json, logging, sys
+    import pulsar
+
+    log = logging.getLogger("client")
+    log.setLevel(logging.ERROR)
+    c = pulsar.Client(sys.argv[1], logger=log, operation_timeout_seconds=10)
+    consumer = c.subscribe(
+        "t-dlq",
+        "sub",
+        consumer_type=pulsar.ConsumerType.Shared,
+        initial_position=pulsar.InitialPosition.Earliest,
+        negative_ack_redelivery_delay_ms=50,
+        dead_letter_policy=pulsar.ConsumerDeadLetterPolicy(
+            max_redeliver_count=2,
+            dead_letter_topic="t-dlq-dead",
+            initial_subscription_name="dead-sub",
+        ),
+    )
+    c.create_producer("t-dlq").send(b"poison")
+    counts = []
+    for _ in range(3):
+        m = consumer.receive(5000)
+        counts.append(m.redelivery_count())
+        consumer.negative_acknowledge(m)
+    dead = c.subscribe(
+        "t-dlq-dead", "dead-sub", initial_position=pulsar.InitialPosition.Earliest
+    )
+    data = dead.receive(5000).data().decode()
+    print("RESULT " + json.dumps({"counts": counts, "dead": data}), flush=True)
+    c.close()
+"""
+
+
 @pytest_twisted.ensureDeferred
 async def test_dead_letter_after_max_redeliveries(broker: Broker) -> None:
-    """A message negatively acknowledged past max_redeliver_count lands in the DLQ topic."""
+    """A message negatively acknowledged past max_redeliver_count lands in the DLQ topic.
 
-    def scenario() -> tuple[list[int], bytes]:
-        c = client(broker.url)
-        try:
-            consumer = c.subscribe(
-                "t-dlq",
-                "sub",
-                consumer_type=pulsar.ConsumerType.Shared,
-                initial_position=EARLIEST,
-                negative_ack_redelivery_delay_ms=50,
-                dead_letter_policy=pulsar.ConsumerDeadLetterPolicy(
-                    max_redeliver_count=2,
-                    dead_letter_topic="t-dlq-dead",
-                    initial_subscription_name="dead-sub",
-                ),
-            )
-            c.create_producer("t-dlq").send(b"poison")
-            counts = []
-            for _ in range(3):
-                m = consumer.receive(5000)
-                counts.append(m.redelivery_count())
-                consumer.negative_acknowledge(m)
-            dead = c.subscribe("t-dlq-dead", "dead-sub", initial_position=EARLIEST)
-            return counts, dead.receive(5000).data()
-        finally:
-            c.close()
-
-    counts, dead = await broker.run(scenario)
-    assert counts == [0, 1, 2]
-    assert dead == b"poison"
+    The client runs in its own process: closing a consumer with a dead-letter policy can
+    crash the client library, which must not take the test run with it."""
+    result = await broker.run(run_client_process, DEAD_LETTER_SCENARIO, broker.url)
+    assert result == {"counts": [0, 1, 2], "dead": "poison"}
 
 
 @pytest_twisted.ensureDeferred
