@@ -12,7 +12,6 @@ Nothing touches broker objects from the scenario thread except through the react
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pulsar
 from twisted.internet import reactor, threads
 from twisted.internet.defer import Deferred
 
@@ -35,9 +35,9 @@ from polybroker.protocols.pulsar.handler import PORT_KEY, PulsarProtocolHandler
 
 R = TypeVar("R")
 
-#: The client logs through this quiet logger instead of its own stderr chatter.
-CLIENT_LOG = logging.getLogger("pulsar-client")
-CLIENT_LOG.setLevel(logging.WARNING)
+#: The client logs errors only, from C++ straight to stderr: a Python logger would be called
+#: from the client's own threads, also while the interpreter shuts down.
+CLIENT_LOG = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
 
 
 @dataclass
@@ -61,8 +61,6 @@ class Broker:
 
 def client(url: str, **kwargs: Any) -> Any:
     """An official client with short timeouts and quiet logs."""
-    import pulsar
-
     kwargs.setdefault("operation_timeout_seconds", 10)
     return pulsar.Client(url, logger=CLIENT_LOG, **kwargs)
 
