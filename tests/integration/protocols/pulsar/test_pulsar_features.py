@@ -48,8 +48,8 @@ ASYNCIO_SCENARIO = """
 async def test_asyncio_client_produce_consume(broker: Broker) -> None:
     """The asyncio API (batching on by default) produces and consumes in order.
 
-    It runs in its own process: an asyncio client whose event loop has ended can abort the
-    process at exit, which must not take the test run with it."""
+    It runs in its own process, with its own asyncio loop, so the client's loop and threads
+    never share a process with the reactor under test."""
     got = await broker.run(run_client_process, ASYNCIO_SCENARIO, broker.url)
     assert got == [f"m{i}" for i in range(50)]
 
