@@ -571,6 +571,8 @@ class PersistentTopic(Topic):
         self._dedup: _Dedup | None = None
         self._last_entry: Entry | None = None
         self.pending_publishes = 0
+        # Called with each entry once durable (e.g. to wake long-polling readers).
+        self.append_listeners: list[Callable[[Entry], None]] = []
 
     @property
     def subscriptions(self) -> dict[str, Subscription]:  # type: ignore[override]
@@ -757,6 +759,11 @@ class PersistentTopic(Topic):
         self.msg_in += n
         self.bytes_in += size
         self._last_entry = entry
+        for listener in list(self.append_listeners):
+            try:
+                listener(entry)
+            except Exception:
+                log.exception("append listener failed", extra=kv(topic=self.name))
         if producer is not None:
             producer.msg_in += n
             producer.bytes_in += size
@@ -918,6 +925,44 @@ class PersistentTopic(Topic):
             return LastMessageId(last, entries[0].num_messages if entries else 1)
 
         return self.ledger.read(last, 1).addCallback(found)
+
+    # -- message indexes (Kafka offsets) ---------------------------------------------------
+
+    @property
+    def next_index(self) -> int:
+        """The index the next published message gets (the log end offset)."""
+        return self.ledger.next_index
+
+    @property
+    def first_index(self) -> int:
+        """The index of the first message still stored (the log start offset)."""
+        return self.ledger.first_index
+
+    def read_from_index(self, index: int, max_entries: int) -> Deferred[list[Entry]]:
+        """Read up to ``max_entries`` entries from the one holding message ``index``; [] when
+        ``index`` is at or past the end or before the first stored message."""
+        if index < self.ledger.first_index or index >= self.ledger.next_index:
+            return succeed([])
+
+        def read(position: Position | None) -> Deferred[list[Entry]] | list[Entry]:
+            if position is None:
+                return []
+            return self.ledger.read(position, max_entries)
+
+        d = self.ledger.position_of_index(index)
+        d.addCallback(read)
+        return d  # type: ignore[return-value]
+
+    def index_of_time(self, timestamp_ms: int) -> Deferred[int | None]:
+        """The index of the first message of the first entry published at or after
+        ``timestamp_ms``; None if there is none."""
+
+        def index(position: Position | None) -> Deferred[int] | None:
+            return None if position is None else self.ledger.index_of_position(position)
+
+        d = self.ledger.position_of_time(timestamp_ms)
+        d.addCallback(index)
+        return d  # type: ignore[return-value]
 
     # -- lifecycle ------------------------------------------------------------------------
 

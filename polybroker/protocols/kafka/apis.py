@@ -1,0 +1,957 @@
+"""The Kafka APIs over the Broker API: one method per request type.
+
+Topics: Kafka topic ``t`` is ``persistent://public/default/t`` (full Pulsar names work too). A
+partitioned topic's partition ``i`` is ``t-partition-i``; a non-partitioned Pulsar topic shows as
+one partition. Topics that do not exist are created partitioned (``defaultNumPartitions``) when
+auto-creation is on. This broker leads every partition.
+
+Offsets are the managed ledger's message indexes, exactly: a produced record batch is stored as
+one entry (verbatim, tagged ``kafka``: see ``records`` and ``broker_core.messages``) whose index
+is the batch's base offset. Entries written by other protocols are converted to batches on fetch.
+
+Idempotent producers: per (partition, producer id) the last few batches' sequence numbers and
+offsets are remembered; a batch seen again is acknowledged with its first offset and not
+appended twice, a gap is OUT_OF_ORDER_SEQUENCE_NUMBER. This state lives in memory: a broker
+restart forgets it (the producer then starts a new sequence after InitProducerId).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
+
+from polybroker.broker_core import messages
+from polybroker.broker_core.errors import (
+    InvalidTopicNameError,
+    NotAllowedError,
+    TopicAlreadyExistsError,
+    TopicNotFoundError,
+)
+from polybroker.broker_core.messages import Message, MessageFormatError
+from polybroker.logs import kv
+from polybroker.protocols.kafka import codec as c
+from polybroker.protocols.kafka import records as rec
+from polybroker.protocols.kafka.groups import GroupCoordinator
+
+log = logging.getLogger(__name__)
+
+FORMAT_TAG = "kafka"
+NO_RESPONSE = object()
+_DEDUP_WINDOW = 5
+_LATEST = -1
+_EARLIEST = -2
+_MAX_TIMESTAMP = -3
+
+
+def decode_native(native: bytes, template: Message) -> list[Message]:
+    """The registered ``kafka`` entry format: a stored record batch as messages."""
+    try:
+        batches = rec.split_batches(native)
+        out: list[Message] = []
+        for batch in batches:
+            for r in rec.decode_batch(batch, limit=messages.DEFAULT_MAX_SIZE):
+                out.append(
+                    Message(
+                        r.value if r.value is not None else b"",
+                        key=r.key,
+                        properties=[
+                            (k, (v or b"").decode("utf-8", "replace")) for k, v in r.headers
+                        ],
+                        event_time_ms=max(r.timestamp_ms, 0),
+                        publish_time_ms=template.publish_time_ms,
+                        null_value=r.value is None,
+                        sequence_id=template.sequence_id + len(out),
+                    )
+                )
+        return out
+    except rec.RecordError as e:
+        raise MessageFormatError(f"stored Kafka batch is malformed: {e}") from None
+
+
+messages.register_format(FORMAT_TAG, decode_native)
+
+
+def entry_as_batch(index: int, data: bytes) -> bytes:
+    """A stored entry as one Kafka record batch whose base offset is ``index``."""
+    md, payload = messages.split_entry(data)
+    for p in md.properties:
+        if p.key == messages.FORMAT_PROPERTY and p.value == FORMAT_TAG:
+            return rec.with_base_offset(payload, index)
+    records = []
+    for i, m in enumerate(messages.decode_entry(data)):
+        headers: list[tuple[str, bytes | None]] = [(k, v.encode()) for k, v in m.properties]
+        ts = m.event_time_ms or m.publish_time_ms
+        value = None if m.null_value else m.payload
+        records.append(rec.Record(i, ts, m.key, value, headers))
+    if not records:
+        return b""
+    return rec.build_batch(index, records)
+
+
+@dataclass
+class ProducerState:
+    epoch: int
+    last_sequence: int
+    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=_DEDUP_WINDOW))
+    # (base sequence, last sequence, base offset) of the last batches
+
+
+@dataclass
+class Settings:
+    node_id: int
+    host: Callable[[], str]
+    port: Callable[[], int]
+    cluster_id: str
+    max_message_size: int
+    default_partitions: int
+    auto_create: bool
+
+
+@dataclass
+class _PartitionRead:
+    topic: str
+    partition: int
+    error: int = c.NONE
+    high_watermark: int = -1
+    log_start: int = -1
+    records: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+
+class KafkaApis:
+    """Answers decoded Kafka requests; one instance serves every connection of a handler."""
+
+    def __init__(self, service: Any, clock: IReactorTime, settings: Settings) -> None:
+        self.service = service
+        self.clock = clock
+        self.settings = settings
+        self.groups = GroupCoordinator(clock, service.metadata_store, on_commit=self._committed)
+        self.producers: dict[tuple[str, int], ProducerState] = {}
+        self._producer_ids = itertools.count(int(time.time() * 1000) << 8)
+        self._partitions: dict[str, int] = {}  # Kafka name -> partition count (0: not partitioned)
+        self._closed = False
+
+    def close(self) -> None:
+        self._closed = True
+        self.groups.close()
+
+    # -- names ----------------------------------------------------------------------------
+
+    def _full(self, name: str) -> str:
+        return self.service.topic_ref(name).full
+
+    def _kafka_name(self, full: str, requested: str | None = None) -> str:
+        if requested is not None:
+            return requested
+        prefix = "persistent://public/default/"
+        return full[len(prefix) :] if full.startswith(prefix) else full
+
+    async def partition_count(self, name: str, create: bool) -> int:
+        """Partitions Kafka sees (0 when the topic does not exist); may create it."""
+        if not name or len(name) > 249:
+            raise InvalidTopicNameError(f"invalid topic name {name!r}")
+        n = await self.service.partitioned_topic_metadata(name)
+        if n > 0:
+            self._partitions[name] = n
+            return n
+        if self.service.topic_ref(name).partition_index >= 0:
+            raise InvalidTopicNameError(f"{name} names a partition")
+        try:
+            await self.service.get_topic(name, create=False)
+            self._partitions[name] = 0
+            return 1
+        except TopicNotFoundError:
+            pass
+        if not create or not self.settings.auto_create:
+            return 0
+        with contextlib.suppress(TopicAlreadyExistsError):
+            await self.service.create_partitioned_topic(name, self.settings.default_partitions)
+        return await self.partition_count(name, False)
+
+    async def _partition_topic(self, name: str, partition: int, create: bool) -> Any:
+        """The Broker API topic behind a Kafka partition, or None if there is none."""
+        n = self._partitions.get(name)
+        if n is None:
+            count = await self.partition_count(name, create)
+            if count == 0:
+                return None
+            n = self._partitions[name]
+        if n == 0:
+            if partition != 0:
+                return None
+            full = self._full(name)
+        else:
+            if not 0 <= partition < n:
+                # The count may have grown since it was cached.
+                count = await self.partition_count(name, False)
+                if not 0 <= partition < count:
+                    return None
+            full = f"{self._full(name)}-partition-{partition}"
+        try:
+            topic = await self.service.get_topic(full, create=create)
+        except TopicNotFoundError:
+            return None
+        if not getattr(topic, "persistent", False):
+            return None
+        return topic
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def handle(self, req: c.Request, client_host: str) -> Deferred[Any] | Any:
+        """The response body for ``req`` (a Deferred, a body, or ``NO_RESPONSE``)."""
+        method = _DISPATCH[req.api_key]
+        return method(self, req, client_host)
+
+    def _api_versions(self, req: c.Request, host: str) -> Any:
+        return c.api_versions_body(req.api_version)
+
+    # -- metadata and admin ---------------------------------------------------------------
+
+    def _metadata(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._metadata_async(req))
+
+    async def _metadata_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_METADATA)
+        body = req.body
+        auto = bool(getattr(body, "allow_auto_topic_creation", True))
+        if body.topics is None or (req.api_version == 0 and not body.topics):
+            names = await self._all_topics()
+            auto = False
+        else:
+            names = [t.name for t in body.topics]
+        topics = []
+        for name in names:
+            error = c.NONE
+            n = 0
+            try:
+                n = await self.partition_count(name, auto)
+                if n == 0:
+                    error = c.UNKNOWN_TOPIC_OR_PARTITION
+            except (InvalidTopicNameError, NotAllowedError):
+                error = c.INVALID_TOPIC_EXCEPTION
+            partitions = [
+                cls.MetadataResponseTopic.MetadataResponsePartition(
+                    error_code=c.NONE,
+                    partition_index=i,
+                    leader_id=self.settings.node_id,
+                    leader_epoch=0,
+                    replica_nodes=[self.settings.node_id],
+                    isr_nodes=[self.settings.node_id],
+                    offline_replicas=[],
+                )
+                for i in range(n)
+            ]
+            topics.append(
+                cls.MetadataResponseTopic(
+                    error_code=error, name=name, is_internal=False, partitions=partitions
+                )
+            )
+        return cls(
+            throttle_time_ms=0,
+            brokers=[self._broker(cls.MetadataResponseBroker)],
+            cluster_id=self.settings.cluster_id,
+            controller_id=self.settings.node_id,
+            topics=topics,
+        )
+
+    def _broker(self, cls: Any) -> Any:
+        return cls(
+            node_id=self.settings.node_id,
+            host=self.settings.host(),
+            port=self.settings.port(),
+            rack=None,
+        )
+
+    async def _all_topics(self) -> list[str]:
+        names: set[str] = set()
+        for full in await self.service.topics_of_namespace("public/default"):
+            ref = self.service.topic_ref(full)
+            local = ref.local
+            idx = ref.partition_index
+            if idx >= 0:
+                local = local[: local.rindex("-partition-")]
+            names.add(local)
+        return sorted(names)
+
+    def _create_topics(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._create_topics_async(req))
+
+    async def _create_topics_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_CREATE_TOPICS)
+        results = []
+        for t in req.body.topics:
+            error, message = c.NONE, None
+            n = t.num_partitions if t.num_partitions > 0 else self.settings.default_partitions
+            try:
+                if t.num_partitions == 0 or t.num_partitions < -1:
+                    error, message = c.INVALID_PARTITIONS, "partitions must be at least 1"
+                elif await self.partition_count(t.name, False) > 0:
+                    error, message = c.TOPIC_ALREADY_EXISTS, f"topic {t.name} already exists"
+                elif not req.body.validate_only:
+                    await self.service.create_partitioned_topic(t.name, n)
+                    self._partitions[t.name] = n
+            except TopicAlreadyExistsError as e:
+                error, message = c.TOPIC_ALREADY_EXISTS, str(e)
+            except (InvalidTopicNameError, NotAllowedError) as e:
+                error, message = c.INVALID_TOPIC_EXCEPTION, str(e)
+            results.append(
+                cls.CreatableTopicResult(name=t.name, error_code=error, error_message=message)
+            )
+        return cls(throttle_time_ms=0, topics=results)
+
+    def _delete_topics(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._delete_topics_async(req))
+
+    async def _delete_topics_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_DELETE_TOPICS)
+        results = []
+        for name in req.body.topic_names or []:
+            error = c.NONE
+            self._partitions.pop(name, None)
+            try:
+                n = await self.service.partitioned_topic_metadata(name)
+                if n > 0:
+                    await self.service.delete_partitioned_topic(name, force=True)
+                else:
+                    await self.service.get_topic(name, create=False)
+                    await self.service.delete_topic(name, force=True)
+                for key in [k for k in self.producers if k[0].startswith(self._full(name))]:
+                    del self.producers[key]
+            except TopicNotFoundError:
+                error = c.UNKNOWN_TOPIC_OR_PARTITION
+            except InvalidTopicNameError:
+                error = c.INVALID_TOPIC_EXCEPTION
+            results.append(cls.DeletableTopicResult(name=name, error_code=error))
+        return cls(throttle_time_ms=0, responses=results)
+
+    def _create_partitions(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._create_partitions_async(req))
+
+    async def _create_partitions_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_CREATE_PARTITIONS)
+        results = []
+        for t in req.body.topics:
+            error, message = c.NONE, None
+            try:
+                n = await self.service.partitioned_topic_metadata(t.name)
+                if n == 0:
+                    error, message = c.UNKNOWN_TOPIC_OR_PARTITION, "not a partitioned topic"
+                elif t.count <= n:
+                    error, message = c.INVALID_PARTITIONS, f"topic has {n} partitions"
+                elif not req.body.validate_only:
+                    await self.service.update_partitioned_topic(t.name, t.count)
+                    self._partitions[t.name] = t.count
+            except (InvalidTopicNameError, NotAllowedError, TopicNotFoundError) as e:
+                error, message = c.INVALID_PARTITIONS, str(e)
+            results.append(
+                cls.CreatePartitionsTopicResult(
+                    name=t.name, error_code=error, error_message=message
+                )
+            )
+        return cls(throttle_time_ms=0, results=results)
+
+    def _describe_configs(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._describe_configs_async(req))
+
+    async def _describe_configs_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_DESCRIBE_CONFIGS)
+        item = cls.DescribeConfigsResult.DescribeConfigsResourceResult
+        results = []
+        for r in req.body.resources:
+            error, message = c.NONE, None
+            configs: dict[str, str] = {}
+            if r.resource_type == 2:  # topic
+                try:
+                    if await self.partition_count(r.resource_name, False) == 0:
+                        error = c.UNKNOWN_TOPIC_OR_PARTITION
+                        message = f"topic {r.resource_name} does not exist"
+                except InvalidTopicNameError as e:
+                    error, message = c.INVALID_TOPIC_EXCEPTION, str(e)
+                configs = {
+                    "cleanup.policy": "delete",
+                    "retention.ms": "-1",
+                    "max.message.bytes": str(self.settings.max_message_size),
+                    "message.timestamp.type": "CreateTime",
+                    "min.insync.replicas": "1",
+                    "compression.type": "producer",
+                }
+            elif r.resource_type == 4:  # broker
+                configs = {
+                    "message.max.bytes": str(self.settings.max_message_size),
+                    "num.partitions": str(self.settings.default_partitions),
+                    "auto.create.topics.enable": str(self.settings.auto_create).lower(),
+                    "default.replication.factor": "1",
+                }
+            else:
+                error, message = c.INVALID_REQUEST, f"resource type {r.resource_type}"
+            wanted = r.configuration_keys
+            entries = [
+                item(
+                    name=k,
+                    value=v,
+                    read_only=True,
+                    config_source=5,
+                    is_default=True,
+                    is_sensitive=False,
+                    synonyms=[],
+                )
+                for k, v in sorted(configs.items())
+                if wanted is None or k in wanted
+            ]
+            results.append(
+                cls.DescribeConfigsResult(
+                    error_code=error,
+                    error_message=message,
+                    resource_type=r.resource_type,
+                    resource_name=r.resource_name,
+                    configs=[] if error else entries,
+                )
+            )
+        return cls(throttle_time_ms=0, results=results)
+
+    def _describe_cluster(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_DESCRIBE_CLUSTER)
+        return cls(
+            throttle_time_ms=0,
+            error_code=c.NONE,
+            error_message=None,
+            cluster_id=self.settings.cluster_id,
+            controller_id=self.settings.node_id,
+            brokers=[
+                cls.DescribeClusterBroker(
+                    broker_id=self.settings.node_id,
+                    host=self.settings.host(),
+                    port=self.settings.port(),
+                    rack=None,
+                )
+            ],
+        )
+
+    # -- produce --------------------------------------------------------------------------
+
+    def _init_producer_id(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_INIT_PRODUCER_ID)
+        if req.body.transactional_id is not None:
+            return cls(
+                throttle_time_ms=0, error_code=c.INVALID_REQUEST, producer_id=-1, producer_epoch=-1
+            )
+        return cls(
+            throttle_time_ms=0,
+            error_code=c.NONE,
+            producer_id=next(self._producer_ids),
+            producer_epoch=0,
+        )
+
+    def _produce(self, req: c.Request, host: str) -> Deferred[Any] | Any:
+        d = Deferred.fromCoroutine(self._produce_async(req))
+        if req.body.acks == 0:
+            d.addErrback(lambda f: log.warning("produce failed", extra=kv(error=str(f.value))))
+            return NO_RESPONSE
+        return d
+
+    async def _produce_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_PRODUCE)
+        body = req.body
+        topics = []
+        for t in body.topic_data:
+            parts: list[Deferred[Any]] = []
+            for p in t.partition_data:
+                parts.append(Deferred.fromCoroutine(self._produce_partition(req, t.name, p)))
+            answers = await DeferredList(parts, consumeErrors=True)
+            responses = []
+            for (ok, value), p in zip(answers, t.partition_data, strict=True):
+                if not ok:
+                    log.warning("produce failed", extra=kv(topic=t.name, error=str(value.value)))
+                    value = (c.UNKNOWN_SERVER_ERROR, -1, -1)
+                error, base, start = value
+                responses.append(
+                    cls.TopicProduceResponse.PartitionProduceResponse(
+                        index=p.index, error_code=error, base_offset=base, log_start_offset=start
+                    )
+                )
+            topics.append(cls.TopicProduceResponse(name=t.name, partition_responses=responses))
+        return cls(responses=topics, throttle_time_ms=0)
+
+    async def _produce_partition(self, req: c.Request, name: str, p: Any) -> tuple[int, int, int]:
+        if req.api_version < 3:
+            return c.UNSUPPORTED_FOR_MESSAGE_FORMAT, -1, -1
+        if req.body.acks not in (-1, 0, 1):
+            return c.INVALID_REQUIRED_ACKS, -1, -1
+        data = p.records or b""
+        try:
+            batches = rec.split_batches(data)
+        except rec.RecordError:
+            return c.CORRUPT_MESSAGE, -1, -1
+        if not batches:
+            return c.INVALID_RECORD, -1, -1
+        for batch in batches:
+            if len(batch.raw) > self.settings.max_message_size:
+                return c.MESSAGE_TOO_LARGE, -1, -1
+            if not batch.crc_ok():
+                return c.CORRUPT_MESSAGE, -1, -1
+            if batch.transactional or batch.control:
+                return c.INVALID_RECORD, -1, -1
+            if batch.count < 1 or batch.last_offset_delta != batch.count - 1:
+                return c.INVALID_RECORD, -1, -1
+            try:
+                found = rec.decode_batch(batch, limit=max(self.settings.max_message_size, 1 << 20))
+            except rec.RecordError:
+                return c.CORRUPT_MESSAGE, -1, -1
+            if [r.offset_delta for r in found] != list(range(batch.count)):
+                return c.INVALID_RECORD, -1, -1
+        try:
+            topic = await self._partition_topic(name, p.index, True)
+        except (InvalidTopicNameError, NotAllowedError):
+            return c.INVALID_TOPIC_EXCEPTION, -1, -1
+        if topic is None:
+            return c.UNKNOWN_TOPIC_OR_PARTITION, -1, -1
+        first_base = -1
+        for batch in batches:
+            error, base = await self._append(topic, batch)
+            if error != c.NONE:
+                return error, -1, -1
+            if first_base < 0:
+                first_base = base
+        return c.NONE, first_base, topic.first_index
+
+    async def _append(self, topic: Any, batch: rec.Batch) -> tuple[int, int]:
+        key = (topic.name, batch.producer_id)
+        state: ProducerState | None = None
+        if batch.producer_id >= 0 and batch.base_sequence >= 0:
+            state = self.producers.get(key)
+            last_seq = batch.base_sequence + batch.count - 1
+            if state is not None and batch.producer_epoch < state.epoch:
+                return c.INVALID_PRODUCER_EPOCH, -1
+            if state is not None and batch.producer_epoch == state.epoch:
+                for base_seq, last, offset in state.recent:
+                    if base_seq == batch.base_sequence and last == last_seq:
+                        return c.NONE, offset  # a retried batch: stored once already
+                if batch.base_sequence != (state.last_sequence + 1) & 0x7FFFFFFF:
+                    if batch.base_sequence <= state.last_sequence:
+                        return c.DUPLICATE_SEQUENCE_NUMBER, -1
+                    return c.OUT_OF_ORDER_SEQUENCE_NUMBER, -1
+            if state is None or batch.producer_epoch > state.epoch:
+                state = ProducerState(batch.producer_epoch, last_seq)
+                self.producers[key] = state
+            state.last_sequence = last_seq
+        entry_data = messages.encode_native_entry(
+            FORMAT_TAG,
+            batch.raw,
+            num_messages=batch.count,
+            producer_name=f"kafka-{batch.producer_id}",
+            sequence_id=max(batch.base_sequence, 0),
+            publish_time_ms=int(self.clock.seconds() * 1000),
+        )
+        try:
+            entry = await topic.publish(entry_data, batch.count)
+        except Exception:
+            if state is not None:
+                self.producers.pop(key, None)
+            raise
+        if state is not None:
+            state.recent.append(
+                (batch.base_sequence, batch.base_sequence + batch.count - 1, entry.index)
+            )
+        return c.NONE, entry.index
+
+    # -- fetch ----------------------------------------------------------------------------
+
+    def _fetch(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._fetch_async(req))
+
+    async def _fetch_async(self, req: c.Request) -> Any:
+        body = req.body
+        deadline = self.clock.seconds() + max(body.max_wait_ms, 0) / 1000
+        while True:
+            reads, topics = await self._fetch_once(body)
+            total = sum(r.size for r in reads)
+            now = self.clock.seconds()
+            if (
+                total >= max(body.min_bytes, 1)
+                or now >= deadline
+                or self._closed
+                or any(r.error != c.NONE for r in reads)
+            ):
+                break
+            await self._wait_for_append(topics, deadline - now)
+        return self._fetch_response(reads)
+
+    def _wait_for_append(self, topics: list[Any], timeout_s: float) -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+
+        def wake(_: Any = None) -> None:
+            if not d.called:
+                d.callback(None)
+
+        timer = self.clock.callLater(timeout_s, wake)
+        for t in topics:
+            t.append_listeners.append(wake)
+
+        def cleanup(result: Any) -> Any:
+            if timer.active():
+                timer.cancel()
+            for t in topics:
+                with contextlib.suppress(ValueError):
+                    t.append_listeners.remove(wake)
+            return result
+
+        d.addBoth(cleanup)
+        return d
+
+    async def _fetch_once(self, body: Any) -> tuple[list[_PartitionRead], list[Any]]:
+        budget = body.max_bytes if body.max_bytes and body.max_bytes > 0 else 50 * 1024 * 1024
+        reads: list[_PartitionRead] = []
+        topics: list[Any] = []
+        for t in body.topics:
+            for p in t.partitions:
+                r = _PartitionRead(t.topic, p.partition)
+                reads.append(r)
+                try:
+                    topic = await self._partition_topic(t.topic, p.partition, False)
+                except (InvalidTopicNameError, NotAllowedError):
+                    topic = None
+                if topic is None:
+                    r.error = c.UNKNOWN_TOPIC_OR_PARTITION
+                    continue
+                topics.append(topic)
+                r.high_watermark = topic.next_index
+                r.log_start = topic.first_index
+                offset = p.fetch_offset
+                if offset < r.log_start or offset > r.high_watermark:
+                    r.error = c.OFFSET_OUT_OF_RANGE
+                    continue
+                limit = (
+                    min(p.partition_max_bytes, budget)
+                    if reads[0] is not r
+                    else (p.partition_max_bytes)
+                )
+                await self._read_partition(topic, offset, max(limit, 0), r)
+                budget -= r.size
+        return reads, topics
+
+    async def _read_partition(self, topic: Any, offset: int, limit: int, r: _PartitionRead) -> None:
+        while offset < topic.next_index and (r.size < limit or not r.records):
+            entries = await topic.read_from_index(offset, 16)
+            if not entries:
+                return
+            for entry in entries:
+                if entry.last_index < offset:
+                    continue
+                try:
+                    batch = entry_as_batch(entry.index, entry.data)
+                except (MessageFormatError, rec.RecordError) as e:
+                    log.warning(
+                        "skipping an entry Kafka cannot read",
+                        extra=kv(topic=topic.name, index=entry.index, error=str(e)),
+                    )
+                    batch = b""
+                offset = entry.last_index + 1
+                if not batch:
+                    continue
+                if r.records and r.size + len(batch) > limit:
+                    return
+                r.records.append(batch)
+                r.size += len(batch)
+                if r.size >= limit:
+                    return
+
+    def _fetch_response(self, reads: list[_PartitionRead]) -> Any:
+        cls = c.response_class(c.API_FETCH)
+        by_topic: dict[str, list[Any]] = {}
+        for r in reads:
+            by_topic.setdefault(r.topic, []).append(
+                cls.FetchableTopicResponse.PartitionData(
+                    partition_index=r.partition,
+                    error_code=r.error,
+                    high_watermark=r.high_watermark,
+                    last_stable_offset=r.high_watermark,
+                    log_start_offset=r.log_start,
+                    aborted_transactions=[],
+                    preferred_read_replica=-1,
+                    records=b"".join(r.records),
+                )
+            )
+        return cls(
+            throttle_time_ms=0,
+            error_code=c.NONE,
+            session_id=0,
+            responses=[
+                cls.FetchableTopicResponse(topic=name, partitions=parts)
+                for name, parts in by_topic.items()
+            ],
+        )
+
+    def _list_offsets(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._list_offsets_async(req))
+
+    async def _list_offsets_async(self, req: c.Request) -> Any:
+        cls = c.response_class(c.API_LIST_OFFSETS)
+        out = []
+        for t in req.body.topics:
+            parts = []
+            for p in t.partitions:
+                error, offset, ts = c.NONE, -1, -1
+                try:
+                    topic = await self._partition_topic(t.name, p.partition_index, False)
+                except (InvalidTopicNameError, NotAllowedError):
+                    topic = None
+                if topic is None:
+                    error = c.UNKNOWN_TOPIC_OR_PARTITION
+                elif p.timestamp == _EARLIEST:
+                    offset = topic.first_index
+                elif p.timestamp in (_LATEST, _MAX_TIMESTAMP):
+                    offset = topic.next_index
+                    if p.timestamp == _MAX_TIMESTAMP and offset > topic.first_index:
+                        offset -= 1
+                else:
+                    found = await topic.index_of_time(p.timestamp)
+                    if found is not None:
+                        offset, ts = found, p.timestamp
+                parts.append(
+                    cls.ListOffsetsTopicResponse.ListOffsetsPartitionResponse(
+                        partition_index=p.partition_index,
+                        error_code=error,
+                        timestamp=ts,
+                        offset=offset,
+                        leader_epoch=0,
+                    )
+                )
+            out.append(cls.ListOffsetsTopicResponse(name=t.name, partitions=parts))
+        return cls(throttle_time_ms=0, topics=out)
+
+    # -- groups ---------------------------------------------------------------------------
+
+    def _find_coordinator(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_FIND_COORDINATOR)
+        return cls(
+            throttle_time_ms=0,
+            error_code=c.NONE,
+            error_message=None,
+            node_id=self.settings.node_id,
+            host=self.settings.host(),
+            port=self.settings.port(),
+        )
+
+    def _join_group(self, req: c.Request, host: str) -> Deferred[Any]:
+        cls = c.response_class(c.API_JOIN_GROUP)
+        b = req.body
+        rebalance_timeout = b.rebalance_timeout_ms if req.api_version >= 1 else b.session_timeout_ms
+        d = self.groups.join(
+            b.group_id,
+            b.member_id,
+            client_id=req.client_id or "",
+            client_host=host,
+            session_timeout_ms=b.session_timeout_ms,
+            rebalance_timeout_ms=rebalance_timeout,
+            protocol_type=b.protocol_type,
+            protocols=[(p.name, bytes(p.metadata)) for p in b.protocols],
+            require_known_member_id=req.api_version >= 4,
+        )
+
+        def answer(j: Any) -> Any:
+            return cls(
+                throttle_time_ms=0,
+                error_code=j.error,
+                generation_id=j.generation,
+                protocol_name=j.protocol or "",
+                leader=j.leader,
+                member_id=j.member_id,
+                members=[
+                    cls.JoinGroupResponseMember(member_id=mid, metadata=md) for mid, md in j.members
+                ],
+            )
+
+        return d.addCallback(answer)
+
+    def _sync_group(self, req: c.Request, host: str) -> Deferred[Any]:
+        cls = c.response_class(c.API_SYNC_GROUP)
+        b = req.body
+        d = self.groups.sync(
+            b.group_id,
+            b.generation_id,
+            b.member_id,
+            {a.member_id: bytes(a.assignment) for a in b.assignments or []},
+        )
+        return d.addCallback(lambda r: cls(throttle_time_ms=0, error_code=r[0], assignment=r[1]))
+
+    def _heartbeat(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_HEARTBEAT)
+        b = req.body
+        return cls(
+            throttle_time_ms=0,
+            error_code=self.groups.heartbeat(b.group_id, b.generation_id, b.member_id),
+        )
+
+    def _leave_group(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_LEAVE_GROUP)
+        return cls(
+            throttle_time_ms=0, error_code=self.groups.leave(req.body.group_id, req.body.member_id)
+        )
+
+    def _offset_commit(self, req: c.Request, host: str) -> Deferred[Any]:
+        cls = c.response_class(c.API_OFFSET_COMMIT)
+        b = req.body
+        offsets = [
+            (t.name, p.partition_index, p.committed_offset, p.committed_metadata or "")
+            for t in b.topics
+            for p in t.partitions
+        ]
+        d = self.groups.commit(b.group_id, b.generation_id_or_member_epoch, b.member_id, offsets)
+
+        def answer(error: int) -> Any:
+            return cls(
+                throttle_time_ms=0,
+                topics=[
+                    cls.OffsetCommitResponseTopic(
+                        name=t.name,
+                        partitions=[
+                            cls.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
+                                partition_index=p.partition_index, error_code=error
+                            )
+                            for p in t.partitions
+                        ],
+                    )
+                    for t in b.topics
+                ],
+            )
+
+        return d.addCallback(answer)
+
+    def _offset_fetch(self, req: c.Request, host: str) -> Deferred[Any]:
+        cls = c.response_class(c.API_OFFSET_FETCH)
+        b = req.body
+        part_cls = cls.OffsetFetchResponseTopic.OffsetFetchResponsePartition
+
+        def answer(found: dict[tuple[str, int], tuple[int, str]]) -> Any:
+            if b.topics is None:
+                wanted: dict[str, list[int]] = {}
+                for topic, partition in sorted(found):
+                    wanted.setdefault(topic, []).append(partition)
+            else:
+                wanted = {t.name: list(t.partition_indexes) for t in b.topics}
+            topics = []
+            for name, partitions in wanted.items():
+                parts = []
+                for i in partitions:
+                    offset, md = found.get((name, i), (-1, ""))
+                    parts.append(
+                        part_cls(
+                            partition_index=i,
+                            committed_offset=offset,
+                            committed_leader_epoch=-1,
+                            metadata=md,
+                            error_code=c.NONE,
+                        )
+                    )
+                topics.append(cls.OffsetFetchResponseTopic(name=name, partitions=parts))
+            return cls(throttle_time_ms=0, topics=topics, error_code=c.NONE)
+
+        return self.groups.fetch_offsets(b.group_id).addCallback(answer)
+
+    def _committed(self, group: str, topic: str, partition: int, offset: int) -> None:
+        """Mirror a commit on a Pulsar subscription named after the group (best effort)."""
+        mirror = getattr(self.service, "kafka_commit_mirror", None)
+        if mirror is not None:
+            mirror(group, topic, partition, offset)
+
+    def _list_groups(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_LIST_GROUPS)
+        return cls(
+            throttle_time_ms=0,
+            error_code=c.NONE,
+            groups=[
+                cls.ListedGroup(group_id=g.group_id, protocol_type=g.protocol_type or "consumer")
+                for g in self.groups.list()
+            ],
+        )
+
+    def _describe_groups(self, req: c.Request, host: str) -> Any:
+        cls = c.response_class(c.API_DESCRIBE_GROUPS)
+        out = []
+        for gid in req.body.groups:
+            g = self.groups.describe(gid)
+            if g is None:
+                out.append(
+                    cls.DescribedGroup(
+                        error_code=c.NONE,
+                        group_id=gid,
+                        group_state="Dead",
+                        protocol_type="",
+                        protocol_data="",
+                        members=[],
+                    )
+                )
+                continue
+            members = [
+                cls.DescribedGroup.DescribedGroupMember(
+                    member_id=m.member_id,
+                    client_id=m.client_id,
+                    client_host=m.client_host,
+                    member_metadata=dict(m.protocols).get(g.protocol or "", b""),
+                    member_assignment=m.assignment,
+                )
+                for m in g.members.values()
+            ]
+            out.append(
+                cls.DescribedGroup(
+                    error_code=c.NONE,
+                    group_id=gid,
+                    group_state=g.state,
+                    protocol_type=g.protocol_type or "",
+                    protocol_data=g.protocol or "",
+                    members=members,
+                )
+            )
+        return cls(throttle_time_ms=0, groups=out)
+
+    def _delete_groups(self, req: c.Request, host: str) -> Deferred[Any]:
+        cls = c.response_class(c.API_DELETE_GROUPS)
+        names = list(req.body.groups_names)
+        ds = [self.groups.delete(g) for g in names]
+
+        def answer(results: list[tuple[bool, Any]]) -> Any:
+            return cls(
+                throttle_time_ms=0,
+                results=[
+                    cls.DeletableGroupResult(
+                        group_id=g, error_code=v if ok else c.UNKNOWN_SERVER_ERROR
+                    )
+                    for g, (ok, v) in zip(names, results, strict=True)
+                ],
+            )
+
+        return DeferredList(ds, consumeErrors=True).addCallback(answer)
+
+
+_DISPATCH: dict[int, Callable[[KafkaApis, c.Request, str], Any]] = {
+    c.API_PRODUCE: KafkaApis._produce,
+    c.API_FETCH: KafkaApis._fetch,
+    c.API_LIST_OFFSETS: KafkaApis._list_offsets,
+    c.API_METADATA: KafkaApis._metadata,
+    c.API_OFFSET_COMMIT: KafkaApis._offset_commit,
+    c.API_OFFSET_FETCH: KafkaApis._offset_fetch,
+    c.API_FIND_COORDINATOR: KafkaApis._find_coordinator,
+    c.API_JOIN_GROUP: KafkaApis._join_group,
+    c.API_HEARTBEAT: KafkaApis._heartbeat,
+    c.API_LEAVE_GROUP: KafkaApis._leave_group,
+    c.API_SYNC_GROUP: KafkaApis._sync_group,
+    c.API_DESCRIBE_GROUPS: KafkaApis._describe_groups,
+    c.API_LIST_GROUPS: KafkaApis._list_groups,
+    c.API_API_VERSIONS: KafkaApis._api_versions,
+    c.API_CREATE_TOPICS: KafkaApis._create_topics,
+    c.API_DELETE_TOPICS: KafkaApis._delete_topics,
+    c.API_INIT_PRODUCER_ID: KafkaApis._init_producer_id,
+    c.API_DESCRIBE_CONFIGS: KafkaApis._describe_configs,
+    c.API_CREATE_PARTITIONS: KafkaApis._create_partitions,
+    c.API_DELETE_GROUPS: KafkaApis._delete_groups,
+    c.API_DESCRIBE_CLUSTER: KafkaApis._describe_cluster,
+}

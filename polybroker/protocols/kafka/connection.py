@@ -1,0 +1,159 @@
+"""One Kafka client connection: Twisted glue between the codec and ``KafkaApis``.
+
+Frames are decoded as they arrive and each request is handed to ``KafkaApis`` at once (a
+long-polling Fetch does not hold up the next request's work), but responses leave strictly in
+request order, as Kafka requires. A Produce with acks=0 gets no response.
+
+Bad input (an oversize or malformed frame, an unknown API key, an unsupported version) closes
+the connection after the responses already due; an unsupported ApiVersions version is answered
+with error 35 and a v0 body. No exception escapes ``dataReceived``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from twisted.internet.defer import maybeDeferred
+from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.python.failure import Failure
+
+from polybroker.logs import kv
+from polybroker.protocols.kafka import codec as c
+from polybroker.protocols.kafka.apis import NO_RESPONSE, KafkaApis
+
+log = logging.getLogger(__name__)
+
+#: Requests in flight on one connection before reading from it pauses.
+MAX_IN_FLIGHT = 64
+
+
+class _Slot:
+    __slots__ = ("data", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.data: bytes | None = None
+
+
+class KafkaConnection(Protocol):
+    """Serves one client socket (see the module docstring)."""
+
+    def __init__(self, apis: KafkaApis, max_frame: int) -> None:
+        self.apis = apis
+        self.decoder = c.FrameDecoder(max_frame)
+        self.pending: deque[_Slot] = deque()
+        self.closed = False
+        self.paused = False
+        self.client_host = ""
+
+    def connectionMade(self) -> None:
+        peer = self.transport.getPeer()  # type: ignore[union-attr]
+        self.client_host = f"/{getattr(peer, 'host', '')}"
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            frames = self.decoder.feed(data)
+        except c.KafkaCodecError as e:
+            self._fail(str(e))
+            return
+        for frame in frames:
+            if self.closed:
+                return
+            try:
+                req = c.parse_request(frame)
+            except c.KafkaCodecError as e:
+                self._fail(str(e))
+                return
+            self._dispatch(req)
+        if len(self.pending) >= MAX_IN_FLIGHT and not self.paused:
+            self.paused = True
+            self.transport.pauseProducing()  # type: ignore[union-attr]
+
+    def _dispatch(self, req: c.Request) -> None:
+        slot = _Slot()
+        self.pending.append(slot)
+        if not req.supported:
+            slot.data = c.encode_unsupported_api_versions(req.correlation_id)
+            slot.done = True
+            self._flush()
+            return
+        d = maybeDeferred(self.apis.handle, req, self.client_host)
+        d.addCallbacks(self._answered, self._failed, callbackArgs=(req, slot), errbackArgs=(req,))
+
+    def _answered(self, body: Any, req: c.Request, slot: _Slot) -> None:
+        if body is not NO_RESPONSE:
+            try:
+                slot.data = c.encode_response(
+                    req.api_key, req.api_version, req.correlation_id, body
+                )
+            except Exception as e:
+                log.exception("cannot encode a Kafka response", extra=kv(api=req.api_key))
+                self._fail(f"encode failed: {e!r}")
+                return
+        slot.done = True
+        self._flush()
+
+    def _failed(self, failure: Failure, req: c.Request) -> None:
+        log.error(
+            "Kafka request failed",
+            extra=kv(api=req.api_key, version=req.api_version, error=repr(failure.value)),
+        )
+        self._fail("request failed")
+
+    def _flush(self) -> None:
+        out = []
+        while self.pending and self.pending[0].done:
+            slot = self.pending.popleft()
+            if slot.data:
+                out.append(slot.data)
+        if out and not self.closed:
+            self.transport.writeSequence(out)  # type: ignore[union-attr]
+        if self.paused and len(self.pending) < MAX_IN_FLIGHT // 2 and not self.closed:
+            self.paused = False
+            self.transport.resumeProducing()  # type: ignore[union-attr]
+
+    def _fail(self, reason: str) -> None:
+        log.info("closing Kafka connection", extra=kv(peer=self.client_host, reason=reason))
+        self._flush()
+        self.closed = True
+        self.pending.clear()
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+        self.closed = True
+        self.pending.clear()
+        factory = getattr(self, "factory", None)
+        if isinstance(factory, KafkaFactory):
+            factory.connections.discard(self)
+
+
+class KafkaFactory(ServerFactory):
+    """Builds a ``KafkaConnection`` per accepted socket and tracks the open ones."""
+
+    def __init__(self, apis: KafkaApis, max_frame: int) -> None:
+        self.apis = apis
+        self.max_frame = max_frame
+        self.connections: set[KafkaConnection] = set()
+
+    def buildProtocol(self, addr: Any) -> KafkaConnection:
+        conn = KafkaConnection(self.apis, self.max_frame)
+        conn.factory = self
+        self.connections.add(conn)
+        return conn
+
+    def close_all(self) -> None:
+        """Close every open connection."""
+        for conn in list(self.connections):
+            conn.close()
+

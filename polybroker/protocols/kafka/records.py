@@ -1,0 +1,332 @@
+"""Kafka record batches (magic v2): split, verify, decode and build (sans-IO).
+
+A produced ``records`` field is a sequence of batches::
+
+    baseOffset i64 | batchLength i32 | partitionLeaderEpoch i32 | magic i8 (=2) | crc u32 |
+    attributes i16 | lastOffsetDelta i32 | firstTimestamp i64 | maxTimestamp i64 |
+    producerId i64 | producerEpoch i16 | baseSequence i32 | recordsCount i32 | records...
+
+The CRC32C covers everything from ``attributes`` on, so the broker may rewrite ``baseOffset``
+(and the leader epoch) of a stored batch without touching its checksum: that is how a batch
+stored verbatim is served at the offset the log gave it.
+
+Rule 1: every length read from the wire is checked against the bytes that are there; a
+        decompressed body is bounded by ``limit``; a malformed batch raises ``RecordError``.
+Rule 2: ``decode_batch`` and ``build_batch`` are inverse for key, value (or null), headers and
+        timestamps.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from crc32c import crc32c
+
+HEADER = struct.Struct(">qiibIhiqqqhii")
+HEADER_SIZE = HEADER.size  # 61
+_CRC_START = 21  # offset of attributes: what the CRC covers
+_LOG_OVERHEAD = 12  # baseOffset + batchLength
+
+COMPRESSION_NONE = 0
+COMPRESSION_GZIP = 1
+COMPRESSION_SNAPPY = 2
+COMPRESSION_LZ4 = 3
+COMPRESSION_ZSTD = 4
+TIMESTAMP_LOG_APPEND = 0x08
+TRANSACTIONAL = 0x10
+CONTROL = 0x20
+
+_XERIAL_MAGIC = b"\x82SNAPPY\x00"
+
+
+class RecordError(ValueError):
+    """A malformed, corrupt or oversize record batch."""
+
+
+@dataclass(slots=True)
+class Record:
+    """One Kafka record; ``offset_delta`` is relative to its batch's base offset."""
+
+    offset_delta: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Batch:
+    """A record batch's header fields and its raw bytes (header included)."""
+
+    raw: bytes
+    base_offset: int
+    leader_epoch: int
+    magic: int
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    first_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    count: int
+
+    @property
+    def compression(self) -> int:
+        return self.attributes & 0x07
+
+    @property
+    def transactional(self) -> bool:
+        return bool(self.attributes & TRANSACTIONAL)
+
+    @property
+    def control(self) -> bool:
+        return bool(self.attributes & CONTROL)
+
+    def crc_ok(self) -> bool:
+        return crc32c(self.raw[_CRC_START:]) == self.crc
+
+
+def split_batches(data: bytes, *, max_batches: int = 10_000) -> list[Batch]:
+    """Split a ``records`` field into batches (v2 only); raise ``RecordError``."""
+    out: list[Batch] = []
+    pos = 0
+    n = len(data)
+    while pos < n:
+        if n - pos < HEADER_SIZE:
+            raise RecordError("record batch header truncated")
+        fields = HEADER.unpack_from(data, pos)
+        length = fields[1]
+        if fields[3] != 2:
+            raise RecordError(f"record batch magic {fields[3]} is not supported (only v2)")
+        if length < HEADER_SIZE - _LOG_OVERHEAD or pos + _LOG_OVERHEAD + length > n:
+            raise RecordError(f"record batch length {length} does not fit the data")
+        end = pos + _LOG_OVERHEAD + length
+        out.append(Batch(bytes(data[pos:end]), *fields[:1], *fields[2:]))
+        if len(out) > max_batches:
+            raise RecordError("too many record batches")
+        pos = end
+    return out
+
+
+def with_base_offset(raw: bytes, base_offset: int) -> bytes:
+    """The batch with its base offset replaced (outside the CRC)."""
+    return struct.pack(">q", base_offset) + raw[8:]
+
+
+def _bounded(chunks: io.RawIOBase | io.BufferedIOBase, limit: int) -> bytes:
+    out = chunks.read(limit + 1)
+    if out is None or len(out) > limit:
+        raise RecordError(f"decompressed record batch exceeds {limit} bytes")
+    return bytes(out)
+
+
+def _snappy_length(block: bytes) -> int:
+    # A raw snappy block starts with its uncompressed length as an unsigned varint.
+    value = 0
+    for i, b in enumerate(block[:5]):
+        value |= (b & 0x7F) << (7 * i)
+        if not b & 0x80:
+            return value
+    raise RecordError("malformed snappy block")
+
+
+def _snappy(data: bytes, limit: int) -> bytes:
+    import snappy
+
+    if not data.startswith(_XERIAL_MAGIC):
+        if _snappy_length(data) > limit:
+            raise RecordError(f"decompressed record batch exceeds {limit} bytes")
+        return bytes(snappy.uncompress(data))
+    pos = 16  # magic + version + compatible version
+    out = bytearray()
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise RecordError("truncated xerial snappy block")
+        (size,) = struct.unpack_from(">i", data, pos)
+        pos += 4
+        if size < 0 or pos + size > len(data):
+            raise RecordError("xerial snappy block runs past the data")
+        block = data[pos : pos + size]
+        if len(out) + _snappy_length(block) > limit:
+            raise RecordError(f"decompressed record batch exceeds {limit} bytes")
+        out += snappy.uncompress(block)
+        pos += size
+    return bytes(out)
+
+
+def decompress(kind: int, data: bytes, limit: int) -> bytes:
+    """Decompress a batch body, bounded by ``limit``; raise ``RecordError``."""
+    try:
+        if kind == COMPRESSION_NONE:
+            return data
+        if kind == COMPRESSION_GZIP:
+            return _bounded(gzip.GzipFile(fileobj=io.BytesIO(data)), limit)
+        if kind == COMPRESSION_SNAPPY:
+            return _snappy(data, limit)
+        if kind == COMPRESSION_LZ4:
+            import lz4.frame
+
+            return _bounded(lz4.frame.LZ4FrameFile(io.BytesIO(data)), limit)
+        if kind == COMPRESSION_ZSTD:
+            import zstandard
+
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+            return _bounded(reader, limit)
+    except RecordError:
+        raise
+    except Exception as e:
+        raise RecordError(f"cannot decompress record batch: {e!r}") from None
+    raise RecordError(f"unknown compression codec {kind}")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = 0
+    shift = 0
+    while True:
+        if pos >= len(data):
+            raise RecordError("truncated varint")
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return (value >> 1) ^ -(value & 1), pos
+        shift += 7
+        if shift > 63:
+            raise RecordError("varint too long")
+
+
+def _bytes(data: bytes, pos: int, end: int) -> tuple[bytes | None, int]:
+    size, pos = _varint(data, pos)
+    if size < 0:
+        return None, pos
+    if pos + size > end:
+        raise RecordError("record field runs past the record")
+    return bytes(data[pos : pos + size]), pos + size
+
+
+def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
+    """The records of a batch (decompressed within ``limit`` bytes); raise ``RecordError``."""
+    if batch.count < 0 or batch.count > len(batch.raw) * 64:
+        raise RecordError(f"record count {batch.count} is implausible")
+    body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
+    log_append = bool(batch.attributes & TIMESTAMP_LOG_APPEND)
+    out: list[Record] = []
+    pos = 0
+    for _ in range(batch.count):
+        length, pos = _varint(body, pos)
+        end = pos + length
+        if length < 0 or end > len(body):
+            raise RecordError("record runs past the batch")
+        pos += 1  # attributes
+        ts_delta, pos = _varint(body, pos)
+        offset_delta, pos = _varint(body, pos)
+        key, pos = _bytes(body, pos, end)
+        value, pos = _bytes(body, pos, end)
+        n_headers, pos = _varint(body, pos)
+        if n_headers < 0 or n_headers > length:
+            raise RecordError("invalid header count")
+        headers: list[tuple[str, bytes | None]] = []
+        for _ in range(n_headers):
+            hkey, pos = _bytes(body, pos, end)
+            if hkey is None:
+                raise RecordError("null header key")
+            hval, pos = _bytes(body, pos, end)
+            try:
+                headers.append((hkey.decode("utf-8"), hval))
+            except UnicodeDecodeError:
+                raise RecordError("header key is not UTF-8") from None
+        if pos != end:
+            raise RecordError("record length does not match its fields")
+        ts = batch.max_timestamp if log_append else batch.first_timestamp + ts_delta
+        out.append(Record(offset_delta, ts, key, value, headers))
+    if pos != len(body):
+        raise RecordError("bytes left over after the last record")
+    return out
+
+
+def _zigzag(value: int) -> bytes:
+    v = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while v & ~0x7F:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _field(value: bytes | None) -> bytes:
+    if value is None:
+        return _zigzag(-1)
+    return _zigzag(len(value)) + value
+
+
+def encode_record(record: Record, first_timestamp: int) -> bytes:
+    """One record as it sits in an uncompressed batch body."""
+    parts = [
+        b"\x00",
+        _zigzag(record.timestamp_ms - first_timestamp),
+        _zigzag(record.offset_delta),
+        _field(record.key),
+        _field(record.value),
+        _zigzag(len(record.headers)),
+    ]
+    for k, v in record.headers:
+        parts.append(_field(k.encode("utf-8")))
+        parts.append(_field(v))
+    body = b"".join(parts)
+    return _zigzag(len(body)) + body
+
+
+def build_batch(
+    base_offset: int,
+    records: Sequence[Record],
+    *,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    base_sequence: int = -1,
+    compression: int = COMPRESSION_NONE,
+) -> bytes:
+    """A v2 batch of ``records`` (offset deltas as given) with a valid CRC."""
+    if not records:
+        raise ValueError("a record batch holds at least one record")
+    first_ts = min(r.timestamp_ms for r in records)
+    max_ts = max(r.timestamp_ms for r in records)
+    body = b"".join(encode_record(r, first_ts) for r in records)
+    if compression == COMPRESSION_GZIP:
+        body = gzip.compress(body)
+    elif compression == COMPRESSION_ZSTD:
+        import zstandard
+
+        body = zstandard.ZstdCompressor().compress(body)
+    elif compression == COMPRESSION_LZ4:
+        import lz4.frame
+
+        body = lz4.frame.compress(body)
+    elif compression == COMPRESSION_SNAPPY:
+        import snappy
+
+        body = snappy.compress(body)
+    elif compression != COMPRESSION_NONE:
+        raise ValueError(f"unknown compression {compression}")
+    last_delta = max(r.offset_delta for r in records)
+    after_crc = struct.pack(
+        ">hiqqqhii",
+        compression,
+        last_delta,
+        first_ts,
+        max_ts,
+        producer_id,
+        producer_epoch,
+        base_sequence,
+        len(records),
+    )
+    crc = crc32c(after_crc + body)
+    length = 4 + 1 + 4 + len(after_crc) + len(body)
+    head = struct.pack(">qiibI", base_offset, length, -1, 2, crc)
+    return head + after_crc + body
