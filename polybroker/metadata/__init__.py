@@ -8,6 +8,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
 
+from polybroker.config import ConfigError
 from polybroker.metadata.api import MetadataStore
 
 URL_FORMS = (
@@ -18,11 +19,17 @@ URL_FORMS = (
 
 
 def open_metadata_store(
-    url: str, *, data_dir: str | os.PathLike[str], reactor: Any
+    url: str,
+    *,
+    data_dir: str | os.PathLike[str],
+    reactor: Any,
+    session_timeout_ms: int | None = None,
 ) -> Deferred[MetadataStore]:
-    """Open the metadata store that ``url`` names; raise ``ValueError`` for a URL of no known
-    form (the message lists the forms). The Deferred fails if the store cannot be opened
-    (e.g. ``StoreLockedError`` when another process holds the embedded store)."""
+    """Open the metadata store that ``url`` names; raise ``ConfigError`` (a ``ValueError``)
+    for a URL of no known form or a malformed ``zk://`` URL (the message says which forms are
+    known). The Deferred fails if the store cannot be opened (e.g. ``StoreLockedError`` when
+    another process holds the embedded store, ``MetadataError`` when ZooKeeper does not
+    answer). ``session_timeout_ms`` applies to ZooKeeper only."""
     url = url.strip()
     if url in ("", "embedded"):
         from polybroker.metadata.embedded import EmbeddedMetadataStore
@@ -34,7 +41,12 @@ def open_metadata_store(
 
         return succeed(MemoryMetadataStore(reactor))
     if url.startswith("zk://"):
-        raise ValueError("ZooKeeper metadata store is not available yet")
-    raise ValueError(
+        from polybroker.metadata.zookeeper import DEFAULT_SESSION_TIMEOUT_MS, ZooKeeperMetadataStore
+
+        zk: Deferred[Any] = ZooKeeperMetadataStore.open(
+            url, reactor, session_timeout_ms=session_timeout_ms or DEFAULT_SESSION_TIMEOUT_MS
+        )
+        return zk
+    raise ConfigError(
         f"unknown metadata store URL {url!r}; expected one of: " + "; ".join(URL_FORMS)
     )

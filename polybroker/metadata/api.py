@@ -51,6 +51,11 @@ class StoreClosedError(MetadataError):
     """The store (or its session) is closed."""
 
 
+class ConnectionLossError(MetadataError):
+    """The connection to the store was lost while the operation was in flight, or it got no
+    answer in time: the operation may or may not have been applied."""
+
+
 @dataclass(frozen=True)
 class Stat:
     """What the store knows about one node besides its value."""

@@ -3,12 +3,16 @@
 ``metadata`` yields a ``StoreHarness``: ``store`` is a fresh, empty store, and ``reopen()``
 returns a new session that sees the same data, as another broker or a restarted process would
 (memory: another session on the same tree; embedded: the same directory opened again, which
-needs every earlier session closed first). Every store a harness opened is closed at teardown.
+needs every earlier session closed first; zookeeper: another session under the same chroot of one
+real ZooKeeper server, started once per test session, each test under a chroot of its own).
+Every store a harness opened is closed at teardown.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +22,32 @@ from twisted.internet import reactor
 from polybroker.metadata.api import MetadataStore
 from polybroker.metadata.embedded import EmbeddedMetadataStore
 from polybroker.metadata.memory import MemoryMetadataStore
+from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
 
-IMPLEMENTATIONS = ["memory", "embedded"]
+sys.path.insert(0, str(Path(__file__).parent))
+
+from zk_server import ZooKeeperServer
+
+IMPLEMENTATIONS = ["memory", "embedded", "zookeeper"]
+
+
+@pytest.fixture(scope="session")
+def zookeeper_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperServer]:
+    """One real ZooKeeper server for the whole test session (fails if it is not installed)."""
+    server = ZooKeeperServer.start(tmp_path_factory.mktemp("zookeeper"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 class StoreHarness:
     """One implementation under test (see the module docstring)."""
 
-    def __init__(self, kind: str, directory: Path) -> None:
+    def __init__(self, kind: str, directory: Path, zk_url: str = "") -> None:
         self.kind = kind
         self.directory = directory
+        self.zk_url = zk_url
         self.opened: list[MetadataStore] = []
         self.store: MetadataStore
 
@@ -39,6 +59,8 @@ class StoreHarness:
                 store: MetadataStore = MemoryMetadataStore(reactor, tree=first.tree)
             else:
                 store = MemoryMetadataStore(reactor)
+        elif self.kind == "zookeeper":
+            store = await ZooKeeperMetadataStore.open(self.zk_url, reactor)
         else:
             store = await EmbeddedMetadataStore.open(self.directory, reactor)
         self.opened.append(store)
@@ -56,7 +78,11 @@ class StoreHarness:
 @pytest_twisted.async_yield_fixture(params=IMPLEMENTATIONS)
 async def metadata(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StoreHarness]:
     """A harness over a fresh store of each implementation."""
-    harness = StoreHarness(request.param, tmp_path / "metadata")
+    zk_url = ""
+    if request.param == "zookeeper":
+        server = request.getfixturevalue("zookeeper_server")
+        zk_url = server.url(f"/contract-{uuid.uuid4().hex}")
+    harness = StoreHarness(request.param, tmp_path / "metadata", zk_url)
     harness.store = await harness.open()
     yield harness
     await harness.close_all()

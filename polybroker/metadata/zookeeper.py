@@ -1,0 +1,705 @@
+"""The ZooKeeper MetadataStore: the contract of ``api.py`` over kazoo, for a cluster.
+
+Threads. Every kazoo call runs on one worker thread that this store owns, one operation after
+another, so operations complete in the order they were issued and each one sees every write
+issued before it. Everything that goes back to the reactor (operation outcomes, watch
+notifications, session events) goes through ``_to_reactor`` (``reactor.callFromThread``), the
+only place where kazoo's threads meet the reactor. kazoo's own callbacks (watch triggers, state
+changes) never block: they hand work to the worker thread or to the reactor.
+
+Rules beyond the contract:
+
+Rule Z1: the URL is ``zk://host:port[,host:port...][/chroot]``; the chroot is created if missing
+        and every path of the store lives under it.
+Rule Z2: watches are kept by the store, not by ZooKeeper: a path that has watchers is "armed"
+        with one-shot ZooKeeper watches, and every trigger, every write of this session that may
+        touch the path and every reconnect re-reads the node (version, child version, creation
+        id) and reports the difference since the last read: one ``MODIFIED`` per data version,
+        one ``CHILDREN_CHANGED`` per child version, ``DELETED``/``CREATED`` when the node went
+        or came back. So a watch reports every change once, also changes that happened while the
+        connection was down (a deleted-and-recreated node while down shows as deleted+created).
+        A write's notifications are delivered before the write's own Deferred fires.
+Rule Z3: sequence suffixes come from one counter node under ``/__polybroker`` (its data
+        version), bumped in the same ZooKeeper transaction that creates the node, so suffixes
+        are unique and increasing across every parent, session and restart, and never reused,
+        even after a parent is deleted (plain ZooKeeper restarts a recreated parent's counter).
+Rule Z4: session events: a dropped connection is ``CONNECTION_LOST``; the same session back is
+        ``RECONNECTED``; an expired session is ``SESSION_LOST`` (this session's ephemeral nodes are
+        gone, ZooKeeper deleted them) and the new session that kazoo then opens is
+        ``SESSION_REESTABLISHED``. The store never re-creates ephemeral nodes by itself: their
+        owners do, on ``SESSION_REESTABLISHED``.
+Rule Z5: an operation that cannot learn its outcome (connection lost while it was in flight, or
+        no answer within the operation timeout) fails with ``ConnectionLossError``: it may or may
+        not have been applied.
+Rule Z6: the names ``zookeeper`` and ``__polybroker`` at the root are the server's and the
+        store's own: they are not listed by ``children("/")`` and paths under them are refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import kazoo.exceptions as kz
+from kazoo.client import KazooClient, KazooState
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import EventType as KazooEventType
+from kazoo.protocol.states import WatchedEvent, ZnodeStat
+from twisted.internet.defer import Deferred, fail
+from twisted.python.failure import Failure
+
+from polybroker.config import ConfigError
+from polybroker.metadata.api import (
+    BadVersionError,
+    ConnectionLossError,
+    EventType,
+    GetResult,
+    MetadataError,
+    MetadataStore,
+    NotEmptyError,
+    NotFoundError,
+    Notification,
+    SessionEvent,
+    Stat,
+    StoreClosedError,
+)
+from polybroker.metadata.memory import (
+    SEQUENCE_DIGITS,
+    parent_of,
+    validate_path,
+    validate_value,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_SESSION_TIMEOUT_MS = 30_000
+RESERVED_ROOT_NAMES = frozenset({"zookeeper", "__polybroker"})
+INTERNAL_ROOT = "/__polybroker"
+SEQUENCE_NODE = f"{INTERNAL_ROOT}/sequence"
+# ZooKeeper versions are 32-bit signed: the counter node can hand out this many suffixes.
+MAX_SEQUENCE_VERSION = 2**31 - 2
+TRANSACTION_RETRIES = 20
+
+
+@dataclass(frozen=True)
+class ZooKeeperUrl:
+    """A parsed ``zk://`` URL: kazoo's hosts string and the chroot ("" for none)."""
+
+    hosts: str
+    chroot: str
+
+
+def parse_url(url: str) -> ZooKeeperUrl:
+    """Parse ``zk://host:port[,host:port...][/chroot]``; raise ``ConfigError`` saying what is
+    wrong with a malformed one."""
+    if not url.startswith("zk://"):
+        raise ConfigError(f"metadata store URL {url!r} is not a zk:// URL")
+    rest = url[len("zk://") :]
+    hosts_part, slash, chroot = rest.partition("/")
+    chroot = slash + chroot if slash else ""
+    if not hosts_part:
+        raise ConfigError(f"metadata store URL {url!r} names no ZooKeeper host")
+    hosts = []
+    for item in hosts_part.split(","):
+        host, colon, port_text = item.rpartition(":")
+        if not colon or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ConfigError(
+                f"metadata store URL {url!r}: {item!r} is not host:port (port 1-65535)"
+            )
+        hosts.append(f"{host}:{int(port_text)}")
+    if chroot in ("", "/"):
+        chroot = ""
+    else:
+        try:
+            validate_path(chroot)
+        except ValueError as e:
+            raise ConfigError(f"metadata store URL {url!r}: bad chroot ({e})") from None
+    return ZooKeeperUrl(",".join(hosts), chroot)
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What a watched node looked like at its last read: None fields mean "absent"."""
+
+    czxid: int
+    version: int
+    cversion: int
+
+
+_UNREAD = object()
+
+
+def _diff(path: str, old: _Seen | None, new: _Seen | None) -> list[Notification]:
+    """The notifications that turn ``old`` into ``new`` (Rule Z2)."""
+    out: list[Notification] = []
+    if old is None and new is None:
+        return out
+    if new is None:
+        return [Notification(EventType.DELETED, path)]
+    if old is not None and old.czxid != new.czxid:
+        out.append(Notification(EventType.DELETED, path))
+        old = None
+    if old is None:
+        out.append(Notification(EventType.CREATED, path))
+        old = _Seen(new.czxid, 0, 0)
+    out.extend(Notification(EventType.MODIFIED, path) for _ in range(new.version - old.version))
+    out.extend(
+        Notification(EventType.CHILDREN_CHANGED, path) for _ in range(new.cversion - old.cversion)
+    )
+    return out
+
+
+def _stat(zstat: ZnodeStat) -> Stat:
+    return Stat(zstat.version, zstat.ephemeralOwner != 0, zstat.created, zstat.last_modified)
+
+
+class _Watch:
+    """One registered watch; identity matters (the same callback may be registered twice)."""
+
+    __slots__ = ("active", "callback")
+
+    def __init__(self, callback: Callable[[Notification], None]) -> None:
+        self.callback = callback
+        self.active = True
+
+
+class ZooKeeperMetadataStore(MetadataStore):
+    """A session with a ZooKeeper ensemble (see the module docstring); build with ``open``."""
+
+    def __init__(
+        self,
+        url: str,
+        reactor: Any,
+        *,
+        session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
+        operation_timeout_s: float | None = None,
+    ) -> None:
+        parsed = parse_url(url)
+        self.url = url
+        self._reactor = reactor
+        self._chroot = parsed.chroot
+        self._op_timeout = (
+            operation_timeout_s
+            if operation_timeout_s is not None
+            else max(5.0, 2 * session_timeout_ms / 1000)
+        )
+        self._zk = KazooClient(hosts=parsed.hosts, timeout=session_timeout_ms / 1000)
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="zk-metadata"
+        )
+        self._closed = False
+        self._closed_done = False
+        self._close_waiters: list[Deferred[None]] = []
+        # Reactor thread only:
+        self._watches: dict[str, list[_Watch]] = {}
+        self._listeners: list[Callable[[SessionEvent], None]] = []
+        # Worker thread only: the armed paths and what each looked like at its last read
+        # (``_UNREAD`` until a first read succeeded).
+        self._seen: dict[str, _Seen | object | None] = {}
+        self._sequence_version: int | None = None
+        # kazoo's connection thread only:
+        self._session_id: int | None = None
+        self._lost = False
+        self._lock = threading.Lock()
+
+    # -- opening and closing ----------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        reactor: Any,
+        *,
+        session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
+        connect_timeout_s: float = 15.0,
+    ) -> Deferred[ZooKeeperMetadataStore]:
+        """Connect, create the chroot and the store's own nodes; fire with the store, or fail
+        with ``MetadataError`` if ZooKeeper does not answer within ``connect_timeout_s``.
+        Raises ``ConfigError`` at once for a malformed URL."""
+        store = cls(url, reactor, session_timeout_ms=session_timeout_ms)
+
+        def connect() -> ZooKeeperMetadataStore:
+            try:
+                store._zk.start(timeout=connect_timeout_s)
+            except KazooTimeoutError:
+                store._zk.stop()
+                store._zk.close()
+                raise MetadataError(
+                    f"cannot connect to ZooKeeper at {url} within {connect_timeout_s}s"
+                ) from None
+            store._session_id = store._zk.client_id[0] if store._zk.client_id else None
+            store._zk.add_listener(store._on_state)
+            if store._chroot:
+                store._call(store._zk.ensure_path_async, store._chroot)
+            store._call(store._zk.ensure_path_async, store._full(SEQUENCE_NODE))
+            return store
+
+        d = store._submit(connect)
+
+        def failed(f: Failure) -> Failure:
+            store._closed = True
+            store._closed_done = True
+            store._worker.shutdown(wait=False)
+            return f
+
+        return d.addErrback(failed)
+
+    def close(self) -> Deferred[None]:
+        """End the session (ZooKeeper deletes its ephemeral nodes), stop the worker thread.
+        Idempotent: every call fires once the session has ended."""
+        d: Deferred[None] = Deferred()
+        self._close_waiters.append(d)
+        if self._closed_done:
+            self._closed_finished()
+            return d
+        if self._closed:
+            return d
+        self._closed = True
+        zk, worker = self._zk, self._worker
+
+        def stop() -> None:
+            try:
+                zk.stop()
+                zk.close()
+            except Exception:
+                log.exception("stopping the ZooKeeper client failed")
+            worker.shutdown(wait=True)
+            self._to_reactor(self._closed_finished)
+
+        threading.Thread(target=stop, name="zk-metadata-close", daemon=True).start()
+        return d
+
+    def _closed_finished(self) -> None:
+        self._closed_done = True
+        waiters, self._close_waiters = self._close_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def get(self, path: str) -> Deferred[GetResult | None]:
+        def run() -> GetResult | None:
+            try:
+                data, zstat = self._call(self._zk.get_async, self._full(path))
+            except kz.NoNodeError:
+                return None
+            return GetResult(data, _stat(zstat))
+
+        return self._op(run, path)
+
+    def exists(self, path: str) -> Deferred[Stat | None]:
+        def run() -> Stat | None:
+            zstat = self._call(self._zk.exists_async, self._full(path))
+            return None if zstat is None else _stat(zstat)
+
+        return self._op(run, path)
+
+    def children(self, path: str) -> Deferred[list[str]]:
+        def run() -> list[str]:
+            try:
+                names = self._call(self._zk.get_children_async, self._full(path))
+            except kz.NoNodeError:
+                return []
+            if path == "/":
+                names = [n for n in names if n not in RESERVED_ROOT_NAMES]
+            return sorted(names)
+
+        return self._op(run, path)
+
+    def put(
+        self,
+        path: str,
+        value: bytes,
+        expected_version: int | None = None,
+        *,
+        ephemeral: bool = False,
+    ) -> Deferred[Stat]:
+        def run() -> Stat:
+            data = validate_value(value)
+            _check_expected(expected_version)
+            full = self._full(path)
+            if expected_version is not None and expected_version >= 0:
+                try:
+                    zstat = self._call(self._zk.set_async, full, data, expected_version)
+                except (kz.NoNodeError, kz.BadVersionError):
+                    raise BadVersionError(f"{path} is not at version {expected_version}") from None
+                self._refresh_after_write([path])
+                return _stat(zstat)
+            if expected_version is None:
+                try:
+                    zstat = self._call(self._zk.set_async, full, data, -1)
+                except kz.NoNodeError:
+                    pass
+                else:
+                    self._refresh_after_write([path])
+                    return _stat(zstat)
+            try:
+                created = self._create(path, data, ephemeral)
+            except kz.NodeExistsError:
+                if expected_version == -1:
+                    raise BadVersionError(f"{path} exists, expected none") from None
+                # Created by someone else since our set: replace it, as "any version" asks.
+                zstat = self._call(self._zk.set_async, full, data, -1)
+                self._refresh_after_write([path])
+                return _stat(zstat)
+            zstat = self._call(self._zk.exists_async, full)
+            self._refresh_after_write(created)
+            if zstat is None:
+                raise ConnectionLossError(f"{path} was created but is gone already")
+            return _stat(zstat)
+
+        return self._op(run, path)
+
+    def create_sequential(
+        self, prefix: str, value: bytes, *, ephemeral: bool = False
+    ) -> Deferred[str]:
+        if not isinstance(prefix, str):
+            return fail(TypeError(f"a metadata path prefix is a str, got {type(prefix)}"))
+
+        def run() -> str:
+            data = validate_value(value)
+            for _ in range(TRANSACTION_RETRIES):
+                version = self._sequence_version
+                if version is None:
+                    zstat = self._call(self._zk.exists_async, self._full(SEQUENCE_NODE))
+                    if zstat is None:
+                        raise MetadataError(f"the store's node {SEQUENCE_NODE} is missing")
+                    version = zstat.version
+                if version >= MAX_SEQUENCE_VERSION:
+                    raise MetadataError("sequence numbers of this store are exhausted")
+                path = f"{prefix}{version + 1:0{SEQUENCE_DIGITS}d}"
+                try:
+                    created = self._create(path, data, ephemeral, bump_sequence_from=version)
+                except kz.BadVersionError:
+                    self._sequence_version = None  # another session took it: re-read
+                    continue
+                except kz.NodeExistsError:
+                    # Someone took this name with a plain put: skip the number.
+                    try:
+                        self._call(self._zk.set_async, self._full(SEQUENCE_NODE), b"", version)
+                        self._sequence_version = version + 1
+                    except kz.BadVersionError:
+                        self._sequence_version = None
+                    continue
+                self._sequence_version = version + 1
+                self._refresh_after_write(created)
+                return path
+            raise MetadataError(f"could not create a sequential node under {prefix!r}")
+
+        return self._op(run, prefix + "0" * SEQUENCE_DIGITS)
+
+    def delete(self, path: str, expected_version: int | None = None) -> Deferred[None]:
+        def run() -> None:
+            _check_expected(expected_version)
+            if path == "/":
+                raise ValueError("the root node cannot be deleted")
+            full = self._full(path)
+            if expected_version == -1:
+                if self._call(self._zk.exists_async, full) is None:
+                    raise NotFoundError(path)
+                raise BadVersionError(f"{path} exists, expected none")
+            version = -1 if expected_version is None else expected_version
+            try:
+                self._call(self._zk.delete_async, full, version)
+            except kz.NoNodeError:
+                raise NotFoundError(path) from None
+            except kz.BadVersionError:
+                raise BadVersionError(f"{path} is not at version {expected_version}") from None
+            except kz.NotEmptyError:
+                raise NotEmptyError(f"{path} has children") from None
+            self._refresh_after_write([path, parent_of(path)])
+
+        return self._op(run, path)
+
+    def watch(self, path: str, callback: Callable[[Notification], None]) -> Callable[[], None]:
+        """Register a persistent watch (Rule Z2); raise ``StoreClosedError`` once closed."""
+        if self._closed:
+            raise StoreClosedError("the metadata store session is closed")
+        self._check_user_path(path)
+        w = _Watch(callback)
+        registered = self._watches.setdefault(path, [])
+        registered.append(w)
+        if len(registered) == 1:
+            self._submit_quietly(self._arm, path)
+
+        def unwatch() -> None:
+            w.active = False
+            current = self._watches.get(path)
+            if current is not None and w in current:
+                current.remove(w)
+                if not current:
+                    del self._watches[path]
+                    self._submit_quietly(self._disarm, path)
+
+        return unwatch
+
+    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> None:
+        if self._closed:
+            raise StoreClosedError("the metadata store session is closed")
+        self._listeners.append(callback)
+
+    # -- reactor side -----------------------------------------------------------------------
+
+    def _to_reactor(self, fn: Callable[..., Any], *args: Any) -> None:
+        """The one hand-over from kazoo's and the worker's threads to the reactor thread."""
+        self._reactor.callFromThread(fn, *args)
+
+    def _op(self, run: Callable[[], T], path: str) -> Deferred[T]:
+        """Validate ``path`` now, run ``run`` on the worker thread, fire on the reactor."""
+        if self._closed:
+            return fail(StoreClosedError("the metadata store session is closed"))
+        try:
+            self._check_user_path(path)
+        except (TypeError, ValueError):
+            return fail(Failure())
+        return self._submit(run)
+
+    def _submit(self, run: Callable[[], T]) -> Deferred[T]:
+        d: Deferred[T] = Deferred()
+
+        def work() -> None:
+            try:
+                result = self._translate(run)
+            except BaseException:
+                self._to_reactor(d.errback, Failure())
+            else:
+                self._to_reactor(d.callback, result)
+
+        try:
+            self._worker.submit(work)
+        except RuntimeError:
+            return fail(StoreClosedError("the metadata store session is closed"))
+        return d
+
+    def _submit_quietly(self, fn: Callable[..., Any], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the worker is shut down: the store is closed
+            self._worker.submit(self._logged, fn, *args)
+
+    def _logged(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            if not self._closed:
+                log.exception("ZooKeeper metadata store: %s failed", fn.__name__)
+
+    def _deliver(self, notifications: list[Notification]) -> None:
+        """Call the watchers of each notification, in order (reactor thread)."""
+        for n in notifications:
+            for w in list(self._watches.get(n.path, ())):
+                if not w.active:
+                    continue
+                try:
+                    w.callback(n)
+                except Exception:
+                    log.exception("metadata watch callback failed for %s", n.path)
+
+    def _emit(self, event: SessionEvent) -> None:
+        """Call the session listeners (reactor thread)."""
+        if self._closed:
+            return
+        log.info("ZooKeeper session event %s", event.value, extra={"url": self.url})
+        for callback in list(self._listeners):
+            try:
+                callback(event)
+            except Exception:
+                log.exception("metadata session listener failed on %s", event.value)
+
+    # -- kazoo's threads --------------------------------------------------------------------
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's connection listener: never blocks (Rule Z4)."""
+        if self._closed:
+            return
+        if state == KazooState.SUSPENDED:
+            self._to_reactor(self._emit, SessionEvent.CONNECTION_LOST)
+        elif state == KazooState.LOST:
+            self._lost = True
+            self._to_reactor(self._emit, SessionEvent.SESSION_LOST)
+        elif state == KazooState.CONNECTED:
+            client_id = self._zk.client_id
+            sid = client_id[0] if client_id else None
+            if self._lost or (self._session_id is not None and sid != self._session_id):
+                if not self._lost:
+                    self._to_reactor(self._emit, SessionEvent.SESSION_LOST)
+                self._lost = False
+                self._session_id = sid
+                self._to_reactor(self._emit, SessionEvent.SESSION_REESTABLISHED)
+            else:
+                self._session_id = sid
+                self._to_reactor(self._emit, SessionEvent.RECONNECTED)
+            self._submit_quietly(self._rearm_all)
+
+    def _on_watch(self, event: WatchedEvent) -> None:
+        """kazoo's one-shot watch trigger: re-read the node on the worker thread (Rule Z2)."""
+        if self._closed or event.type == KazooEventType.NONE or event.path is None:
+            return  # NONE: the connection dropped; every armed path is re-read on reconnect
+        path = self._user_path(event.path)
+        if path is not None:
+            self._submit_quietly(self._refresh, [path])
+
+    # -- worker thread ----------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Run one kazoo async call and wait (bounded) for its result (Rule Z5)."""
+        try:
+            return method(*args).get(timeout=self._op_timeout)
+        except KazooTimeoutError:
+            raise ConnectionLossError(
+                f"no answer from ZooKeeper within {self._op_timeout}s"
+            ) from None
+
+    def _translate(self, run: Callable[[], T]) -> T:
+        """Run ``run``, turning kazoo's errors into the contract's."""
+        try:
+            return run()
+        except (kz.ConnectionClosedError, kz.SessionExpiredError, kz.ConnectionLoss) as e:
+            if self._closed:
+                raise StoreClosedError("the metadata store session is closed") from None
+            raise ConnectionLossError(f"ZooKeeper connection lost ({type(e).__name__})") from None
+        except kz.BadArgumentsError as e:
+            raise ValueError(f"ZooKeeper refused the arguments: {e}") from None
+        except kz.NoChildrenForEphemeralsError:
+            raise MetadataError("ephemeral nodes cannot have children") from None
+        except (kz.ZookeeperError, kz.KazooException) as e:
+            raise MetadataError(f"ZooKeeper error: {type(e).__name__} {e}") from None
+
+    def _create(
+        self,
+        path: str,
+        data: bytes,
+        ephemeral: bool,
+        *,
+        bump_sequence_from: int | None = None,
+    ) -> list[str]:
+        """Create ``path`` with its missing ancestors in one transaction (and bump the
+        sequence counter in it when asked); return the created paths, top down. Raises kazoo's
+        ``kz.NodeExistsError`` if the node exists, ``BadVersionError`` if the counter moved."""
+        missing: list[str] = []
+        for _ in range(TRANSACTION_RETRIES):
+            tx = self._zk.transaction()
+            if bump_sequence_from is not None:
+                tx.set_data(self._full(SEQUENCE_NODE), b"", bump_sequence_from)
+            for p in missing:
+                tx.create(self._full(p), b"")
+            tx.create(self._full(path), data, ephemeral=ephemeral)
+            results = self._call(tx.commit_async)
+            errors = [r for r in results if isinstance(r, Exception)]
+            real = [e for e in errors if not isinstance(e, kz.RolledBackError)]
+            if not errors:
+                return [*missing, path]
+            first = real[0] if real else errors[0]
+            index = results.index(first)
+            offset = 1 if bump_sequence_from is not None else 0
+            if isinstance(first, kz.BadVersionError) and index == 0 and offset:
+                raise first
+            if isinstance(first, kz.NoNodeError):
+                missing = self._missing_ancestors(path)
+                continue
+            if isinstance(first, kz.NodeExistsError) and index - offset < len(missing):
+                missing = self._missing_ancestors(path)  # an ancestor appeared meanwhile
+                continue
+            raise first
+        raise MetadataError(f"could not create {path}: its parents keep changing")
+
+    def _missing_ancestors(self, path: str) -> list[str]:
+        """The ancestors of ``path`` that do not exist, top down."""
+        missing = []
+        p = parent_of(path)
+        while p != "/" and self._call(self._zk.exists_async, self._full(p)) is None:
+            missing.append(p)
+            p = parent_of(p)
+        missing.reverse()
+        return missing
+
+    def _refresh_after_write(self, paths: Sequence[str]) -> None:
+        """After this session changed ``paths``: re-read each armed one and its parent."""
+        affected: list[str] = []
+        for p in paths:
+            for q in (p, parent_of(p)) if p != "/" else (p,):
+                if q not in affected:
+                    affected.append(q)
+        self._refresh([p for p in affected if p in self._seen])
+
+    def _arm(self, path: str) -> None:
+        """Start watching ``path``: read it with one-shot watches, report nothing."""
+        self._seen[path] = _UNREAD
+        self._refresh([path])
+
+    def _disarm(self, path: str) -> None:
+        self._seen.pop(path, None)
+
+    def _rearm_all(self) -> None:
+        self._refresh(list(self._seen))
+
+    def _refresh(self, paths: Sequence[str]) -> None:
+        """Re-read armed ``paths`` and deliver what changed since the last read (Rule Z2)."""
+        out: list[Notification] = []
+        for path in paths:
+            if path not in self._seen:
+                continue
+            try:
+                now = self._read_armed(path)
+            except (
+                kz.ConnectionLoss,
+                kz.ConnectionClosedError,
+                kz.SessionExpiredError,
+                ConnectionLossError,
+            ):
+                continue  # read again on reconnect
+            old = self._seen[path]
+            if old is not _UNREAD:
+                assert old is None or isinstance(old, _Seen)
+                out.extend(_diff(path, old, now))
+            self._seen[path] = now
+        if out:
+            self._to_reactor(self._deliver, out)
+
+    def _read_armed(self, path: str) -> _Seen | None:
+        """Read ``path``'s versions, leaving one-shot data and child watches on it."""
+        full = self._full(path)
+        for _ in range(TRANSACTION_RETRIES):
+            zstat = self._call(self._zk.exists_async, full, self._on_watch)
+            if zstat is None:
+                return None
+            try:
+                _, zstat = self._call(self._zk.get_children_async, full, self._on_watch, True)
+            except kz.NoNodeError:
+                continue  # deleted between the two reads: the exists watch is armed anew
+            return _Seen(zstat.czxid, zstat.version, zstat.cversion)
+        return None
+
+    # -- paths --------------------------------------------------------------------------------
+
+    def _check_user_path(self, path: str) -> None:
+        validate_path(path)
+        first = path[1:].split("/", 1)[0]
+        if first in RESERVED_ROOT_NAMES:
+            raise ValueError(f"invalid metadata path {path!r}: /{first} is reserved")
+
+    def _full(self, path: str) -> str:
+        if not self._chroot:
+            return path
+        return self._chroot if path == "/" else self._chroot + path
+
+    def _user_path(self, full: str) -> str | None:
+        if not self._chroot:
+            return full
+        if full == self._chroot:
+            return "/"
+        if full.startswith(self._chroot + "/"):
+            return full[len(self._chroot) :]
+        return None
+
+
+def _check_expected(expected: int | None) -> None:
+    if expected is None:
+        return
+    if isinstance(expected, bool) or not isinstance(expected, int) or expected < -1:
+        raise ValueError(f"expected_version must be None, -1 or >= 0, got {expected!r}")

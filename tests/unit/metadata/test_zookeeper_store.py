@@ -1,0 +1,90 @@
+"""The ZooKeeper store's pure parts: URL parsing, choosing a store by URL, and how a watched
+node's re-read turns into notifications (no server here; the contract suite runs one)."""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet.task import Clock
+
+from polybroker.config import ConfigError
+from polybroker.metadata import open_metadata_store
+from polybroker.metadata.api import EventType, Notification
+from polybroker.metadata.memory import MemoryMetadataStore
+from polybroker.metadata.zookeeper import ZooKeeperUrl, _diff, _Seen, parse_url
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "chroot"),
+    [
+        ("zk://127.0.0.1:2181", "127.0.0.1:2181", ""),
+        ("zk://a:1,b:2,c:3/pulsar", "a:1,b:2,c:3", "/pulsar"),
+        ("zk://zk.example:2181/", "zk.example:2181", ""),
+        ("zk://h:2181/a/b", "h:2181", "/a/b"),
+        ("zk://[::1]:2181/x", "[::1]:2181", "/x"),
+    ],
+)
+def test_zk_urls_parse_into_hosts_and_chroot(url: str, hosts: str, chroot: str) -> None:
+    assert parse_url(url) == ZooKeeperUrl(hosts, chroot)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "zk://",
+        "zk:///chroot",
+        "zk://host",
+        "zk://host:",
+        "zk://host:port",
+        "zk://host:0",
+        "zk://host:70000",
+        "zk://a:1,,b:2",
+        "zk://h:1/bad/",
+        "zk://h:1/a//b",
+        "http://h:1",
+    ],
+)
+def test_malformed_zk_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_url(url)
+
+
+@pytest.mark.parametrize("url", ["zk://nohost", "mysql://x", "embeded", "memory"])
+def test_open_metadata_store_refuses_unknown_or_malformed_urls(url: str, tmp_path) -> None:
+    """A bad URL is a ConfigError raised at once, naming the URL."""
+    with pytest.raises(ConfigError, match="metadata store URL"):
+        open_metadata_store(url, data_dir=tmp_path, reactor=Clock())
+
+
+def test_open_metadata_store_memory(tmp_path) -> None:
+    d = open_metadata_store("memory:", data_dir=tmp_path, reactor=Clock())
+    results: list[object] = []
+    d.addCallback(results.append)
+    assert isinstance(results[0], MemoryMetadataStore)
+
+
+def kinds(ns: list[Notification]) -> list[EventType]:
+    assert all(n.path == "/p" for n in ns)
+    return [n.type for n in ns]
+
+
+def test_diff_counts_every_data_and_child_version() -> None:
+    """Each data version is one MODIFIED, each child version one CHILDREN_CHANGED."""
+    old = _Seen(czxid=7, version=1, cversion=4)
+    assert kinds(_diff("/p", old, old)) == []
+    assert kinds(_diff("/p", old, _Seen(7, 3, 5))) == [
+        EventType.MODIFIED,
+        EventType.MODIFIED,
+        EventType.CHILDREN_CHANGED,
+    ]
+
+
+def test_diff_reports_creation_deletion_and_replacement() -> None:
+    assert kinds(_diff("/p", None, None)) == []
+    assert kinds(_diff("/p", None, _Seen(9, 1, 0))) == [EventType.CREATED, EventType.MODIFIED]
+    assert kinds(_diff("/p", _Seen(9, 1, 0), None)) == [EventType.DELETED]
+    # Deleted and created again between two reads: another creation id.
+    assert kinds(_diff("/p", _Seen(9, 4, 2), _Seen(12, 0, 1))) == [
+        EventType.DELETED,
+        EventType.CREATED,
+        EventType.CHILDREN_CHANGED,
+    ]
