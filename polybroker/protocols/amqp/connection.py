@@ -1,0 +1,907 @@
+"""One AMQP 0-9-1 client connection and its channels: thin Twisted glue over the codec and
+the virtual hosts.
+
+Ordering: the methods of one channel run in arrival order; a method that waits (a declare
+persisted in the metadata store, a basic.get waiting for appends under way) holds back the
+methods after it on that channel only. Publishes do not wait for their writes: confirms and
+``tx.commit`` do.
+
+Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
+the socket once close-ok arrives or after a grace period); any other closes the channel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import LoopingCall
+from twisted.python.failure import Failure
+from typing_extensions import override
+
+from polybroker.logs import kv
+from polybroker.protocols.amqp import codec as c
+from polybroker.protocols.amqp.convert import AmqpMessage
+from polybroker.protocols.amqp.vhost import Queue, QueueConsumer, QueuedMessage, VirtualHost
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE_S = 5.0
+PRODUCT = "polybroker"
+
+
+@dataclass
+class AmqpSettings:
+    """What every connection of the handler shares."""
+
+    service: Any
+    clock: IReactorTime
+    users: dict[str, str]
+    vhost: Callable[[str], Deferred[VirtualHost]]
+    frame_max: int = 131072
+    channel_max: int = 2047
+    heartbeat_s: int = 60
+    max_message_size: int = 5 * 1024 * 1024
+
+
+@dataclass
+class _Content:
+    method: c.BasicPublish
+    properties: c.BasicProperties | None = None
+    size: int = 0
+    chunks: list[bytes] = field(default_factory=list)
+    received: int = 0
+
+
+class Channel:
+    """The state of one open channel."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.closing = False
+        self.confirm = False
+        self.publish_seq = 0
+        self.tx = False
+        self.tx_work: list[Callable[[], Deferred[Any] | None]] = []
+        self.prefetch = 0
+        self.global_prefetch = 0
+        self.consumers: dict[str, QueueConsumer] = {}
+        self.unacked: OrderedDict[int, tuple[QueuedMessage, Queue, QueueConsumer | None]] = (
+            OrderedDict()
+        )
+        self.next_tag = 1
+        self.content: _Content | None = None
+        self.busy = False
+        self.backlog: deque[c.Method] = deque()
+        self.flow_active = True
+
+
+class AmqpConnection(Protocol):
+    """The server side of one AMQP connection."""
+
+    def __init__(self, settings: AmqpSettings) -> None:
+        self.s = settings
+        self.reader = c.FrameReader(c.FRAME_MIN_SIZE)
+        self.state = "header"
+        self.channels: dict[int, Channel] = {}
+        self.frame_max = settings.frame_max
+        self.channel_max = settings.channel_max
+        self.vhost: VirtualHost | None = None
+        self.closing = False
+        self.closed = False
+        self.cancel_notify = False
+        self.user = ""
+        self._heartbeat: LoopingCall | None = None
+        self._last_rx = 0.0
+        self._heartbeat_s = 0
+        self._tags = itertools.count(1)
+        self.factory: AmqpFactory | None = None
+        self._released = False
+
+    # -- Twisted -----------------------------------------------------------------------------
+
+    @override
+    def connectionMade(self) -> None:
+        if self.factory is not None:
+            self.factory.connections.add(self)
+        self._last_rx = self.s.clock.seconds()
+        # A client that never finishes the handshake is dropped.
+        self.s.clock.callLater(30.0, self._handshake_deadline)
+
+    def _handshake_deadline(self) -> None:
+        if self.state != "open" and not self.closed:
+            self.transport.loseConnection()
+
+    @override
+    def dataReceived(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self._last_rx = self.s.clock.seconds()
+        self.reader.feed(data)
+        try:
+            frames = self.reader.frames()
+        except c.BadProtocolHeader:
+            self.transport.write(c.PROTOCOL_HEADER)
+            self.transport.loseConnection()
+            self.closed = True
+            return
+        except c.AmqpError as e:
+            self.connection_error(e)
+            return
+        for frame in frames:
+            if self.closed:
+                return
+            try:
+                self.frame_received(frame)
+            except c.AmqpError as e:
+                self.connection_error(e)
+                return
+            except Exception as e:  # a bug must not take the broker down
+                log.exception("AMQP frame handling failed", extra=kv(error=str(e)))
+                self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
+                return
+
+    @override
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self.closed = True
+        if self._released:
+            return
+        self._released = True
+        if self.factory is not None:
+            self.factory.connections.discard(self)
+        if self._heartbeat is not None and self._heartbeat.running:
+            self._heartbeat.stop()
+        for ch in list(self.channels.values()):
+            self._release_channel(ch)
+        self.channels.clear()
+        if self.vhost is not None:
+            self.vhost.owner_gone(self)
+
+    def send(self, channel: int, method: c.Method) -> None:
+        if not self.closed:
+            self.transport.write(c.encode_method(channel, method))
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def frame_received(self, frame: c.Frame) -> None:
+        if isinstance(frame, c.HeartbeatFrame):
+            return
+        if self.state == "header":
+            if isinstance(frame, c.ProtocolHeaderFrame):
+                self.state = "start"
+                caps = {
+                    "publisher_confirms": True,
+                    "exchange_exchange_bindings": True,
+                    "basic.nack": True,
+                    "consumer_cancel_notify": True,
+                    "connection.blocked": True,
+                    "authentication_failure_close": True,
+                    "per_consumer_qos": True,
+                }
+                self.send(
+                    0,
+                    c.ConnectionStart(
+                        0,
+                        9,
+                        {"product": PRODUCT, "version": "0.1", "capabilities": caps},
+                        b"PLAIN AMQPLAIN",
+                        b"en_US",
+                    ),
+                )
+            return
+        if self.closing:
+            if isinstance(frame, c.MethodFrame) and isinstance(
+                frame.method, c.ConnectionCloseOk | c.ConnectionClose
+            ):
+                if isinstance(frame.method, c.ConnectionClose):
+                    self.send(0, c.ConnectionCloseOk())
+                self.transport.loseConnection()
+                self.closed = True
+            return
+        if self.state != "open":
+            self._handshake(frame)
+            return
+        if frame.channel == 0:
+            if not isinstance(frame, c.MethodFrame):
+                raise c.AmqpError(c.UNEXPECTED_FRAME, "content frame on channel 0")
+            self._connection_method(frame.method)
+            return
+        ch = self.channels.get(frame.channel)
+        if isinstance(frame, c.MethodFrame):
+            m = frame.method
+            if ch is None:
+                if isinstance(m, c.ChannelOpen):
+                    if frame.channel > self.channel_max:
+                        raise c.AmqpError(c.CHANNEL_ERROR, "channel number above channel-max")
+                    self.channels[frame.channel] = Channel(frame.channel)
+                    self.send(frame.channel, c.ChannelOpenOk())
+                    return
+                raise c.AmqpError(
+                    c.CHANNEL_ERROR,
+                    f"expected 'channel.open' on channel {frame.channel}",
+                    m.CLASS_ID,
+                    m.METHOD_ID,
+                )
+            if ch.closing:
+                if isinstance(m, c.ChannelCloseOk):
+                    del self.channels[ch.number]
+                elif isinstance(m, c.ChannelClose):
+                    self.send(ch.number, c.ChannelCloseOk())
+                return
+            if isinstance(m, c.ChannelOpen):
+                raise c.AmqpError(c.CHANNEL_ERROR, "channel already open", 20, 10)
+            if ch.content is not None:
+                raise c.AmqpError(
+                    c.UNEXPECTED_FRAME,
+                    f"expected content header for class 60, got {m.NAME}",
+                    m.CLASS_ID,
+                    m.METHOD_ID,
+                )
+            if isinstance(m, c.BasicPublish):
+                ch.content = _Content(m)
+                return
+            self._submit(ch, m)
+            return
+        if ch is None:
+            raise c.AmqpError(c.CHANNEL_ERROR, f"content on unopened channel {frame.channel}")
+        if ch.closing:
+            return
+        content = ch.content
+        if content is None:
+            raise c.AmqpError(c.UNEXPECTED_FRAME, "content frame without a content method")
+        if isinstance(frame, c.HeaderFrame):
+            if content.properties is not None or frame.class_id != 60:
+                raise c.AmqpError(c.UNEXPECTED_FRAME, "unexpected content header")
+            if frame.body_size > self.s.max_message_size:
+                ch.content = None
+                self.channel_error(
+                    ch,
+                    c.AmqpError(
+                        c.PRECONDITION_FAILED,
+                        f"message size {frame.body_size} is larger than configured max size "
+                        f"{self.s.max_message_size}",
+                        60,
+                        40,
+                    ),
+                )
+                return
+            content.properties = frame.properties
+            content.size = frame.body_size
+        elif isinstance(frame, c.BodyFrame):
+            if content.properties is None:
+                raise c.AmqpError(c.UNEXPECTED_FRAME, "body frame before content header")
+            content.chunks.append(frame.data)
+            content.received += len(frame.data)
+            if content.received > content.size:
+                raise c.AmqpError(c.FRAME_ERROR, "content body longer than its header said")
+        else:
+            raise c.AmqpError(c.UNEXPECTED_FRAME, "unexpected frame")
+        if content.properties is not None and content.received == content.size:
+            ch.content = None
+            self._submit(ch, content)  # type: ignore[arg-type]
+
+    # -- handshake ---------------------------------------------------------------------------
+
+    def _handshake(self, frame: c.Frame) -> None:
+        if not isinstance(frame, c.MethodFrame) or frame.channel != 0:
+            raise c.AmqpError(c.COMMAND_INVALID, "handshake expects methods on channel 0")
+        m = frame.method
+        if self.state == "start" and isinstance(m, c.ConnectionStartOk):
+            caps = m.client_properties.get("capabilities")
+            self.cancel_notify = isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
+            user, password = self._credentials(m)
+            if self.s.users.get(user) != password or user not in self.s.users:
+                self.connection_error(
+                    c.AmqpError(
+                        c.ACCESS_REFUSED,
+                        f"ACCESS_REFUSED - Login was refused using authentication mechanism "
+                        f"{m.mechanism}",
+                    )
+                )
+                return
+            self.user = user
+            self.state = "tune"
+            self.send(0, c.ConnectionTune(self.channel_max, self.frame_max, self.s.heartbeat_s))
+            return
+        if self.state == "tune" and isinstance(m, c.ConnectionTuneOk):
+            if m.frame_max and m.frame_max < c.FRAME_MIN_SIZE:
+                raise c.AmqpError(c.NOT_ALLOWED, "frame-max below the 4096-octet minimum")
+            if m.frame_max:
+                self.frame_max = min(self.frame_max, m.frame_max)
+            if m.channel_max:
+                self.channel_max = min(self.channel_max, m.channel_max)
+            self.reader.frame_max = self.frame_max
+            self._start_heartbeat(m.heartbeat)
+            self.state = "tuned"
+            return
+        if self.state == "tuned" and isinstance(m, c.ConnectionOpen):
+            self.state = "opening"
+            d = self.s.vhost(m.virtual_host)
+
+            def opened(vh: VirtualHost) -> None:
+                if self.closed:
+                    return
+                self.vhost = vh
+                self.state = "open"
+                self.send(0, c.ConnectionOpenOk())
+
+            def refused(f: Failure) -> None:
+                self.connection_error(
+                    c.AmqpError(c.INVALID_PATH, f"vhost '{m.virtual_host}' not found", 10, 40)
+                )
+
+            d.addCallbacks(opened, refused)
+            return
+        if isinstance(m, c.ConnectionClose):
+            self.send(0, c.ConnectionCloseOk())
+            self.transport.loseConnection()
+            self.closed = True
+            return
+        raise c.AmqpError(c.COMMAND_INVALID, f"unexpected {m.NAME} during handshake")
+
+    @staticmethod
+    def _credentials(m: c.ConnectionStartOk) -> tuple[str, str]:
+        if m.mechanism == "PLAIN":
+            parts = m.response.split(b"\x00")
+            if len(parts) != 3:
+                return "", ""
+            return parts[1].decode("utf-8", "replace"), parts[2].decode("utf-8", "replace")
+        if m.mechanism == "AMQPLAIN":
+            try:
+                table = c.decode_table(len(m.response).to_bytes(4, "big") + m.response)
+            except c.AmqpError:
+                return "", ""
+            return str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
+        return "", ""
+
+    def _start_heartbeat(self, seconds: int) -> None:
+        self._heartbeat_s = seconds
+        if seconds <= 0:
+            return
+        self._heartbeat = LoopingCall(self._beat)
+        self._heartbeat.clock = self.s.clock
+        self._heartbeat.start(seconds / 2.0, now=False)
+
+    def _beat(self) -> None:
+        if self.closed:
+            return
+        if self.s.clock.seconds() - self._last_rx > 2 * self._heartbeat_s:
+            log.info("AMQP client missed heartbeats; closing")
+            self.transport.loseConnection()
+            return
+        self.transport.write(c.encode_heartbeat())
+
+    # -- connection methods ------------------------------------------------------------------
+
+    def _connection_method(self, m: c.Method) -> None:
+        if isinstance(m, c.ConnectionClose):
+            self.send(0, c.ConnectionCloseOk())
+            self.transport.loseConnection()
+            self.closed = True
+            self.connectionLost()
+            return
+        if isinstance(m, c.ConnectionUpdateSecret):
+            self.send(0, c.ConnectionUpdateSecretOk())
+            return
+        raise c.AmqpError(
+            c.COMMAND_INVALID, f"{m.NAME} is not allowed on channel 0", m.CLASS_ID, m.METHOD_ID
+        )
+
+    def connection_error(self, e: c.AmqpError) -> None:
+        """Close the connection with ``e``'s reply code."""
+        if self.closed or self.closing:
+            return
+        log.info("AMQP connection error", extra=kv(code=e.code, text=e.text))
+        self.send(0, c.ConnectionClose(e.code, e.text[:255], e.class_id, e.method_id))
+        self.closing = True
+        for ch in list(self.channels.values()):
+            self._release_channel(ch)
+        self.s.clock.callLater(CLOSE_GRACE_S, self._drop)
+
+    def _drop(self) -> None:
+        if not self.closed:
+            self.transport.loseConnection()
+
+    def channel_error(self, ch: Channel, e: c.AmqpError) -> None:
+        """Close one channel with ``e``'s reply code (or the connection for a hard one)."""
+        if e.hard:
+            self.connection_error(e)
+            return
+        if ch.closing:
+            return
+        self.send(ch.number, c.ChannelClose(e.code, e.text[:255], e.class_id, e.method_id))
+        ch.closing = True
+        self._release_channel(ch)
+
+    def _release_channel(self, ch: Channel) -> None:
+        """Cancel the channel's consumers and requeue what it had not acknowledged."""
+        for qc in list(ch.consumers.values()):
+            if qc.queue is not None:
+                qc.queue.remove_consumer(qc)
+        ch.consumers.clear()
+        ch.backlog.clear()
+        ch.tx_work.clear()
+        by_queue: dict[int, tuple[Queue, list[QueuedMessage]]] = {}
+        for qm, q, _ in ch.unacked.values():
+            by_queue.setdefault(id(q), (q, []))[1].append(qm)
+        ch.unacked.clear()
+        for q, msgs in by_queue.values():
+            q.requeue(msgs)
+
+    # -- channel method queue ----------------------------------------------------------------
+
+    def _submit(self, ch: Channel, m: Any) -> None:
+        if ch.busy:
+            ch.backlog.append(m)
+            return
+        self._run(ch, m)
+        while ch.backlog and not ch.busy and not ch.closing and not self.closing:
+            self._run(ch, ch.backlog.popleft())
+
+    def _run(self, ch: Channel, m: Any) -> None:
+        try:
+            if isinstance(m, _Content):
+                result = self.on_publish(ch, m)
+            else:
+                handler = getattr(self, f"on_{type(m).__name__}", None)
+                if handler is None:
+                    raise c.AmqpError(
+                        c.NOT_IMPLEMENTED,
+                        f"{m.NAME} is not implemented",
+                        m.CLASS_ID,
+                        m.METHOD_ID,
+                    )
+                result = handler(ch, m)
+        except c.AmqpError as e:
+            if not e.class_id and not isinstance(m, _Content):
+                e.class_id, e.method_id = m.CLASS_ID, m.METHOD_ID
+            self.channel_error(ch, e)
+            return
+        if isinstance(result, Deferred):
+            ch.busy = True
+            result.addCallbacks(self._resume, self._failed, (ch,), None, (ch, m))
+
+    def _resume(self, _: object, ch: Channel) -> None:
+        ch.busy = False
+        while ch.backlog and not ch.busy and not ch.closing and not self.closed:
+            self._run(ch, ch.backlog.popleft())
+
+    def _failed(self, f: Failure, ch: Channel, m: Any) -> None:
+        ch.busy = False
+        e = f.value
+        if not isinstance(e, c.AmqpError):
+            log.warning("AMQP method failed", extra=kv(error=str(e)))
+            e = c.AmqpError(c.INTERNAL_ERROR, f"internal error: {e}")
+        if not e.class_id and not isinstance(m, _Content):
+            e.class_id, e.method_id = m.CLASS_ID, m.METHOD_ID
+        self.channel_error(ch, e)
+
+    def _ok(self, ch: Channel, nowait: bool, reply: c.Method) -> Callable[[object], None]:
+        def send(_: object) -> None:
+            if not nowait and not ch.closing:
+                self.send(ch.number, reply)
+
+        return send
+
+    @property
+    def vh(self) -> VirtualHost:
+        assert self.vhost is not None
+        return self.vhost
+
+    # -- channel class -----------------------------------------------------------------------
+
+    def on_ChannelClose(self, ch: Channel, m: c.ChannelClose) -> None:
+        self._release_channel(ch)
+        self.channels.pop(ch.number, None)
+        self.send(ch.number, c.ChannelCloseOk())
+
+    def on_ChannelCloseOk(self, ch: Channel, m: c.ChannelCloseOk) -> None:
+        self.channels.pop(ch.number, None)
+
+    def on_ChannelFlow(self, ch: Channel, m: c.ChannelFlow) -> None:
+        ch.flow_active = m.active
+        self.send(ch.number, c.ChannelFlowOk(m.active))
+        if m.active:
+            self._kick(ch)
+
+    def on_ChannelFlowOk(self, ch: Channel, m: c.ChannelFlowOk) -> None:
+        pass
+
+    # -- exchange class ----------------------------------------------------------------------
+
+    def on_ExchangeDeclare(self, ch: Channel, m: c.ExchangeDeclare) -> Deferred[Any]:
+        d = self.vh.declare_exchange(
+            m.exchange,
+            m.type,
+            passive=m.passive,
+            durable=m.durable,
+            auto_delete=m.auto_delete,
+            internal=m.internal,
+            arguments=m.arguments,
+        )
+        d.addCallback(self._ok(ch, m.nowait, c.ExchangeDeclareOk()))
+        return d
+
+    def on_ExchangeDelete(self, ch: Channel, m: c.ExchangeDelete) -> Deferred[Any]:
+        d = self.vh.delete_exchange(m.exchange, m.if_unused)
+        d.addCallback(self._ok(ch, m.nowait, c.ExchangeDeleteOk()))
+        return d
+
+    def on_ExchangeBind(self, ch: Channel, m: c.ExchangeBind) -> Deferred[Any]:
+        d = self.vh.bind(m.source, m.destination, "exchange", m.routing_key, m.arguments)
+        d.addCallback(self._ok(ch, m.nowait, c.ExchangeBindOk()))
+        return d
+
+    def on_ExchangeUnbind(self, ch: Channel, m: c.ExchangeUnbind) -> Deferred[Any]:
+        d = self.vh.unbind(m.source, m.destination, "exchange", m.routing_key, m.arguments)
+        d.addCallback(self._ok(ch, m.nowait, c.ExchangeUnbindOk()))
+        return d
+
+    # -- queue class -------------------------------------------------------------------------
+
+    def on_QueueDeclare(self, ch: Channel, m: c.QueueDeclare) -> Deferred[Any]:
+        name = m.queue or self.vh.server_name()
+        d = self.vh.declare_queue(
+            name,
+            owner=self,
+            passive=m.passive,
+            durable=m.durable,
+            exclusive=m.exclusive,
+            auto_delete=m.auto_delete,
+            arguments=m.arguments,
+        )
+
+        def reply(q: Queue) -> Deferred[None]:
+            d2 = q.caught_up()
+
+            def send(_: object) -> None:
+                if not m.nowait and not ch.closing:
+                    self.send(
+                        ch.number, c.QueueDeclareOk(q.name, q.message_count, len(q.consumers))
+                    )
+
+            d2.addCallback(send)
+            return d2
+
+        d.addCallback(reply)
+        return d
+
+    def on_QueueBind(self, ch: Channel, m: c.QueueBind) -> Deferred[Any]:
+        queue = m.queue or ""
+        self.vh.get_queue(queue, self)
+        d = self.vh.bind(m.exchange, queue, "queue", m.routing_key, m.arguments)
+        d.addCallback(self._ok(ch, m.nowait, c.QueueBindOk()))
+        return d
+
+    def on_QueueUnbind(self, ch: Channel, m: c.QueueUnbind) -> Deferred[Any]:
+        self.vh.get_queue(m.queue, self)
+        d = self.vh.unbind(m.exchange, m.queue, "queue", m.routing_key, m.arguments)
+        d.addCallback(self._ok(ch, False, c.QueueUnbindOk()))
+        return d
+
+    def on_QueuePurge(self, ch: Channel, m: c.QueuePurge) -> Deferred[Any]:
+        q = self.vh.get_queue(m.queue, self)
+        d = q.caught_up()
+
+        def purge(_: object) -> None:
+            count = q.purge()
+            if not m.nowait:
+                self.send(ch.number, c.QueuePurgeOk(count))
+
+        d.addCallback(purge)
+        return d
+
+    def on_QueueDelete(self, ch: Channel, m: c.QueueDelete) -> Deferred[Any]:
+        if m.queue in self.vh.queues:
+            self.vh.get_queue(m.queue, self)
+        d = self.vh.delete_queue(m.queue, if_unused=m.if_unused, if_empty=m.if_empty)
+
+        def reply(count: int) -> None:
+            if not m.nowait:
+                self.send(ch.number, c.QueueDeleteOk(count))
+
+        d.addCallback(reply)
+        return d
+
+    # -- basic class -------------------------------------------------------------------------
+
+    def on_BasicQos(self, ch: Channel, m: c.BasicQos) -> None:
+        if m.prefetch_size:
+            raise c.AmqpError(c.NOT_IMPLEMENTED, "prefetch_size is not supported", 60, 10)
+        if m.global_:
+            ch.global_prefetch = m.prefetch_count
+        else:
+            ch.prefetch = m.prefetch_count
+        self.send(ch.number, c.BasicQosOk())
+        self._kick(ch)
+
+    def on_BasicConsume(self, ch: Channel, m: c.BasicConsume) -> None:
+        q = self.vh.get_queue(m.queue, self)
+        tag = m.consumer_tag or f"amq.ctag-{next(self._tags)}"
+        if tag in ch.consumers:
+            raise c.AmqpError(c.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", 60, 20)
+        qc = QueueConsumer(
+            tag,
+            m.no_ack,
+            m.exclusive,
+            ch.prefetch,
+            lambda consumer, qm: self._deliver(ch, q, consumer, qm),
+            lambda consumer: self._has_room(ch, consumer),
+            lambda consumer: self._cancelled_by_broker(ch, consumer),
+        )
+        if (m.exclusive and q.consumers) or any(x.exclusive for x in q.consumers):
+            raise c.AmqpError(
+                c.RESOURCE_LOCKED, f"cannot obtain exclusive access to queue '{q.name}'", 60, 20
+            )
+        ch.consumers[tag] = qc
+        if not m.nowait:
+            self.send(ch.number, c.BasicConsumeOk(tag))
+        q.add_consumer(qc)
+
+    def on_BasicCancel(self, ch: Channel, m: c.BasicCancel) -> None:
+        qc = ch.consumers.pop(m.consumer_tag, None)
+        if not m.nowait:
+            self.send(ch.number, c.BasicCancelOk(m.consumer_tag))
+        if qc is not None and qc.queue is not None:
+            qc.queue.remove_consumer(qc)
+
+    def _cancelled_by_broker(self, ch: Channel, qc: QueueConsumer) -> None:
+        ch.consumers.pop(qc.tag, None)
+        if self.cancel_notify and not ch.closing and not self.closed:
+            self.send(ch.number, c.BasicCancel(qc.tag, True))
+
+    def _has_room(self, ch: Channel, qc: QueueConsumer) -> bool:
+        if ch.closing or self.closed or self.closing or not ch.flow_active:
+            return False
+        if qc.no_ack:
+            return True
+        if qc.prefetch and qc.unacked >= qc.prefetch:
+            return False
+        return not (ch.global_prefetch and len(ch.unacked) >= ch.global_prefetch)
+
+    def _deliver(self, ch: Channel, q: Queue, qc: QueueConsumer, qm: QueuedMessage) -> None:
+        tag = ch.next_tag
+        ch.next_tag += 1
+        if qc.no_ack:
+            q.settle(qm)
+        else:
+            ch.unacked[tag] = (qm, q, qc)
+            qc.unacked += 1
+        am = qm.message
+        self.transport.write(
+            c.encode_content(
+                ch.number,
+                c.BasicDeliver(qc.tag, tag, qm.redelivered, am.exchange, am.routing_key),
+                am.properties,
+                am.body,
+                self.frame_max,
+            )
+        )
+
+    def _kick(self, ch: Channel) -> None:
+        """Room may have opened on this channel: let its queues dispatch."""
+        seen: set[int] = set()
+        for qc in list(ch.consumers.values()):
+            if qc.queue is not None and id(qc.queue) not in seen:
+                seen.add(id(qc.queue))
+                qc.queue.dispatch()
+
+    def on_BasicGet(self, ch: Channel, m: c.BasicGet) -> Deferred[Any]:
+        q = self.vh.get_queue(m.queue, self)
+        d = q.caught_up()
+
+        def take(_: object) -> None:
+            if ch.closing or self.closed:
+                return
+            qm = q.take()
+            if qm is None:
+                self.send(ch.number, c.BasicGetEmpty())
+                return
+            tag = ch.next_tag
+            ch.next_tag += 1
+            if m.no_ack:
+                q.settle(qm)
+            else:
+                ch.unacked[tag] = (qm, q, None)
+            am = qm.message
+            self.transport.write(
+                c.encode_content(
+                    ch.number,
+                    c.BasicGetOk(tag, qm.redelivered, am.exchange, am.routing_key, q.message_count),
+                    am.properties,
+                    am.body,
+                    self.frame_max,
+                )
+            )
+
+        d.addCallback(take)
+        return d
+
+    def _take_tags(self, ch: Channel, tag: int, multiple: bool, m: c.Method) -> list[int]:
+        if multiple:
+            tags = [t for t in ch.unacked if tag == 0 or t <= tag]
+        else:
+            if tag not in ch.unacked:
+                raise c.AmqpError(
+                    c.PRECONDITION_FAILED,
+                    f"unknown delivery tag {tag}",
+                    m.CLASS_ID,
+                    m.METHOD_ID,
+                )
+            tags = [tag]
+        return tags
+
+    def _settle(self, ch: Channel, tags: list[int], how: str) -> None:
+        requeue: dict[int, tuple[Queue, list[QueuedMessage]]] = {}
+        touched: dict[int, Queue] = {}
+        for t in tags:
+            item = ch.unacked.pop(t, None)
+            if item is None:
+                continue
+            qm, q, qc = item
+            if qc is not None:
+                qc.unacked -= 1
+            touched[id(q)] = q
+            if how == "ack":
+                q.settle(qm)
+            elif how == "requeue":
+                requeue.setdefault(id(q), (q, []))[1].append(qm)
+            else:
+                q.dead_letter(qm, "rejected")
+        for q, msgs in requeue.values():
+            q.requeue(msgs)
+        for q in touched.values():
+            q.dispatch()
+
+    def _maybe_tx(self, ch: Channel, work: Callable[[], None]) -> None:
+        if ch.tx:
+            ch.tx_work.append(lambda: work())  # type: ignore[func-returns-value]
+        else:
+            work()
+
+    def on_BasicAck(self, ch: Channel, m: c.BasicAck) -> None:
+        tags = self._take_tags(ch, m.delivery_tag, m.multiple, m)
+        self._maybe_tx(ch, lambda: self._settle(ch, tags, "ack"))
+
+    def on_BasicNack(self, ch: Channel, m: c.BasicNack) -> None:
+        tags = self._take_tags(ch, m.delivery_tag, m.multiple, m)
+        how = "requeue" if m.requeue else "drop"
+        self._maybe_tx(ch, lambda: self._settle(ch, tags, how))
+
+    def on_BasicReject(self, ch: Channel, m: c.BasicReject) -> None:
+        tags = self._take_tags(ch, m.delivery_tag, False, m)
+        how = "requeue" if m.requeue else "drop"
+        self._maybe_tx(ch, lambda: self._settle(ch, tags, how))
+
+    def on_BasicRecover(self, ch: Channel, m: c.BasicRecover) -> None:
+        self._settle(ch, list(ch.unacked), "requeue")
+        self.send(ch.number, c.BasicRecoverOk())
+
+    def on_BasicRecoverAsync(self, ch: Channel, m: c.BasicRecoverAsync) -> None:
+        self._settle(ch, list(ch.unacked), "requeue")
+
+    def on_publish(self, ch: Channel, content: _Content) -> None:
+        pm = content.method
+        props = content.properties or c.BasicProperties()
+        body = b"".join(content.chunks)
+        msg = AmqpMessage(pm.exchange, pm.routing_key, props, body)
+        ex = self.vh.exchanges.get(pm.exchange)
+        if ex is None:
+            raise c.AmqpError(
+                c.NOT_FOUND, f"no exchange '{pm.exchange}' in vhost '{self.vh.namespace}'", 60, 40
+            )
+        if ex.internal:
+            raise c.AmqpError(
+                c.ACCESS_REFUSED, f"cannot publish to internal exchange '{pm.exchange}'", 60, 40
+            )
+        if ch.tx:
+            ch.tx_work.append(lambda: self._publish(ch, pm, msg, confirm=False))
+            return
+        self._publish(ch, pm, msg, confirm=ch.confirm)
+
+    def _publish(
+        self, ch: Channel, pm: c.BasicPublish, msg: AmqpMessage, *, confirm: bool
+    ) -> Deferred[Any]:
+        queues = self.vh.destinations(msg)
+        seq = 0
+        if confirm:
+            ch.publish_seq += 1
+            seq = ch.publish_seq
+        bridged = msg.exchange == "amq.topic"
+        if not queues and not bridged and pm.mandatory:
+            self.transport.write(
+                c.encode_content(
+                    ch.number,
+                    c.BasicReturn(c.NO_ROUTE, "NO_ROUTE", pm.exchange, pm.routing_key),
+                    msg.properties,
+                    msg.body,
+                    self.frame_max,
+                )
+            )
+        d = self.vh.publish(msg, queues)
+
+        def acked(_: object) -> None:
+            if confirm and not ch.closing and not self.closed:
+                self.send(ch.number, c.BasicAck(seq, False))
+
+        def failed(f: Failure) -> Failure | None:
+            log.warning("AMQP publish failed", extra=kv(error=str(f.value)))
+            if confirm and not ch.closing and not self.closed:
+                self.send(ch.number, c.BasicNack(seq, False, False))
+                return None
+            return f
+
+        d.addCallbacks(acked, failed)
+        if not confirm and not ch.tx:
+            d.addErrback(lambda f: None)
+        return d
+
+    # -- confirm and tx ----------------------------------------------------------------------
+
+    def on_ConfirmSelect(self, ch: Channel, m: c.ConfirmSelect) -> None:
+        if ch.tx:
+            raise c.AmqpError(
+                c.PRECONDITION_FAILED, "cannot switch from tx to confirm mode", 85, 10
+            )
+        ch.confirm = True
+        if not m.nowait:
+            self.send(ch.number, c.ConfirmSelectOk())
+
+    def on_TxSelect(self, ch: Channel, m: c.TxSelect) -> None:
+        if ch.confirm:
+            raise c.AmqpError(
+                c.PRECONDITION_FAILED, "cannot switch from confirm to tx mode", 90, 10
+            )
+        ch.tx = True
+        self.send(ch.number, c.TxSelectOk())
+
+    def on_TxCommit(self, ch: Channel, m: c.TxCommit) -> Deferred[Any]:
+        if not ch.tx:
+            raise c.AmqpError(c.PRECONDITION_FAILED, "channel is not transactional", 90, 20)
+        work, ch.tx_work = ch.tx_work, []
+        ds: list[Deferred[Any]] = []
+        for w in work:
+            r = w()
+            if isinstance(r, Deferred):
+                ds.append(r)
+        d = DeferredList(ds, fireOnOneErrback=True, consumeErrors=True)
+
+        def unwrap(f: Failure) -> Failure:
+            sub = getattr(f.value, "subFailure", None)
+            return sub if sub is not None else f
+
+        d.addErrback(unwrap)
+        d.addCallback(self._ok(ch, False, c.TxCommitOk()))
+        return d
+
+    def on_TxRollback(self, ch: Channel, m: c.TxRollback) -> None:
+        if not ch.tx:
+            raise c.AmqpError(c.PRECONDITION_FAILED, "channel is not transactional", 90, 30)
+        ch.tx_work.clear()
+        self.send(ch.number, c.TxRollbackOk())
+
+
+class AmqpFactory(Factory):
+    """Builds connections and remembers them so the handler can close them all."""
+
+    def __init__(self, settings: AmqpSettings) -> None:
+        self.settings = settings
+        self.connections: set[AmqpConnection] = set()
+
+    @override
+    def buildProtocol(self, addr: Any) -> AmqpConnection:
+        conn = AmqpConnection(self.settings)
+        conn.factory = self
+        return conn
+
+    def close_all(self) -> None:
+        for conn in list(self.connections):
+            conn.connection_error(c.AmqpError(c.CONNECTION_FORCED, "broker shutdown"))
+            conn.transport.loseConnection()

@@ -1,0 +1,124 @@
+"""AMQP messages to and from the one-log ``Message`` (sans-IO).
+
+Stored form of an AMQP publish: payload = body; key = routing key; properties = every header
+whose value is a string (so Pulsar, Kafka and MQTT readers see them as plain properties), plus
+``amqp.*`` entries for the exchange, routing key, each basic property and the whole headers table
+(base64 of its wire encoding, so typed header values come back exactly); event time = the
+``timestamp`` property in ms. A message stored by another protocol reads back with its
+properties as string headers, its key as routing key and its event time as timestamp.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from polybroker.broker_core.messages import Message
+from polybroker.protocols.amqp.codec import AmqpError, BasicProperties, decode_table, encode_table
+
+P_EXCHANGE = "amqp.exchange"
+P_ROUTING_KEY = "amqp.routing_key"
+P_HEADERS = "amqp.headers"
+P_INCARNATION = "amqp.incarnation"
+_PREFIX = "amqp."
+_STR_PROPS = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+)
+_INT_PROPS = ("delivery_mode", "priority", "timestamp")
+
+
+@dataclass(slots=True)
+class AmqpMessage:
+    """A message as a queue holds it."""
+
+    exchange: str
+    routing_key: str
+    properties: BasicProperties
+    body: bytes
+    publish_time_ms: int = 0
+    #: The broker incarnation that stored a transient message ("" for persistent ones).
+    incarnation: str = ""
+
+    @property
+    def persistent(self) -> bool:
+        return self.properties.delivery_mode == 2
+
+
+def to_stored(msg: AmqpMessage) -> Message:
+    """The neutral message for an AMQP publish."""
+    props: list[tuple[str, str]] = [
+        (P_EXCHANGE, msg.exchange),
+        (P_ROUTING_KEY, msg.routing_key),
+    ]
+    p = msg.properties
+    for name in _STR_PROPS:
+        value = getattr(p, name)
+        if value is not None:
+            props.append((_PREFIX + name, value))
+    for name in _INT_PROPS:
+        value = getattr(p, name)
+        if value is not None:
+            props.append((_PREFIX + name, str(value)))
+    if p.headers is not None:
+        props.append((P_HEADERS, base64.b64encode(encode_table(p.headers)).decode("ascii")))
+        props.extend((k, v) for k, v in p.headers.items() if isinstance(v, str))
+    if msg.incarnation:
+        props.append((P_INCARNATION, msg.incarnation))
+    event_ms = p.timestamp * 1000 if p.timestamp is not None else 0
+    return Message(
+        payload=msg.body,
+        key=msg.routing_key.encode("utf-8") if msg.routing_key else None,
+        properties=props,
+        event_time_ms=event_ms if 0 <= event_ms < 2**63 else 0,
+    )
+
+
+def from_stored(m: Message, default_exchange: str = "", default_key: str = "") -> AmqpMessage:
+    """The AMQP view of any stored message (see the module docstring)."""
+    p = BasicProperties()
+    exchange = default_exchange
+    routing_key = m.key.decode("utf-8", "replace") if m.key else default_key
+    incarnation = ""
+    amqp_headers: dict[str, Any] | None = None
+    plain: dict[str, Any] = {}
+    for k, v in m.properties:
+        if not k.startswith(_PREFIX):
+            plain[k] = v
+            continue
+        if k == P_EXCHANGE:
+            exchange = v
+        elif k == P_ROUTING_KEY:
+            routing_key = v
+        elif k == P_INCARNATION:
+            incarnation = v
+        elif k == P_HEADERS:
+            try:
+                amqp_headers = decode_table(base64.b64decode(v))
+            except (AmqpError, ValueError):
+                amqp_headers = None
+        else:
+            name = k[len(_PREFIX) :]
+            if name in _STR_PROPS:
+                setattr(p, name, v)
+            elif name in _INT_PROPS:
+                number = int(v) if v.isdigit() else -1
+                limit = 2**64 if name == "timestamp" else 256
+                if 0 <= number < limit:
+                    setattr(p, name, number)
+    if amqp_headers is not None:
+        p.headers = amqp_headers
+    elif plain:
+        p.headers = plain
+    if p.timestamp is None and m.event_time_ms:
+        p.timestamp = m.event_time_ms // 1000
+    return AmqpMessage(exchange, routing_key, p, m.payload, m.publish_time_ms, incarnation)
