@@ -214,6 +214,8 @@ class BrokerService:
                 _cfg(config, "managedLedgerDefaultMarkDeleteRateLimit", 1.0)
             ),
         )
+        # Told the full name of every topic this broker loads (created or reopened).
+        self._topic_listeners: list[Callable[[str], None]] = []
         self._rates: LoopingCall | None = None
         interval = float(_cfg(config, "statsUpdateFrequencyInSecs", 60))
         if interval > 0:
@@ -238,6 +240,19 @@ class BrokerService:
     def set_entry_inspector(self, inspector: EntryInspector) -> None:
         """Use ``inspector`` for topics loaded from now on."""
         self.inspector = inspector
+
+    def add_topic_listener(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(full_name)`` whenever a topic is loaded here (created or reopened),
+        before anyone waiting for it gets it; return a function that removes the listener.
+
+        A handler with wildcard subscriptions uses it to follow topics created later."""
+        self._topic_listeners.append(listener)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._topic_listeners.remove(listener)
+
+        return remove
 
     # -- topics ---------------------------------------------------------------------------
 
@@ -271,6 +286,11 @@ class BrokerService:
             raise
         topic.on_closed = self._topic_closed
         self.topics[ref.full] = topic
+        for listener in list(self._topic_listeners):
+            try:
+                listener(ref.full)
+            except Exception:
+                log.exception("topic listener failed", extra=kv(topic=ref.full))
         for waiter in self._loading.pop(ref.full, []):
             waiter.callback(topic)
         return topic

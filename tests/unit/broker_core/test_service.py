@@ -368,3 +368,17 @@ def test_failover_on_partitions_spreads_through_the_service() -> None:
         ]
         owners[i] = next(s.consumer_name for s in servers if s.active)
     assert owners == {0: "c1", 1: "c2", 2: "c1", 3: "c2"}
+
+
+def test_topic_listeners_hear_every_load_until_removed() -> None:
+    """A topic listener is told each loaded topic (created or reopened) until it is removed."""
+    env = Env()
+    heard: list[str] = []
+    remove = env.service.add_topic_listener(heard.append)
+    env.topic("t")
+    env.topic("t")
+    result_of(env.service.unload_topic("t"))
+    env.topic("t")
+    remove()
+    env.topic("u")
+    assert heard == ["persistent://public/default/t", "persistent://public/default/t"]

@@ -1,0 +1,82 @@
+"""MQTT topic names and filters, and how names map onto Pulsar topics. Sans-IO.
+
+Mapping: the MQTT name ``a/b`` is the Pulsar topic ``persistent://public/default/a%2Fb``: the
+whole name, percent-encoded (every byte but ``A-Z a-z 0-9 _ . - ~``), is the local name, so the
+mapping is reversible and each MQTT topic is one Pulsar (and Kafka) topic. A Pulsar topic whose
+local name is ``x`` is the MQTT topic ``unquote(x)``.
+
+Filters: ``+`` matches one level, a trailing ``#`` the rest (including the parent level); a
+filter starting with a wildcard never matches a name starting with ``$`` (MQTT-4.7.2-1).
+``$share/<group>/<filter>`` is a shared subscription of ``group`` on ``filter``.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote, unquote
+
+NAMESPACE = "public/default"
+_PREFIX = f"persistent://{NAMESPACE}/"
+SHARE_PREFIX = "$share/"
+
+
+def to_pulsar(name: str) -> str:
+    """The full Pulsar topic name of the MQTT topic ``name``."""
+    return _PREFIX + quote(name, safe="")
+
+
+def from_pulsar(full: str) -> str | None:
+    """The MQTT topic name of a Pulsar topic of ``public/default``, or None for another one."""
+    if not full.startswith(_PREFIX):
+        return None
+    return unquote(full[len(_PREFIX) :])
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` can be published to (non-empty, no wildcards)."""
+    return bool(name) and "+" not in name and "#" not in name
+
+
+def valid_filter(topic_filter: str) -> bool:
+    """Whether ``topic_filter`` is a well-formed filter (wildcards occupy whole levels)."""
+    if not topic_filter:
+        return False
+    levels = topic_filter.split("/")
+    for i, level in enumerate(levels):
+        if "#" in level and (level != "#" or i != len(levels) - 1):
+            return False
+        if "+" in level and level != "+":
+            return False
+    return True
+
+
+def split_shared(topic_filter: str) -> tuple[str | None, str]:
+    """``(group, filter)`` of a ``$share/group/filter``; ``(None, topic_filter)`` otherwise.
+
+    Raise ``ValueError`` for a malformed shared filter."""
+    if not topic_filter.startswith(SHARE_PREFIX):
+        return None, topic_filter
+    group, sep, rest = topic_filter[len(SHARE_PREFIX) :].partition("/")
+    if not sep or not group or "+" in group or "#" in group or not valid_filter(rest):
+        raise ValueError(f"invalid shared subscription {topic_filter!r}")
+    return group, rest
+
+
+def matches(topic_filter: str, name: str) -> bool:
+    """Whether the filter matches the topic name."""
+    if name.startswith("$") and topic_filter[:1] in ("+", "#"):
+        return False
+    f_levels = topic_filter.split("/")
+    n_levels = name.split("/")
+    for i, level in enumerate(f_levels):
+        if level == "#":
+            return True
+        if i >= len(n_levels):
+            return False
+        if level != "+" and level != n_levels[i]:
+            return False
+    return len(f_levels) == len(n_levels)
+
+
+def has_wildcard(topic_filter: str) -> bool:
+    """Whether the filter can match more than one name."""
+    return "+" in topic_filter or "#" in topic_filter

@@ -1,0 +1,63 @@
+"""Unit tests of MQTT topic matching and the reversible mapping onto Pulsar names."""
+
+from __future__ import annotations
+
+import pytest
+
+from polybroker.protocols.mqtt import topics as t
+
+
+@pytest.mark.parametrize(
+    "name", ["a/b", "/a", "a//b", "$SYS/x", "sensors/temp 1", "100%", "ü/ß", "a%2Fb"]
+)
+def test_mapping_is_reversible(name: str) -> None:
+    """Every MQTT name maps to one Pulsar name of public/default and back."""
+    full = t.to_pulsar(name)
+    assert full.startswith("persistent://public/default/")
+    assert "/" not in full[len("persistent://public/default/") :]
+    assert t.from_pulsar(full) == name
+
+
+def test_mapping_of_plain_names_and_other_namespaces() -> None:
+    """A slash-free name maps to itself; topics of other namespaces have no MQTT name."""
+    assert t.to_pulsar("orders") == "persistent://public/default/orders"
+    assert t.to_pulsar("a/b") == "persistent://public/default/a%2Fb"
+    assert t.from_pulsar("persistent://other/ns/x") is None
+
+
+@pytest.mark.parametrize(
+    ("topic_filter", "name", "expected"),
+    [
+        ("a/b", "a/b", True),
+        ("a/+", "a/b", True),
+        ("a/+", "a/b/c", False),
+        ("a/#", "a", True),
+        ("a/#", "a/b/c", True),
+        ("#", "a/b", True),
+        ("+/+", "/b", True),
+        ("+", "/b", False),
+        ("#", "$SYS/x", False),
+        ("+/x", "$SYS/x", False),
+        ("$SYS/#", "$SYS/x", True),
+        ("a/+/c", "a/b/c", True),
+        ("a/b", "a/b/c", False),
+    ],
+)
+def test_matches(topic_filter: str, name: str, expected: bool) -> None:
+    """Wildcards match whole levels and never a leading-$ level."""
+    assert t.matches(topic_filter, name) is expected
+
+
+def test_filter_validity_and_shared() -> None:
+    """Wildcards must fill a level; $share filters split into group and filter."""
+    assert t.valid_filter("a/+/#")
+    assert not t.valid_filter("a/b#")
+    assert not t.valid_filter("a/#/b")
+    assert not t.valid_filter("a+")
+    assert not t.valid_filter("")
+    assert t.split_shared("$share/g/a/+") == ("g", "a/+")
+    assert t.split_shared("a/b") == (None, "a/b")
+    with pytest.raises(ValueError, match="shared"):
+        t.split_shared("$share/g")
+    assert not t.valid_name("a/+")
+    assert t.valid_name("a/b")
