@@ -185,6 +185,7 @@ class Queue:
         self.dlx: str | None = arguments.get("x-dead-letter-exchange")
         self.dlx_key: str | None = arguments.get("x-dead-letter-routing-key")
         self._expiry: IDelayedCall | None = None
+        self._ttl_timer: IDelayedCall | None = None
         self.forwarders: dict[str, Forwarder] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -225,8 +226,9 @@ class Queue:
     def close(self) -> None:
         """Stop reading (broker shutdown); the subscription keeps its position."""
         self.deleted = True
-        if self._expiry is not None and self._expiry.active():
-            self._expiry.cancel()
+        for timer in (self._expiry, self._ttl_timer):
+            if timer is not None and timer.active():
+                timer.cancel()
         for fwd in self.forwarders.values():
             fwd.close()
         if self.server_consumer is not None:
@@ -275,7 +277,31 @@ class Queue:
         self._enforce_max_length()
         self._wake_waiters()
         self.dispatch(now)
+        self._schedule_expiry()
         self._flow()
+
+    def _schedule_expiry(self) -> None:
+        """Expire messages at the head when their time comes, not only when read."""
+        if self._ttl_timer is not None and self._ttl_timer.active():
+            return
+        head = next((qm for qm in self.ready if not qm.settled), None)
+        if head is None or not head.expires_at_ms or self.deleted:
+            return
+        delay = max(0.0, (head.expires_at_ms - _now_ms(self.vhost.clock)) / 1000.0)
+        self._ttl_timer = self.vhost.clock.callLater(delay + 0.001, self._expire_head)
+
+    def _expire_head(self) -> None:
+        now = _now_ms(self.vhost.clock)
+        while self.ready:
+            qm = self.ready[0]
+            if qm.settled:
+                self.ready.popleft()
+                continue
+            if not qm.expires_at_ms or qm.expires_at_ms > now:
+                break
+            self.ready.popleft()
+            self.dead_letter(qm, "expired")
+        self._schedule_expiry()
 
     def _expiry_of(self, am: AmqpMessage) -> int:
         ttl = self.ttl_ms

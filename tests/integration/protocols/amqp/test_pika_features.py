@@ -1,0 +1,251 @@
+"""pika against the AMQP handler: returns, transactions, queue lifecycle, TTL, dead letters,
+limits, errors with the spec's reply codes."""
+
+from __future__ import annotations
+
+import time
+
+import pika
+import pika.exceptions
+import pytest
+import pytest_twisted
+from amqp_harness import Broker
+
+
+def _drain(ch: pika.adapters.blocking_connection.BlockingChannel, queue: str) -> list[bytes]:
+    out = []
+    while True:
+        _, _, body = ch.basic_get(queue, auto_ack=True)
+        if body is None:
+            return out
+        out.append(body)
+
+
+@pytest_twisted.ensureDeferred
+async def test_mandatory_unroutable_is_returned(broker: Broker) -> None:
+    """A mandatory publish nobody is bound for comes back in basic.return (312 NO_ROUTE)."""
+
+    def scenario() -> list[tuple[int, str, bytes]]:
+        conn = broker.connect()
+        ch = conn.channel()
+        returned: list[tuple[int, str, bytes]] = []
+        ch.add_on_return_callback(
+            lambda c, m, p, b: returned.append((m.reply_code, m.routing_key, b))
+        )
+        ch.exchange_declare("lonely", "direct")
+        ch.basic_publish("lonely", "nobody", b"back", mandatory=True)
+        ch.basic_publish("lonely", "nobody", b"dropped", mandatory=False)
+        conn.process_data_events(time_limit=0.3)
+        conn.close()
+        return returned
+
+    assert await broker.run(scenario) == [(312, "nobody", b"back")]
+
+
+@pytest_twisted.ensureDeferred
+async def test_confirm_unroutable_mandatory_raises_in_blocking_channel(broker: Broker) -> None:
+    """With confirms on, pika's blocking channel reports an unroutable mandatory publish."""
+
+    def scenario() -> bool:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("cq")
+        ch.basic_publish("", "cq", b"ok", mandatory=True)
+        try:
+            ch.basic_publish("", "missing-queue", b"x", mandatory=True)
+        except pika.exceptions.UnroutableError:
+            conn.close()
+            return True
+        conn.close()
+        return False
+
+    assert await broker.run(scenario)
+
+
+@pytest_twisted.ensureDeferred
+async def test_transactions_commit_and_rollback(broker: Broker) -> None:
+    """Publishes and acks in a transaction take effect on commit only; rollback drops them."""
+
+    def scenario() -> dict[str, object]:
+        conn = broker.connect()
+        ch = conn.channel()
+        other = conn.channel()
+        ch.queue_declare("txq")
+        ch.tx_select()
+        ch.basic_publish("", "txq", b"a")
+        before = other.basic_get("txq")[2]
+        ch.tx_commit()
+        committed = _drain(other, "txq")
+        ch.basic_publish("", "txq", b"b")
+        ch.tx_rollback()
+        rolled_back = _drain(other, "txq")
+        other.basic_publish("", "txq", b"c")
+        method, _, body = ch.basic_get("txq")
+        ch.basic_ack(method.delivery_tag)
+        ch.tx_rollback()  # the ack is dropped: the message stays unacked on ch
+        ch.basic_recover(requeue=True)
+        method2, _, body2 = ch.basic_get("txq")
+        ch.basic_ack(method2.delivery_tag)
+        ch.tx_commit()
+        after = _drain(other, "txq")
+        conn.close()
+        return {
+            "before": before,
+            "committed": committed,
+            "rolled_back": rolled_back,
+            "got": body,
+            "again": (body2, method2.redelivered),
+            "after": after,
+        }
+
+    out = await broker.run(scenario)
+    assert out["before"] is None
+    assert out["committed"] == [b"a"]
+    assert out["rolled_back"] == []
+    assert out["got"] == b"c"
+    assert out["again"] == (b"c", True)
+    assert out["after"] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_queue_lifecycle_purge_delete_and_broker_cancel(broker: Broker) -> None:
+    """Purge counts ready messages, delete cancels consumers (basic.cancel from the broker),
+    a server-named queue gets an amq.gen name, passive declare of a missing queue is 404."""
+
+    def scenario() -> dict[str, object]:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("life")
+        for i in range(3):
+            ch.basic_publish("", "life", str(i).encode())
+        declared = ch.queue_declare("life", passive=True).method.message_count
+        purged = ch.queue_purge("life").method.message_count
+        cancelled: list[str] = []
+        ch.add_on_cancel_callback(lambda frame: cancelled.append(frame.method.consumer_tag))
+        tag = ch.basic_consume("life", lambda *a: None)
+        other = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            other.queue_delete("life", if_unused=True)
+        in_use = e.value.reply_code
+        ch.queue_delete("life")
+        conn.process_data_events(time_limit=0.3)
+        server_named = ch.queue_declare("", exclusive=True).method.queue
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e2:
+            ch.queue_declare("nope", passive=True)
+        conn.close()
+        return {
+            "declared": declared,
+            "purged": purged,
+            "in_use": in_use,
+            "cancelled": cancelled == [tag],
+            "server_named": server_named,
+            "missing": e2.value.reply_code,
+        }
+
+    out = await broker.run(scenario)
+    assert out["declared"] == 3
+    assert out["purged"] == 3
+    assert out["in_use"] == 406
+    assert out["cancelled"]
+    assert str(out["server_named"]).startswith("amq.gen-")
+    assert out["missing"] == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_exclusive_queue_is_locked_and_goes_with_its_connection(broker: Broker) -> None:
+    """Another connection gets 405 on an exclusive queue; it is deleted when its owner closes."""
+
+    def scenario() -> tuple[int, int]:
+        owner = broker.connect()
+        och = owner.channel()
+        och.queue_declare("mine", exclusive=True)
+        other = broker.connect()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            other.channel().basic_consume("mine", lambda *a: None)
+        owner.close()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e2:
+            other.channel().queue_declare("mine", passive=True)
+        other.close()
+        return e.value.reply_code, e2.value.reply_code
+
+    assert await broker.run(scenario) == (405, 404)
+
+
+@pytest_twisted.ensureDeferred
+async def test_ttl_max_length_and_dead_lettering(broker: Broker) -> None:
+    """Rejected, expired and overflowing messages go to the dead-letter exchange with x-death."""
+
+    def scenario() -> dict[str, object]:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.exchange_declare("dlx", "fanout")
+        ch.queue_declare("dead")
+        ch.queue_bind("dead", "dlx")
+        ch.queue_declare("src", arguments={"x-dead-letter-exchange": "dlx"})
+        ch.queue_declare("short", arguments={"x-message-ttl": 100, "x-dead-letter-exchange": "dlx"})
+        ch.queue_declare("capped", arguments={"x-max-length": 2, "x-dead-letter-exchange": "dlx"})
+        ch.basic_publish("", "src", b"rejected")
+        method, _, _ = ch.basic_get("src")
+        ch.basic_reject(method.delivery_tag, requeue=False)
+        ch.basic_publish("", "short", b"expired")
+        for i in range(3):
+            ch.basic_publish("", "capped", f"c{i}".encode())
+        capped = _drain(ch, "capped")
+        deadline = time.monotonic() + 5
+        dead: list[tuple[bytes, str]] = []
+        while len(dead) < 3 and time.monotonic() < deadline:
+            _, props, body = ch.basic_get("dead", auto_ack=True)
+            if body is not None:
+                dead.append((body, props.headers["x-death"][0]["reason"]))
+        expired_left = ch.basic_get("short")[2]
+        conn.close()
+        return {"expired_left": expired_left, "capped": capped, "dead": sorted(dead)}
+
+    out = await broker.run(scenario)
+    assert out["expired_left"] is None
+    assert out["capped"] == [b"c1", b"c2"]
+    assert out["dead"] == [(b"c0", "maxlen"), (b"expired", "expired"), (b"rejected", "rejected")]
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_login_is_refused(broker: Broker) -> None:
+    """Wrong credentials end the handshake with 403 ACCESS_REFUSED."""
+
+    def scenario() -> bool:
+        try:
+            broker.connect(credentials=pika.PlainCredentials("guest", "wrong"))
+        except pika.exceptions.ProbableAuthenticationError:
+            return True
+        except pika.exceptions.AuthenticationError:
+            return True
+        return False
+
+    assert await broker.run(scenario)
+
+
+@pytest_twisted.ensureDeferred
+async def test_errors_close_the_channel_with_the_spec_codes(broker: Broker) -> None:
+    """Publishing to a missing exchange is 404; unknown delivery tag is 406; the connection
+    stays usable on another channel."""
+
+    def scenario() -> tuple[int, int, bytes]:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.basic_publish("no-such-exchange", "k", b"x")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.queue_declare("after")
+        ch2 = conn.channel()
+        ch2.basic_ack(999)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e2:
+            ch2.queue_declare("after")
+        ch3 = conn.channel()
+        ch3.queue_declare("fine")
+        ch3.basic_publish("", "fine", b"still")
+        body = ch3.basic_get("fine", auto_ack=True)[2]
+        conn.close()
+        return e.value.reply_code, e2.value.reply_code, body
+
+    assert await broker.run(scenario) == (404, 406, b"still")
