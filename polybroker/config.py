@@ -35,6 +35,12 @@ _KEYS: tuple[Key, ...] = (
     Key("brokerServicePort", int, 6650, "Pulsar binary protocol port"),
     Key("webServicePort", int, 8080, "HTTP admin and lookup port"),
     Key("kafkaListenerPort", int, 9092, "Kafka protocol port"),
+    Key(
+        "kafkaEntryFormat",
+        str,
+        "pulsar",
+        "How Kafka record batches are stored: pulsar (converted on write) or kafka (verbatim)",
+    ),
     Key("mqttListenerPort", int, 1883, "MQTT port"),
     Key("amqpListenerPort", int, 5672, "AMQP 0-9-1 port"),
     Key("amqpUsers", str, "guest:guest", "AMQP PLAIN logins as user:password,user:password"),

@@ -50,6 +50,13 @@ _DEDUP_WINDOW = 5
 _LATEST = -1
 _EARLIEST = -2
 _MAX_TIMESTAMP = -3
+#: Kafka batch codecs -> the stored message format's (gzip has no Pulsar twin: zlib is close).
+_PULSAR_COMPRESSION = {
+    rec.COMPRESSION_GZIP: "zlib",
+    rec.COMPRESSION_SNAPPY: "snappy",
+    rec.COMPRESSION_LZ4: "lz4",
+    rec.COMPRESSION_ZSTD: "zstd",
+}
 
 
 def decode_native(native: bytes, template: Message) -> list[Message]:
@@ -114,6 +121,7 @@ class Settings:
     max_message_size: int
     default_partitions: int
     auto_create: bool
+    entry_format: str = "pulsar"  # or FORMAT_TAG: store batches verbatim
 
 
 @dataclass
@@ -493,6 +501,7 @@ class KafkaApis:
             return c.CORRUPT_MESSAGE, -1, -1
         if not batches:
             return c.INVALID_RECORD, -1, -1
+        decoded: list[list[rec.Record]] = []
         for batch in batches:
             if len(batch.raw) > self.settings.max_message_size:
                 return c.MESSAGE_TOO_LARGE, -1, -1
@@ -508,6 +517,7 @@ class KafkaApis:
                 return c.CORRUPT_MESSAGE, -1, -1
             if [r.offset_delta for r in found] != list(range(batch.count)):
                 return c.INVALID_RECORD, -1, -1
+            decoded.append(found)
         try:
             topic = await self._partition_topic(name, p.index, True)
         except (InvalidTopicNameError, NotAllowedError):
@@ -515,15 +525,49 @@ class KafkaApis:
         if topic is None:
             return c.UNKNOWN_TOPIC_OR_PARTITION, -1, -1
         first_base = -1
-        for batch in batches:
-            error, base = await self._append(topic, batch)
+        for batch, found in zip(batches, decoded, strict=True):
+            error, base = await self._append(topic, batch, found)
             if error != c.NONE:
                 return error, -1, -1
             if first_base < 0:
                 first_base = base
         return c.NONE, first_base, topic.first_index
 
-    async def _append(self, topic: Any, batch: rec.Batch) -> tuple[int, int]:
+    def _entry(self, batch: rec.Batch, records: list[rec.Record]) -> bytes:
+        """The stored entry of a batch: verbatim (tagged) or converted to the Pulsar format."""
+        now = int(self.clock.seconds() * 1000)
+        name = f"kafka-{batch.producer_id}"
+        sequence = max(batch.base_sequence, 0)
+        if self.settings.entry_format == FORMAT_TAG:
+            return messages.encode_native_entry(
+                FORMAT_TAG,
+                batch.raw,
+                num_messages=batch.count,
+                producer_name=name,
+                sequence_id=sequence,
+                publish_time_ms=now,
+            )
+        converted = [
+            Message(
+                r.value if r.value is not None else b"",
+                key=r.key,
+                properties=[(k, (v or b"").decode("utf-8", "replace")) for k, v in r.headers],
+                event_time_ms=max(r.timestamp_ms, 0),
+                null_value=r.value is None,
+            )
+            for r in records
+        ]
+        return messages.encode_entry(
+            converted,
+            producer_name=name,
+            sequence_id=sequence,
+            publish_time_ms=now,
+            compression=_PULSAR_COMPRESSION.get(batch.compression, "none"),
+        )
+
+    async def _append(
+        self, topic: Any, batch: rec.Batch, records: list[rec.Record]
+    ) -> tuple[int, int]:
         key = (topic.name, batch.producer_id)
         state: ProducerState | None = None
         if batch.producer_id >= 0 and batch.base_sequence >= 0:
@@ -543,14 +587,7 @@ class KafkaApis:
                 state = ProducerState(batch.producer_epoch, last_seq)
                 self.producers[key] = state
             state.last_sequence = last_seq
-        entry_data = messages.encode_native_entry(
-            FORMAT_TAG,
-            batch.raw,
-            num_messages=batch.count,
-            producer_name=f"kafka-{batch.producer_id}",
-            sequence_id=max(batch.base_sequence, 0),
-            publish_time_ms=int(self.clock.seconds() * 1000),
-        )
+        entry_data = self._entry(batch, records)
         try:
             entry = await topic.publish(entry_data, batch.count)
         except Exception:

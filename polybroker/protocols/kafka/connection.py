@@ -156,4 +156,3 @@ class KafkaFactory(ServerFactory):
         """Close every open connection."""
         for conn in list(self.connections):
             conn.close()
-

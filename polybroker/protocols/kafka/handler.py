@@ -3,7 +3,10 @@
 Config keys: ``kafkaListenerPort`` (default 9092), ``bindAddress``, ``advertisedAddress``,
 ``maxMessageSize`` (the largest record batch; frames may exceed it by ``FRAME_OVERHEAD``),
 ``clusterName`` (the Kafka cluster id), ``defaultNumPartitions`` and ``allowAutoTopicCreation``
-(topics a Kafka client names are created partitioned).
+(topics a Kafka client names are created partitioned), ``kafkaEntryFormat`` (``pulsar``: each
+record batch is converted to a Pulsar message batch on write, which every protocol reads as is;
+``kafka``: the batch is stored verbatim behind a format tag, cheaper to write and to fetch, and
+converted when another protocol reads it).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class KafkaProtocolHandler(ProtocolHandler):
         self.cluster_id = "standalone"
         self.default_partitions = 1
         self.auto_create = True
+        self.entry_format = "pulsar"
         self.context: BrokerContext | None = None
         self.apis: KafkaApis | None = None
         self.factory: KafkaFactory | None = None
@@ -48,6 +52,10 @@ class KafkaProtocolHandler(ProtocolHandler):
         partitions = int(config.get("defaultNumPartitions"))
         if partitions < 1:
             raise ConfigError(f"defaultNumPartitions: {partitions} is below 1")
+        entry_format = str(config.get("kafkaEntryFormat"))
+        if entry_format not in ("pulsar", "kafka"):
+            raise ConfigError(f"kafkaEntryFormat: {entry_format!r} is not one of pulsar, kafka")
+        self.entry_format = entry_format
         self.port = port
         self.max_message_size = size
         self.default_partitions = partitions
@@ -68,6 +76,7 @@ class KafkaProtocolHandler(ProtocolHandler):
                 max_message_size=self.max_message_size,
                 default_partitions=self.default_partitions,
                 auto_create=self.auto_create,
+                entry_format=self.entry_format,
             ),
         )
         self.factory = KafkaFactory(self.apis, self.max_message_size + FRAME_OVERHEAD)

@@ -1,0 +1,95 @@
+"""confluent-kafka (librdkafka) against the Kafka handler over loopback."""
+
+from __future__ import annotations
+
+import time
+
+import pytest_twisted
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+from kafka_harness import Broker
+
+
+def _poll_n(consumer: Consumer, n: int, timeout_s: float = 20.0) -> list[object]:
+    out: list[object] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        msg = consumer.poll(0.5)
+        if msg is None:
+            continue
+        if msg.error():
+            if msg.error().code() == KafkaError._PARTITION_EOF:
+                continue
+            raise AssertionError(f"consumer error: {msg.error()}")
+        out.append(msg)
+    return out
+
+
+@pytest_twisted.ensureDeferred
+async def test_produce_consume_every_compression(broker: Broker) -> None:
+    """librdkafka's batches in every codec come back with keys, headers and timestamps."""
+
+    def scenario() -> dict[str, list[tuple[object, ...]]]:
+        results = {}
+        for codec in ("none", "gzip", "snappy", "lz4", "zstd"):
+            topic = f"ck-{codec}"
+            p = Producer({"bootstrap.servers": broker.bootstrap, "compression.type": codec,
+                          "linger.ms": 5})
+            for i in range(10):
+                p.produce(topic, value=b"value-%d" % i * 10, key=b"key-%d" % i,
+                          headers=[("n", str(i).encode())], timestamp=1_600_000_000_000 + i)
+            assert p.flush(20) == 0
+            c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"g-{codec}",
+                          "auto.offset.reset": "earliest", "enable.auto.commit": False})
+            c.subscribe([topic])
+            got = _poll_n(c, 10)
+            c.close()
+            results[topic] = [
+                (m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in got
+            ]
+        return results
+
+    results = await broker.run(scenario)
+    for records in results.values():
+        assert [r[0] for r in records] == list(range(10))
+        assert [r[1] for r in records] == [b"key-%d" % i for i in range(10)]
+        assert [r[2] for r in records] == [b"value-%d" % i * 10 for i in range(10)]
+        assert [r[3] for r in records] == [[("n", str(i).encode())] for i in range(10)]
+        assert [r[4] for r in records] == [1_600_000_000_000 + i for i in range(10)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_create_describe_partitions_delete(broker: Broker) -> None:
+    """AdminClient creates, lists, grows and deletes topics; produce lands in partitions."""
+
+    def scenario() -> dict[str, object]:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        fs = admin.create_topics([NewTopic("adm", num_partitions=3, replication_factor=1)])
+        fs["adm"].result(10)
+        again = admin.create_topics([NewTopic("adm", num_partitions=3, replication_factor=1)])
+        try:
+            again["adm"].result(10)
+            dup = "no error"
+        except Exception as e:
+            dup = e.args[0].code()
+        md = admin.list_topics(timeout=10)
+        parts = len(md.topics["adm"].partitions)
+        admin.create_partitions([NewPartitions("adm", 5)])["adm"].result(10)
+        grown = len(admin.list_topics(timeout=10).topics["adm"].partitions)
+        p = Producer({"bootstrap.servers": broker.bootstrap})
+        for i in range(5):
+            p.produce("adm", value=b"x", partition=i)
+        assert p.flush(20) == 0
+        c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "adm-reader"})
+        marks = [c.get_watermark_offsets(TopicPartition("adm", i), timeout=10) for i in range(5)]
+        c.close()
+        admin.delete_topics(["adm"])["adm"].result(10)
+        gone = "adm" not in admin.list_topics(timeout=10).topics
+        return {"dup": dup, "parts": parts, "grown": grown, "marks": marks, "gone": gone}
+
+    r = await broker.run(scenario)
+    assert r["dup"] == KafkaError.TOPIC_ALREADY_EXISTS
+    assert r["parts"] == 3
+    assert r["grown"] == 5
+    assert r["marks"] == [(0, 1)] * 5
+    assert r["gone"] is True

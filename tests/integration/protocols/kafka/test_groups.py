@@ -1,0 +1,155 @@
+"""Consumer groups over the Kafka handler: rebalances, commits and group admin."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest_twisted
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+from kafka import KafkaConsumer
+from kafka import TopicPartition as KTopicPartition
+from kafka_harness import Broker
+
+
+def _wait(cond: object, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> None:
+    """Two librdkafka members of one group split 4 partitions, and one leaving hands its
+    partitions to the other; every record is consumed once."""
+
+    def scenario() -> dict[str, object]:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        admin.create_topics([NewTopic("grp", num_partitions=4, replication_factor=1)])["grp"].result(10)
+        p = Producer({"bootstrap.servers": broker.bootstrap})
+        for i in range(40):
+            p.produce("grp", value=b"%d" % i, partition=i % 4)
+        assert p.flush(20) == 0
+        assignments: dict[str, set[int]] = {"a": set(), "b": set()}
+        seen: dict[str, list[bytes]] = {"a": [], "b": []}
+        stop = {"a": threading.Event(), "b": threading.Event()}
+
+        def member(name: str) -> None:
+            c = Consumer({
+                "bootstrap.servers": broker.bootstrap,
+                "group.id": "g2",
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 200,
+                "partition.assignment.strategy": "range",
+            })
+
+            def on_assign(consumer: Consumer, parts: list[TopicPartition]) -> None:
+                assignments[name] = {tp.partition for tp in parts}
+
+            c.subscribe(["grp"], on_assign=on_assign)
+            while not stop[name].is_set():
+                m = c.poll(0.1)
+                if m is not None and not m.error():
+                    seen[name].append(m.value())
+            c.close()
+
+        ta = threading.Thread(target=member, args=("a",))
+        ta.start()
+        assert _wait(lambda: len(assignments["a"]) == 4)
+        tb = threading.Thread(target=member, args=("b",))
+        tb.start()
+        split = _wait(lambda: assignments["a"] and assignments["b"]
+                      and not (assignments["a"] & assignments["b"])
+                      and len(assignments["a"] | assignments["b"]) == 4)
+        both = (sorted(assignments["a"]), sorted(assignments["b"]))
+        stop["b"].set()
+        tb.join(30)
+        regained = _wait(lambda: len(assignments["a"]) == 4)
+        _wait(lambda: len(set(seen["a"]) | set(seen["b"])) == 40)
+        stop["a"].set()
+        ta.join(30)
+        return {
+            "split": split,
+            "both": both,
+            "regained": regained,
+            "values": sorted(int(v) for v in set(seen["a"]) | set(seen["b"])),
+        }
+
+    r = await broker.run(scenario)
+    assert r["split"], r["both"]
+    assert r["regained"]
+    assert r["values"] == list(range(40))
+
+
+@pytest_twisted.ensureDeferred
+async def test_commits_survive_consumer_restart(broker: Broker) -> None:
+    """A kafka-python group consumer that committed resumes after its commit when restarted."""
+
+    def scenario() -> tuple[list[int], list[int], int | None]:
+        p = Producer({"bootstrap.servers": broker.bootstrap})
+        for i in range(10):
+            p.produce("commits", value=b"%d" % i)
+        assert p.flush(20) == 0
+
+        def consume(n: int) -> list[int]:
+            c = KafkaConsumer(
+                "commits",
+                bootstrap_servers=broker.bootstrap,
+                group_id="cg",
+                auto_offset_reset="earliest",
+                enable_auto_commit=False,
+                consumer_timeout_ms=10_000,
+            )
+            got = []
+            for rec in c:
+                got.append(rec.offset)
+                if len(got) == n:
+                    break
+            c.commit()
+            committed = c.committed(KTopicPartition("commits", 0))
+            c.close()
+            return got + [committed]
+
+        first = consume(6)
+        second = consume(4)
+        return first[:-1], second[:-1], second[-1]
+
+    first, second, committed = await broker.run(scenario)
+    assert first == [0, 1, 2, 3, 4, 5]
+    assert second == [6, 7, 8, 9]
+    assert committed == 10
+
+
+@pytest_twisted.ensureDeferred
+async def test_list_describe_delete_groups(broker: Broker) -> None:
+    """The admin API lists and describes a live group and deletes it once it is empty."""
+
+    def scenario() -> dict[str, object]:
+        p = Producer({"bootstrap.servers": broker.bootstrap})
+        p.produce("listed-topic", value=b"x")
+        assert p.flush(20) == 0
+        c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "listed",
+                      "auto.offset.reset": "earliest"})
+        assigned = threading.Event()
+        c.subscribe(["listed-topic"], on_assign=lambda *_: assigned.set())
+        deadline = time.monotonic() + 20
+        while not assigned.is_set() and time.monotonic() < deadline:
+            c.poll(0.1)
+        c.commit(offsets=[TopicPartition("listed-topic", 0, 0)], asynchronous=False)
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        listed = [g.group_id for g in admin.list_consumer_groups().result(10).valid]
+        described = admin.describe_consumer_groups(["listed"])["listed"].result(10)
+        members = len(described.members)
+        c.close()
+        deleted = admin.delete_consumer_groups(["listed"])["listed"].result(10)
+        return {"listed": listed, "members": members, "deleted": deleted}
+
+    r = await broker.run(scenario)
+    assert "listed" in r["listed"]
+    assert r["members"] == 1
+    assert r["deleted"] is None
