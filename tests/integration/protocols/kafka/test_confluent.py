@@ -33,14 +33,26 @@ async def test_produce_consume_every_compression(broker: Broker) -> None:
         results = {}
         for codec in ("none", "gzip", "snappy", "lz4", "zstd"):
             topic = f"ck-{codec}"
-            p = Producer({"bootstrap.servers": broker.bootstrap, "compression.type": codec,
-                          "linger.ms": 5})
+            p = Producer(
+                {"bootstrap.servers": broker.bootstrap, "compression.type": codec, "linger.ms": 5}
+            )
             for i in range(10):
-                p.produce(topic, value=b"value-%d" % i * 10, key=b"key-%d" % i,
-                          headers=[("n", str(i).encode())], timestamp=1_600_000_000_000 + i)
+                p.produce(
+                    topic,
+                    value=b"value-%d" % i * 10,
+                    key=b"key-%d" % i,
+                    headers=[("n", str(i).encode())],
+                    timestamp=1_600_000_000_000 + i,
+                )
             assert p.flush(20) == 0
-            c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"g-{codec}",
-                          "auto.offset.reset": "earliest", "enable.auto.commit": False})
+            c = Consumer(
+                {
+                    "bootstrap.servers": broker.bootstrap,
+                    "group.id": f"g-{codec}",
+                    "auto.offset.reset": "earliest",
+                    "enable.auto.commit": False,
+                }
+            )
             c.subscribe([topic])
             got = _poll_n(c, 10)
             c.close()

@@ -29,7 +29,8 @@ async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> Non
 
     def scenario() -> dict[str, object]:
         admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-        admin.create_topics([NewTopic("grp", num_partitions=4, replication_factor=1)])["grp"].result(10)
+        created = admin.create_topics([NewTopic("grp", num_partitions=4, replication_factor=1)])
+        created["grp"].result(10)
         p = Producer({"bootstrap.servers": broker.bootstrap})
         for i in range(40):
             p.produce("grp", value=b"%d" % i, partition=i % 4)
@@ -39,14 +40,16 @@ async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> Non
         stop = {"a": threading.Event(), "b": threading.Event()}
 
         def member(name: str) -> None:
-            c = Consumer({
-                "bootstrap.servers": broker.bootstrap,
-                "group.id": "g2",
-                "auto.offset.reset": "earliest",
-                "session.timeout.ms": 6000,
-                "heartbeat.interval.ms": 200,
-                "partition.assignment.strategy": "range",
-            })
+            c = Consumer(
+                {
+                    "bootstrap.servers": broker.bootstrap,
+                    "group.id": "g2",
+                    "auto.offset.reset": "earliest",
+                    "session.timeout.ms": 6000,
+                    "heartbeat.interval.ms": 200,
+                    "partition.assignment.strategy": "range",
+                }
+            )
 
             def on_assign(consumer: Consumer, parts: list[TopicPartition]) -> None:
                 assignments[name] = {tp.partition for tp in parts}
@@ -63,9 +66,14 @@ async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> Non
         assert _wait(lambda: len(assignments["a"]) == 4)
         tb = threading.Thread(target=member, args=("b",))
         tb.start()
-        split = _wait(lambda: assignments["a"] and assignments["b"]
-                      and not (assignments["a"] & assignments["b"])
-                      and len(assignments["a"] | assignments["b"]) == 4)
+        split = _wait(
+            lambda: (
+                assignments["a"]
+                and assignments["b"]
+                and not (assignments["a"] & assignments["b"])
+                and len(assignments["a"] | assignments["b"]) == 4
+            )
+        )
         both = (sorted(assignments["a"]), sorted(assignments["b"]))
         stop["b"].set()
         tb.join(30)
@@ -113,7 +121,7 @@ async def test_commits_survive_consumer_restart(broker: Broker) -> None:
             c.commit()
             committed = c.committed(KTopicPartition("commits", 0))
             c.close()
-            return got + [committed]
+            return [*got, committed]
 
         first = consume(6)
         second = consume(4)
@@ -133,8 +141,13 @@ async def test_list_describe_delete_groups(broker: Broker) -> None:
         p = Producer({"bootstrap.servers": broker.bootstrap})
         p.produce("listed-topic", value=b"x")
         assert p.flush(20) == 0
-        c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "listed",
-                      "auto.offset.reset": "earliest"})
+        c = Consumer(
+            {
+                "bootstrap.servers": broker.bootstrap,
+                "group.id": "listed",
+                "auto.offset.reset": "earliest",
+            }
+        )
         assigned = threading.Event()
         c.subscribe(["listed-topic"], on_assign=lambda *_: assigned.set())
         deadline = time.monotonic() + 20

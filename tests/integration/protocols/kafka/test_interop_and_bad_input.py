@@ -79,8 +79,14 @@ async def test_pulsar_and_kafka_clients_share_one_topic(broker: Broker) -> None:
     )
     assert kafka_seen[3] == (3, b"kk0", b"kafka-0", [("from", b"kafka")], 1_660_000_000_000)
     pulsar_seen = r["pulsar"]
-    assert [x[0] for x in pulsar_seen] == [b"pulsar-0", b"pulsar-1", b"pulsar-2",
-                                           b"kafka-0", b"kafka-1", b"kafka-2"]
+    assert [x[0] for x in pulsar_seen] == [
+        b"pulsar-0",
+        b"pulsar-1",
+        b"pulsar-2",
+        b"kafka-0",
+        b"kafka-1",
+        b"kafka-2",
+    ]
     assert pulsar_seen[4] == (b"kafka-1", "kk1", {"from": "kafka"}, 1_660_000_000_001)
 
 
