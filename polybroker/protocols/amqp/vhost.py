@@ -48,7 +48,13 @@ from polybroker.protocols.amqp.codec import (
     decode_table,
     encode_table,
 )
-from polybroker.protocols.amqp.convert import AmqpMessage, from_stored, to_stored
+from polybroker.protocols.amqp.convert import (
+    P_EXCHANGE,
+    P_ROUTING_KEY,
+    AmqpMessage,
+    from_stored,
+    to_stored,
+)
 
 if TYPE_CHECKING:
     from polybroker.broker_core.service import BrokerService
@@ -520,32 +526,38 @@ class Forwarder:
         self._scan: LoopingCall | None = None
         self.closed = False
 
-    def start(self) -> None:
-        if routing.is_pattern(self.pattern):
-            self._scan = LoopingCall(self.rescan)
-            self._scan.clock = self.queue.vhost.clock
-            self._scan.start(RESCAN_S, now=True).addErrback(lambda f: None)
-        else:
-            self._attach(self.pattern)
+    def start(self) -> Deferred[Any]:
+        """Subscribe to the matching topics there are; fires once subscribed."""
+        if not routing.is_pattern(self.pattern):
+            return self._attach(self.pattern)
+        d = self.rescan()
+        self._scan = LoopingCall(self.rescan)
+        self._scan.clock = self.queue.vhost.clock
+        self._scan.start(RESCAN_S, now=False).addErrback(lambda f: None)
+        return d
 
-    def rescan(self) -> None:
+    def rescan(self) -> Deferred[Any]:
+        """Subscribe to matching topics created since the last scan."""
         vh = self.queue.vhost
         d = vh.service.topics_of_namespace(vh.namespace)
 
-        def got(names: list[str]) -> None:
+        def got(names: list[str]) -> Deferred[Any]:
+            ds = []
             for full in names:
                 local = full.rsplit("/", 1)[-1]
                 if local.startswith("amqp."):
                     continue
                 if routing.topic_matches(self.pattern, local):
-                    self._attach(local)
+                    ds.append(self._attach(local))
+            return DeferredList(ds, consumeErrors=True)
 
         d.addCallback(got)
         d.addErrback(lambda f: None)
+        return d
 
-    def _attach(self, local: str) -> None:
-        if self.closed or local in self.topics:
-            return
+    def _attach(self, local: str) -> Deferred[Any]:
+        if self.closed or local in self.topics or not _valid_local(local):
+            return succeed(None)
         self.topics[local] = None
         vh = self.queue.vhost
         topic = f"persistent://{vh.namespace}/{local}"
@@ -567,9 +579,13 @@ class Forwarder:
             sc.flow(1000)
 
         def failed(f: Any) -> None:
+            log.warning(
+                "AMQP forwarder cannot subscribe", extra=kv(topic=topic, error=str(f.value))
+            )
             self.topics.pop(local, None)
 
         d.addCallbacks(attached, failed)
+        return d
 
     def close(self, unsubscribe: bool = False) -> None:
         self.closed = True
@@ -606,24 +622,26 @@ class _ForwardSink:
             except MessageFormatError:
                 messages = []
             # What AMQP published to amq.topic was routed to the queue directly already.
-            keep = [m for m in messages if ("amqp.exchange", "amq.topic") not in m.properties]
+            keep = [m for m in messages if (P_EXCHANGE, "amq.topic") not in m.properties]
             sc = self.server_consumer
             if not keep or queue.deleted:
                 if sc is not None:
                     sc.ack([entry.position]).addErrback(lambda f: None)
                     sc.flow(entry.num_messages)
                 continue
-            if len(keep) != len(messages):
-                data = encode_entry(
-                    keep,
-                    producer_name="amqp-forwarder",
-                    sequence_id=-1,
-                    publish_time_ms=entry.publish_time_ms,
-                )
             local = self.topic.rsplit("/", 1)[-1]
             for m in keep:
-                if not m.key:
-                    m.properties.append(("amqp.routing_key", local))
+                m.properties = [
+                    *(p for p in m.properties if not p[0].startswith("amqp.")),
+                    (P_EXCHANGE, "amq.topic"),
+                    (P_ROUTING_KEY, local),
+                ]
+            data = encode_entry(
+                keep,
+                producer_name="amqp-forwarder",
+                sequence_id=-1,
+                publish_time_ms=entry.publish_time_ms,
+            )
             queue.appending += 1
             pd = queue.vhost.service.publish(queue.topic, data, num_messages=len(keep))
 
@@ -745,7 +763,7 @@ class VirtualHost:
                     ex = self.exchanges.get(b.source)
                     if ex is not None and b not in ex.bindings:
                         ex.bindings.append(b)
-                        self._bound(b)
+                        await self._bound(b)
 
     def close(self) -> None:
         for q in self.queues.values():
@@ -846,28 +864,32 @@ class VirtualHost:
         if b in ex.bindings:
             return succeed(None)
         ex.bindings.append(b)
-        self._bound(b)
+        forwarding = self._bound(b)
         if ex.durable and dest_durable:
-            return self._save(
-                "bindings",
-                self._binding_id(b),
-                {
-                    "source": source,
-                    "destination": destination,
-                    "kind": kind,
-                    "routing_key": key,
-                    "arguments": _args_out(arguments),
-                },
+            forwarding.addCallback(
+                lambda _: self._save(
+                    "bindings",
+                    self._binding_id(b),
+                    {
+                        "source": source,
+                        "destination": destination,
+                        "kind": kind,
+                        "routing_key": key,
+                        "arguments": _args_out(arguments),
+                    },
+                )
             )
-        return succeed(None)
+        return forwarding
 
-    def _bound(self, b: routing.Binding) -> None:
+    def _bound(self, b: routing.Binding) -> Deferred[Any]:
+        """Start the forwarder a new ``amq.topic`` binding needs; fires once it reads."""
         if b.source == "amq.topic" and b.kind == routing.QUEUE:
             q = self.queues.get(b.destination)
             if q is not None and b.routing_key not in q.forwarders:
                 fwd = Forwarder(q, b.routing_key)
                 q.forwarders[b.routing_key] = fwd
-                fwd.start()
+                return fwd.start()
+        return succeed(None)
 
     def unbind(
         self, source: str, destination: str, kind: str, key: str, arguments: dict[str, Any]

@@ -42,6 +42,11 @@ class Broker:
     ledgers: FakeLedgerFactory
     store: FakeMetadataStore
     config: dict[str, Any]
+    pulsar: Any = None  # (handler, listening port) when started with the Pulsar handler
+
+    @property
+    def pulsar_url(self) -> str:
+        return f"pulsar://127.0.0.1:{self.pulsar[1].getHost().port}"
 
     def params(self, **kwargs: Any) -> pika.ConnectionParameters:
         kwargs.setdefault("blocked_connection_timeout", 10)
@@ -64,9 +69,17 @@ async def start_broker(
     config: dict[str, Any] | None = None,
     ledgers: FakeLedgerFactory | None = None,
     store: FakeMetadataStore | None = None,
+    *,
+    with_pulsar: bool = False,
 ) -> Broker:
-    """Start a BrokerService and the AMQP handler on 127.0.0.1 port 0."""
-    values = {"amqpListenerPort": 0, "statsUpdateFrequencyInSecs": 0, **(config or {})}
+    """Start a BrokerService and the AMQP handler (and the Pulsar one if asked) on
+    127.0.0.1 port 0."""
+    values = {
+        "amqpListenerPort": 0,
+        "brokerServicePort": 0,
+        "statsUpdateFrequencyInSecs": 0,
+        **(config or {}),
+    }
     cfg = Config(values)
     ledgers = ledgers or FakeLedgerFactory(reactor.seconds)
     store = store or FakeMetadataStore()
@@ -78,12 +91,27 @@ async def start_broker(
     listening = reactor.listenTCP(listener.port, listener.factory, interface=listener.host)
     port = listening.getHost().port
     handler.bound(PORT_KEY, port)
-    return Broker(port, service, handler, listening, ledgers, store, dict(config or {}))
+    broker = Broker(port, service, handler, listening, ledgers, store, dict(config or {}))
+    if with_pulsar:
+        from polybroker.protocols.pulsar.handler import PORT_KEY as PULSAR_KEY
+        from polybroker.protocols.pulsar.handler import PulsarProtocolHandler
+
+        ph = PulsarProtocolHandler()
+        ph.initialize(cfg)
+        ph.start(BrokerContext(service, cfg, reactor, "127.0.0.1"))
+        pl = ph.listeners()[PULSAR_KEY]
+        plistening = reactor.listenTCP(pl.port, pl.factory, interface=pl.host)
+        ph.bound(PULSAR_KEY, plistening.getHost().port)
+        broker.pulsar = (ph, plistening)
+    return broker
 
 
 async def stop_broker(broker: Broker) -> None:
     await broker.listening.stopListening()
     broker.handler.stop()
+    if broker.pulsar is not None:
+        await broker.pulsar[1].stopListening()
+        broker.pulsar[0].stop()
     await broker.service.close()
 
 
