@@ -1,0 +1,137 @@
+"""Executor side of a read: one ``ReadRange`` through a Pulsar reader, as Arrow record batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from polybroker.spark.offsets import Boundary, ReadRange
+
+#: Rows per Arrow record batch handed to Spark.
+BATCH_ROWS = 10_000
+
+
+class DataLossError(RuntimeError):
+    """Messages that the planned range promised could not be read."""
+
+
+def arrow_schema() -> Any:
+    """The Arrow form of the fixed columns (``polybroker.spark.source.READ_SCHEMA``)."""
+    import pyarrow as pa
+
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema(
+        [
+            ("key", pa.binary()),
+            ("value", pa.binary()),
+            ("__topic", pa.string()),
+            ("__messageId", pa.binary()),
+            ("__publishTime", ts),
+            ("__eventTime", ts),
+            ("__messageProperties", pa.map_(pa.string(), pa.string())),
+        ]
+    )
+
+
+def client(service_url: str) -> Any:
+    """A Pulsar client logging errors only, from C++ (no Python called from its threads)."""
+    import pulsar
+
+    return pulsar.Client(
+        service_url,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+        operation_timeout_seconds=30,
+    )
+
+
+def _start_id(rng: ReadRange) -> tuple[Any, bool]:
+    import pulsar
+
+    partition = _partition_index(rng.topic)
+    if rng.start[0] < 0:
+        return pulsar.MessageId.earliest, False
+    return pulsar.MessageId(partition, rng.start[0], rng.start[1], -1), True
+
+
+def _partition_index(topic: str) -> int:
+    _, sep, tail = topic.rpartition("-partition-")
+    return int(tail) if sep and tail.isdigit() else -1
+
+
+def read_messages(
+    service_url: str, rng: ReadRange, *, fail_on_data_loss: bool, timeout_ms: int = 30_000
+) -> Iterator[Any]:
+    """Yield the messages of ``rng`` in order; raise DataLossError if some cannot be read.
+
+    The reader starts at the range's first entry and stops at the first message at or past
+    ``rng.end``, or once the last planned entry is read and nothing more is stored.
+    """
+    c = client(service_url)
+    try:
+        start_id, inclusive = _start_id(rng)
+        reader = c.create_reader(
+            rng.topic, start_id, start_message_id_inclusive=inclusive, receiver_queue_size=2000
+        )
+        last = rng.last_entry
+        while True:
+            try:
+                msg = reader.read_next(timeout_ms)
+            except Exception as e:  # the client raises pulsar.Timeout (and others) here
+                if fail_on_data_loss:
+                    raise DataLossError(
+                        f"{rng.topic}: no message within {timeout_ms} ms before {rng.end}"
+                    ) from e
+                return
+            mid = msg.message_id()
+            pos: Boundary = (mid.ledger_id(), mid.entry_id(), mid.batch_index())
+            if pos >= rng.end:
+                return
+            if pos >= rng.start:
+                yield msg
+            if (pos[0], pos[1]) >= last and not reader.has_message_available():
+                return
+    finally:
+        c.close()
+
+
+def read_batches(
+    service_url: str,
+    rng: ReadRange,
+    *,
+    fail_on_data_loss: bool,
+    batch_rows: int = BATCH_ROWS,
+    timeout_ms: int = 30_000,
+) -> Iterator[Any]:
+    """Yield ``rng``'s rows as Arrow record batches of the fixed columns."""
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    topic = rng.topic
+    cols: list[list[Any]] = [[] for _ in range(7)]
+    keys, values, topics, ids, pubs, events, props = cols
+
+    def flush() -> Any:
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
+        )
+        for c in cols:
+            c.clear()
+        return batch
+
+    for msg in read_messages(
+        service_url, rng, fail_on_data_loss=fail_on_data_loss, timeout_ms=timeout_ms
+    ):
+        key = msg.partition_key()
+        keys.append(key.encode() if key else None)
+        values.append(msg.data())
+        topics.append(topic)
+        ids.append(msg.message_id().serialize())
+        pubs.append(msg.publish_timestamp() * 1000)
+        event = msg.event_timestamp()
+        events.append(event * 1000 if event else None)
+        p = msg.properties()
+        props.append(list(p.items()) if p else [])
+        if len(values) >= batch_rows:
+            yield flush()
+    if values:
+        yield flush()
