@@ -1,0 +1,210 @@
+"""Unit tests of the AMQP connection over StringTransport, a Clock and the fake ledger."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
+
+from fake_ledger import FakeLedgerFactory, FakeMetadataStore
+
+from polybroker.broker_core.protocol_handler import BrokerContext
+from polybroker.broker_core.service import BrokerService
+from polybroker.config import Config
+from polybroker.protocols.amqp import codec as c
+from polybroker.protocols.amqp.handler import AmqpProtocolHandler, parse_users, vhost_namespace
+
+QUEUE_LEDGER = "public/default/persistent/amqp.queue.q"
+
+
+class Peer:
+    """A handler, one connection under test and the client end of its transport."""
+
+    def __init__(self, **config: Any) -> None:
+        self.clock = Clock()
+        self.ledgers = FakeLedgerFactory(self.clock.seconds)
+        self.store = FakeMetadataStore()
+        cfg = Config({"statsUpdateFrequencyInSecs": 0, "amqpListenerPort": 0, **config})
+        self.service = BrokerService(self.ledgers, self.clock, cfg, self.store)
+        self.handler = AmqpProtocolHandler()
+        self.handler.initialize(cfg)
+        self.handler.start(BrokerContext(self.service, cfg, self.clock, "127.0.0.1"))
+        self.conn = self.connect()
+        self.transport: StringTransport = self.conn.transport
+
+    def connect(self) -> Any:
+        factory = self.handler.listeners()["amqpListenerPort"].factory
+        conn = factory.buildProtocol(None)
+        conn.makeConnection(StringTransport())
+        return conn
+
+    def send(self, data: bytes) -> None:
+        self.conn.dataReceived(data)
+
+    def method(self, channel: int, m: c.Method) -> None:
+        self.send(c.encode_method(channel, m))
+
+    def received(self) -> list[c.Frame]:
+        data = self.transport.value()
+        self.transport.clear()
+        reader = c.FrameReader(1 << 20, expect_header=False)
+        reader.feed(data)
+        return reader.frames()
+
+    def methods(self) -> list[c.Method]:
+        return [f.method for f in self.received() if isinstance(f, c.MethodFrame)]
+
+    def handshake(self, user: bytes = b"guest", password: bytes = b"guest") -> list[c.Method]:
+        self.send(c.PROTOCOL_HEADER)
+        start = self.methods()
+        assert isinstance(start[0], c.ConnectionStart)
+        self.method(0, c.ConnectionStartOk({}, "PLAIN", b"\x00" + user + b"\x00" + password))
+        out = self.methods()
+        if not out or not isinstance(out[0], c.ConnectionTune):
+            return out
+        self.method(0, c.ConnectionTuneOk(100, 8192, 10))
+        self.method(0, c.ConnectionOpen("/"))
+        out += self.methods()
+        return out
+
+    def publish(self, channel: int, exchange: str, key: str, body: bytes, **props: Any) -> None:
+        self.method(channel, c.BasicPublish(exchange=exchange, routing_key=key))
+        header = (
+            (60).to_bytes(2, "big")
+            + b"\x00\x00"
+            + len(body).to_bytes(8, "big")
+            + c.BasicProperties(**props).encode()
+        )
+        self.send(c._frame(c.FRAME_HEADER, channel, header))
+        if body:
+            self.send(c._frame(c.FRAME_BODY, channel, body))
+
+
+def test_handshake_tunes_and_opens() -> None:
+    """The handshake offers the configured tuning and opens vhost '/'."""
+    p = Peer(amqpFrameMax=65536, amqpHeartbeatSeconds=30)
+    out = p.handshake()
+    tune = out[0]
+    assert isinstance(tune, c.ConnectionTune)
+    assert (tune.frame_max, tune.heartbeat) == (65536, 30)
+    assert isinstance(out[1], c.ConnectionOpenOk)
+    assert p.conn.frame_max == 8192
+    assert p.conn.channel_max == 100
+
+
+def test_bad_password_is_access_refused() -> None:
+    """A wrong password gets connection.close 403."""
+    p = Peer()
+    out = p.handshake(password=b"nope")
+    assert isinstance(out[0], c.ConnectionClose)
+    assert out[0].reply_code == c.ACCESS_REFUSED
+
+
+def test_users_come_from_config() -> None:
+    """Logins are those of amqpUsers; vhosts name namespaces."""
+    p = Peer(amqpUsers="alice:secret")
+    assert isinstance(p.handshake(b"alice", b"secret")[-1], c.ConnectionOpenOk)
+    assert parse_users("a:1, b:2") == {"a": "1", "b": "2"}
+    assert vhost_namespace("/") == "public/default"
+    assert vhost_namespace("shop") == "public/shop"
+    assert vhost_namespace("t/ns") == "t/ns"
+
+
+def test_confirm_waits_for_the_durable_write_and_nacks_a_failed_one() -> None:
+    """basic.ack of a publish is sent only once the append is durable; a failed one is nacked."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.ConfirmSelect())
+    assert [type(m) for m in p.methods()] == [c.ChannelOpenOk, c.QueueDeclareOk, c.ConfirmSelectOk]
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    p.publish(1, "", "q", b"one", delivery_mode=2)
+    p.publish(1, "", "q", b"two", delivery_mode=2)
+    assert p.methods() == []
+    ledger.release_appends(1)
+    assert p.methods() == [c.BasicAck(1, False)]
+    ledger.release_appends(1, error=RuntimeError("bookies gone"))
+    assert p.methods() == [c.BasicNack(2, False, False)]
+
+
+def test_tx_commit_replies_after_the_writes() -> None:
+    """tx.commit-ok comes only once the transaction's publishes are durable."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q"))
+    p.method(1, c.TxSelect())
+    p.methods()
+    incarnation = p.handler.incarnation
+    ledger = p.ledgers.ledger(f"public/default/persistent/amqp.tqueue.{incarnation}.q")
+    ledger.hold_appends = True
+    p.publish(1, "", "q", b"x")
+    p.method(1, c.TxCommit())
+    assert p.methods() == []
+    ledger.release_appends()
+    assert p.methods() == [c.TxCommitOk()]
+
+
+def test_content_frame_without_publish_is_unexpected_frame() -> None:
+    """A body frame with no content method before it closes the connection with 505."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.methods()
+    p.send(c._frame(c.FRAME_BODY, 1, b"stray"))
+    (close,) = p.methods()
+    assert isinstance(close, c.ConnectionClose)
+    assert close.reply_code == c.UNEXPECTED_FRAME
+    p.method(0, c.ConnectionCloseOk())
+    assert p.transport.disconnecting
+
+
+def test_oversize_body_closes_the_channel_only() -> None:
+    """A body above maxMessageSize is 406 on its channel; the connection stays open."""
+    p = Peer(maxMessageSize=1024)
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(2, c.ChannelOpen())
+    p.methods()
+    p.method(1, c.BasicPublish(exchange="", routing_key="q"))
+    header = (60).to_bytes(2, "big") + b"\x00\x00" + (4096).to_bytes(8, "big") + b"\x00\x00"
+    p.send(c._frame(c.FRAME_HEADER, 1, header))
+    p.send(c._frame(c.FRAME_BODY, 1, b"x" * 4000))
+    (close,) = p.methods()
+    assert isinstance(close, c.ChannelClose)
+    assert close.reply_code == c.PRECONDITION_FAILED
+    p.method(2, c.QueueDeclare(queue="other"))
+    assert isinstance(p.methods()[0], c.QueueDeclareOk)
+
+
+def test_missed_heartbeats_drop_the_connection() -> None:
+    """A client silent for two heartbeat intervals is disconnected; heartbeats are sent."""
+    p = Peer()
+    p.handshake()
+    p.clock.advance(5)
+    assert c.HeartbeatFrame(0) in p.received()
+    p.clock.advance(25)
+    assert p.transport.disconnecting
+
+
+def test_broker_cancels_consumers_of_a_deleted_queue() -> None:
+    """Deleting a queue sends basic.cancel to its consumers on other channels."""
+    p = Peer()
+    p.handshake()
+    p.conn.cancel_notify = True  # pika announces consumer_cancel_notify
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q"))
+    p.method(1, c.BasicConsume(queue="q", consumer_tag="ct"))
+    p.method(2, c.ChannelOpen())
+    p.methods()
+    p.method(2, c.QueueDelete(queue="q"))
+    out = p.methods()
+    assert c.BasicCancel("ct", True) in out
+    assert c.QueueDeleteOk(0) in out
