@@ -1,0 +1,120 @@
+"""Unit tests of the Kafka codec: framing, request headers, versions and responses."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import pytest
+from kafka.protocol.metadata import ApiVersionsRequest, ApiVersionsResponse, MetadataRequest
+
+from polybroker.protocols.kafka import codec as c
+
+
+def _frame(request: object, correlation_id: int = 7, client_id: str = "t") -> bytes:
+    request.with_header(correlation_id=correlation_id, client_id=client_id)  # type: ignore[attr-defined]
+    return bytes(request.encode(header=True))  # type: ignore[attr-defined]
+
+
+def test_frame_decoder_splits_a_stream_at_any_boundary() -> None:
+    """Frames arrive whole however the stream is cut."""
+    stream = b"".join(struct.pack(">i", len(p)) + p for p in (b"abc", b"", b"defgh"))
+    for cut in range(len(stream) + 1):
+        d = c.FrameDecoder(100)
+        assert d.feed(stream[:cut]) + d.feed(stream[cut:]) == [b"abc", b"", b"defgh"]
+        assert d.buffered == 0
+
+
+@pytest.mark.parametrize("size", [101, -1, 1 << 30])
+def test_frame_decoder_refuses_oversize_or_negative_frames_before_buffering(size: int) -> None:
+    """A frame over the limit is refused from its size prefix alone."""
+    with pytest.raises(c.FrameTooLargeError):
+        c.FrameDecoder(100).feed(struct.pack(">i", size))
+
+
+def test_parse_request_decodes_header_and_body() -> None:
+    """A Metadata v7 request yields its header fields and typed body."""
+    req = c.parse_request(
+        _frame(
+            MetadataRequest[7](
+                topics=[MetadataRequest.MetadataRequestTopic(name="orders")],
+                allow_auto_topic_creation=False,
+            ),
+            42,
+            "me",
+        )
+    )
+    assert (req.api_key, req.api_version, req.correlation_id, req.client_id) == (3, 7, 42, "me")
+    assert [t.name for t in req.body.topics] == ["orders"]
+    assert req.body.allow_auto_topic_creation is False
+
+
+def test_flexible_request_header_tagged_fields_are_skipped() -> None:
+    """DescribeCluster v0 is flexible: header v2's tagged fields are skipped before the body."""
+    from kafka.protocol.admin import DescribeClusterRequest
+
+    req = c.parse_request(
+        _frame(DescribeClusterRequest[0](include_cluster_authorized_operations=True), 3)
+    )
+    assert (req.api_key, req.correlation_id) == (60, 3)
+    assert req.body.include_cluster_authorized_operations is True
+
+
+def test_too_new_api_versions_is_marked_unsupported_with_its_correlation_id() -> None:
+    """An ApiVersions v3 request (above our v2) parses to an unsupported request."""
+    req = c.parse_request(
+        _frame(ApiVersionsRequest[3](client_software_name="x", client_software_version="1"), 9)
+    )
+    assert req.body is None
+    assert req.correlation_id == 9
+    assert not req.supported
+
+
+def test_unsupported_api_versions_gets_error_35_and_a_v0_body() -> None:
+    """The answer to a too-new ApiVersions decodes as a v0 response with error 35."""
+    out = c.encode_unsupported_api_versions(11)
+    size, corr = struct.unpack_from(">ii", out)
+    assert size == len(out) - 4
+    assert corr == 11
+    body = ApiVersionsResponse[0].decode(out[8:])
+    assert body.error_code == c.UNSUPPORTED_VERSION
+    assert [(k.api_key, k.min_version, k.max_version) for k in body.api_keys] == [(18, 0, 2)]
+
+
+def test_api_versions_response_lists_the_advertised_table() -> None:
+    """ApiVersions v2 lists every implemented API with its range."""
+    out = c.encode_response(18, 2, 5, c.api_versions_body(2))
+    body = ApiVersionsResponse[2].decode(out[8:])
+    assert {k.api_key: (k.min_version, k.max_version) for k in body.api_keys} == c.API_VERSIONS
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\x00\x03",  # header cut short
+        struct.pack(">hhih", 1000, 0, 1, -1),  # unknown API key
+        struct.pack(">hhih", 3, 99, 1, -1),  # Metadata v99
+        struct.pack(">hhih", 3, 7, 1, 50) + b"abc",  # client id runs past the frame
+        struct.pack(">hhih", 3, 7, 1, -1) + b"\xff\xff",  # body cut short
+        struct.pack(">hhih", 3, 7, 1, -7),  # negative client id length
+    ],
+)
+def test_malformed_requests_raise_codec_errors(frame: bytes) -> None:
+    """Malformed, unknown or unsupported requests raise KafkaCodecError, nothing else."""
+    with pytest.raises(c.KafkaCodecError):
+        c.parse_request(frame)
+
+
+def test_random_frames_never_raise_anything_but_codec_errors() -> None:
+    """Fuzz: garbage after a valid header prefix is refused cleanly."""
+    import random
+
+    rng = random.Random(4)
+    keys = sorted(c.API_VERSIONS)
+    for _ in range(2000):
+        key = rng.choice(keys)
+        lo, hi = c.API_VERSIONS[key]
+        body = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 40)))
+        frame = struct.pack(">hhih", key, rng.randint(lo, hi), 1, -1) + body
+        with contextlib.suppress(c.KafkaCodecError):
+            c.parse_request(frame)

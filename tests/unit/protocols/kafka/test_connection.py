@@ -1,0 +1,325 @@
+"""Unit tests of the Kafka connection and APIs over StringTransport, a Clock and the fake
+ledger: ordering, long-poll fetch, produce checks, idempotence, offsets and bad input."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
+from kafka.protocol.metadata import MetadataRequest
+from kafka.protocol.producer import ProduceRequest
+from kafka.record.memory_records import MemoryRecords, MemoryRecordsBuilder
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
+
+from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
+
+from polybroker.broker_core import messages
+from polybroker.broker_core.service import BrokerService
+from polybroker.config import Config
+from polybroker.protocols.kafka import codec as c
+from polybroker.protocols.kafka.apis import KafkaApis, Settings
+from polybroker.protocols.kafka.connection import KafkaConnection
+
+
+def batch(
+    n: int = 3, *, pid: int = -1, epoch: int = -1, seq: int = -1, codec: int = 0, size: int = 10
+) -> bytes:
+    b = MemoryRecordsBuilder(2, codec, 1 << 22)
+    if pid >= 0:
+        b.set_producer_state(pid, epoch, seq, False)
+    for i in range(n):
+        b.append(5000 + i, b"k%d" % i, b"v" * size, [("h", b"%d" % i)])
+    b.close()
+    return bytes(b.buffer())
+
+
+class Wire:
+    """One broker (fake storage) and one client connection over StringTransport."""
+
+    def __init__(self, entry_format: str = "pulsar", max_message_size: int = 1 << 20) -> None:
+        self.clock = Clock()
+        self.service = BrokerService(
+            FakeLedgerFactory(self.clock.seconds),
+            self.clock,
+            Config({"statsUpdateFrequencyInSecs": 0}),
+            FakeMetadataStore(),
+        )
+        self.apis = KafkaApis(
+            self.service,
+            self.clock,
+            Settings(
+                node_id=0,
+                host=lambda: "127.0.0.1",
+                port=lambda: 9092,
+                cluster_id="test",
+                max_message_size=max_message_size,
+                default_partitions=1,
+                auto_create=True,
+                entry_format=entry_format,
+            ),
+        )
+        self.transport, self.conn = self.connect()
+        self.corr = 0
+
+    def connect(self) -> tuple[StringTransport, KafkaConnection]:
+        transport = StringTransport()
+        conn = KafkaConnection(self.apis, max_frame=2 << 20)
+        conn.makeConnection(transport)
+        return transport, conn
+
+    def send(self, request: Any, conn: KafkaConnection | None = None) -> int:
+        self.corr += 1
+        request.with_header(correlation_id=self.corr, client_id="unit")
+        (conn or self.conn).dataReceived(bytes(request.encode(header=True, framed=True)))
+        return self.corr
+
+    def responses(self, transport: StringTransport | None = None) -> list[tuple[int, bytes]]:
+        t = transport or self.transport
+        data = t.value()
+        t.clear()
+        out = []
+        pos = 0
+        while pos < len(data):
+            (size,) = struct.unpack_from(">i", data, pos)
+            frame = data[pos + 4 : pos + 4 + size]
+            out.append((struct.unpack_from(">i", frame)[0], frame[4:]))
+            pos += 4 + size
+        return out
+
+    def call(self, request: Any) -> Any:
+        version = request.API_VERSION
+        corr = self.send(request)
+        [(got, body)] = self.responses()
+        assert got == corr
+        return c.response_class(request.API_KEY)[version].decode(body)
+
+    def produce(self, data: bytes, topic: str = "t", acks: int = -1) -> Any:
+        req = ProduceRequest[7](
+            transactional_id=None,
+            acks=acks,
+            timeout_ms=1000,
+            topic_data=[
+                ProduceRequest.TopicProduceData(
+                    name=topic,
+                    partition_data=[
+                        ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=data)
+                    ],
+                )
+            ],
+        )
+        if acks == 0:
+            self.send(req)
+            return None
+        return self.call(req).responses[0].partition_responses[0]
+
+
+def fetch_request(
+    topic: str,
+    offset: int,
+    *,
+    max_wait_ms: int = 0,
+    min_bytes: int = 1,
+    partition_max_bytes: int = 1 << 20,
+) -> Any:
+    return FetchRequest[10](
+        replica_id=-1,
+        max_wait_ms=max_wait_ms,
+        min_bytes=min_bytes,
+        max_bytes=50 << 20,
+        isolation_level=0,
+        session_id=0,
+        session_epoch=-1,
+        topics=[
+            FetchRequest.FetchTopic(
+                topic=topic,
+                partitions=[
+                    FetchRequest.FetchTopic.FetchPartition(
+                        partition=0,
+                        current_leader_epoch=-1,
+                        fetch_offset=offset,
+                        log_start_offset=-1,
+                        partition_max_bytes=partition_max_bytes,
+                    )
+                ],
+            )
+        ],
+        forgotten_topics_data=[],
+        rack_id="",
+    )
+
+
+def records_of(part: Any) -> list[tuple[int, bytes | None, bytes | None]]:
+    out = []
+    recs = MemoryRecords(bytes(part.records))
+    while recs.has_next():
+        b = recs.next_batch()
+        assert b.validate_crc()
+        out.extend((r.offset, r.key, r.value) for r in b)
+    return out
+
+
+@pytest.mark.parametrize("entry_format", ["pulsar", "kafka"])
+def test_produced_batches_get_consecutive_offsets_and_fetch_back(entry_format: str) -> None:
+    """Two batches take offsets 0-2 and 3-4; a fetch from 1 returns both batches intact."""
+    w = Wire(entry_format)
+    assert w.produce(batch(3)).base_offset == 0
+    second = w.produce(batch(2, codec=3))
+    assert (second.error_code, second.base_offset) == (c.NONE, 3)
+    part = w.call(fetch_request("t", 1)).responses[0].partitions[0]
+    assert (part.error_code, part.high_watermark, part.log_start_offset) == (0, 5, 0)
+    assert [r[0] for r in records_of(part)] == [0, 1, 2, 3, 4]
+    stored = result_of(w.service.get_topic("t-partition-0"))
+    entry = result_of(stored.read_from_index(3, 1))[0]
+    assert messages.entry_format(entry.data) == entry_format
+    decoded = messages.decode_entry(entry.data)
+    assert [(m.key, m.payload, m.properties, m.event_time_ms) for m in decoded] == [
+        (b"k0", b"v" * 10, [("h", "0")], 5000),
+        (b"k1", b"v" * 10, [("h", "1")], 5001),
+    ]
+
+
+def test_responses_leave_in_request_order_behind_a_long_poll() -> None:
+    """A Metadata answered at once waits behind an earlier long-polling Fetch."""
+    w = Wire()
+    w.produce(batch(1))
+    fetch_corr = w.send(fetch_request("t", 1, max_wait_ms=500))
+    meta_corr = w.send(MetadataRequest[7](topics=None, allow_auto_topic_creation=False))
+    assert w.responses() == []
+    w.clock.advance(0.5)
+    assert [corr for corr, _ in w.responses()] == [fetch_corr, meta_corr]
+
+
+def test_a_long_poll_wakes_when_another_connection_produces() -> None:
+    """A Fetch waiting at the log end answers as soon as a record is appended."""
+    w = Wire()
+    w.produce(batch(1))
+    corr = w.send(fetch_request("t", 1, max_wait_ms=30_000))
+    assert w.responses() == []
+    _transport2, conn2 = w.connect()
+    w.send(
+        ProduceRequest[7](
+            transactional_id=None,
+            acks=1,
+            timeout_ms=1000,
+            topic_data=[
+                ProduceRequest.TopicProduceData(
+                    name="t",
+                    partition_data=[
+                        ProduceRequest.TopicProduceData.PartitionProduceData(
+                            index=0, records=batch(2)
+                        )
+                    ],
+                )
+            ],
+        ),
+        conn2,
+    )
+    [(got, body)] = w.responses()
+    assert got == corr
+    part = c.response_class(1)[10].decode(body).responses[0].partitions[0]
+    assert [r[0] for r in records_of(part)] == [1, 2]
+    assert not w.clock.getDelayedCalls()
+
+
+def test_idempotent_retries_are_acknowledged_once_and_gaps_refused() -> None:
+    """A resent batch gets its first offset without a second append; a gap is refused."""
+    w = Wire()
+    assert w.produce(batch(2, pid=7, epoch=0, seq=0)).base_offset == 0
+    assert w.produce(batch(2, pid=7, epoch=0, seq=2)).base_offset == 2
+    again = w.produce(batch(2, pid=7, epoch=0, seq=0))
+    assert (again.error_code, again.base_offset) == (c.NONE, 0)
+    gap = w.produce(batch(1, pid=7, epoch=0, seq=9))
+    assert gap.error_code == c.OUT_OF_ORDER_SEQUENCE_NUMBER
+    assert result_of(w.service.get_topic("t-partition-0")).next_index == 4
+
+
+def test_bad_batches_are_refused_with_kafka_errors_and_not_stored() -> None:
+    """A corrupt CRC, an oversize batch and garbage records leave the log untouched."""
+    w = Wire(max_message_size=4096)
+    corrupt = bytearray(batch(2))
+    corrupt[-2] ^= 1
+    assert w.produce(bytes(corrupt)).error_code == c.CORRUPT_MESSAGE
+    assert w.produce(batch(1, size=8000)).error_code == c.MESSAGE_TOO_LARGE
+    assert w.produce(b"\x00" * 20).error_code == c.CORRUPT_MESSAGE
+    assert w.produce(b"").error_code == c.INVALID_RECORD
+    assert result_of(w.service.get_topic("t-partition-0")).next_index == 0
+
+
+def test_acks_zero_stores_without_answering() -> None:
+    """acks=0 gets no response, yet the batch is stored and later requests are answered."""
+    w = Wire()
+    w.produce(batch(2), acks=0)
+    meta = w.call(MetadataRequest[7](topics=None, allow_auto_topic_creation=False))
+    assert [t.name for t in meta.topics] == ["t"]
+    assert result_of(w.service.get_topic("t-partition-0")).next_index == 2
+
+
+def test_offsets_out_of_range_and_list_offsets() -> None:
+    """Fetching past the end is OFFSET_OUT_OF_RANGE; earliest/latest/by-time resolve."""
+    w = Wire()
+    w.clock.advance(100)
+    w.produce(batch(2))
+    w.clock.advance(100)
+    w.produce(batch(3))
+    part = w.call(fetch_request("t", 6)).responses[0].partitions[0]
+    assert part.error_code == c.OFFSET_OUT_OF_RANGE
+    req = ListOffsetsRequest[4](
+        replica_id=-1,
+        isolation_level=0,
+        topics=[
+            ListOffsetsRequest.ListOffsetsTopic(
+                name="t",
+                partitions=[
+                    ListOffsetsRequest.ListOffsetsTopic.ListOffsetsPartition(
+                        partition_index=0, current_leader_epoch=-1, timestamp=ts
+                    )
+                    for ts in (-2, -1, 150_000, 10**13)
+                ],
+            )
+        ],
+    )
+    parts = w.call(req).topics[0].partitions
+    assert [p.offset for p in parts] == [0, 5, 2, -1]
+
+
+def test_unknown_topics_are_reported_and_metadata_autocreates() -> None:
+    """Fetch of a missing topic is UNKNOWN_TOPIC_OR_PARTITION; Metadata may create it."""
+    w = Wire()
+    part = w.call(fetch_request("missing", 0)).responses[0].partitions[0]
+    assert part.error_code == c.UNKNOWN_TOPIC_OR_PARTITION
+    req = MetadataRequest[7](
+        topics=[MetadataRequest.MetadataRequestTopic(name="fresh")], allow_auto_topic_creation=True
+    )
+    [topic] = w.call(req).topics
+    assert (topic.error_code, len(topic.partitions)) == (c.NONE, 1)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xff\xff\xff\xff", struct.pack(">i", 8) + struct.pack(">hhih", 999, 0, 1, -1), b"\x7f" * 8],
+)
+def test_bad_input_closes_the_connection(data: bytes) -> None:
+    """A negative or oversize size, or an unknown API key, closes the connection."""
+    w = Wire()
+    w.conn.dataReceived(data)
+    assert w.transport.disconnecting
+    w.conn.dataReceived(b"more")  # ignored after close
+
+
+def test_too_new_api_versions_is_answered_with_error_35() -> None:
+    """ApiVersions v3 gets error 35 with a v0 body; the connection stays open."""
+    from kafka.protocol.metadata import ApiVersionsRequest, ApiVersionsResponse
+
+    w = Wire()
+    corr = w.send(ApiVersionsRequest[3](client_software_name="x", client_software_version="1"))
+    [(got, body)] = w.responses()
+    assert got == corr
+    assert ApiVersionsResponse[0].decode(body).error_code == c.UNSUPPORTED_VERSION
+    assert not w.transport.disconnecting
