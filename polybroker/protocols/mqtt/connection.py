@@ -1,0 +1,550 @@
+"""One MQTT client connection: Twisted glue between the codec and the MQTT sessions.
+
+State machine: ``AWAIT_CONNECT`` -> (CONNECT) -> ``CONNECTING`` (the session is opened or
+restored; packets that arrive meanwhile wait) -> ``READY`` -> ``CLOSED``. Anything but CONNECT
+first, a malformed or oversize packet, or a protocol violation closes the connection (MQTT 5
+clients get DISCONNECT with the reason code first); an unknown protocol level gets CONNACK
+0x01 (3.1.1's "unacceptable protocol version") and a closed connection. No exception escapes
+``dataReceived``: whatever goes wrong is this connection's problem, never the broker's.
+
+Acknowledgements: PUBACK (QoS 1) and PUBREC (QoS 2) are sent only once the message (and, when
+retained, the retained copy) is durable, in the order of the PUBLISHes.
+
+Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
+will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.python.failure import Failure
+
+from polybroker.logs import kv
+from polybroker.protocols.mqtt import codec as c
+from polybroker.protocols.mqtt import topics
+from polybroker.protocols.mqtt.session import FilterSub, MqttBroker, Session
+
+log = logging.getLogger(__name__)
+
+#: Bytes an MQTT packet may add around its largest payload.
+PACKET_OVERHEAD = 64 * 1024
+#: Topic aliases a client may use towards the broker.
+TOPIC_ALIAS_MAX = 100
+_FOREVER = 0xFFFFFFFF
+
+
+@dataclass
+class MqttSettings:
+    """What every connection of one listener shares."""
+
+    broker: MqttBroker
+    clock: IReactorTime
+    max_packet_size: int = 5 * 1024 * 1024 + PACKET_OVERHEAD
+    receive_maximum: int = 1024
+    max_keep_alive_s: int = 0
+    connect_timeout_s: float = 10.0
+
+
+class _AckSlot:
+    __slots__ = ("data", "done")
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.done = False
+
+
+class MqttConnection(Protocol):
+    """One client connection (see the module docstring)."""
+
+    AWAIT_CONNECT = "await-connect"
+    CONNECTING = "connecting"
+    READY = "ready"
+    CLOSED = "closed"
+
+    def __init__(self, settings: MqttSettings) -> None:
+        self.settings = settings
+        self.broker = settings.broker
+        self.clock = settings.clock
+        self.state = self.AWAIT_CONNECT
+        self.reader = c.PacketReader(settings.max_packet_size)
+        self.level = c.LEVEL_311
+        self.client_receive_max = 65535
+        self.client_max_packet = c.MAX_REMAINING_LENGTH + 5
+        self.client_id = ""
+        self.session: Session | None = None
+        self.will: c.Will | None = None
+        self.keep_alive_s = 0
+        self._last_heard = 0.0
+        self._timer: IDelayedCall | None = None
+        self._waiting: list[c.Packet] = []
+        self._acks: deque[_AckSlot] = deque()
+        self._aliases: dict[int, str] = {}
+        self._inbound_pending = 0
+
+    # -- transport ------------------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self._last_heard = self.clock.seconds()
+        self._timer = self.clock.callLater(self.settings.connect_timeout_s, self._connect_timeout)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.state == self.CLOSED:
+            return
+        self._last_heard = self.clock.seconds()
+        self.reader.feed(data)
+        try:
+            while self.state != self.CLOSED:
+                packet = self.reader.next_packet()
+                if packet is None:
+                    break
+                if self.state == self.CONNECTING:
+                    self._waiting.append(packet)
+                else:
+                    self._dispatch(packet)
+        except c.UnsupportedProtocolError as e:
+            self._log_close(str(e))
+            self.write(c.encode(c.ConnAck(False, c.V3_UNACCEPTABLE_PROTOCOL), c.LEVEL_311))
+            self.close()
+        except c.MqttError as e:
+            self._fail(e.reason_code, str(e))
+        except Exception as e:
+            log.exception("mqtt connection failed", extra=kv(peer=self._peer()))
+            self._fail(c.UNSPECIFIED_ERROR, f"internal error: {e}")
+
+    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+        if self.state == self.CLOSED:
+            return
+        self.state = self.CLOSED
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        session = self.session
+        will = self.will
+        self.will = None
+        if session is not None:
+            session.detach(self)
+        if will is not None:
+            self._send_will(will, session)
+
+    def _peer(self) -> str:
+        try:
+            return str(self.transport.getPeer())  # type: ignore[union-attr]
+        except Exception:
+            return "?"
+
+    def write(self, data: bytes) -> None:
+        """Write wire bytes unless the connection is closed."""
+        if self.state != self.CLOSED and self.transport is not None:
+            self.transport.write(data)
+
+    def send(self, packet: c.Packet) -> None:
+        self.write(c.encode(packet, self.level))
+
+    def close(self) -> None:
+        """Close the connection (what is buffered is still sent); an unsent will fires."""
+        if self.state == self.CLOSED:
+            return
+        if self.transport is not None:
+            self.transport.loseConnection()
+        self.connectionLost(None)
+
+    def kick(self, reason_code: int) -> None:
+        """The broker ends this connection (session taken over, shutdown)."""
+        if self.level == c.LEVEL_5 and self.state == self.READY:
+            self.send(c.Disconnect(reason_code))
+        self._log_close(f"kicked 0x{reason_code:02x}")
+        self.close()
+
+    def _fail(self, reason_code: int, message: str) -> None:
+        self._log_close(message)
+        if self.level == c.LEVEL_5 and self.state in (self.READY, self.CONNECTING):
+            self.send(c.Disconnect(reason_code, {c.REASON_STRING: message[:200]}))
+        self.close()
+
+    def _log_close(self, message: str) -> None:
+        log.info("closing mqtt connection", extra=kv(peer=self._peer(), reason=message))
+
+    # -- timers ---------------------------------------------------------------------------
+
+    def _connect_timeout(self) -> None:
+        self._timer = None
+        if self.state == self.AWAIT_CONNECT:
+            self._log_close("no CONNECT in time")
+            self.close()
+
+    def _keep_alive_check(self) -> None:
+        self._timer = None
+        if self.state == self.CLOSED:
+            return
+        limit = 1.5 * self.keep_alive_s
+        idle = self.clock.seconds() - self._last_heard
+        if idle >= limit:
+            self._fail(c.KEEP_ALIVE_TIMEOUT, "keep-alive timeout")
+            return
+        self._timer = self.clock.callLater(limit - idle, self._keep_alive_check)
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def _dispatch(self, packet: c.Packet) -> None:
+        if isinstance(packet, c.Publish):
+            self._on_publish(packet)
+        elif isinstance(packet, c.PubAck):
+            self._on_ack(packet)
+        elif isinstance(packet, c.Connect):
+            self._on_connect(packet)
+        elif isinstance(packet, c.PingReq):
+            self.send(c.PingResp())
+        elif isinstance(packet, c.Subscribe):
+            self._on_subscribe(packet)
+        elif isinstance(packet, c.Unsubscribe):
+            self._on_unsubscribe(packet)
+        elif isinstance(packet, c.Disconnect):
+            self._on_disconnect(packet)
+        else:
+            raise c.MqttError(c.PROTOCOL_ERROR, f"unexpected {type(packet).__name__}")
+
+    def _on_connect(self, p: c.Connect) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        self.level = c.LEVEL_5 if p.level == c.LEVEL_5 else c.LEVEL_311
+        v5 = self.level == c.LEVEL_5
+        props = p.properties
+        client_id = p.client_id
+        assigned = False
+        if not client_id:
+            if not p.clean_start:
+                code = c.CLIENT_ID_NOT_VALID if v5 else c.V3_IDENTIFIER_REJECTED
+                self.send(c.ConnAck(False, code))
+                self._log_close("empty client id without a clean session")
+                self.close()
+                return
+            client_id = "auto-" + secrets.token_hex(8)
+            assigned = True
+        if v5:
+            expiry = int(props.get(c.SESSION_EXPIRY, 0))
+            expiry_s: int | None = None if expiry == _FOREVER else expiry
+            self.client_receive_max = int(props.get(c.RECEIVE_MAXIMUM, 65535))
+            self.client_max_packet = int(props.get(c.MAXIMUM_PACKET_SIZE, self.client_max_packet))
+            if self.client_receive_max == 0 or self.client_max_packet == 0:
+                raise c.MqttError(c.PROTOCOL_ERROR, "receive maximum or packet size 0")
+        else:
+            expiry_s = 0 if p.clean_start else None
+        self.client_id = client_id
+        self.will = p.will
+        keep_alive = p.keep_alive
+        server_keep_alive = None
+        cap = self.settings.max_keep_alive_s
+        if cap and (keep_alive == 0 or keep_alive > cap) and v5:
+            keep_alive = server_keep_alive = cap
+        self.keep_alive_s = keep_alive
+        self.state = self.CONNECTING
+        d = self.broker.open_session(client_id, p.clean_start, expiry_s)
+
+        def opened(got: tuple[Session, bool]) -> None:
+            session, present = got
+            if self.state == self.CLOSED:
+                session.detach(self)
+                if session.link is None and not session.persistent:
+                    self.broker.end_session(session)
+                return
+            self.session = session
+            ack_props: dict[int, Any] = {}
+            if v5:
+                ack_props = {
+                    c.RECEIVE_MAXIMUM: self.settings.receive_maximum,
+                    c.MAXIMUM_PACKET_SIZE: self.settings.max_packet_size,
+                    c.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAX,
+                    c.SHARED_SUB_AVAILABLE: 1,
+                    c.SUB_ID_AVAILABLE: 1,
+                    c.WILDCARD_SUB_AVAILABLE: 1,
+                    c.RETAIN_AVAILABLE: 1,
+                }
+                if assigned:
+                    ack_props[c.ASSIGNED_CLIENT_ID] = client_id
+                if server_keep_alive is not None:
+                    ack_props[c.SERVER_KEEP_ALIVE] = server_keep_alive
+            self.send(c.ConnAck(present, c.SUCCESS, ack_props))
+            self.state = self.READY
+            if self.keep_alive_s > 0:
+                self._timer = self.clock.callLater(1.5 * self.keep_alive_s, self._keep_alive_check)
+            session.attach(self)
+            waiting, self._waiting = self._waiting, []
+            for packet in waiting:
+                if self.state != self.READY:
+                    break
+                self._dispatch_safely(packet)
+
+        def failed(f: Failure) -> None:
+            log.warning("mqtt session open failed", extra=kv(client=client_id, error=str(f.value)))
+            if self.state != self.CLOSED:
+                self.send(c.ConnAck(False, c.SERVER_UNAVAILABLE if v5 else c.V3_SERVER_UNAVAILABLE))
+                self.close()
+
+        d.addCallbacks(opened, failed)
+
+    def _dispatch_safely(self, packet: c.Packet) -> None:
+        try:
+            self._dispatch(packet)
+        except c.MqttError as e:
+            self._fail(e.reason_code, str(e))
+        except Exception as e:
+            log.exception("mqtt connection failed", extra=kv(peer=self._peer()))
+            self._fail(c.UNSPECIFIED_ERROR, f"internal error: {e}")
+
+    def _on_disconnect(self, p: c.Disconnect) -> None:
+        # The will is discarded on DISCONNECT, except MQTT 5's "disconnect with will message".
+        if self.level != c.LEVEL_5 or p.reason_code != c.DISCONNECT_WITH_WILL:
+            self.will = None
+        session = self.session
+        if session is not None and c.SESSION_EXPIRY in p.properties:
+            expiry = int(p.properties[c.SESSION_EXPIRY])
+            if session.expiry_s == 0 and expiry != 0:
+                self._fail(c.PROTOCOL_ERROR, "session expiry set after a zero one")
+                return
+            session.expiry_s = None if expiry == _FOREVER else expiry
+        self.close()
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def _ack_slot(self) -> _AckSlot:
+        slot = _AckSlot()
+        self._acks.append(slot)
+        return slot
+
+    def _ack_ready(self, slot: _AckSlot, packet: c.Packet | None) -> None:
+        slot.data = c.encode(packet, self.level) if packet is not None else b""
+        slot.done = True
+        out = []
+        acks = self._acks
+        while acks and acks[0].done:
+            out.append(acks.popleft().data)
+        if out:
+            self.write(b"".join(out))
+
+    def _on_publish(self, p: c.Publish) -> None:
+        session = self.session
+        assert session is not None
+        if self.level == c.LEVEL_5 and c.TOPIC_ALIAS in p.properties:
+            alias = int(p.properties.pop(c.TOPIC_ALIAS))
+            if not 0 < alias <= TOPIC_ALIAS_MAX:
+                raise c.MqttError(c.TOPIC_ALIAS_INVALID, f"topic alias {alias}")
+            if p.topic:
+                self._aliases[alias] = p.topic
+            else:
+                known = self._aliases.get(alias)
+                if known is None:
+                    raise c.MqttError(c.PROTOCOL_ERROR, f"unknown topic alias {alias}")
+                p.topic = known
+        if not topics.valid_name(p.topic):
+            raise c.MqttError(c.TOPIC_NAME_INVALID, f"invalid topic name {p.topic!r}")
+        pid = p.packet_id
+        if p.qos == 0:
+            self.broker.publish(p, self.client_id).addErrback(self._publish_failed, p.topic)
+            return
+        assert pid is not None
+        if p.qos == 2 and pid in session.inbound_qos2:
+            # A resent PUBLISH whose message is stored: acknowledge it again, store nothing.
+            self._ack_ready(self._ack_slot(), c.PubRec(pid))
+            return
+        self._inbound_pending += 1
+        if self.level == c.LEVEL_5 and self._inbound_pending > self.settings.receive_maximum:
+            raise c.MqttError(c.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
+        slot = self._ack_slot()
+
+        def stored(_: object) -> None:
+            if p.qos == 1:
+                self._inbound_pending -= 1
+                self._ack_ready(slot, c.PubAck(pid))
+            else:
+                session.inbound_qos2.add(pid)
+                self._ack_ready(slot, c.PubRec(pid))
+
+        def failed(f: Failure) -> None:
+            self._inbound_pending -= 1
+            self._publish_failed(f, p.topic)
+            if self.level == c.LEVEL_5:
+                cls = c.PubAck if p.qos == 1 else c.PubRec
+                self._ack_ready(slot, cls(pid, c.UNSPECIFIED_ERROR))
+            else:
+                self._ack_ready(slot, None)
+                self.close()
+
+        self.broker.publish(p, self.client_id).addCallbacks(stored, failed)
+
+    def _publish_failed(self, f: Failure, topic: str) -> None:
+        log.warning(
+            "mqtt publish failed", extra=kv(client=self.client_id, topic=topic, error=str(f.value))
+        )
+
+    def _on_ack(self, p: c.PubAck) -> None:
+        session = self.session
+        assert session is not None
+        if isinstance(p, c.PubRel):
+            found = p.packet_id in session.inbound_qos2
+            session.inbound_qos2.discard(p.packet_id)
+            if found:
+                self._inbound_pending -= 1
+            code = c.SUCCESS if found or self.level != c.LEVEL_5 else c.PACKET_ID_NOT_FOUND
+            self._ack_ready(self._ack_slot(), c.PubComp(p.packet_id, code))
+        elif isinstance(p, c.PubRec):
+            if session.on_pubrec(p.packet_id, p.reason_code):
+                self.send(c.PubRel(p.packet_id))
+            elif p.reason_code < 0x80:
+                code = c.PACKET_ID_NOT_FOUND if self.level == c.LEVEL_5 else c.SUCCESS
+                self.send(c.PubRel(p.packet_id, code))
+        elif isinstance(p, c.PubComp):
+            session.on_pubcomp(p.packet_id)
+        else:
+            session.on_puback(p.packet_id)
+
+    # -- subscriptions --------------------------------------------------------------------
+
+    def _on_subscribe(self, p: c.Subscribe) -> None:
+        session = self.session
+        assert session is not None
+        v5 = self.level == c.LEVEL_5
+        sub_ids = p.properties.get(c.SUBSCRIPTION_ID, [])
+        sub_id = int(sub_ids[0]) if sub_ids else 0
+        if sub_ids and sub_id == 0:
+            raise c.MqttError(c.PROTOCOL_ERROR, "subscription identifier 0")
+        codes: list[int] = [0] * len(p.subscriptions)
+        pending: list[tuple[int, FilterSub, Deferred[bool]]] = []
+        now_ms = int(self.clock.seconds() * 1000)
+        for i, s in enumerate(p.subscriptions):
+            try:
+                group, pattern = topics.split_shared(s.topic_filter)
+            except ValueError:
+                codes[i] = c.TOPIC_FILTER_INVALID if v5 else c.UNSPECIFIED_ERROR
+                continue
+            if not topics.valid_filter(pattern):
+                codes[i] = c.TOPIC_FILTER_INVALID if v5 else c.UNSPECIFIED_ERROR
+                continue
+            if self.broker.denied(s.topic_filter) or self.broker.denied(pattern):
+                codes[i] = c.NOT_AUTHORIZED if v5 else c.UNSPECIFIED_ERROR
+                continue
+            if group is not None and s.no_local:
+                raise c.MqttError(c.PROTOCOL_ERROR, "no-local on a shared subscription")
+            f = FilterSub(
+                s.topic_filter,
+                group,
+                pattern,
+                s.qos,
+                sub_id,
+                s.no_local,
+                s.retain_as_published,
+                s.retain_handling,
+                now_ms,
+            )
+            codes[i] = s.qos
+            pending.append((i, f, session.add_filter(f)))
+        self._finish_subscribe(p.packet_id, codes, pending)
+
+    def _finish_subscribe(
+        self,
+        packet_id: int,
+        codes: list[int],
+        pending: list[tuple[int, FilterSub, Deferred[bool]]],
+    ) -> None:
+        session = self.session
+        assert session is not None
+        slot = self._ack_slot()
+        results: dict[int, bool] = {}
+        left = [len(pending)]
+
+        def one_done(existed: object, i: int, f: FilterSub) -> None:
+            if isinstance(existed, Failure):
+                codes[i] = c.UNSPECIFIED_ERROR
+                session.remove_filter(f.topic_filter)
+            else:
+                results[i] = bool(existed)
+            left[0] -= 1
+            if left[0] == 0:
+                all_done()
+
+        def all_done() -> None:
+            if self.state == self.CLOSED:
+                return
+            if session.persistent:
+                self.broker.save(session).addErrback(lambda _: None)
+            self._ack_ready(slot, c.SubAck(packet_id, codes))
+            for i, f, _d in pending:
+                if codes[i] >= 0x80 or f.group is not None:
+                    continue
+                if f.retain_handling == 0 or (f.retain_handling == 1 and not results.get(i)):
+                    session.queue.extend(self.broker.retained_for(f))
+            session.pump()
+
+        if not pending:
+            all_done()
+            return
+        for i, f, d in pending:
+            d.addBoth(one_done, i, f)
+
+    def _on_unsubscribe(self, p: c.Unsubscribe) -> None:
+        session = self.session
+        assert session is not None
+        codes = [
+            c.SUCCESS if session.remove_filter(f) else c.NO_SUBSCRIPTION_EXISTED
+            for f in p.topic_filters
+        ]
+        if session.persistent:
+            self.broker.save(session).addErrback(lambda _: None)
+        self._ack_ready(self._ack_slot(), c.UnsubAck(p.packet_id, codes))
+
+    # -- will -----------------------------------------------------------------------------
+
+    def _send_will(self, will: c.Will, session: Session | None) -> None:
+        props = dict(will.properties)
+        delay = int(props.pop(c.WILL_DELAY, 0))
+        pub = c.Publish(will.topic, will.payload, will.qos, will.retain, False, None, props)
+        client_id = self.client_id
+
+        def fire() -> None:
+            if session is not None:
+                session.will_call = None
+            self.broker.publish(pub, client_id).addErrback(self._publish_failed, will.topic)
+
+        if delay > 0 and session is not None and session.persistent and not session.ended:
+            session.will_call = self.clock.callLater(delay, fire)
+        else:
+            fire()
+
+
+class MqttFactory(ServerFactory):
+    """Builds an ``MqttConnection`` per accepted socket and tracks the open ones."""
+
+    def __init__(self, settings: MqttSettings) -> None:
+        self.settings = settings
+        self.connections: set[MqttConnection] = set()
+
+    def buildProtocol(self, addr: Any) -> MqttConnection:
+        conn = _TrackedConnection(self.settings, self.connections.discard)
+        conn.factory = self
+        self.connections.add(conn)
+        return conn
+
+    def close_all(self) -> None:
+        """Close every open connection (MQTT 5 clients hear "server shutting down")."""
+        for conn in list(self.connections):
+            conn.will = None
+            conn.kick(c.SERVER_SHUTTING_DOWN)
+
+
+class _TrackedConnection(MqttConnection):
+    def __init__(self, settings: MqttSettings, forget: Callable[[MqttConnection], None]) -> None:
+        super().__init__(settings)
+        self._forget = forget
+
+    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+        self._forget(self)
+        super().connectionLost(reason)

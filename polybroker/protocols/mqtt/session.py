@@ -1,0 +1,806 @@
+"""MQTT sessions over the Broker API: subscriptions, in-flight messages, retained messages.
+
+Model: a session (one client id) holds its filters and, for each Pulsar topic a filter matches,
+one Pulsar subscription, so a message matching overlapping filters of one client is delivered
+once, at the highest granted QoS (delivered QoS = min(publish QoS, granted QoS)). The
+subscription is named ``mqtt-<client id>`` (Exclusive; durable for a persistent session,
+non-durable for a clean one); a shared filter ``$share/g/f`` uses the durable Shared
+subscription ``mqtt-share-g`` of every matching topic. Wildcard filters cover topics created
+later: the broker's topic listener reports each loaded topic, which is then subscribed from the
+earliest entry, skipping entries published before the filter was subscribed.
+
+A session outlives its connection while it has not expired: its consumers stay attached and
+their deliveries wait in the session (bounded by the flow window), so a client returning to a
+persistent session gets what was published meanwhile, and in-flight messages resent with DUP.
+An entry is acknowledged on its subscription once all its messages are done (QoS 0 sent,
+QoS 1 PUBACKed, QoS 2 PUBCOMPed).
+
+Stored message properties (besides MQTT 5 user properties, stored as they are): ``mqtt.qos``,
+``mqtt.retain`` (``1`` when published retained), ``mqtt.expiry`` (message expiry interval in
+seconds), ``mqtt.content-type``, ``mqtt.format``, ``mqtt.response-topic``,
+``mqtt.correlation`` (hex). A message from another protocol is delivered as QoS 1.
+
+Durable state in the metadata store: ``/mqtt/sessions/<client id>`` (a persistent session's
+filters) and ``/mqtt/retained/<topic>`` (each retained message), both names percent-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import quote, unquote
+
+from twisted.internet.defer import Deferred, DeferredList, gatherResults, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.python.failure import Failure
+
+from polybroker.broker_core.consumer import Delivery, ServerConsumer, SubType
+from polybroker.broker_core.messages import (
+    Message,
+    MessageFormatError,
+    decode_entry,
+    encode_entry,
+)
+from polybroker.ledger.api import InitialPosition, Position
+from polybroker.logs import kv
+from polybroker.protocols.mqtt import codec as c
+from polybroker.protocols.mqtt import topics
+
+log = logging.getLogger(__name__)
+
+SESSIONS_ROOT = "/mqtt/sessions"
+RETAINED_ROOT = "/mqtt/retained"
+#: Messages a topic subscription may have outstanding in its session.
+FLOW_WINDOW = 1000
+#: Session expiry meaning "never".
+NEVER = None
+
+_PROP_MAP = {
+    c.CONTENT_TYPE: "mqtt.content-type",
+    c.RESPONSE_TOPIC: "mqtt.response-topic",
+}
+
+
+def stored_properties(pub: c.Publish) -> list[tuple[str, str]]:
+    """The message properties that store ``pub`` (see the module docstring)."""
+    props: list[tuple[str, str]] = [("mqtt.qos", str(pub.qos))]
+    if pub.retain:
+        props.append(("mqtt.retain", "1"))
+    p = pub.properties
+    if p:
+        if c.MESSAGE_EXPIRY in p:
+            props.append(("mqtt.expiry", str(p[c.MESSAGE_EXPIRY])))
+        if c.PAYLOAD_FORMAT in p:
+            props.append(("mqtt.format", str(p[c.PAYLOAD_FORMAT])))
+        for pid, name in _PROP_MAP.items():
+            if pid in p:
+                props.append((name, p[pid]))
+        if c.CORRELATION_DATA in p:
+            props.append(("mqtt.correlation", p[c.CORRELATION_DATA].hex()))
+        props.extend(p.get(c.USER_PROPERTY, []))
+    return props
+
+
+@dataclass
+class Outgoing:
+    """One message waiting for, or in, delivery to a client."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    properties: dict[int, Any]
+    expiry_at: float | None = None  # clock seconds
+    track: EntryTrack | None = None
+    packet_id: int = 0
+    released: bool = False  # QoS 2: PUBREL sent
+
+
+def outgoing_from(
+    msg: Message, name: str, granted: int, sub_ids: list[int], retain: bool, publish_s: float
+) -> Outgoing:
+    """The PUBLISH of a stored message for one subscriber."""
+    qos = 1
+    props: dict[int, Any] = {}
+    user: list[tuple[str, str]] = []
+    expiry_at = None
+    stored_retain = False
+    for k, v in msg.properties:
+        if not k.startswith("mqtt."):
+            user.append((k, v))
+        elif k == "mqtt.qos":
+            qos = int(v) if v in ("0", "1", "2") else 1
+        elif k == "mqtt.retain":
+            stored_retain = v == "1"
+        elif k == "mqtt.expiry" and v.isdigit():
+            expiry_at = publish_s + int(v)
+        elif k == "mqtt.format" and v in ("0", "1"):
+            props[c.PAYLOAD_FORMAT] = int(v)
+        elif k == "mqtt.content-type":
+            props[c.CONTENT_TYPE] = v
+        elif k == "mqtt.response-topic":
+            props[c.RESPONSE_TOPIC] = v
+        elif k == "mqtt.correlation":
+            with contextlib.suppress(ValueError):
+                props[c.CORRELATION_DATA] = bytes.fromhex(v)
+    if user:
+        props[c.USER_PROPERTY] = user
+    if sub_ids:
+        props[c.SUBSCRIPTION_ID] = list(sub_ids)
+    return Outgoing(
+        name, msg.payload, min(qos, granted), retain and stored_retain, props, expiry_at
+    )
+
+
+class ClientLink(Protocol):
+    """What a session needs of the connection it is attached to."""
+
+    level: int
+    client_receive_max: int
+    client_max_packet: int
+
+    def write(self, data: bytes) -> None: ...
+
+    def kick(self, reason_code: int) -> None: ...
+
+
+@dataclass
+class FilterSub:
+    """One filter of a session with its SUBSCRIBE options."""
+
+    topic_filter: str  # as the client sent it (``$share/...`` included)
+    group: str | None
+    pattern: str  # the filter without its ``$share/group/`` prefix
+    qos: int
+    sub_id: int = 0
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscribed_ms: int = 0
+
+    def as_json(self) -> list[Any]:
+        return [
+            self.topic_filter,
+            self.qos,
+            self.sub_id,
+            self.no_local,
+            self.retain_as_published,
+            self.retain_handling,
+            self.subscribed_ms,
+        ]
+
+    @classmethod
+    def from_json(cls, raw: list[Any]) -> FilterSub:
+        group, pattern = topics.split_shared(raw[0])
+        return cls(raw[0], group, pattern, int(raw[1]), int(raw[2]), *raw[3:6], int(raw[6]))
+
+
+class EntryTrack:
+    """The messages of one delivered entry still to be completed."""
+
+    __slots__ = ("position", "remaining", "size", "sub")
+
+    def __init__(self, sub: TopicSub, position: Position, remaining: int, size: int) -> None:
+        self.sub = sub
+        self.position = position
+        self.remaining = remaining
+        self.size = size
+
+
+@dataclass
+class Retained:
+    """A retained message."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    properties: list[tuple[str, str]] = field(default_factory=list)
+    stored_s: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "payload": base64.b64encode(self.payload).decode(),
+                "qos": self.qos,
+                "properties": self.properties,
+                "stored_s": self.stored_s,
+            }
+        ).encode()
+
+    @classmethod
+    def decode(cls, topic: str, raw: bytes) -> Retained:
+        d = json.loads(raw)
+        return cls(
+            topic,
+            base64.b64decode(d["payload"]),
+            int(d["qos"]),
+            [(str(k), str(v)) for k, v in d.get("properties", [])],
+            float(d.get("stored_s", 0.0)),
+        )
+
+
+class TopicSub:
+    """The ``Consumer`` of one session on one Pulsar subscription of one topic."""
+
+    def __init__(
+        self,
+        session: Session,
+        full: str,
+        name: str,
+        group: str | None,
+        consumer_id: int,
+        not_before_ms: int,
+    ) -> None:
+        self.session = session
+        self.full = full
+        self.name = name
+        self.group = group
+        self._consumer_id = consumer_id
+        self.not_before_ms = not_before_ms
+        self.server: ServerConsumer | None = None
+        self.closed = False
+        self.to_flow = 0
+
+    @property
+    def subscription(self) -> str:
+        return subscription_name(self.session.client_id, self.group)
+
+    @property
+    def consumer_id(self) -> int:
+        return self._consumer_id
+
+    @property
+    def consumer_name(self) -> str:
+        return self.session.client_id
+
+    @property
+    def priority_level(self) -> int:
+        return 0
+
+    def send_entries(self, deliveries: list[Delivery]) -> None:
+        if self.closed:
+            return
+        session = self.session
+        for entry, _count, acked in deliveries:
+            filters = session.matching(self.name, self.group)
+            if not filters or entry.publish_time_ms < self.not_before_ms:
+                self._done(entry.position, entry.num_messages)
+                continue
+            try:
+                msgs = decode_entry(entry.data)
+            except MessageFormatError:
+                log.warning("undecodable entry skipped", extra=kv(topic=self.full))
+                self._done(entry.position, entry.num_messages)
+                continue
+            granted = max(f.qos for f in filters)
+            sub_ids = sorted({f.sub_id for f in filters if f.sub_id})
+            rap = any(f.retain_as_published for f in filters)
+            todo = [m for i, m in enumerate(msgs) if not (acked >> i) & 1]
+            if not todo:
+                self._done(entry.position, entry.num_messages)
+                continue
+            track = EntryTrack(self, entry.position, len(todo), entry.num_messages)
+            publish_s = entry.publish_time_ms / 1000.0
+            for m in todo:
+                out = outgoing_from(m, self.name, granted, sub_ids, rap, publish_s)
+                out.track = track
+                session.queue.append(out)
+        session.pump()
+
+    def complete(self, track: EntryTrack) -> None:
+        """One message of ``track`` is done; acknowledge the entry after its last."""
+        track.remaining -= 1
+        if track.remaining <= 0:
+            self._done(track.position, track.size)
+
+    def _done(self, position: Position, size: int) -> None:
+        server = self.server
+        if server is None or self.closed:
+            return
+        server.ack([position]).addErrback(lambda f: None)
+        self.to_flow += size
+        if self.to_flow >= FLOW_WINDOW // 2:
+            server.flow(self.to_flow)
+            self.to_flow = 0
+
+    def active_changed(self, is_active: bool) -> None:
+        pass
+
+    def reached_end_of_topic(self) -> None:
+        pass
+
+    def disconnect(self) -> None:
+        # The broker closed this consumer (unload, seek, delete): attach again shortly.
+        self.server = None
+        if self.closed:
+            return
+        self.closed = True
+        self.session.consumer_lost(self)
+
+
+def subscription_name(client_id: str, group: str | None) -> str:
+    """The Pulsar subscription of a client (or of a share group)."""
+    if group is not None:
+        return "mqtt-share-" + quote(group, safe="")
+    return "mqtt-" + quote(client_id, safe="")
+
+
+class Session:
+    """One client id's MQTT session (see the module docstring)."""
+
+    def __init__(self, broker: MqttBroker, client_id: str, expiry_s: int | None) -> None:
+        self.broker = broker
+        self.client_id = client_id
+        self.expiry_s = expiry_s  # None: never
+        self.link: ClientLink | None = None
+        self.filters: dict[str, FilterSub] = {}
+        self.subs: dict[tuple[str, str | None], TopicSub] = {}
+        self.inflight: dict[int, Outgoing] = {}
+        self.queue: deque[Outgoing] = deque()
+        self.inbound_qos2: set[int] = set()
+        self.ended = False
+        self._next_pid = 0
+        self._match_cache: dict[tuple[str, str | None], list[FilterSub]] = {}
+        self._expiry_call: IDelayedCall | None = None
+        self.will_call: IDelayedCall | None = None
+
+    @property
+    def persistent(self) -> bool:
+        return self.expiry_s is None or self.expiry_s > 0
+
+    # -- filters -------------------------------------------------------------------------
+
+    def matching(self, name: str, group: str | None) -> list[FilterSub]:
+        """The filters of ``group`` (None: the client's own) that match topic ``name``."""
+        key = (name, group)
+        got = self._match_cache.get(key)
+        if got is None:
+            got = [
+                f
+                for f in self.filters.values()
+                if f.group == group and topics.matches(f.pattern, name)
+            ]
+            if len(self._match_cache) > 10_000:
+                self._match_cache.clear()
+            self._match_cache[key] = got
+        return got
+
+    def add_filter(self, f: FilterSub) -> Deferred[bool]:
+        """Subscribe ``f`` (replacing the same filter); fire with whether it existed."""
+        existed = f.topic_filter in self.filters
+        if existed:
+            f.subscribed_ms = self.filters[f.topic_filter].subscribed_ms
+        self.filters[f.topic_filter] = f
+        self._match_cache.clear()
+        d = self._cover(f, initial=not existed)
+        d.addCallback(lambda _: existed)
+        return d
+
+    def _cover(self, f: FilterSub, initial: bool) -> Deferred[None]:
+        """Attach subscriptions on every topic ``f`` matches now."""
+        if not topics.has_wildcard(f.pattern):
+            return self.ensure_sub(topics.to_pulsar(f.pattern), f.pattern, f.group, None)
+        not_before = None if initial else f.subscribed_ms
+
+        def attach_all(names: list[str]) -> Deferred[Any]:
+            ds = []
+            for full in names:
+                name = topics.from_pulsar(full)
+                if name is not None and topics.matches(f.pattern, name):
+                    ds.append(self.ensure_sub(full, name, f.group, not_before))
+            return gatherResults(ds, consumeErrors=True) if ds else succeed(None)
+
+        d = self.broker.service.topics_of_namespace(topics.NAMESPACE)
+        d.addCallback(attach_all)
+        d.addCallback(lambda _: None)
+        return d
+
+    def remove_filter(self, topic_filter: str) -> bool:
+        """Unsubscribe a filter; return whether it existed."""
+        f = self.filters.pop(topic_filter, None)
+        if f is None:
+            return False
+        self._match_cache.clear()
+        for key, sub in list(self.subs.items()):
+            if sub.group == f.group and not self.matching(sub.name, sub.group):
+                del self.subs[key]
+                self._close_sub(sub, delete=True)
+        return True
+
+    def topic_appeared(self, full: str, name: str) -> None:
+        """A topic was loaded: cover it if a wildcard filter matches it."""
+        groups = {
+            f.group: f
+            for f in self.filters.values()
+            if topics.has_wildcard(f.pattern) and topics.matches(f.pattern, name)
+        }
+        for group, f in groups.items():
+            if (full, group) not in self.subs:
+                self.ensure_sub(full, name, group, f.subscribed_ms).addErrback(lambda _: None)
+
+    def ensure_sub(
+        self, full: str, name: str, group: str | None, not_before_ms: int | None
+    ) -> Deferred[None]:
+        """Attach the session's subscription on ``full`` unless attached; ``not_before_ms``
+        reads from the earliest entry, skipping older ones (a topic found later)."""
+        key = (full, group)
+        if key in self.subs or self.ended:
+            return succeed(None)
+        sub = TopicSub(self, full, name, group, self.broker.next_consumer_id(), not_before_ms or 0)
+        self.subs[key] = sub
+        durable = group is not None or self.persistent
+        d = self.broker.service.subscribe(
+            full,
+            sub.subscription,
+            sub,
+            SubType.SHARED if group is not None else SubType.EXCLUSIVE,
+            InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
+            durable=durable,
+        )
+
+        def attached(server: ServerConsumer) -> None:
+            sub.server = server
+            if sub.closed or self.subs.get(key) is not sub:
+                server.close().addErrback(lambda _: None)
+                return
+            server.flow(FLOW_WINDOW)
+
+        def failed(f: Failure) -> Failure:
+            if self.subs.get(key) is sub:
+                del self.subs[key]
+            log.warning(
+                "mqtt subscription failed",
+                extra=kv(client=self.client_id, topic=full, error=str(f.value)),
+            )
+            return f
+
+        d.addCallbacks(attached, failed)
+        return d
+
+    def consumer_lost(self, sub: TopicSub) -> None:
+        key = (sub.full, sub.group)
+        if self.subs.get(key) is sub:
+            del self.subs[key]
+        self.queue = deque(o for o in self.queue if o.track is None or o.track.sub is not sub)
+        if self.ended or not self.matching(sub.name, sub.group):
+            return
+
+        def again() -> None:
+            if not self.ended and self.matching(sub.name, sub.group):
+                self.ensure_sub(sub.full, sub.name, sub.group, None).addErrback(lambda _: None)
+
+        self.broker.clock.callLater(0.2, again)
+
+    def _close_sub(self, sub: TopicSub, delete: bool) -> None:
+        sub.closed = True
+        server = sub.server
+        if server is None:
+            return
+        if delete and sub.group is None and self.persistent:
+            server.unsubscribe().addErrback(lambda _: None)
+        else:
+            server.close().addErrback(lambda _: None)
+
+    # -- delivery ------------------------------------------------------------------------
+
+    def _packet_id(self) -> int:
+        for _ in range(65535):
+            self._next_pid = self._next_pid % 65535 + 1
+            if self._next_pid not in self.inflight:
+                return self._next_pid
+        raise RuntimeError("no free packet identifier")
+
+    def enqueue(self, out: Outgoing) -> None:
+        self.queue.append(out)
+        self.pump()
+
+    def pump(self) -> None:
+        """Send what the connection and the client's receive maximum allow."""
+        link = self.link
+        if link is None:
+            return
+        chunks: list[bytes] = []
+        now = self.broker.clock.seconds()
+        level = link.level
+        queue = self.queue
+        while queue:
+            out = queue[0]
+            if out.qos and len(self.inflight) >= link.client_receive_max:
+                break
+            queue.popleft()
+            if out.expiry_at is not None:
+                left = int(out.expiry_at - now)
+                if left <= 0:
+                    self._complete(out)
+                    continue
+                out.properties[c.MESSAGE_EXPIRY] = left
+            pid = self._packet_id() if out.qos else None
+            data = c.encode(
+                c.Publish(out.topic, out.payload, out.qos, out.retain, False, pid, out.properties),
+                level,
+            )
+            if len(data) > link.client_max_packet:
+                self._complete(out)
+                continue
+            chunks.append(data)
+            if pid is None:
+                self._complete(out)
+            else:
+                out.packet_id = pid
+                self.inflight[pid] = out
+        if chunks:
+            link.write(b"".join(chunks))
+
+    def _complete(self, out: Outgoing) -> None:
+        track = out.track
+        if track is not None:
+            track.sub.complete(track)
+
+    def on_puback(self, pid: int) -> None:
+        out = self.inflight.get(pid)
+        if out is not None and out.qos == 1:
+            del self.inflight[pid]
+            self._complete(out)
+            self.pump()
+
+    def on_pubrec(self, pid: int, reason_code: int) -> bool:
+        """PUBREC of a QoS 2 delivery; return whether to answer PUBREL (else not found)."""
+        out = self.inflight.get(pid)
+        if out is None or out.qos != 2:
+            return False
+        if reason_code >= 0x80:
+            del self.inflight[pid]
+            self._complete(out)
+            self.pump()
+            return False
+        out.released = True
+        return True
+
+    def on_pubcomp(self, pid: int) -> None:
+        out = self.inflight.get(pid)
+        if out is not None and out.qos == 2:
+            del self.inflight[pid]
+            self._complete(out)
+            self.pump()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def attach(self, link: ClientLink) -> None:
+        """The client (re)connected: resend in-flight messages, then continue delivering."""
+        if self._expiry_call is not None and self._expiry_call.active():
+            self._expiry_call.cancel()
+        self._expiry_call = None
+        if self.will_call is not None and self.will_call.active():
+            self.will_call.cancel()
+        self.will_call = None
+        self.link = link
+        chunks = []
+        for pid, out in self.inflight.items():
+            if out.released:
+                chunks.append(c.encode(c.PubRel(pid), link.level))
+            else:
+                chunks.append(
+                    c.encode(
+                        c.Publish(
+                            out.topic, out.payload, out.qos, out.retain, True, pid, out.properties
+                        ),
+                        link.level,
+                    )
+                )
+        if chunks:
+            link.write(b"".join(chunks))
+        self.pump()
+
+    def detach(self, link: ClientLink) -> None:
+        """The connection went away: end the session or keep it until it expires."""
+        if self.link is not link:
+            return
+        self.link = None
+        if not self.persistent:
+            self.broker.end_session(self)
+        elif self.expiry_s is not None:
+            self._expiry_call = self.broker.clock.callLater(
+                self.expiry_s, self.broker.end_session, self
+            )
+
+    def end(self) -> None:
+        """Drop every subscription (durable ones are deleted) and all state."""
+        self.ended = True
+        if self._expiry_call is not None and self._expiry_call.active():
+            self._expiry_call.cancel()
+        for sub in self.subs.values():
+            self._close_sub(sub, delete=True)
+        self.subs.clear()
+        self.queue.clear()
+        self.inflight.clear()
+
+    def snapshot(self) -> bytes:
+        return json.dumps(
+            {"expiry": self.expiry_s, "filters": [f.as_json() for f in self.filters.values()]}
+        ).encode()
+
+
+class MqttBroker:
+    """The MQTT state shared by every connection of one handler: sessions and retained
+    messages, over the Broker API and the metadata store."""
+
+    def __init__(
+        self,
+        service: Any,
+        clock: IReactorTime,
+        deny_list: Iterable[str] = (),
+    ) -> None:
+        self.service = service
+        self.clock = clock
+        self.store = service.metadata_store
+        self.deny_list = [d for d in deny_list if d]
+        self.sessions: dict[str, Session] = {}
+        self.retained: dict[str, Retained] = {}
+        self._consumer_ids = 0
+        self._remove_listener: Callable[[], None] | None = None
+
+    def start(self) -> Deferred[None]:
+        """Load retained messages and follow topic creation."""
+        self._remove_listener = self.service.add_topic_listener(self._topic_loaded)
+        return Deferred.fromCoroutine(self._load_retained())
+
+    async def _load_retained(self) -> None:
+        for child in await self.store.children(RETAINED_ROOT):
+            got = await self.store.get(f"{RETAINED_ROOT}/{child}")
+            if got is not None:
+                try:
+                    self.retained[unquote(child)] = Retained.decode(unquote(child), got.value)
+                except (ValueError, KeyError, TypeError):
+                    log.warning("bad retained message skipped", extra=kv(topic=unquote(child)))
+
+    def stop(self) -> None:
+        if self._remove_listener is not None:
+            self._remove_listener()
+        for session in list(self.sessions.values()):
+            for call in (session._expiry_call, session.will_call):
+                if call is not None and call.active():
+                    call.cancel()
+
+    def next_consumer_id(self) -> int:
+        self._consumer_ids += 1
+        return self._consumer_ids
+
+    def denied(self, topic_filter: str) -> bool:
+        """Whether the deny list refuses a SUBSCRIBE of ``topic_filter``."""
+        return any(d == topic_filter or topics.matches(d, topic_filter) for d in self.deny_list)
+
+    def _topic_loaded(self, full: str) -> None:
+        name = topics.from_pulsar(full)
+        if name is None:
+            return
+        for session in list(self.sessions.values()):
+            if session.filters:
+                session.topic_appeared(full, name)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def open_session(
+        self, client_id: str, clean_start: bool, expiry_s: int | None
+    ) -> Deferred[tuple[Session, bool]]:
+        """The session for a CONNECT: ``(session, session_present)``. An attached session is
+        taken over (its connection kicked) by the caller before attaching."""
+        return Deferred.fromCoroutine(self._open(client_id, clean_start, expiry_s))
+
+    async def _open(
+        self, client_id: str, clean_start: bool, expiry_s: int | None
+    ) -> tuple[Session, bool]:
+        existing = self.sessions.get(client_id)
+        if existing is not None and existing.link is not None:
+            existing.link.kick(c.SESSION_TAKEN_OVER)
+        if existing is None:
+            existing = await self._restore(client_id)
+        if existing is not None and (clean_start or existing.ended):
+            self.end_session(existing)
+            existing = None
+        if existing is not None:
+            existing.expiry_s = expiry_s
+            if existing.persistent:
+                await self.save(existing)
+            else:
+                await self._forget(client_id)
+            return existing, True
+        session = Session(self, client_id, expiry_s)
+        self.sessions[client_id] = session
+        if session.persistent:
+            await self.save(session)
+        return session, False
+
+    async def _restore(self, client_id: str) -> Session | None:
+        got = await self.store.get(f"{SESSIONS_ROOT}/{quote(client_id, safe='')}")
+        if got is None:
+            return None
+        try:
+            raw = json.loads(got.value)
+            session = Session(self, client_id, raw.get("expiry"))
+            filters = [FilterSub.from_json(f) for f in raw["filters"]]
+        except (ValueError, KeyError, TypeError, IndexError):
+            log.warning("bad stored mqtt session dropped", extra=kv(client=client_id))
+            await self._forget(client_id)
+            return None
+        if client_id in self.sessions:  # restored concurrently
+            return self.sessions[client_id]
+        self.sessions[client_id] = session
+        for f in filters:
+            session.filters[f.topic_filter] = f
+        ds = [session._cover(f, initial=False) for f in filters]
+        if ds:
+            await DeferredList(ds, consumeErrors=True)
+        return session
+
+    def end_session(self, session: Session) -> None:
+        """End a session: its subscriptions go, its durable record too."""
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+        if session.link is not None:
+            return
+        was_persistent = session.persistent
+        session.end()
+        if was_persistent:
+            self._forget(session.client_id)
+
+    def save(self, session: Session) -> Deferred[Any]:
+        """Store a persistent session's filters."""
+        path = f"{SESSIONS_ROOT}/{quote(session.client_id, safe='')}"
+        return self.store.put(path, session.snapshot())
+
+    def _forget(self, client_id: str) -> Deferred[None]:
+        path = f"{SESSIONS_ROOT}/{quote(client_id, safe='')}"
+        d = self.store.delete(path)
+        d.addErrback(lambda _: None)
+        return d
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def publish(self, pub: c.Publish, client_id: str) -> Deferred[None]:
+        """Store ``pub`` on its topic (and as the retained message when flagged); fire once
+        both are durable."""
+        props = stored_properties(pub)
+        now_ms = int(self.clock.seconds() * 1000)
+        data = encode_entry(
+            [Message(pub.payload, properties=props)],
+            producer_name="mqtt-" + client_id,
+            sequence_id=0,
+            publish_time_ms=now_ms,
+        )
+        d: Deferred[Any] = self.service.publish(topics.to_pulsar(pub.topic), data, 1)
+        if pub.retain:
+            d.addCallback(lambda _: self.set_retained(pub, props))
+        d.addCallback(lambda _: None)
+        return d
+
+    # -- retained ------------------------------------------------------------------------
+
+    def set_retained(self, pub: c.Publish, properties: list[tuple[str, str]]) -> Deferred[Any]:
+        """Store (or, with an empty payload, clear) the retained message of ``pub.topic``."""
+        path = f"{RETAINED_ROOT}/{quote(pub.topic, safe='')}"
+        if not pub.payload:
+            self.retained.pop(pub.topic, None)
+            d = self.store.delete(path)
+            d.addErrback(lambda _: None)
+            return d
+        r = Retained(pub.topic, pub.payload, pub.qos, properties, self.clock.seconds())
+        self.retained[pub.topic] = r
+        return self.store.put(path, r.encode())
+
+    def retained_for(self, f: FilterSub) -> list[Outgoing]:
+        """The retained messages a new subscription of ``f`` receives."""
+        out = []
+        sub_ids = [f.sub_id] if f.sub_id else []
+        for name, r in sorted(self.retained.items()):
+            if topics.matches(f.pattern, name):
+                msg = Message(r.payload, properties=r.properties)
+                o = outgoing_from(msg, name, f.qos, sub_ids, True, r.stored_s)
+                o.retain = True
+                out.append(o)
+        return out
