@@ -53,6 +53,7 @@ class Broker:
     store: FakeMetadataStore
     config: dict[str, Any]
     pulsar: tuple[PulsarProtocolHandler, Any]
+    stopped: bool = False
 
     @property
     def pulsar_url(self) -> str:
@@ -235,6 +236,18 @@ class Client:
             sock.close()
 
 
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    """Read ``n`` bytes (fewer only when the peer closes), waiting at most ``WAIT_S``."""
+    s.settimeout(WAIT_S)
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def user_props(**pairs: str) -> Properties:
     p = Properties(paho.PacketTypes.PUBLISH)
     p.UserProperty = list(pairs.items())
@@ -277,6 +290,10 @@ async def start_broker(
 
 
 async def stop_broker(broker: Broker) -> None:
+    """Stop a broker (once; stopping a stopped one does nothing)."""
+    if broker.stopped:
+        return
+    broker.stopped = True
     await broker.listening.stopListening()
     broker.handler.stop()
     await broker.pulsar[1].stopListening()
