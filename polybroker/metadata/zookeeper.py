@@ -18,7 +18,9 @@ Rule Z2: watches are kept by the store, not by ZooKeeper: a path that has watche
         one ``CHILDREN_CHANGED`` per child version, ``DELETED``/``CREATED`` when the node went
         or came back. So a watch reports every change once, also changes that happened while the
         connection was down (a deleted-and-recreated node while down shows as deleted+created).
-        A write's notifications are delivered before the write's own Deferred fires.
+        A write's notifications are delivered before the write's own Deferred fires. A watch
+        reports changes from its first successful read on, which happens before any operation
+        issued after ``watch()`` runs (or, if the connection is down, once it is back).
 Rule Z3: sequence suffixes come from one counter node under ``/__polybroker`` (its data
         version), bumped in the same ZooKeeper transaction that creates the node, so suffixes
         are unique and increasing across every parent, session and restart, and never reused,

@@ -1,0 +1,136 @@
+"""Real ``polybroker bookie`` processes for the cluster tests, and a bounded wait helper.
+
+``BookieProcesses.start(metadata, config)`` runs ``python -m polybroker bookie`` on a free
+loopback port with a data dir of its own and returns once the process printed its listening
+line (bounded); ``send``/``kill``/``stop`` act on that PID only; ``close`` stops what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+
+LISTENING = "bookie listening on "
+
+
+async def eventually(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Wait on the reactor until ``check()`` holds; return the seconds it took, or fail the
+    test naming ``what`` after ``timeout`` seconds."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s"
+        await deferLater(reactor, 0.01, lambda: None)
+    return time.monotonic() - start
+
+
+@dataclass
+class Bookie:
+    """A running bookie process."""
+
+    address: str
+    process: subprocess.Popen[bytes]
+    data_dir: Path
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class BookieProcesses:
+    """Starts and stops bookie processes (see the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.running: list[Bookie] = []
+        self._count = 0
+
+    def start(
+        self, metadata: str, config: dict[str, object] | None = None, timeout: float = 60.0
+    ) -> Bookie:
+        """Start a bookie registered in ``metadata``; blocks until it listens (bounded)."""
+        self._count += 1
+        data_dir = self.root / f"bookie-{self._count}"
+        log = self.root / f"bookie-{self._count}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "polybroker",
+            "bookie",
+            "--data-dir",
+            str(data_dir),
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--metadata",
+            metadata,
+        ]
+        if config:
+            conf = self.root / f"bookie-{self._count}.conf"
+            conf.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+            cmd += ["--config", str(conf)]
+        with open(log, "wb") as err:
+            process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+        assert process.stdout is not None
+        deadline = time.monotonic() + timeout
+        seen = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(process.stdout, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    process.kill()
+                    process.wait(10)
+                    raise TimeoutError(f"bookie did not start in {timeout}s: {log.read_text()}")
+                if not sel.select(remaining):
+                    continue
+                chunk = os.read(process.stdout.fileno(), 4096)
+                if not chunk:
+                    code = process.wait(10)
+                    raise RuntimeError(f"bookie exited with {code}: {log.read_text()}")
+                seen += chunk
+                for line in seen.decode(errors="replace").splitlines():
+                    if line.startswith(LISTENING):
+                        bookie = Bookie(line[len(LISTENING) :].strip(), process, data_dir, log)
+                        self.running.append(bookie)
+                        return bookie
+
+    def send(self, bookie: Bookie, sig: int) -> None:
+        """Send ``sig`` to that bookie's PID."""
+        os.kill(bookie.pid, sig)
+
+    def stop(self, bookie: Bookie, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the bookie, wait for it and return its exit status."""
+        if bookie.process.poll() is None:
+            os.kill(bookie.pid, sig)
+        try:
+            return bookie.process.wait(timeout)
+        finally:
+            if bookie.process.stdout is not None:
+                bookie.process.stdout.close()
+            if bookie in self.running:
+                self.running.remove(bookie)
+
+    def kill(self, bookie: Bookie) -> None:
+        """kill -9: a crash."""
+        self.stop(bookie, signal.SIGKILL)
+
+    def close(self) -> None:
+        for bookie in list(self.running):
+            if bookie.process.poll() is None:
+                os.kill(bookie.pid, signal.SIGCONT)
+            try:
+                self.stop(bookie, signal.SIGTERM, timeout=20)
+            except subprocess.TimeoutExpired:
+                self.stop(bookie, signal.SIGKILL)

@@ -1,0 +1,157 @@
+"""Session events of the ZooKeeper metadata store against a real server: an expired session
+(forced with a second client on the same session id and password, which then closes it) and a
+server restart within the session timeout (the same session reconnects)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest_twisted
+from cluster_harness import eventually
+from kazoo.client import KazooClient
+from twisted.internet import reactor, threads
+from zk_server import ZooKeeperServer
+
+from polybroker.metadata.api import EventType, Notification, SessionEvent
+from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
+
+OWNED = "/owners/me"
+
+
+def expire_session(hosts: str, store: ZooKeeperMetadataStore) -> None:
+    """Make the server expire ``store``'s session: attach a second client to it, then close
+    that client (blocking; run it off the reactor thread)."""
+    session_id, password = store._zk.client_id
+    other = KazooClient(hosts=hosts, client_id=(session_id, password))
+    other.start(timeout=15)
+    other.stop()
+    other.close()
+
+
+class Owner:
+    """Holds an ephemeral node and takes it again on each new session, as an owner must."""
+
+    def __init__(self, store: ZooKeeperMetadataStore) -> None:
+        self.store = store
+        self.events: list[SessionEvent] = []
+        self.reacquired: list[Any] = []
+        store.add_session_listener(self.on_session)
+
+    def on_session(self, event: SessionEvent) -> None:
+        self.events.append(event)
+        if event is SessionEvent.SESSION_REESTABLISHED:
+            d = self.store.put(OWNED, b"owner", ephemeral=True)
+            d.addBoth(self.reacquired.append)
+
+
+class Stores:
+    """Opens stores and closes them all at the end of the test."""
+
+    def __init__(self) -> None:
+        self.opened: list[ZooKeeperMetadataStore] = []
+
+    async def open(self, url: str, timeout_ms: int) -> ZooKeeperMetadataStore:
+        store = await ZooKeeperMetadataStore.open(url, reactor, session_timeout_ms=timeout_ms)
+        self.opened.append(store)
+        return store
+
+    async def close(self) -> None:
+        for store in self.opened:
+            await store.close()
+
+
+@pytest_twisted.async_yield_fixture
+async def stores() -> AsyncIterator[Stores]:
+    s = Stores()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_expired_session_is_reported_and_its_owner_takes_the_ephemeral_again(
+    zookeeper_server: ZooKeeperServer, zk_url: str, stores: Stores
+) -> None:
+    """The owner's listener sees SESSION_LOST then SESSION_REESTABLISHED; another session sees
+    the ephemeral node deleted (ZooKeeper dropped it) and created again by the owner; the
+    owner's watches keep firing on the new session."""
+    owner_store = await stores.open(zk_url, 2000)
+    observer = await stores.open(zk_url, 10_000)
+    owner = Owner(owner_store)
+    first = await owner_store.put(OWNED, b"owner", ephemeral=True)
+    assert first.ephemeral
+    seen: list[EventType] = []
+    observer.watch(OWNED, lambda n: seen.append(n.type))
+    watched: list[Notification] = []
+    owner_store.watch("/w", watched.append)
+    assert await owner_store.exists("/w") is None  # runs once the watch is armed
+    old_session = owner_store._zk.client_id[0]
+
+    await threads.deferToThread(expire_session, zookeeper_server.hosts, owner_store)
+
+    await eventually(lambda: SessionEvent.SESSION_REESTABLISHED in owner.events, 30, "new session")
+    lost = owner.events.index(SessionEvent.SESSION_LOST)
+    assert lost < owner.events.index(SessionEvent.SESSION_REESTABLISHED)
+    assert SessionEvent.RECONNECTED not in owner.events
+    assert owner_store._zk.client_id[0] != old_session
+    await eventually(lambda: len(owner.reacquired) == 1, 10, "ephemeral taken again")
+    assert owner.reacquired[0].ephemeral, owner.reacquired
+    await eventually(lambda: seen == [EventType.DELETED, EventType.CREATED], 10, "observer")
+    got = await observer.get(OWNED)
+    assert got is not None
+    assert got.stat.ephemeral
+    assert got.value == b"owner"
+
+    await observer.put("/w", b"after the new session")
+    await eventually(lambda: [n.type for n in watched] == [EventType.CREATED], 10, "watch")
+    assert (await owner_store.get("/w")).value == b"after the new session"
+
+    # The re-acquired node belongs to the new session: it goes when that session ends.
+    await owner_store.close()
+    await eventually(
+        lambda: seen == [EventType.DELETED, EventType.CREATED, EventType.DELETED], 10, "gone"
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_restart_keeps_the_session_and_reports_changes_made_meanwhile(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """A restart shorter than the session timeout: CONNECTION_LOST then RECONNECTED, no session
+    loss, the ephemeral node stays, and a change made by another client while this one was
+    disconnected is reported once it is back."""
+    server = await threads.deferToThread(ZooKeeperServer.start, tmp_path / "zk")
+    try:
+        url = server.url(f"/restart-{uuid.uuid4().hex}")
+        store = await stores.open(url, 20_000)
+        events: list[SessionEvent] = []
+        store.add_session_listener(events.append)
+        await store.put(OWNED, b"kept", ephemeral=True)
+        await store.put("/data", b"v0")
+        watched: list[EventType] = []
+        store.watch("/data", lambda n: watched.append(n.type))
+        # Any operation issued after watch() runs after the watch is armed (Rule Z2).
+        assert (await store.get("/data")).value == b"v0"
+
+        await threads.deferToThread(server.restart)
+        # Another client changes the node before this one has reconnected (or just after).
+        other = await stores.open(url, 20_000)
+        await other.put("/data", b"v1")
+        await eventually(lambda: SessionEvent.RECONNECTED in events, 30, "reconnect")
+        assert events[0] is SessionEvent.CONNECTION_LOST
+        assert SessionEvent.SESSION_LOST not in events
+        await eventually(lambda: watched == [EventType.MODIFIED], 10, "change seen")
+        got = await other.get(OWNED)
+        assert got is not None
+        assert got.value == b"kept"
+        assert got.stat.ephemeral
+        await other.put("/data", b"v2")
+        await eventually(lambda: watched == [EventType.MODIFIED] * 2, 10, "watch still on")
+        assert (await store.get("/data")).value == b"v2"
+    finally:
+        await stores.close()
+        await threads.deferToThread(server.stop)
