@@ -66,6 +66,8 @@ _KEYS: tuple[Key, ...] = (
     Key("managedLedgerMinLedgerRolloverTimeMinutes", int, 10, "Never roll a younger ledger"),
     Key("managedLedgerCacheSizeMB", int, 256, "Entry cache for tailing reads"),
     Key("managedLedgerDefaultMarkDeleteRateLimit", float, 1.0, "Cursor persists per second"),
+    Key("defaultRetentionTimeInMinutes", int, 0, "Keep consumed ledgers this long (-1: forever)"),
+    Key("defaultRetentionSizeInMB", int, 0, "Keep consumed ledgers up to this size (-1: no cap)"),
     # Topics, dispatch and deduplication (Pulsar's names and defaults)
     Key("allowAutoTopicCreation", bool, True, "Create topics on first produce/subscribe"),
     Key("allowAutoTopicCreationType", str, "non-partitioned", "non-partitioned or partitioned"),

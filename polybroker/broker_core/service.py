@@ -158,6 +158,12 @@ def _cfg(config: Config | None, key: str, default: Any) -> Any:
         return default
 
 
+def _retention(value: Any, unit: float) -> float:
+    """A retention setting in seconds or bytes; -1 (or any negative) stays -1: unlimited."""
+    v = float(value)
+    return -1.0 if v < 0 else v * unit
+
+
 class BrokerService:
     """Topics of this broker and the operations handlers use on them."""
 
@@ -212,6 +218,11 @@ class BrokerService:
             * float(_cfg(config, "managedLedgerMinLedgerRolloverTimeMinutes", 10)),
             cursor_mark_delete_rate_per_s=float(
                 _cfg(config, "managedLedgerDefaultMarkDeleteRateLimit", 1.0)
+            ),
+            # Pulsar's broker-wide retention defaults (-1: unlimited).
+            retention_time_s=_retention(_cfg(config, "defaultRetentionTimeInMinutes", 0), 60.0),
+            retention_size_bytes=int(
+                _retention(_cfg(config, "defaultRetentionSizeInMB", 0), float(mb))
             ),
         )
         # Told the full name of every topic this broker loads (created or reopened).

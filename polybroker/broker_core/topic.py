@@ -953,6 +953,31 @@ class PersistentTopic(Topic):
         d.addCallback(read)
         return d  # type: ignore[return-value]
 
+    def mark_subscription_at_index(self, name: str, index: int) -> Deferred[None]:
+        """Open (creating it at the earliest message) the durable subscription ``name`` and move
+        its mark-delete up to the last whole entry before message ``index`` (a committed Kafka
+        offset shown as a Pulsar subscription, so its backlog appears in the stats). Never moves
+        the mark-delete backwards."""
+        return Deferred.fromCoroutine(self._mark_at_index(name, index))
+
+    async def _mark_at_index(self, name: str, index: int) -> None:
+        sub = await self._open_durable(name, InitialPosition.EARLIEST)
+        last = min(index, self.ledger.next_index) - 1
+        if last < self.ledger.first_index:
+            return
+        position = await self.ledger.position_of_index(last)
+        if position is None:
+            return
+        entries = await self.ledger.read(position, 1)
+        if entries and entries[0].last_index > last:  # ``index`` is inside this entry
+            if entries[0].index - 1 < self.ledger.first_index:
+                return
+            position = await self.ledger.position_of_index(entries[0].index - 1)
+            if position is None:
+                return
+        if sub.cursor.mark_delete_position < position:
+            await sub.cursor.mark_delete(position)
+
     def index_of_time(self, timestamp_ms: int) -> Deferred[int | None]:
         """The index of the first message of the first entry published at or after
         ``timestamp_ms``; None if there is none."""

@@ -895,10 +895,20 @@ class KafkaApis:
         return self.groups.fetch_offsets(b.group_id).addCallback(answer)
 
     def _committed(self, group: str, topic: str, partition: int, offset: int) -> None:
-        """Mirror a commit on a Pulsar subscription named after the group (best effort)."""
-        mirror = getattr(self.service, "kafka_commit_mirror", None)
-        if mirror is not None:
-            mirror(group, topic, partition, offset)
+        """Mirror a durable commit on a Pulsar subscription named after the group, so the
+        group's backlog shows in topic stats (best effort: a failure is only logged)."""
+
+        async def mirror() -> None:
+            found = await self._partition_topic(topic, partition, False)
+            if found is not None and offset >= 0:
+                await found.mark_subscription_at_index(group, offset)
+
+        Deferred.fromCoroutine(mirror()).addErrback(
+            lambda f: log.warning(
+                "mirroring a commit on a subscription failed",
+                extra=kv(group=group, topic=topic, error=str(f.value)),
+            )
+        )
 
     def _list_groups(self, req: c.Request, host: str) -> Any:
         cls = c.response_class(c.API_LIST_GROUPS)

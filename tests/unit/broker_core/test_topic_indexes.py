@@ -9,6 +9,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_ledger import make_topic, result_of
 
+from polybroker.ledger.api import Position
+
 
 def test_read_from_index_finds_the_entry_holding_a_message() -> None:
     """Reads start at the entry holding the index; out-of-range indexes read nothing."""
@@ -49,3 +51,43 @@ def test_append_listeners_see_each_durable_entry_and_a_failing_one_is_contained(
     bench.ledger.release_appends()
     assert result_of(d).index == 0
     assert seen == [0]
+
+
+def test_mark_subscription_at_index_acknowledges_whole_entries_before_the_index() -> None:
+    """The named durable subscription is created and its mark-delete follows the index,
+    stopping before an entry the index falls inside; it never moves back."""
+    bench = make_topic()
+    for n in (3, 2, 4):
+        result_of(bench.topic.publish(b"x", n))
+    topic = bench.topic
+    result_of(topic.mark_subscription_at_index("grp", 4))  # inside the second entry
+    sub = topic.subscriptions["grp"]
+    assert sub.cursor.mark_delete_position == Position(1, 0)
+    result_of(topic.mark_subscription_at_index("grp", 5))
+    assert sub.cursor.mark_delete_position == Position(1, 1)
+    result_of(topic.mark_subscription_at_index("grp", 1))
+    assert sub.cursor.mark_delete_position == Position(1, 1)
+    result_of(topic.mark_subscription_at_index("grp", 9))
+    assert sub.cursor.mark_delete_position == Position(1, 2)
+    assert sub.cursor.backlog_entries() == 0
+
+
+def test_retention_defaults_reach_the_managed_ledger_config() -> None:
+    """defaultRetentionTimeInMinutes / SizeInMB set the logs' retention; -1 is unlimited."""
+    from fake_ledger import FakeLedgerFactory, FakeMetadataStore
+    from twisted.internet.task import Clock
+
+    from polybroker.broker_core.service import BrokerService
+    from polybroker.config import Config
+
+    clock = Clock()
+    cfg = Config(
+        {
+            "defaultRetentionTimeInMinutes": -1,
+            "defaultRetentionSizeInMB": 2,
+            "statsUpdateFrequencyInSecs": 0,
+        }
+    )
+    service = BrokerService(FakeLedgerFactory(clock.seconds), clock, cfg, FakeMetadataStore())
+    assert service.ledger_config.retention_time_s == -1
+    assert service.ledger_config.retention_size_bytes == 2 * 1024 * 1024
