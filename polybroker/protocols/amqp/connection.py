@@ -68,6 +68,10 @@ class Channel:
         self.closing = False
         self.confirm = False
         self.publish_seq = 0
+        #: Publish outcomes not yet sent, and the highest seq every earlier one is sent for.
+        self.outcomes: dict[int, bool] = {}
+        self.confirmed = 0
+        self.sent_ahead: set[int] = set()
         self.tx = False
         self.tx_work: list[Callable[[], Deferred[Any] | None]] = []
         self.prefetch = 0
@@ -792,6 +796,8 @@ class AmqpConnection(Protocol):
         props = content.properties or c.BasicProperties()
         body = b"".join(content.chunks)
         msg = AmqpMessage(pm.exchange, pm.routing_key, props, body)
+        if pm.immediate:
+            raise c.AmqpError(c.NOT_IMPLEMENTED, "immediate=true", 60, 40)
         ex = self.vh.exchanges.get(pm.exchange)
         if ex is None:
             raise c.AmqpError(
@@ -828,13 +834,13 @@ class AmqpConnection(Protocol):
         d = self.vh.publish(msg, queues)
 
         def acked(_: object) -> None:
-            if confirm and not ch.closing and not self.closed:
-                self.send(ch.number, c.BasicAck(seq, False))
+            if confirm:
+                self._confirmed(ch, seq, True)
 
         def failed(f: Failure) -> Failure | None:
             log.warning("AMQP publish failed", extra=kv(error=str(f.value)))
-            if confirm and not ch.closing and not self.closed:
-                self.send(ch.number, c.BasicNack(seq, False, False))
+            if confirm:
+                self._confirmed(ch, seq, False)
                 return None
             return f
 
@@ -844,6 +850,46 @@ class AmqpConnection(Protocol):
         return d
 
     # -- confirm and tx ----------------------------------------------------------------------
+
+    def _confirmed(self, ch: Channel, seq: int, ok: bool) -> None:
+        """Record a publish's outcome; outcomes of one reactor turn are sent together, a run
+        of consecutive acks as one basic.ack with multiple set."""
+        ch.outcomes[seq] = ok
+        if len(ch.outcomes) == 1:
+            self.s.clock.callLater(0, self._flush_confirms, ch)
+
+    def _flush_confirms(self, ch: Channel) -> None:
+        outcomes, ch.outcomes = ch.outcomes, {}
+        if ch.closing or self.closed or not outcomes:
+            return
+        out: list[bytes] = []
+        run = 0  # the end of a run of acks that every earlier publish precedes
+        for seq in sorted(outcomes):
+            ok = outcomes[seq]
+            if ok and seq == ch.confirmed + 1:
+                self._advance(ch, seq)
+                run = ch.confirmed
+                continue
+            if run:
+                out.append(c.encode_method(ch.number, c.BasicAck(run, True)))
+                run = 0
+            method = c.BasicAck(seq, False) if ok else c.BasicNack(seq, False, False)
+            out.append(c.encode_method(ch.number, method))
+            if seq == ch.confirmed + 1:
+                self._advance(ch, seq)
+            else:
+                ch.sent_ahead.add(seq)
+        if run:
+            out.append(c.encode_method(ch.number, c.BasicAck(run, True)))
+        self.transport.write(b"".join(out))
+
+    @staticmethod
+    def _advance(ch: Channel, seq: int) -> None:
+        """Every publish up to ``seq`` is confirmed; absorb those confirmed ahead of it."""
+        ch.confirmed = seq
+        while ch.confirmed + 1 in ch.sent_ahead:
+            ch.sent_ahead.discard(ch.confirmed + 1)
+            ch.confirmed += 1
 
     def on_ConfirmSelect(self, ch: Channel, m: c.ConfirmSelect) -> None:
         if ch.tx:

@@ -192,6 +192,7 @@ class Queue:
         self.dlx_key: str | None = arguments.get("x-dead-letter-routing-key")
         self._expiry: IDelayedCall | None = None
         self._ttl_timer: IDelayedCall | None = None
+        self._acks: list[Position] = []
         self.forwarders: dict[str, Forwarder] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -330,8 +331,15 @@ class Queue:
     # -- settling ----------------------------------------------------------------------------
 
     def _ack_entry(self, position: Position) -> None:
-        if self.server_consumer is not None:
-            self.server_consumer.ack([position]).addErrback(lambda f: None)
+        # Acks of one reactor turn go to the subscription together.
+        self._acks.append(position)
+        if len(self._acks) == 1:
+            self.vhost.clock.callLater(0, self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        acks, self._acks = self._acks, []
+        if acks and self.server_consumer is not None:
+            self.server_consumer.ack(acks).addErrback(lambda f: None)
 
     def settle(self, qm: QueuedMessage) -> None:
         """The message is done with (acked, dropped or dead-lettered)."""
@@ -1071,6 +1079,14 @@ class VirtualHost:
             sequence_id=next(self._sequence),
             publish_time_ms=now,
         )
+        if len(queues) == 1 and not bridge:
+            # The common case: one destination, no list of Deferreds to wait on.
+            q = queues[0]
+            q.appending += 1
+            one = self.service.publish(q.topic, data, publish_time_ms=now)
+            one.addBoth(_appended, q)
+            one.addCallback(lambda _: 1)
+            return one  # type: ignore[no-any-return]
         ds: list[Deferred[Any]] = []
         for q in queues:
             q.appending += 1

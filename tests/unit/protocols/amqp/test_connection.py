@@ -129,9 +129,28 @@ def test_confirm_waits_for_the_durable_write_and_nacks_a_failed_one() -> None:
     p.publish(1, "", "q", b"two", delivery_mode=2)
     assert p.methods() == []
     ledger.release_appends(1)
-    assert p.methods() == [c.BasicAck(1, False)]
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicAck(1, True)]
     ledger.release_appends(1, error=RuntimeError("bookies gone"))
+    p.clock.advance(0)
     assert p.methods() == [c.BasicNack(2, False, False)]
+
+
+def test_confirms_of_one_turn_are_coalesced() -> None:
+    """Consecutive confirms completing together go out as one basic.ack with multiple set."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.ConfirmSelect())
+    p.methods()
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    for i in range(5):
+        p.publish(1, "", "q", str(i).encode(), delivery_mode=2)
+    ledger.release_appends()
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicAck(5, True)]
 
 
 def test_tx_commit_replies_after_the_writes() -> None:
