@@ -3,6 +3,12 @@
 Prints ``bookie listening on HOST:PORT`` on stdout once it serves (tools wait for that line);
 exits 0 after a clean stop, 1 when it cannot start (a cookie mismatch, a bad config, a port in
 use), with the reason on stderr.
+
+With a metadata store (``--metadata``) the bookie is announced by an ephemeral node under
+``/bookies/available``; when the store's session is lost (ZooKeeper expired it, so the node is
+gone) the bookie announces itself again as soon as a new session is established, retrying every
+``REREGISTER_RETRY_S`` while the store cannot be reached. Another identity registered at its
+address meanwhile stops the bookie (exit 1).
 """
 
 from __future__ import annotations
@@ -20,17 +26,98 @@ from twisted.python.failure import Failure
 from polybroker import logs
 from polybroker.config import ConfigError, load
 from polybroker.ledger.api import StorageError
+from polybroker.ledger.bookie import cookie as cookies
+from polybroker.metadata.api import MetadataStore, SessionEvent
 
 log = logging.getLogger(__name__)
 
+REREGISTER_RETRY_S = 1.0
 
-def _open_store(url: str, data_dir: Path, reactor: Any) -> Deferred[Any]:
+
+def _open_store(
+    url: str, data_dir: Path, reactor: Any, session_timeout_ms: int | None = None
+) -> Deferred[Any]:
     """Open the metadata store named by ``url`` (a Deferred of it)."""
     try:
-        from polybroker.metadata import open_metadata_store  # type: ignore[attr-defined]
+        from polybroker.metadata import open_metadata_store
     except ImportError:
         return Deferred.fromCoroutine(_missing_store(url))
-    return maybeDeferred(open_metadata_store, url, data_dir=data_dir, reactor=reactor)
+    return maybeDeferred(
+        open_metadata_store,
+        url,
+        data_dir=data_dir,
+        reactor=reactor,
+        session_timeout_ms=session_timeout_ms,
+    )
+
+
+class Reregistration:
+    """Announces a bookie again after its metadata session was lost (see the module
+    docstring). ``on_conflict`` is called once if another identity took the address."""
+
+    def __init__(
+        self,
+        store: MetadataStore,
+        address: str,
+        cookie: cookies.Cookie,
+        reactor: Any,
+        on_conflict: Any,
+    ) -> None:
+        self._store = store
+        self._address = address
+        self._cookie = cookie
+        self._reactor = reactor
+        self._on_conflict = on_conflict
+        self._stopped = False
+        self._pending: Any = None
+        self._generation = 0
+        store.add_session_listener(self._session_event)
+
+    def stop(self) -> None:
+        """Stop re-announcing (the bookie is stopping)."""
+        self._stopped = True
+        if self._pending is not None and self._pending.active():
+            self._pending.cancel()
+        self._pending = None
+
+    def _session_event(self, event: SessionEvent) -> None:
+        if self._stopped:
+            return
+        if event is SessionEvent.SESSION_LOST:
+            log.warning(
+                "metadata session lost: bookie no longer announced",
+                extra=logs.kv(address=self._address),
+            )
+            self._generation += 1
+        elif event is SessionEvent.SESSION_REESTABLISHED:
+            self._generation += 1
+            self._attempt(self._generation)
+
+    def _attempt(self, generation: int) -> None:
+        self._pending = None
+        if self._stopped or generation != self._generation:
+            return
+        d = cookies.register(self._store, self._address, self._cookie)
+
+        def done(_: object) -> None:
+            log.info("bookie announced again", extra=logs.kv(address=self._address))
+
+        def failed(f: Failure) -> None:
+            if self._stopped or generation != self._generation:
+                return
+            if f.check(cookies.CookieError):
+                log.error("cannot announce the bookie again: %s", f.getErrorMessage())
+                self._stopped = True
+                self._on_conflict(f)
+                return
+            log.warning(
+                "announcing the bookie again failed, retrying: %s",
+                f.getErrorMessage(),
+                extra=logs.kv(address=self._address),
+            )
+            self._pending = self._reactor.callLater(REREGISTER_RETRY_S, self._attempt, generation)
+
+        d.addCallbacks(done, failed)
 
 
 async def _missing_store(url: str) -> None:
@@ -73,7 +160,8 @@ def run_bookie(args: argparse.Namespace) -> int:
 
     def start() -> None:
         url = config["metadataStoreUrl"]
-        d: Deferred[Any] = _open_store(url, data_dir, reactor) if url else Deferred()
+        timeout_ms = config["metadataStoreSessionTimeoutMillis"]
+        d: Deferred[Any] = _open_store(url, data_dir, reactor, timeout_ms) if url else Deferred()
         if not url:
             d.callback(None)
 
@@ -91,6 +179,11 @@ def run_bookie(args: argparse.Namespace) -> int:
 
             def listening(port: int) -> None:
                 holder["server"] = server
+                if store is not None:
+                    assert server.cookie is not None
+                    holder["reregistration"] = Reregistration(
+                        store, server.address, server.cookie, reactor, conflict
+                    )
                 print(f"bookie listening on {server.address}", flush=True)
 
             return d2.addCallback(listening)
@@ -98,7 +191,15 @@ def run_bookie(args: argparse.Namespace) -> int:
         d.addCallback(serve)
         d.addErrback(fail_start)
 
+    def conflict(f: Failure) -> None:
+        status["code"] = 1
+        print(f"polybroker bookie: stopping: {f.getErrorMessage()}", file=sys.stderr, flush=True)
+        reactor.stop()  # type: ignore[attr-defined]
+
     def shutdown() -> Deferred[None] | None:
+        reregistration = holder.pop("reregistration", None)
+        if reregistration is not None:
+            reregistration.stop()
         server = holder.pop("server", None)
         d: Deferred[Any] = server.stop() if server is not None else Deferred()
         if server is None:
