@@ -1,0 +1,280 @@
+"""Unit tests of the MQTT connection and sessions over StringTransport, a Clock, the fake
+ledger and the fake metadata store."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
+
+from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
+
+from polybroker.broker_core.messages import Message, decode_entry, encode_entry
+from polybroker.broker_core.service import BrokerService
+from polybroker.config import Config
+from polybroker.protocols.mqtt import codec as c
+from polybroker.protocols.mqtt.connection import MqttConnection, MqttSettings
+from polybroker.protocols.mqtt.session import MqttBroker
+
+ML_AB = "public/default/persistent/a%252Fb"
+
+
+class Env:
+    """A service, the MQTT state over it, and helpers to open client connections."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.clock = Clock()
+        self.clock.advance(1_000_000)
+        self.factory = FakeLedgerFactory(self.clock.seconds)
+        self.store = FakeMetadataStore()
+        self.service = BrokerService(
+            self.factory, self.clock, Config({"statsUpdateFrequencyInSecs": 0}), self.store
+        )
+        self.broker = MqttBroker(self.service, self.clock, settings.pop("deny", ()))
+        result_of(self.broker.start())
+        self.settings = MqttSettings(broker=self.broker, clock=self.clock, **settings)
+
+    def peer(self, client_id: str = "c", level: int = c.LEVEL_311, **connect: Any) -> Peer:
+        p = Peer(self, level)
+        p.send(c.Connect(client_id, level, **connect))
+        return p
+
+
+class Peer:
+    """A connection under test and the client end of its transport."""
+
+    def __init__(self, env: Env, level: int) -> None:
+        self.env = env
+        self.level = level
+        self.conn = MqttConnection(env.settings)
+        self.transport = StringTransport()
+        self.conn.makeConnection(self.transport)
+        self.reader = c.PacketReader(level=level)
+
+    def send(self, packet: c.Packet) -> None:
+        self.conn.dataReceived(c.encode(packet, self.level))
+
+    def packets(self) -> list[c.Packet]:
+        data = self.transport.value()
+        self.transport.clear()
+        self.reader.feed(data)
+        return self.reader.packets()
+
+    def one(self) -> c.Packet:
+        got = self.packets()
+        assert len(got) == 1, got
+        return got[0]
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.transport.disconnecting)
+
+
+def test_connack_and_session_present() -> None:
+    """A persistent session is present on return; a clean one never is."""
+    env = Env()
+    p = env.peer("dev", clean_start=False)
+    assert p.one() == c.ConnAck(False, 0)
+    p.send(c.Disconnect())
+    p2 = env.peer("dev", clean_start=False)
+    assert p2.one() == c.ConnAck(True, 0)
+    p3 = env.peer("dev", clean_start=True)
+    assert p3.packets()[-1] == c.ConnAck(False, 0)
+
+
+def test_puback_waits_for_the_durable_write() -> None:
+    """PUBACK and PUBREC leave only after the append completes, in PUBLISH order."""
+    env = Env()
+    p = env.peer("pub")
+    p.packets()
+    p.send(c.Publish("a/b", b"first", 0))  # loads the topic
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    p.send(c.Publish("a/b", b"one", 1, packet_id=1))
+    p.send(c.Publish("a/b", b"two", 2, packet_id=2))
+    assert p.packets() == []
+    ml.release_appends(1)
+    assert p.packets() == [c.PubAck(1)]
+    ml.release_appends()
+    assert p.packets() == [c.PubRec(2)]
+    p.send(c.PubRel(2))
+    assert p.packets() == [c.PubComp(2)]
+    stored = [decode_entry(e.data)[0] for e in ml.data.entries]
+    assert [m.payload for m in stored] == [b"first", b"one", b"two"]
+    assert ("mqtt.qos", "2") in stored[2].properties
+
+
+def test_failed_write_v5_gets_a_negative_ack_and_v311_a_close() -> None:
+    """A failed durable write is PUBACK 0x80 for MQTT 5 and a closed connection for 3.1.1."""
+    env = Env()
+    p5 = env.peer("p5", c.LEVEL_5)
+    p5.packets()
+    p5.send(c.Publish("a/b", b"x", 0))
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    p5.send(c.Publish("a/b", b"y", 1, packet_id=1))
+    ml.release_appends(error=RuntimeError("bookies gone"))
+    assert p5.packets() == [c.PubAck(1, c.UNSPECIFIED_ERROR)]
+    p3 = env.peer("p3")
+    p3.packets()
+    p3.send(c.Publish("a/b", b"y", 1, packet_id=1))
+    ml.release_appends(error=RuntimeError("bookies gone"))
+    assert p3.packets() == []
+    assert p3.closed
+
+
+def test_keep_alive_enforced_at_one_and_a_half_times() -> None:
+    """A client silent for 1.5x its keep-alive is closed and its will published; traffic
+    before the deadline keeps it alive."""
+    env = Env()
+    watcher = env.peer("w")
+    watcher.send(c.Subscribe(1, [c.Subscription("will/#", 1)]))
+    watcher.packets()
+    p = env.peer("k", keep_alive=10, will=c.Will("will/k", b"bye", 1))
+    p.packets()
+    env.clock.advance(14)
+    p.send(c.PingReq())
+    assert p.packets() == [c.PingResp()]
+    env.clock.advance(14.9)
+    assert not p.closed
+    env.clock.advance(0.2)
+    assert p.closed
+    (will,) = watcher.packets()
+    assert isinstance(will, c.Publish)
+    assert (will.topic, will.payload) == ("will/k", b"bye")
+
+
+def test_nothing_but_connect_first_and_a_connect_timeout() -> None:
+    """A PINGREQ before CONNECT closes the connection; so does silence past the timeout."""
+    env = Env()
+    early = Peer(env, c.LEVEL_311)
+    early.send(c.PingReq())
+    assert early.closed
+    assert early.packets() == []
+    silent = Peer(env, c.LEVEL_311)
+    env.clock.advance(env.settings.connect_timeout_s + 0.1)
+    assert silent.closed
+
+
+def test_inflight_resent_with_dup_and_acked_on_return() -> None:
+    """An unacknowledged QoS 1 delivery is resent with DUP and the same packet id when a
+    persistent session returns; after its PUBACK the entry is acknowledged."""
+    env = Env()
+    sub = env.peer("s", clean_start=False)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    pub = env.peer("p")
+    pub.send(c.Publish("a/b", b"m", 1, packet_id=9))
+    (first,) = sub.packets()
+    assert isinstance(first, c.Publish)
+    assert (first.payload, first.qos, first.dup) == (b"m", 1, False)
+    sub.conn.connectionLost(None)
+    back = env.peer("s", clean_start=False)
+    connack, again = back.packets()
+    assert connack == c.ConnAck(True, 0)
+    assert isinstance(again, c.Publish)
+    assert (again.payload, again.dup, again.packet_id) == (b"m", True, first.packet_id)
+    assert again.packet_id is not None
+    back.send(c.PubAck(again.packet_id))
+    session = env.broker.sessions["s"]
+    assert session.inflight == {}
+    cursor = env.factory.ledger(ML_AB).cursors["mqtt-s"]
+    assert cursor.backlog() == 0
+
+
+def test_qos2_outbound_flow_and_pubrel_resent_after_reconnect() -> None:
+    """QoS 2 delivery: PUBLISH, PUBREC -> PUBREL, PUBCOMP; a session that returns after PUBREC
+    gets the PUBREL again, not the message."""
+    env = Env()
+    sub = env.peer("s", clean_start=False)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 2)]))
+    sub.packets()
+    env.peer("p").send(c.Publish("a/b", b"x", 2, packet_id=3))
+    (pub,) = sub.packets()
+    assert isinstance(pub, c.Publish)
+    assert pub.packet_id is not None
+    assert pub.qos == 2
+    sub.send(c.PubRec(pub.packet_id))
+    assert sub.packets() == [c.PubRel(pub.packet_id)]
+    sub.conn.connectionLost(None)
+    back = env.peer("s", clean_start=False)
+    assert back.packets() == [c.ConnAck(True, 0), c.PubRel(pub.packet_id)]
+    back.send(c.PubComp(pub.packet_id))
+    assert env.broker.sessions["s"].inflight == {}
+
+
+def test_client_receive_maximum_limits_inflight() -> None:
+    """With Receive Maximum 1 the next QoS 1 message waits for the previous PUBACK."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5, properties={c.RECEIVE_MAXIMUM: 1})
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    pub = env.peer("p")
+    for i in range(3):
+        pub.send(c.Publish("a/b", str(i).encode(), 1, packet_id=i + 1))
+    (one,) = sub.packets()
+    assert isinstance(one, c.Publish)
+    assert one.packet_id is not None
+    sub.send(c.PubAck(one.packet_id))
+    (two,) = sub.packets()
+    assert isinstance(two, c.Publish)
+    assert [one.payload, two.payload] == [b"0", b"1"]
+
+
+def test_server_receive_maximum_exceeded_disconnects() -> None:
+    """An MQTT 5 client with more unacknowledged QoS 1 publishes than allowed gets 0x93."""
+    env = Env(receive_maximum=1)
+    p = env.peer("p", c.LEVEL_5)
+    p.packets()
+    p.send(c.Publish("a/b", b"x", 0))
+    env.factory.ledger(ML_AB).hold_appends = True
+    p.send(c.Publish("a/b", b"1", 1, packet_id=1))
+    p.send(c.Publish("a/b", b"2", 1, packet_id=2))
+    (disconnect,) = p.packets()
+    assert isinstance(disconnect, c.Disconnect)
+    assert disconnect.reason_code == c.RECEIVE_MAXIMUM_EXCEEDED
+    assert p.closed
+
+
+def test_session_expiry_deletes_the_durable_subscription() -> None:
+    """An MQTT 5 session with expiry 30 s outlives its connection for 30 s, then its
+    subscription is deleted and the session is gone."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5, clean_start=False, properties={c.SESSION_EXPIRY: 30})
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    sub.send(c.Disconnect())
+    ml = env.factory.ledger(ML_AB)
+    env.clock.advance(29)
+    assert "mqtt-s" in ml.cursors
+    env.clock.advance(2)
+    assert "mqtt-s" not in ml.cursors
+    assert "s" not in env.broker.sessions
+    back = env.peer("s", c.LEVEL_5, clean_start=False)
+    connack = back.one()
+    assert isinstance(connack, c.ConnAck)
+    assert (connack.session_present, connack.reason_code) == (False, 0)
+
+
+def test_messages_from_other_protocols_are_delivered_at_granted_qos() -> None:
+    """An entry written through the Broker API (as Pulsar or Kafka would) reaches a
+    subscriber as QoS 1 when granted 1, with its properties as MQTT 5 user properties."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 2)]))
+    sub.packets()
+    data = encode_entry(
+        [Message(b"raw", properties=[("h", "v")])],
+        producer_name="other",
+        sequence_id=0,
+        publish_time_ms=0,
+    )
+    result_of(env.service.publish("persistent://public/default/a%2Fb", data))
+    (pub,) = sub.packets()
+    assert isinstance(pub, c.Publish)
+    assert (pub.payload, pub.qos, pub.properties[c.USER_PROPERTY]) == (b"raw", 1, [("h", "v")])
