@@ -50,6 +50,7 @@ _KEYS: tuple[Key, ...] = (
     Key("amqpFrameMax", int, 131072, "AMQP frame-max offered in connection.tune"),
     Key("amqpChannelMax", int, 2047, "AMQP channel-max offered in connection.tune"),
     Key("amqpHeartbeatSeconds", int, 60, "AMQP heartbeat offered in connection.tune (0: off)"),
+    Key("amqpMemoryHighWatermarkMB", int, 512, "AMQP transient queues' memory before blocking"),
     Key("messagingProtocols", str, "pulsar", "Comma-separated protocol handlers to enable"),
     Key("maxMessageSize", int, 5 * 1024 * 1024, "Largest message (bytes); frames add overhead"),
     Key("keepAliveIntervalSeconds", int, 30, "Ping idle Pulsar clients this often (0: never)"),

@@ -29,7 +29,13 @@ from typing_extensions import override
 from polybroker.logs import kv
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.convert import AmqpMessage
-from polybroker.protocols.amqp.vhost import Queue, QueueConsumer, QueuedMessage, VirtualHost
+from polybroker.protocols.amqp.vhost import (
+    MemoryGauge,
+    Queue,
+    QueueConsumer,
+    QueuedMessage,
+    VirtualHost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,7 @@ class AmqpSettings:
     channel_max: int = 2047
     heartbeat_s: int = 60
     max_message_size: int = 5 * 1024 * 1024
+    gauge: MemoryGauge = field(default_factory=lambda: MemoryGauge(0))
 
 
 @dataclass
@@ -108,6 +115,9 @@ class AmqpConnection(Protocol):
         self._tags = itertools.count(1)
         self.factory: AmqpFactory | None = None
         self._released = False
+        self.blocked_notify = False
+        self.publisher = False
+        self.blocked = False
 
     # -- Twisted -----------------------------------------------------------------------------
 
@@ -115,6 +125,7 @@ class AmqpConnection(Protocol):
     def connectionMade(self) -> None:
         if self.factory is not None:
             self.factory.connections.add(self)
+        self.s.gauge.listeners.append(self._memory)
         self._last_rx = self.s.clock.seconds()
         # A client that never finishes the handshake is dropped.
         self.s.clock.callLater(30.0, self._handshake_deadline)
@@ -160,6 +171,8 @@ class AmqpConnection(Protocol):
         self._released = True
         if self.factory is not None:
             self.factory.connections.discard(self)
+        if self._memory in self.s.gauge.listeners:
+            self.s.gauge.listeners.remove(self._memory)
         if self._heartbeat is not None and self._heartbeat.running:
             self._heartbeat.stop()
         for ch in list(self.channels.values()):
@@ -167,6 +180,19 @@ class AmqpConnection(Protocol):
         self.channels.clear()
         if self.vhost is not None:
             self.vhost.owner_gone(self)
+
+    def _memory(self, high: bool) -> None:
+        """Memory crossed the watermark: stop (or resume) reading from publishers."""
+        if self.closed or not self.publisher or high == self.blocked:
+            return
+        self.blocked = high
+        if self.blocked_notify:
+            method = c.ConnectionBlocked("low on memory") if high else c.ConnectionUnblocked()
+            self.send(0, method)
+        if high:
+            self.transport.pauseProducing()
+        else:
+            self.transport.resumeProducing()
 
     def send(self, channel: int, method: c.Method) -> None:
         if not self.closed:
@@ -250,6 +276,10 @@ class AmqpConnection(Protocol):
                 )
             if isinstance(m, c.BasicPublish):
                 ch.content = _Content(m)
+                if not self.publisher:
+                    self.publisher = True
+                    if self.s.gauge.high:
+                        self._memory(True)
                 return
             self._submit(ch, m)
             return

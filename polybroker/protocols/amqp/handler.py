@@ -2,7 +2,8 @@
 
 Config keys: ``amqpListenerPort`` (default 5672), ``bindAddress``, ``amqpUsers`` (PLAIN logins,
 ``user:password`` comma-separated; default ``guest:guest``), ``amqpFrameMax``, ``amqpChannelMax``,
-``amqpHeartbeatSeconds`` (offered in connection.tune), ``maxMessageSize`` (largest body).
+``amqpHeartbeatSeconds`` (offered in connection.tune), ``maxMessageSize`` (largest body),
+``amqpMemoryHighWatermarkMB`` (bytes transient queues may hold before publishers are blocked).
 
 Vhosts are namespaces: ``/`` (or empty) is ``public/default``, ``name`` is ``public/name`` and
 ``tenant/ns`` is itself. A vhost's durable exchanges, queues and bindings are loaded from the
@@ -19,7 +20,7 @@ from twisted.internet.defer import Deferred, succeed
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
 from polybroker.config import Config, ConfigError
 from polybroker.protocols.amqp.connection import AmqpFactory, AmqpSettings
-from polybroker.protocols.amqp.vhost import VirtualHost
+from polybroker.protocols.amqp.vhost import MemoryGauge, VirtualHost
 
 PORT_KEY = "amqpListenerPort"
 
@@ -64,6 +65,7 @@ class AmqpProtocolHandler(ProtocolHandler):
         self.context: BrokerContext | None = None
         self.factory: AmqpFactory | None = None
         self.vhosts: dict[str, VirtualHost] = {}
+        self.gauge = MemoryGauge(0)
         self._loading: dict[str, Deferred[Any]] = {}
         #: Tags transient messages and queues: a restarted broker drops the older ones.
         self.incarnation = secrets.token_hex(4)
@@ -90,6 +92,10 @@ class AmqpProtocolHandler(ProtocolHandler):
         self.heartbeat_s = heartbeat
         self.max_message_size = int(config.get("maxMessageSize"))
         self.host = str(config.get("bindAddress"))
+        watermark = int(config.get("amqpMemoryHighWatermarkMB"))
+        if watermark < 0:
+            raise ConfigError(f"amqpMemoryHighWatermarkMB: {watermark} is negative")
+        self.gauge = MemoryGauge(watermark * 1024 * 1024)
 
     def start(self, broker: BrokerContext) -> Deferred[None] | None:
         self.context = broker
@@ -103,6 +109,7 @@ class AmqpProtocolHandler(ProtocolHandler):
                 channel_max=self.channel_max,
                 heartbeat_s=self.heartbeat_s,
                 max_message_size=self.max_message_size,
+                gauge=self.gauge,
             )
         )
         return None
@@ -116,7 +123,9 @@ class AmqpProtocolHandler(ProtocolHandler):
         assert self.context is not None
         waiting = self._loading.get(ns)
         if waiting is None:
-            vh = VirtualHost(self.context.service, self.context.reactor, ns, self.incarnation)
+            vh = VirtualHost(
+                self.context.service, self.context.reactor, ns, self.incarnation, self.gauge
+            )
             waiting = Deferred.fromCoroutine(vh.load())
 
             def loaded(_: object, v: VirtualHost = vh) -> VirtualHost:

@@ -1,21 +1,23 @@
 """Virtual hosts: exchanges, queues and bindings of one namespace, over the Broker API.
 
-Design. A queue is a topic of its own, ``persistent://<ns>/amqp.queue.<name>`` (transient
-queues add the broker incarnation, so a restart leaves them behind), read through one durable
-subscription (``amqp``) by a feeder that keeps a bounded window of the backlog in memory; AMQP
-consumers, ``basic.get``, prefetch, requeue and redelivered flags work on that window, and an
-entry is acknowledged on the subscription once every message of it is settled (acked, dropped
-or dead-lettered). Routing runs at publish time: the message is encoded once and that one
-buffer is appended to each destination queue's topic, so every queue is an ordinary topic that
-any broker can own (no one-bundle rule) and durability is the topics' durability.
+Design. A durable queue is a topic of its own, ``persistent://<ns>/amqp.queue.<name>``, read
+through one durable subscription (``amqp``) by a feeder that keeps a bounded window of the
+backlog in memory; AMQP consumers, ``basic.get``, prefetch, requeue and redelivered flags work on
+that window, and an entry is acknowledged on the subscription once every message of it is settled
+(acked, dropped or dead-lettered). Routing runs at publish time: the message is encoded once and
+that one buffer is appended to each destination queue's topic, so every queue is an ordinary
+topic that any broker can own (no one-bundle rule) and durability is the topics' durability.
+A transient (non-durable) queue does not outlive this broker, so, as in RabbitMQ, it holds its
+messages in memory only, against the handler's ``MemoryGauge`` (publishers are blocked above
+its watermark).
 
 ``amq.topic`` bridges to the other protocols: a publish with routing key R is also written to
 topic R; a queue bound to ``amq.topic`` with key P gets, through a forwarder (a durable
 subscription ``amqp.fwd.<queue>`` on each topic matching P), what other protocols produce there.
 
 Durable exchanges, queues and bindings are kept in the metadata store under
-``/amqp/<tenant>/<ns>/``; transient messages carry the incarnation that stored them and are
-dropped when a later incarnation reads them.
+``/amqp/<tenant>/<ns>/``; transient messages in durable queues carry the incarnation that stored
+them and are dropped when a later incarnation reads them.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class QueueConsumer:
 
 @dataclass(slots=True)
 class _EntryRef:
-    position: Position
+    position: Position | None  # None: a message held in memory only
     remaining: int
 
 
@@ -168,9 +170,10 @@ class Queue:
         self.exclusive_owner = exclusive_owner
         self.auto_delete = auto_delete
         self.arguments = arguments
+        #: A transient queue lives and dies with this broker: it holds its messages in
+        #: memory (as RabbitMQ does), bounded by the handler's memory gauge.
+        self.memory_only = not durable
         local = f"amqp.queue.{quote(name, safe='')}"
-        if not durable:
-            local = f"amqp.tqueue.{vhost.incarnation}.{quote(name, safe='')}"
         self.topic = f"persistent://{vhost.namespace}/{local}"
         self.ready: deque[QueuedMessage] = deque()
         self.consumers: list[QueueConsumer] = []
@@ -198,7 +201,10 @@ class Queue:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Deferred[None]:
-        """Subscribe the feeder to the queue's topic."""
+        """Subscribe the feeder to the queue's topic (a transient queue has none)."""
+        self.touch()
+        if self.memory_only:
+            return succeed(None)
         d = self.vhost.service.subscribe(
             self.topic,
             SUBSCRIPTION,
@@ -215,7 +221,6 @@ class Queue:
             self._flow()
 
         d.addCallback(attached)
-        self.touch()
         return d  # type: ignore[return-value]
 
     def feeder_lost(self) -> None:
@@ -233,6 +238,9 @@ class Queue:
     def close(self) -> None:
         """Stop reading (broker shutdown); the subscription keeps its position."""
         self.deleted = True
+        if self.memory_only:
+            while self.ready:
+                self.settle(self.ready.popleft())
         for timer in (self._expiry, self._ttl_timer):
             if timer is not None and timer.active():
                 timer.cancel()
@@ -310,6 +318,21 @@ class Queue:
             self.dead_letter(qm, "expired")
         self._schedule_expiry()
 
+    def accept(self, am: AmqpMessage) -> None:
+        """Take a message into a memory-only queue."""
+        if self.deleted:
+            return
+        if not am.publish_time_ms:
+            am.publish_time_ms = _now_ms(self.vhost.clock)
+        qm = QueuedMessage(_EntryRef(None, 1), am)
+        qm.expires_at_ms = self._expiry_of(am)
+        self.in_memory += 1
+        self.vhost.gauge.add(len(am.body))
+        self.ready.append(qm)
+        self._enforce_max_length()
+        self.dispatch()
+        self._schedule_expiry()
+
     def _expiry_of(self, am: AmqpMessage) -> int:
         ttl = self.ttl_ms
         if am.properties.expiration:
@@ -348,6 +371,9 @@ class Queue:
         qm.settled = True
         self.in_memory -= 1
         qm.ref.remaining -= 1
+        if qm.ref.position is None:
+            self.vhost.gauge.add(-len(qm.message.body))
+            return
         if qm.ref.remaining == 0:
             self._ack_entry(qm.ref.position)
         self._flow()
@@ -524,6 +550,27 @@ def _int_arg(arguments: dict[str, Any], name: str) -> int | None:
     return value
 
 
+class MemoryGauge:
+    """Bytes held by memory-only queues against a high watermark (0: no limit); listeners
+    hear when it is crossed upwards (True) and when usage falls back below it (False)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.high = False
+        self.listeners: list[Callable[[bool], None]] = []
+
+    def add(self, delta: int) -> None:
+        self.used += delta
+        if not self.limit:
+            return
+        high = self.used > self.limit
+        if high != self.high and (high or self.used < self.limit * 0.9):
+            self.high = high
+            for listener in list(self.listeners):
+                listener(high)
+
+
 class Forwarder:
     """Feeds a queue bound to ``amq.topic`` from topics other protocols write (see module)."""
 
@@ -650,6 +697,15 @@ class _ForwardSink:
                 sequence_id=-1,
                 publish_time_ms=entry.publish_time_ms,
             )
+            if queue.memory_only:
+                for m in keep:
+                    am = from_stored(m)
+                    am.publish_time_ms = am.publish_time_ms or entry.publish_time_ms
+                    queue.accept(am)
+                if sc is not None:
+                    sc.ack([entry.position]).addErrback(lambda f: None)
+                    sc.flow(entry.num_messages)
+                continue
             queue.appending += 1
             pd = queue.vhost.service.publish(queue.topic, data, num_messages=len(keep))
 
@@ -697,8 +753,14 @@ class VirtualHost:
     """The exchanges and queues of one vhost (see the module docstring)."""
 
     def __init__(
-        self, service: BrokerService, clock: IReactorTime, namespace: str, incarnation: str
+        self,
+        service: BrokerService,
+        clock: IReactorTime,
+        namespace: str,
+        incarnation: str,
+        gauge: MemoryGauge | None = None,
     ) -> None:
+        self.gauge = gauge or MemoryGauge(0)
         self.service = service
         self.clock = clock
         self.namespace = namespace
@@ -1028,7 +1090,8 @@ class VirtualHost:
         q.close()
         if q.durable:
             ds.append(self._forget("queues", name))
-        ds.append(self.service.delete_topic(q.topic, force=True))
+        if not q.memory_only:
+            ds.append(self.service.delete_topic(q.topic, force=True))
         dl = DeferredList(ds, consumeErrors=True)
         dl.addCallback(lambda _: count)
         return dl  # type: ignore[return-value]
@@ -1066,13 +1129,23 @@ class VirtualHost:
             queues = self.destinations(msg)
         if not msg.persistent and not msg.incarnation:
             msg.incarnation = self.incarnation
+        now = _now_ms(self.clock)
+        stored = [q for q in queues if not q.memory_only]
+        if len(stored) != len(queues):
+            msg.publish_time_ms = now
+            for q in queues:
+                if q.memory_only:
+                    q.accept(msg)
+            reached = len(queues)
+            queues = stored
+        else:
+            reached = len(queues)
         targets = [q.topic for q in queues]
         bridge = msg.exchange == "amq.topic" and _valid_local(msg.routing_key)
         if bridge:
             targets.append(f"persistent://{self.namespace}/{msg.routing_key}")
         if not targets:
-            return succeed(0)
-        now = _now_ms(self.clock)
+            return succeed(reached)
         data = encode_entry(
             [to_stored(msg)],
             producer_name="amqp",
@@ -1085,7 +1158,7 @@ class VirtualHost:
             q.appending += 1
             one = self.service.publish(q.topic, data, publish_time_ms=now)
             one.addBoth(_appended, q)
-            one.addCallback(lambda _: 1)
+            one.addCallback(lambda _: reached)
             return one  # type: ignore[no-any-return]
         ds: list[Deferred[Any]] = []
         for q in queues:
@@ -1100,7 +1173,7 @@ class VirtualHost:
         def unwrap(f: Any) -> Any:
             return f.value.subFailure if hasattr(f.value, "subFailure") else f
 
-        dl.addCallbacks(lambda _: len(queues), unwrap)
+        dl.addCallbacks(lambda _: reached, unwrap)
         return dl  # type: ignore[return-value]
 
 

@@ -81,8 +81,8 @@ class Peer:
             + c.BasicProperties(**props).encode()
         )
         self.send(c._frame(c.FRAME_HEADER, channel, header))
-        if body:
-            self.send(c._frame(c.FRAME_BODY, channel, body))
+        for start in range(0, len(body), 8000):
+            self.send(c._frame(c.FRAME_BODY, channel, body[start : start + 8000]))
 
 
 def test_handshake_tunes_and_opens() -> None:
@@ -158,11 +158,10 @@ def test_tx_commit_replies_after_the_writes() -> None:
     p = Peer()
     p.handshake()
     p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q"))
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
     p.method(1, c.TxSelect())
     p.methods()
-    incarnation = p.handler.incarnation
-    ledger = p.ledgers.ledger(f"public/default/persistent/amqp.tqueue.{incarnation}.q")
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
     ledger.hold_appends = True
     p.publish(1, "", "q", b"x")
     p.method(1, c.TxCommit())
@@ -227,3 +226,24 @@ def test_broker_cancels_consumers_of_a_deleted_queue() -> None:
     out = p.methods()
     assert c.BasicCancel("ct", True) in out
     assert c.QueueDeleteOk(0) in out
+
+
+def test_publishers_are_blocked_above_the_memory_watermark() -> None:
+    """Transient queues above amqpMemoryHighWatermarkMB block publishing connections
+    (connection.blocked, reads paused) until consumers drain them."""
+    p = Peer(amqpMemoryHighWatermarkMB=1)
+    p.handshake()
+    p.conn.blocked_notify = True  # pika announces the connection.blocked capability
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="t"))
+    p.methods()
+    p.publish(1, "", "t", b"x" * 700_000)
+    assert p.methods() == []
+    p.publish(1, "", "t", b"y" * 700_000)
+    assert p.methods() == [c.ConnectionBlocked("low on memory")]
+    assert p.transport.producerState == "paused"
+    p.method(1, c.QueuePurge(queue="t"))
+    out = p.methods()
+    assert c.ConnectionUnblocked() in out
+    assert c.QueuePurgeOk(2) in out
+    assert p.transport.producerState == "producing"
