@@ -39,6 +39,11 @@ CASES: list[tuple[str, list[str], int]] = [
     ("confirm-async", ["--mode", "confirm-async"], 1),
     ("confirm-async-persistent", ["--mode", "confirm-async", "--persistent"], 1),
     ("drain-backlog", ["--mode", "confirm-async", "--consume", "after"], 1),
+    (
+        "drain-backlog-persistent",
+        ["--mode", "confirm-async", "--consume", "after", "--persistent"],
+        1,
+    ),
 ]
 
 
@@ -193,10 +198,8 @@ def run_case(port: int, args: list[str], n: int, timeout_s: float) -> dict[str, 
 
 
 def rate_of(result: dict[str, Any], case: str) -> float | None:
-    key = "consume_msgs_per_s" if case == "drain-backlog" else "e2e_msgs_per_s"
+    key = "consume_msgs_per_s" if case.startswith("drain") else "e2e_msgs_per_s"
     value = result.get(key)
-    if value is None and case == "drain-backlog":
-        value = result.get("e2e_msgs_per_s")
     return float(value) if isinstance(value, int | float) else None
 
 
