@@ -33,7 +33,11 @@ Rule Z4: session events: a dropped connection is ``CONNECTION_LOST``; the same s
 Rule Z5: an operation that cannot learn its outcome (connection lost while it was in flight, or
         no answer within the operation timeout) fails with ``ConnectionLossError``: it may or may
         not have been applied.
-Rule Z6: the names ``zookeeper`` and ``__polybroker`` at the root are the server's and the
+Rule Z6: ZooKeeper drops the connection of a client whose request exceeds its packet limit
+        (``jute.maxbuffer``, 1 MiB - 1 by default): a write whose request would be larger (the
+        value plus the paths it creates, plus headers) fails with ``ValueError`` instead, so
+        values of up to about 1 MiB less a few KiB are stored, not quite ``MAX_VALUE_BYTES``.
+Rule Z7: the names ``zookeeper`` and ``__polybroker`` at the root are the server's and the
         store's own: they are not listed by ``children("/")`` and paths under them are refused.
 """
 
@@ -88,6 +92,10 @@ SEQUENCE_NODE = f"{INTERNAL_ROOT}/sequence"
 # ZooKeeper versions are 32-bit signed: the counter node can hand out this many suffixes.
 MAX_SEQUENCE_VERSION = 2**31 - 2
 TRANSACTION_RETRIES = 20
+# ZooKeeper's default jute.maxbuffer, and a generous bound on what one operation adds to a
+# request besides its value and path (headers, ACL, flags, lengths).
+ZK_MAX_PACKET = 0xFFFFF
+REQUEST_OVERHEAD = 256
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ def _diff(path: str, old: _Seen | None, new: _Seen | None) -> list[Notification]
 
 
 def _stat(zstat: ZnodeStat) -> Stat:
-    return Stat(zstat.version, zstat.ephemeralOwner != 0, zstat.created, zstat.last_modified)
+    return Stat(zstat.version, zstat.ephemeralOwner != 0, zstat.ctime, zstat.mtime)
 
 
 class _Watch:
@@ -192,7 +200,12 @@ class ZooKeeperMetadataStore(MetadataStore):
             if operation_timeout_s is not None
             else max(5.0, 2 * session_timeout_ms / 1000)
         )
-        self._zk = KazooClient(hosts=parsed.hosts, timeout=session_timeout_ms / 1000)
+        self._zk = KazooClient(
+            hosts=parsed.hosts,
+            timeout=session_timeout_ms / 1000,
+            # kazoo's default backs off up to an hour: come back soon after ZooKeeper does.
+            connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2.0},
+        )
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zk-metadata"
         )
@@ -327,6 +340,7 @@ class ZooKeeperMetadataStore(MetadataStore):
             data = validate_value(value)
             _check_expected(expected_version)
             full = self._full(path)
+            _check_request_size(data, [full])
             if expected_version is not None and expected_version >= 0:
                 try:
                     zstat = self._call(self._zk.set_async, full, data, expected_version)
@@ -591,6 +605,7 @@ class ZooKeeperMetadataStore(MetadataStore):
             for p in missing:
                 tx.create(self._full(p), b"")
             tx.create(self._full(path), data, ephemeral=ephemeral)
+            _check_request_size(data, [self._full(p) for p in (*missing, path)])
             results = self._call(tx.commit_async)
             errors = [r for r in results if isinstance(r, Exception)]
             real = [e for e in errors if not isinstance(e, kz.RolledBackError)]
@@ -698,6 +713,17 @@ class ZooKeeperMetadataStore(MetadataStore):
         if full.startswith(self._chroot + "/"):
             return full[len(self._chroot) :]
         return None
+
+
+def _check_request_size(data: bytes, full_paths: Sequence[str]) -> None:
+    """Refuse a write ZooKeeper would answer by dropping the connection (Rule Z6)."""
+    size = len(data) + REQUEST_OVERHEAD * (1 + len(full_paths))
+    size += sum(len(p.encode()) for p in full_paths) + len(SEQUENCE_NODE)
+    if size > ZK_MAX_PACKET:
+        raise ValueError(
+            f"a write of {len(data)} bytes to {full_paths[-1]!r} exceeds ZooKeeper's request "
+            f"limit of {ZK_MAX_PACKET} bytes"
+        )
 
 
 def _check_expected(expected: int | None) -> None:
