@@ -249,3 +249,115 @@ async def test_errors_close_the_channel_with_the_spec_codes(broker: Broker) -> N
         return e.value.reply_code, e2.value.reply_code, body
 
     assert await broker.run(scenario) == (404, 406, b"still")
+
+
+@pytest_twisted.ensureDeferred
+async def test_declare_equivalence_deletes_and_unbind(broker: Broker) -> None:
+    """Passive declares of missing exchanges are 404, inequivalent redeclares 406, reserved
+    names 403; exchange delete honours if-unused; unbind stops routing."""
+
+    def scenario() -> dict[str, object]:
+        conn = broker.connect()
+        codes: dict[str, int] = {}
+        for name, call in [
+            ("passive", lambda ch: ch.exchange_declare("nope", passive=True)),
+            ("inequivalent", lambda ch: ch.exchange_declare("amq.topic", "direct")),
+            ("reserved", lambda ch: ch.exchange_declare("amq.mine", "direct")),
+        ]:
+            ch = conn.channel()
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+                call(ch)
+            codes[name] = e.value.reply_code
+        ch = conn.channel()
+        ch.exchange_declare("ex", "direct")
+        ch.queue_declare("uq")
+        ch.queue_bind("uq", "ex", "k")
+        busy = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            busy.exchange_delete("ex", if_unused=True)
+        codes["if_unused"] = e.value.reply_code
+        ch.confirm_delivery()
+        ch.basic_publish("ex", "k", b"bound")
+        ch.queue_unbind("uq", "ex", "k")
+        ch.basic_publish("ex", "k", b"unbound")
+        got = _drain(ch, "uq")
+        ch.exchange_delete("ex")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.exchange_declare("ex", passive=True)
+        codes["deleted"] = e.value.reply_code
+        conn.close()
+        return {"codes": codes, "got": got}
+
+    out = await broker.run(scenario)
+    assert out["codes"] == {
+        "passive": 404,
+        "inequivalent": 406,
+        "reserved": 403,
+        "if_unused": 406,
+        "deleted": 404,
+    }
+    assert out["got"] == [b"bound"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_auto_delete_exclusive_consumer_and_channel_prefetch(broker: Broker) -> None:
+    """An auto-delete queue goes with its last consumer; an exclusive consumer locks the queue
+    (405 for other consumers); a global prefetch caps the whole channel."""
+
+    def scenario() -> dict[str, object]:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.queue_declare("ad", auto_delete=True)
+        tag = ch.basic_consume("ad", lambda *a: None)
+        ch.basic_cancel(tag)
+        probe = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            probe.queue_declare("ad", passive=True)
+        auto_deleted = e.value.reply_code
+        ch.queue_declare("ex1")
+        ch.basic_consume("ex1", lambda *a: None, exclusive=True)
+        other = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e2:
+            other.basic_consume("ex1", lambda *a: None)
+        locked = e2.value.reply_code
+        pc = conn.channel()
+        pc.confirm_delivery()
+        pc.queue_declare("pq1")
+        pc.queue_declare("pq2")
+        for _i in range(5):
+            pc.basic_publish("", "pq1", b"a")
+            pc.basic_publish("", "pq2", b"b")
+        pc.basic_qos(prefetch_count=3, global_qos=True)
+        got: list[bytes] = []
+        pc.basic_consume("pq1", lambda c, m, p, b: got.append(b))
+        pc.basic_consume("pq2", lambda c, m, p, b: got.append(b))
+        conn.process_data_events(time_limit=0.5)
+        conn.close()
+        return {"auto_deleted": auto_deleted, "locked": locked, "capped": len(got)}
+
+    out = await broker.run(scenario)
+    assert out == {"auto_deleted": 404, "locked": 405, "capped": 3}
+
+
+@pytest_twisted.ensureDeferred
+async def test_queue_expires_when_unused(broker: Broker) -> None:
+    """A queue with x-expires is deleted once unused for that long."""
+
+    def scenario() -> int:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.queue_declare("ephemeral", arguments={"x-expires": 200})
+        deadline = time.monotonic() + 5
+        code = 0
+        while time.monotonic() < deadline and not code:
+            probe = conn.channel()
+            try:
+                probe.queue_declare("ephemeral", passive=True)
+                probe.close()
+                conn.process_data_events(time_limit=0.1)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                code = e.reply_code
+        conn.close()
+        return code
+
+    assert await broker.run(scenario) == 404
