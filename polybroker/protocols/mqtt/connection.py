@@ -89,6 +89,10 @@ class MqttConnection(Protocol):
         self._acks: deque[_AckSlot] = deque()
         self._aliases: dict[int, str] = {}
         self._inbound_pending = 0
+        # PUBLISHes of the read under way, by topic, with their ack slots (None for QoS 0).
+        self._batches: dict[str, list[tuple[c.Publish, _AckSlot | None]]] = {}
+        # QoS 2 packet ids being stored, with the slots waiting for their PUBREC.
+        self._qos2_unstored: dict[int, list[_AckSlot]] = {}
 
     # -- transport ------------------------------------------------------------------------
 
@@ -110,6 +114,8 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
+            if self._batches:
+                self._flush_publishes()
         except c.UnsupportedProtocolError as e:
             self._log_close(str(e))
             self.write(c.encode(c.ConnAck(False, c.V3_UNACCEPTABLE_PROTOCOL), c.LEVEL_311))
@@ -123,6 +129,9 @@ class MqttConnection(Protocol):
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         if self.state == self.CLOSED:
             return
+        if self._batches:
+            # What arrived before the end is stored (its acks can no longer be sent).
+            self._flush_publishes()
         self.state = self.CLOSED
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
@@ -283,6 +292,8 @@ class MqttConnection(Protocol):
                 if self.state != self.READY:
                     break
                 self._dispatch_safely(packet)
+            if self._batches and self.state == self.READY:
+                self._flush_publishes()
 
         def failed(f: Failure) -> None:
             log.warning("mqtt session open failed", extra=kv(client=client_id, error=str(f.value)))
@@ -348,38 +359,78 @@ class MqttConnection(Protocol):
         if not topics.valid_name(p.topic):
             raise c.MqttError(c.TOPIC_NAME_INVALID, f"invalid topic name {p.topic!r}")
         pid = p.packet_id
-        if p.qos == 0:
-            self.broker.publish(p, self.client_id).addErrback(self._publish_failed, p.topic)
+        slot: _AckSlot | None = None
+        if p.qos:
+            assert pid is not None
+            if p.qos == 2 and pid in session.inbound_qos2:
+                # A resent PUBLISH whose message is stored: acknowledge again, store nothing.
+                self._ack_ready(self._ack_slot(), c.PubRec(pid))
+                return
+            if p.qos == 2 and pid in self._qos2_unstored:
+                # Resent while its first copy is still being stored: answer with that one.
+                self._qos2_unstored[pid].append(self._ack_slot())
+                return
+            self._inbound_pending += 1
+            if self.level == c.LEVEL_5 and self._inbound_pending > self.settings.receive_maximum:
+                raise c.MqttError(c.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
+            slot = self._ack_slot()
+            if p.qos == 2:
+                self._qos2_unstored[pid] = [slot]
+        if p.retain:
+            # Retained messages update the retained store too: stored one by one.
+            self._store([(p, slot)])
             return
-        assert pid is not None
-        if p.qos == 2 and pid in session.inbound_qos2:
-            # A resent PUBLISH whose message is stored: acknowledge it again, store nothing.
-            self._ack_ready(self._ack_slot(), c.PubRec(pid))
-            return
-        self._inbound_pending += 1
-        if self.level == c.LEVEL_5 and self._inbound_pending > self.settings.receive_maximum:
-            raise c.MqttError(c.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
-        slot = self._ack_slot()
+        batch = self._batches.get(p.topic)
+        if batch is None:
+            self._batches[p.topic] = [(p, slot)]
+        else:
+            batch.append((p, slot))
+
+    def _flush_publishes(self) -> None:
+        """Store the PUBLISHes of one read: one entry per topic, each a batch."""
+        batches, self._batches = self._batches, {}
+        for batch in batches.values():
+            self._store(batch)
+
+    def _store(self, batch: list[tuple[c.Publish, _AckSlot | None]]) -> None:
+        session = self.session
+        assert session is not None
+        topic = batch[0][0].topic
 
         def stored(_: object) -> None:
-            if p.qos == 1:
-                self._inbound_pending -= 1
-                self._ack_ready(slot, c.PubAck(pid))
-            else:
-                session.inbound_qos2.add(pid)
-                self._ack_ready(slot, c.PubRec(pid))
+            for p, slot in batch:
+                if slot is None:
+                    continue
+                pid = p.packet_id
+                assert pid is not None
+                if p.qos == 1:
+                    self._inbound_pending -= 1
+                    self._ack_ready(slot, c.PubAck(pid))
+                else:
+                    session.inbound_qos2.add(pid)
+                    for waiting in self._qos2_unstored.pop(pid, [slot]):
+                        self._ack_ready(waiting, c.PubRec(pid))
 
         def failed(f: Failure) -> None:
-            self._inbound_pending -= 1
-            self._publish_failed(f, p.topic)
-            if self.level == c.LEVEL_5:
-                cls = c.PubAck if p.qos == 1 else c.PubRec
-                self._ack_ready(slot, cls(pid, c.UNSPECIFIED_ERROR))
-            else:
-                self._ack_ready(slot, None)
+            self._publish_failed(f, topic)
+            for p, slot in batch:
+                if slot is None:
+                    continue
+                pid = p.packet_id
+                assert pid is not None
+                self._inbound_pending -= 1
+                slots = self._qos2_unstored.pop(pid, [slot]) if p.qos == 2 else [slot]
+                for waiting in slots:
+                    if self.level == c.LEVEL_5:
+                        cls = c.PubAck if p.qos == 1 else c.PubRec
+                        self._ack_ready(waiting, cls(pid, c.UNSPECIFIED_ERROR))
+                    else:
+                        self._ack_ready(waiting, None)
+            if self.level != c.LEVEL_5 and any(slot is not None for _, slot in batch):
                 self.close()
 
-        self.broker.publish(p, self.client_id).addCallbacks(stored, failed)
+        d = self.broker.publish_batch([p for p, _ in batch], self.client_id)
+        d.addCallbacks(stored, failed)
 
     def _publish_failed(self, f: Failure, topic: str) -> None:
         log.warning(

@@ -765,17 +765,24 @@ class MqttBroker:
     def publish(self, pub: c.Publish, client_id: str) -> Deferred[None]:
         """Store ``pub`` on its topic (and as the retained message when flagged); fire once
         both are durable."""
-        props = stored_properties(pub)
+        return self.publish_batch([pub], client_id)
+
+    def publish_batch(self, pubs: list[c.Publish], client_id: str) -> Deferred[None]:
+        """Store PUBLISHes of one topic as one entry (a batch when several), and the last
+        retained one as the topic's retained message; fire once durable."""
         now_ms = int(self.clock.seconds() * 1000)
+        props = [stored_properties(p) for p in pubs]
         data = encode_entry(
-            [Message(pub.payload, properties=props)],
+            [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)],
             producer_name="mqtt-" + client_id,
             sequence_id=0,
             publish_time_ms=now_ms,
         )
-        d: Deferred[Any] = self.service.publish(topics.to_pulsar(pub.topic), data, 1)
-        if pub.retain:
-            d.addCallback(lambda _: self.set_retained(pub, props))
+        d: Deferred[Any] = self.service.publish(topics.to_pulsar(pubs[0].topic), data, len(pubs))
+        retained = [(p, pr) for p, pr in zip(pubs, props, strict=True) if p.retain]
+        if retained:
+            last, last_props = retained[-1]
+            d.addCallback(lambda _: self.set_retained(last, last_props))
         d.addCallback(lambda _: None)
         return d
 

@@ -278,3 +278,24 @@ def test_messages_from_other_protocols_are_delivered_at_granted_qos() -> None:
     (pub,) = sub.packets()
     assert isinstance(pub, c.Publish)
     assert (pub.payload, pub.qos, pub.properties[c.USER_PROPERTY]) == (b"raw", 1, [("h", "v")])
+
+
+def test_publishes_of_one_read_are_stored_as_one_batch_per_topic() -> None:
+    """PUBLISHes arriving in one read become one entry per topic; their acks keep the order."""
+    env = Env()
+    p = env.peer("pub")
+    p.packets()
+    data = b"".join(
+        c.encode(x)
+        for x in (
+            c.Publish("a/b", b"1", 1, packet_id=1),
+            c.Publish("other", b"x", 0),
+            c.Publish("a/b", b"2", 2, packet_id=2),
+            c.Publish("a/b", b"3", 0),
+        )
+    )
+    p.conn.dataReceived(data)
+    assert p.packets() == [c.PubAck(1), c.PubRec(2)]
+    (entry,) = env.factory.ledger(ML_AB).data.entries
+    assert entry.num_messages == 3
+    assert [m.payload for m in decode_entry(entry.data)] == [b"1", b"2", b"3"]
