@@ -368,7 +368,7 @@ class AmqpConnection(Protocol):
 
             def refused(f: Failure) -> None:
                 self.connection_error(
-                    c.AmqpError(c.INVALID_PATH, f"vhost '{m.virtual_host}' not found", 10, 40)
+                    c.AmqpError(c.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40)
                 )
 
             d.addCallbacks(opened, refused)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from twisted.internet import defer
 from twisted.internet.defer import Deferred, succeed
 
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
@@ -123,6 +124,11 @@ class AmqpProtocolHandler(ProtocolHandler):
         assert self.context is not None
         waiting = self._loading.get(ns)
         if waiting is None:
+            service = self.context.service
+            if getattr(service, "namespace_exists", None) is not None:
+                known = service.namespace_exists(ns)
+                if known is False:
+                    return defer.fail(LookupError(f"namespace {ns} does not exist"))
             vh = VirtualHost(
                 self.context.service, self.context.reactor, ns, self.incarnation, self.gauge
             )

@@ -247,3 +247,16 @@ def test_publishers_are_blocked_above_the_memory_watermark() -> None:
     assert c.ConnectionUnblocked() in out
     assert c.QueuePurgeOk(2) in out
     assert p.transport.producerState == "producing"
+
+
+def test_unknown_vhost_is_not_allowed() -> None:
+    """A vhost whose namespace does not exist is refused with 530, as RabbitMQ does."""
+    p = Peer()
+    p.service.namespace_exists = lambda ns: ns == "public/default"
+    p.send(c.PROTOCOL_HEADER)
+    p.method(0, c.ConnectionStartOk({}, "PLAIN", b"\x00guest\x00guest"))
+    p.method(0, c.ConnectionTuneOk(0, 131072, 0))
+    p.method(0, c.ConnectionOpen("nowhere"))
+    close = p.methods()[-1]
+    assert isinstance(close, c.ConnectionClose)
+    assert close.reply_code == c.NOT_ALLOWED
