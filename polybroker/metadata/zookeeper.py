@@ -198,7 +198,7 @@ class ZooKeeperMetadataStore(MetadataStore):
         self._op_timeout = (
             operation_timeout_s
             if operation_timeout_s is not None
-            else max(5.0, 2 * session_timeout_ms / 1000)
+            else max(5.0, session_timeout_ms / 1000)
         )
         self._zk = KazooClient(
             hosts=parsed.hosts,

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted
+from cluster_harness import eventually
 from kazoo.client import KazooClient
 from twisted.internet import reactor, threads
+from twisted.internet.defer import DeferredList
 from zk_server import ZooKeeperServer
 
 from polybroker.metadata import open_metadata_store
-from polybroker.metadata.api import MetadataError, SessionEvent
+from polybroker.metadata.api import EventType, MetadataError, SessionEvent
 from polybroker.metadata.memory import MAX_VALUE_BYTES
 from polybroker.metadata.zookeeper import ZK_MAX_PACKET, ZooKeeperMetadataStore
 
@@ -123,3 +125,53 @@ async def test_opening_a_server_that_does_not_answer_fails_in_bounded_time() -> 
             f"zk://127.0.0.1:{port}/x", reactor, connect_timeout_s=1.0
         )
     assert time.monotonic() - start < 10
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_change_by_another_session_is_reported_once(zk_url: str) -> None:
+    """Bursts of changes made by another session, faster than one-shot watches can be set
+    again, still give one notification per change (counted from versions)."""
+    watcher = await ZooKeeperMetadataStore.open(zk_url, reactor)
+    writer = await ZooKeeperMetadataStore.open(zk_url, reactor)
+    try:
+        seen: list[EventType] = []
+        watcher.watch("/n", lambda n: seen.append(n.type))
+        assert await watcher.exists("/n") is None  # runs once the watch is armed
+        await writer.put("/n", b"0")
+        await DeferredList([writer.put("/n", b"%d" % i) for i in range(1, 41)])
+        await DeferredList([writer.put(f"/n/c{i}", b"") for i in range(15)])
+        await DeferredList([writer.delete(f"/n/c{i}") for i in range(5)])
+        expected = (
+            [EventType.CREATED] + [EventType.MODIFIED] * 40 + [EventType.CHILDREN_CHANGED] * 20
+        )
+        await eventually(lambda: sorted(seen, key=order) == expected, 20, "every change")
+        assert seen[0] is EventType.CREATED
+        assert (await watcher.get("/n")).value == b"40"
+    finally:
+        await watcher.close()
+        await writer.close()
+
+
+def order(t: EventType) -> int:
+    return [EventType.CREATED, EventType.MODIFIED, EventType.CHILDREN_CHANGED].index(t)
+
+
+@pytest_twisted.ensureDeferred
+async def test_sequential_nodes_of_two_sessions_are_unique_and_ordered(zk_url: str) -> None:
+    """Two sessions creating sequential nodes under one parent at once: all suffixes differ,
+    each session's are increasing, and the parent lists them in creation order."""
+    a = await ZooKeeperMetadataStore.open(zk_url, reactor)
+    b = await ZooKeeperMetadataStore.open(zk_url, reactor)
+    try:
+        results = await DeferredList(
+            [s.create_sequential("/q/item-", b"") for _ in range(25) for s in (a, b)],
+            fireOnOneErrback=True,
+        )
+        paths = [p for _, p in results]
+        assert len(set(paths)) == 50
+        assert paths[0::2] == sorted(paths[0::2])
+        assert paths[1::2] == sorted(paths[1::2])
+        assert await a.children("/q") == sorted(p.rsplit("/", 1)[1] for p in paths)
+    finally:
+        await a.close()
+        await b.close()
