@@ -53,9 +53,35 @@ def _add_standalone(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(run=run)
 
 
+def _add_client(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from polybroker import cli_client
+
+    p = sub.add_parser("client", help="produce and consume messages, as pulsar-client does")
+    cli_client.configure(p)
+
+    def run(args: argparse.Namespace) -> int:
+        return cli_client.run(args)
+
+    p.set_defaults(run=run)
+
+
+def _add_admin(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from polybroker import cli_admin
+
+    p = sub.add_parser("admin", help="manage tenants, namespaces and topics, as pulsar-admin does")
+    cli_admin.configure(p)
+
+    def run(args: argparse.Namespace) -> int:
+        return cli_admin.run(args)
+
+    p.set_defaults(run=run)
+
+
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ignore[type-arg]
     _add_bookie,
     _add_standalone,
+    _add_client,
+    _add_admin,
 ]
 
 

@@ -1,0 +1,484 @@
+"""``polybroker admin ...``: Pulsar's ``pulsar-admin`` over the admin REST API v2.
+
+Resources and verbs are ``pulsar-admin``'s (``tenants``, ``namespaces``, ``topics``, ``clusters``,
+``schemas``). Speaks HTTP with the standard library. Contract: lists print one name a line, stats
+and ids print indented JSON, verbs that change state print nothing; an HTTP error prints
+``error: HTTP <status>: <reason>`` on stderr and exits 1; an unreachable broker exits 1 as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"
+_TIMEOUT = 30.0
+
+
+class AdminCliError(Exception):
+    """A request failed; ``str()`` is the message for the user."""
+
+
+@dataclass(frozen=True)
+class TopicName:
+    """A fully qualified topic: ``domain://tenant/namespace/local``."""
+
+    domain: str
+    tenant: str
+    namespace: str
+    local: str
+
+    @property
+    def path(self) -> str:
+        """The ``{domain}/{tenant}/{ns}/{topic}`` segment of admin URLs, each part quoted."""
+        parts = (self.domain, self.tenant, self.namespace, self.local)
+        return "/".join(urllib.parse.quote(p, safe="") for p in parts)
+
+    def __str__(self) -> str:
+        return f"{self.domain}://{self.tenant}/{self.namespace}/{self.local}"
+
+
+def parse_topic(name: str) -> TopicName:
+    """Parse ``local``, ``tenant/ns/local`` or ``domain://tenant/ns/local`` as Pulsar does."""
+    domain = "persistent"
+    rest = name
+    if "://" in name:
+        domain, rest = name.split("://", 1)
+        if domain not in ("persistent", "non-persistent"):
+            raise AdminCliError(f"invalid topic domain {domain!r} in {name!r}")
+    parts = rest.split("/")
+    if len(parts) == 1 and "://" not in name:
+        parts = ["public", "default", parts[0]]
+    if len(parts) != 3 or not all(parts):
+        raise AdminCliError(
+            f"invalid topic name {name!r}: expected topic, tenant/namespace/topic "
+            "or persistent://tenant/namespace/topic"
+        )
+    return TopicName(domain, parts[0], parts[1], parts[2])
+
+
+def parse_namespace(name: str) -> tuple[str, str]:
+    """Parse ``tenant/namespace``."""
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise AdminCliError(f"invalid namespace name {name!r}: expected tenant/namespace")
+    return parts[0], parts[1]
+
+
+def parse_message_id(text: str) -> dict[str, int]:
+    """Parse ``latest``, ``earliest`` or ``ledgerId:entryId[:partition]`` into a MessageId body."""
+    low = text.lower()
+    if low == "latest":
+        return {"ledgerId": 2**63 - 1, "entryId": 2**63 - 1, "partitionIndex": -1}
+    if low == "earliest":
+        return {"ledgerId": -1, "entryId": -1, "partitionIndex": -1}
+    m = re.fullmatch(r"(-?\d+):(-?\d+)(?::(-?\d+))?", text)
+    if not m:
+        raise AdminCliError(
+            f"invalid message id {text!r}: expected latest, earliest or ledgerId:entryId"
+        )
+    partition = int(m.group(3)) if m.group(3) is not None else -1
+    return {"ledgerId": int(m.group(1)), "entryId": int(m.group(2)), "partitionIndex": partition}
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_relative_time(text: str) -> int:
+    """Parse ``30s``, ``10m``, ``3h``, ``2d``, ``1w`` (or bare seconds) into seconds."""
+    m = re.fullmatch(r"(\d+)([smhdw]?)", text.strip().lower())
+    if not m:
+        raise AdminCliError(f"invalid time {text!r}: expected e.g. 30s, 10m, 3h, 2d, 1w")
+    return int(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+class AdminClient:
+    """A blocking client of the admin REST API."""
+
+    def __init__(self, base_url: str, timeout: float = _TIMEOUT) -> None:
+        self.base = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """Send one request; return the decoded JSON (or text, or None); raise AdminCliError."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        req.add_header("Accept", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+                ctype = resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            raise AdminCliError(f"HTTP {e.code}: {_reason(e.read(), e.reason)}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise AdminCliError(f"cannot reach {self.base}: {reason}") from None
+        if not raw:
+            return None
+        if "json" in ctype:
+            return json.loads(raw)
+        return raw.decode(errors="replace")
+
+
+def _reason(raw: bytes, fallback: str) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        text = raw.decode(errors="replace").strip()
+        return text or fallback
+    if isinstance(body, dict) and "reason" in body:
+        return str(body["reason"])
+    return json.dumps(body)
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+def _print_list(value: Any) -> None:
+    for item in value or []:
+        print(item)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+Handler = Callable[[AdminClient, argparse.Namespace], None]
+
+
+def _tenants_list(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_list(c.request("GET", "/admin/v2/tenants"))
+
+
+def _tenants_create(c: AdminClient, a: argparse.Namespace) -> None:
+    clusters = _csv(a.allowed_clusters) or c.request("GET", "/admin/v2/clusters")
+    info = {"adminRoles": _csv(a.admin_roles), "allowedClusters": clusters}
+    c.request("PUT", f"/admin/v2/tenants/{_q(a.tenant)}", info)
+
+
+def _tenants_delete(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("DELETE", f"/admin/v2/tenants/{_q(a.tenant)}")
+
+
+def _namespaces_list(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_list(c.request("GET", f"/admin/v2/namespaces/{_q(a.tenant)}"))
+
+
+def _ns_path(name: str) -> str:
+    tenant, ns = parse_namespace(name)
+    return f"/admin/v2/namespaces/{_q(tenant)}/{_q(ns)}"
+
+
+def _namespaces_create(c: AdminClient, a: argparse.Namespace) -> None:
+    body = {"replication_clusters": _csv(a.clusters)} if a.clusters else None
+    c.request("PUT", _ns_path(a.namespace), body)
+
+
+def _namespaces_delete(c: AdminClient, a: argparse.Namespace) -> None:
+    suffix = "?force=true" if a.force else ""
+    c.request("DELETE", _ns_path(a.namespace) + suffix)
+
+
+def _namespaces_set_dedup(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("POST", _ns_path(a.namespace) + "/deduplication", bool(a.enable))
+
+
+def _namespaces_get_dedup(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _ns_path(a.namespace) + "/deduplication"))
+
+
+def _namespaces_policies(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _ns_path(a.namespace)))
+
+
+def _topic_path(name: str) -> str:
+    return f"/admin/v2/{parse_topic(name).path}"
+
+
+def _topics_list(c: AdminClient, a: argparse.Namespace) -> None:
+    tenant, ns = parse_namespace(a.namespace)
+    domain = "non-persistent" if a.non_persistent else "persistent"
+    _print_list(c.request("GET", f"/admin/v2/{domain}/{_q(tenant)}/{_q(ns)}"))
+
+
+def _topics_list_partitioned(c: AdminClient, a: argparse.Namespace) -> None:
+    tenant, ns = parse_namespace(a.namespace)
+    _print_list(c.request("GET", f"/admin/v2/persistent/{_q(tenant)}/{_q(ns)}/partitioned"))
+
+
+def _topics_create(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("PUT", _topic_path(a.topic))
+
+
+def _topics_delete(c: AdminClient, a: argparse.Namespace) -> None:
+    suffix = "?force=true" if a.force else ""
+    c.request("DELETE", _topic_path(a.topic) + suffix)
+
+
+def _topics_create_partitioned(c: AdminClient, a: argparse.Namespace) -> None:
+    if a.partitions < 1:
+        raise AdminCliError("-p/--partitions must be at least 1")
+    c.request("PUT", _topic_path(a.topic) + "/partitions", a.partitions)
+
+
+def _topics_delete_partitioned(c: AdminClient, a: argparse.Namespace) -> None:
+    suffix = "?force=true" if a.force else ""
+    c.request("DELETE", _topic_path(a.topic) + "/partitions" + suffix)
+
+
+def _topics_get_partitioned_metadata(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _topic_path(a.topic) + "/partitions"))
+
+
+def _topics_stats(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _topic_path(a.topic) + "/stats"))
+
+
+def _topics_partitioned_stats(c: AdminClient, a: argparse.Namespace) -> None:
+    suffix = "?perPartition=true" if a.per_partition else "?perPartition=false"
+    _print_json(c.request("GET", _topic_path(a.topic) + "/partitioned-stats" + suffix))
+
+
+def _topics_stats_internal(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _topic_path(a.topic) + "/internalStats"))
+
+
+def _topics_last_message_id(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _topic_path(a.topic) + "/lastMessageId"))
+
+
+def _topics_terminate(c: AdminClient, a: argparse.Namespace) -> None:
+    last = c.request("POST", _topic_path(a.topic) + "/terminate")
+    if isinstance(last, dict) and "ledgerId" in last:
+        print(f"Topic successfully terminated at {last['ledgerId']}:{last.get('entryId')}")
+    else:
+        print("Topic successfully terminated")
+
+
+def _topics_unload(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("PUT", _topic_path(a.topic) + "/unload")
+
+
+def _topics_subscriptions(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_list(c.request("GET", _topic_path(a.topic) + "/subscriptions"))
+
+
+def _sub_path(a: argparse.Namespace) -> str:
+    return _topic_path(a.topic) + f"/subscription/{_q(a.subscription)}"
+
+
+def _topics_create_subscription(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("PUT", _sub_path(a), parse_message_id(a.message_id))
+
+
+def _topics_unsubscribe(c: AdminClient, a: argparse.Namespace) -> None:
+    suffix = "?force=true" if a.force else ""
+    c.request("DELETE", _sub_path(a) + suffix)
+
+
+def _topics_skip(c: AdminClient, a: argparse.Namespace) -> None:
+    if a.all:
+        c.request("POST", _sub_path(a) + "/skip_all")
+        return
+    if a.count is None or a.count < 0:
+        raise AdminCliError("give -n/--count N (N >= 0) or --all")
+    c.request("POST", _sub_path(a) + f"/skip/{a.count}")
+
+
+def _topics_clear_backlog(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("POST", _sub_path(a) + "/skip_all")
+
+
+def _topics_reset_cursor(c: AdminClient, a: argparse.Namespace) -> None:
+    if (a.time is None) == (a.message_id is None):
+        raise AdminCliError("give exactly one of -t/--time or -m/--messageId")
+    if a.time is not None:
+        at_ms = int(time.time() * 1000) - parse_relative_time(a.time) * 1000
+        c.request("POST", _sub_path(a) + f"/resetcursor/{at_ms}")
+    else:
+        c.request("POST", _sub_path(a) + "/resetcursor", parse_message_id(a.message_id))
+
+
+def _clusters_list(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_list(c.request("GET", "/admin/v2/clusters"))
+
+
+def _clusters_get(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", f"/admin/v2/clusters/{_q(a.cluster)}"))
+
+
+def _schemas_get(c: AdminClient, a: argparse.Namespace) -> None:
+    t = parse_topic(a.topic)
+    path = "/".join(_q(p) for p in (t.tenant, t.namespace, t.local))
+    suffix = f"/{a.version}" if a.version is not None else ""
+    _print_json(c.request("GET", f"/admin/v2/schemas/{path}/schema{suffix}"))
+
+
+def _q(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v for v in (value or "").split(",") if v]
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the resources and verbs of ``polybroker admin`` to its parser."""
+    _url_flag(parser, None)
+    resources = parser.add_subparsers(dest="resource", required=True)
+
+    def verbs(name: str, help_text: str) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+        r = resources.add_parser(name, help=help_text)
+        return r.add_subparsers(dest="verb", required=True)
+
+    def verb(
+        group: argparse._SubParsersAction,  # type: ignore[type-arg]
+        name: str,
+        handler: Handler,
+        help_text: str,
+    ) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = group.add_parser(name, help=help_text)
+        _url_flag(p, argparse.SUPPRESS)
+        p.set_defaults(admin_run=handler)
+        return p
+
+    g = verbs("tenants", "tenants")
+    verb(g, "list", _tenants_list, "list tenants")
+    p = verb(g, "create", _tenants_create, "create a tenant")
+    p.add_argument("tenant")
+    p.add_argument("-c", "--allowed-clusters", default=None, help="comma-separated (all)")
+    p.add_argument("-r", "--admin-roles", default=None, help="comma-separated")
+    p = verb(g, "delete", _tenants_delete, "delete a tenant (it must have no namespaces)")
+    p.add_argument("tenant")
+
+    g = verbs("namespaces", "namespaces")
+    p = verb(g, "list", _namespaces_list, "list the namespaces of a tenant")
+    p.add_argument("tenant")
+    p = verb(g, "create", _namespaces_create, "create a namespace tenant/namespace")
+    p.add_argument("namespace")
+    p.add_argument("-c", "--clusters", default=None, help="replication clusters, comma-separated")
+    p = verb(g, "delete", _namespaces_delete, "delete a namespace")
+    p.add_argument("namespace")
+    p.add_argument("-f", "--force", action="store_true", help="delete its topics too")
+    p = verb(g, "policies", _namespaces_policies, "print a namespace's policies")
+    p.add_argument("namespace")
+    p = verb(g, "set-deduplication", _namespaces_set_dedup, "enable or disable deduplication")
+    p.add_argument("namespace")
+    onoff = p.add_mutually_exclusive_group(required=True)
+    onoff.add_argument("-e", "--enable", action="store_true")
+    onoff.add_argument("-d", "--disable", action="store_true")
+    p = verb(g, "get-deduplication", _namespaces_get_dedup, "print the deduplication setting")
+    p.add_argument("namespace")
+
+    g = verbs("topics", "topics")
+    p = verb(g, "list", _topics_list, "list the topics (and partitions) of a namespace")
+    p.add_argument("namespace")
+    p.add_argument("--non-persistent", action="store_true", help="list non-persistent topics")
+    p = verb(g, "list-partitioned-topics", _topics_list_partitioned, "list partitioned topics")
+    p.add_argument("namespace")
+    p = verb(g, "create", _topics_create, "create a non-partitioned topic")
+    p.add_argument("topic")
+    p = verb(g, "delete", _topics_delete, "delete a non-partitioned topic")
+    p.add_argument("topic")
+    p.add_argument("-f", "--force", action="store_true", help="even with clients connected")
+    p = verb(g, "create-partitioned-topic", _topics_create_partitioned, "create a partitioned one")
+    p.add_argument("topic")
+    p.add_argument("-p", "--partitions", type=int, required=True, help="number of partitions")
+    p = verb(g, "delete-partitioned-topic", _topics_delete_partitioned, "delete a partitioned one")
+    p.add_argument("topic")
+    p.add_argument("-f", "--force", action="store_true", help="even with clients connected")
+    p = verb(
+        g, "get-partitioned-topic-metadata", _topics_get_partitioned_metadata, "partition count"
+    )
+    p.add_argument("topic")
+    p = verb(g, "stats", _topics_stats, "print a topic's stats")
+    p.add_argument("topic")
+    p = verb(g, "partitioned-stats", _topics_partitioned_stats, "stats of a partitioned topic")
+    p.add_argument("topic")
+    p.add_argument("--per-partition", action="store_true", help="include each partition")
+    p = verb(g, "stats-internal", _topics_stats_internal, "print a topic's internal stats")
+    p.add_argument("topic")
+    p = verb(g, "last-message-id", _topics_last_message_id, "print the last message id")
+    p.add_argument("topic")
+    p = verb(g, "terminate", _topics_terminate, "refuse further messages on a topic")
+    p.add_argument("topic")
+    p = verb(g, "unload", _topics_unload, "unload a topic from the broker")
+    p.add_argument("topic")
+    p = verb(g, "subscriptions", _topics_subscriptions, "list a topic's subscriptions")
+    p.add_argument("topic")
+    p = verb(g, "create-subscription", _topics_create_subscription, "create a subscription")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p.add_argument(
+        "-m",
+        "--messageId",
+        dest="message_id",
+        default="latest",
+        help="latest, earliest or ledgerId:entryId (latest)",
+    )
+    p = verb(g, "unsubscribe", _topics_unsubscribe, "delete a subscription")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p.add_argument("-f", "--force", action="store_true", help="even with consumers connected")
+    p = verb(g, "skip", _topics_skip, "skip messages of a subscription's backlog")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p.add_argument("-n", "--count", type=int, default=None, help="messages to skip")
+    p.add_argument("--all", action="store_true", help="skip the whole backlog")
+    p = verb(g, "clear-backlog", _topics_clear_backlog, "skip a subscription's whole backlog")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p = verb(g, "reset-cursor", _topics_reset_cursor, "move a subscription by time or id")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p.add_argument("-t", "--time", default=None, help="go back this long: 100m, 3h, 2d, 5w")
+    p.add_argument("-m", "--messageId", dest="message_id", default=None, help="ledgerId:entryId")
+
+    g = verbs("clusters", "clusters")
+    verb(g, "list", _clusters_list, "list clusters")
+    p = verb(g, "get", _clusters_get, "print a cluster's data")
+    p.add_argument("cluster")
+
+    g = verbs("schemas", "schemas")
+    p = verb(g, "get", _schemas_get, "print a topic's schema")
+    p.add_argument("topic")
+    p.add_argument("-v", "--version", type=int, default=None, help="a version (the latest)")
+
+
+def _url_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
+    # Accepted before and after the verb; the inner one must not reset the outer one.
+    parser.add_argument(
+        "--admin-url",
+        "--url",
+        dest="admin_url",
+        default=default,
+        help=f"admin REST base URL ({DEFAULT_ADMIN_URL})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one admin verb; return 0, or 1 after printing the error on stderr."""
+    handler: Handler = args.admin_run
+    client = AdminClient(args.admin_url or DEFAULT_ADMIN_URL)
+    try:
+        handler(client, args)
+    except AdminCliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
