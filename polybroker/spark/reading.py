@@ -60,34 +60,45 @@ def _partition_index(topic: str) -> int:
 
 def read_messages(
     service_url: str, rng: ReadRange, *, fail_on_data_loss: bool, timeout_ms: int = 30_000
-) -> Iterator[Any]:
-    """Yield the messages of ``rng`` in order; raise DataLossError if some cannot be read.
+) -> Iterator[tuple[Any, Any]]:
+    """Yield ``(message, message id)`` for each message of ``rng``, in order.
 
     The reader starts at the range's first entry and stops at the first message at or past
-    ``rng.end``, or once the last planned entry is read and nothing more is stored.
+    ``rng.end``, or once the last planned entry is read and nothing more is stored. Raise
+    DataLossError when a planned message does not come (with ``fail_on_data_loss``).
+
+    The messages are the client's C++ binding objects (``pulsar.Message`` minus its pure-Python
+    wrapper, which costs a third of the read time): data(), partition_key(), properties(),
+    publish_timestamp(), event_timestamp() and message_id() have the same meaning.
     """
     c = client(service_url)
     try:
         start_id, inclusive = _start_id(rng)
         reader = c.create_reader(
-            rng.topic, start_id, start_message_id_inclusive=inclusive, receiver_queue_size=2000
+            rng.topic, start_id, start_message_id_inclusive=inclusive, receiver_queue_size=5000
         )
-        last = rng.last_entry
+        # The binding's reader, when this client version has it; else the public wrapper.
+        raw = getattr(reader, "_reader", None)
+        read_next = raw.read_next if raw is not None else reader.read_next
+        unwrap = raw is None
+        start, end, last = rng.start, rng.end, rng.last_entry
         while True:
             try:
-                msg = reader.read_next(timeout_ms)
+                msg = read_next(timeout_ms)
             except Exception as e:  # the client raises pulsar.Timeout (and others) here
                 if fail_on_data_loss:
                     raise DataLossError(
                         f"{rng.topic}: no message within {timeout_ms} ms before {rng.end}"
                     ) from e
                 return
+            if unwrap:
+                msg = msg._message
             mid = msg.message_id()
             pos: Boundary = (mid.ledger_id(), mid.entry_id(), mid.batch_index())
-            if pos >= rng.end:
+            if pos >= end:
                 return
-            if pos >= rng.start:
-                yield msg
+            if pos >= start:
+                yield msg, mid
             if (pos[0], pos[1]) >= last and not reader.has_message_available():
                 return
     finally:
@@ -107,25 +118,31 @@ def read_batches(
 
     schema = arrow_schema()
     topic = rng.topic
-    cols: list[list[Any]] = [[] for _ in range(7)]
-    keys, values, topics, ids, pubs, events, props = cols
+    keys: list[bytes | None] = []
+    values: list[bytes] = []
+    ids: list[bytes] = []
+    pubs: list[int] = []
+    events: list[int | None] = []
+    props: list[list[tuple[str, str]]] = []
 
     def flush() -> Any:
+        n = len(values)
+        arrays = [keys, values, [topic] * n, ids, pubs, events, props]
         batch = pa.RecordBatch.from_arrays(
-            [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
+            [pa.array(c, type=f.type) for c, f in zip(arrays, schema, strict=True)],
+            schema=schema,
         )
-        for c in cols:
+        for c in (keys, values, ids, pubs, events, props):
             c.clear()
         return batch
 
-    for msg in read_messages(
+    for msg, mid in read_messages(
         service_url, rng, fail_on_data_loss=fail_on_data_loss, timeout_ms=timeout_ms
     ):
         key = msg.partition_key()
         keys.append(key.encode() if key else None)
         values.append(msg.data())
-        topics.append(topic)
-        ids.append(msg.message_id().serialize())
+        ids.append(mid.serialize())
         pubs.append(msg.publish_timestamp() * 1000)
         event = msg.event_timestamp()
         events.append(event * 1000 if event else None)

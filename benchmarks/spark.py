@@ -1,0 +1,209 @@
+"""Spark benchmark: reading one topic's backlog with format("pulsar") vs the official client.
+
+In one run, against one ``polybroker standalone`` process started here (ports 0, stopped by PID):
+
+(a) fill:    --messages messages of --size bytes published with batching to one topic;
+(b) client:  the same backlog read by the Pulsar Python client in this one process (a Reader from
+             the earliest message, counting messages and bytes);
+(c) batch:   ``spark.read.format("pulsar")`` of the backlog into an aggregation (count and total
+             value length), on local[2], the session already warm;
+(d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink.
+
+Rows/s of (b), (c) and (d) and the ratios of (c) and (d) to (b). Prints a table, then one JSON line
+as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_READY = "polybroker standalone ready "
+
+
+def start_broker(data_dir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start a standalone broker; return it with its service and admin URLs."""
+    cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
+    for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
+        cmd += [flag, "0"]
+    log = open(data_dir.parent / "standalone.log", "wb")  # noqa: SIM115 (lives with the process)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    buffered = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(1):
+                continue
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buffered += chunk
+            for line in buffered.decode(errors="replace").splitlines():
+                if line.startswith(_READY):
+                    ports = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+                    return (
+                        proc,
+                        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
+                        f"http://127.0.0.1:{ports['webServicePort']}",
+                    )
+    proc.kill()
+    raise RuntimeError("standalone did not start")
+
+
+def fill(client: Any, topic: str, count: int, size: int) -> float:
+    """Publish ``count`` messages of ``size`` bytes with batching; return the seconds taken."""
+    producer = client.create_producer(
+        topic,
+        batching_enabled=True,
+        batching_max_messages=1000,
+        batching_max_allowed_size_in_bytes=1 << 20,
+        batching_max_publish_delay_ms=5,
+        block_if_queue_full=True,
+        max_pending_messages=20_000,
+    )
+    payload = b"x" * size
+    started = time.perf_counter()
+    for _ in range(count):
+        producer.send_async(payload, None)
+    producer.flush()
+    producer.close()
+    return time.perf_counter() - started
+
+
+def read_with_client(client: Any, topic: str, count: int) -> dict[str, float]:
+    """(b): one Reader from the earliest message; rows/s over ``count`` messages."""
+    import pulsar
+
+    reader = client.create_reader(topic, pulsar.MessageId.earliest, receiver_queue_size=5000)
+    total = 0
+    started = time.perf_counter()
+    for _ in range(count):
+        total += len(reader.read_next(30_000).data())
+    seconds = time.perf_counter() - started
+    reader.close()
+    return {"rows": count, "bytes": total, "seconds": seconds, "rows_per_s": count / seconds}
+
+
+def read_with_spark_batch(spark: Any, options: dict[str, str], count: int) -> dict[str, float]:
+    """(c): a batch read of the backlog into count + sum(length(value))."""
+    from pyspark.sql import functions as F
+
+    started = time.perf_counter()
+    df = spark.read.format("pulsar").options(**options).load()
+    row = df.agg(F.count("*").alias("n"), F.sum(F.length("value")).alias("b")).collect()[0]
+    seconds = time.perf_counter() - started
+    if row["n"] != count:
+        raise AssertionError(f"batch read {row['n']} rows, expected {count}")
+    return {
+        "rows": count,
+        "bytes": int(row["b"]),
+        "seconds": seconds,
+        "rows_per_s": count / seconds,
+        "partitions": df.rdd.getNumPartitions(),
+    }
+
+
+def read_with_spark_stream(
+    spark: Any, options: dict[str, str], count: int, checkpoint: Path
+) -> dict[str, float]:
+    """(d): availableNow over the backlog into the noop sink."""
+    started = time.perf_counter()
+    query = (
+        spark.readStream.format("pulsar")
+        .options(**options, startingOffsets="earliest")
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    seconds = time.perf_counter() - started
+    rows = sum(p["numInputRows"] for p in query.recentProgress)
+    if rows != count:
+        raise AssertionError(f"stream read {rows} rows, expected {count}")
+    return {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--size", type=int, default=100)
+    parser.add_argument(
+        "--entries-per-partition",
+        type=int,
+        default=100,
+        help="maxEntriesPerPartition: how finely Spark splits the backlog",
+    )
+    args = parser.parse_args()
+
+    import pulsar
+
+    from polybroker.spark.session import local_session
+
+    with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
+        root = Path(tmp)
+        proc, service_url, admin_url = start_broker(root / "data")
+        client = pulsar.Client(service_url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+        spark = None
+        try:
+            topic = "persistent://public/default/bench"
+            fill_s = fill(client, topic, args.messages, args.size)
+            client_result = read_with_client(client, topic, args.messages)
+            spark = local_session("polybroker-spark-bench")
+            spark.sparkContext.setLogLevel("ERROR")
+            options = {
+                "service.url": service_url,
+                "admin.url": admin_url,
+                "topic": topic,
+                "maxEntriesPerPartition": str(args.entries_per_partition),
+            }
+            # Warm the session and the Python workers on a tiny read first.
+            spark.read.format("pulsar").options(
+                **options, endingOffsets=json.dumps({topic: "0:1"})
+            ).load().count()
+            batch = read_with_spark_batch(spark, options, args.messages)
+            stream = read_with_spark_stream(spark, options, args.messages, root / "ckpt")
+        finally:
+            if spark is not None:
+                spark.stop()
+            client.close()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    result = {
+        "messages": args.messages,
+        "size": args.size,
+        "cpus": os.cpu_count(),
+        "fill_rows_per_s": args.messages / fill_s,
+        "client": client_result,
+        "spark_batch": batch,
+        "spark_stream": stream,
+        "batch_vs_client": batch["rows_per_s"] / client_result["rows_per_s"],
+        "stream_vs_client": stream["rows_per_s"] / client_result["rows_per_s"],
+    }
+    print(f"{'case':<14}{'rows/s':>12}{'seconds':>10}")
+    for name in ("client", "spark_batch", "spark_stream"):
+        r = result[name]
+        print(f"{name:<14}{r['rows_per_s']:>12.0f}{r['seconds']:>10.2f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
