@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,8 +75,15 @@ def read_messages(
     c = client(service_url)
     try:
         start_id, inclusive = _start_id(rng)
+        # A subscription name of our own: the client draws its random reader names from a
+        # generator that Spark's forked Python workers share, so two workers reading one topic
+        # partition would otherwise collide (ConsumerBusy).
         reader = c.create_reader(
-            rng.topic, start_id, start_message_id_inclusive=inclusive, receiver_queue_size=5000
+            rng.topic,
+            start_id,
+            start_message_id_inclusive=inclusive,
+            receiver_queue_size=5000,
+            subscription_role_prefix=f"spark-{uuid.uuid4().hex}",
         )
         # The binding's reader, when this client version has it; else the public wrapper.
         raw = getattr(reader, "_reader", None)
