@@ -16,6 +16,7 @@ from twisted.internet import reactor, threads
 from zk_server import ZooKeeperServer
 
 from polybroker.metadata.api import EventType, Notification, SessionEvent
+from polybroker.metadata.claim import ClaimState, EphemeralClaim
 from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
 
 OWNED = "/owners/me"
@@ -155,3 +156,32 @@ async def test_a_server_restart_keeps_the_session_and_reports_changes_made_meanw
     finally:
         await stores.close()
         await threads.deferToThread(server.stop)
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_expired_owner_loses_its_claim_to_a_contender(
+    zookeeper_server: ZooKeeperServer, zk_url: str, stores: Stores
+) -> None:
+    """A claim held by a session that expires is not kept: a contending session takes the
+    node, and the old holder ends RELEASED without ever holding it again."""
+    a = await stores.open(zk_url, 2000)
+    b = await stores.open(zk_url, 10_000)
+    a_states: list[ClaimState] = []
+    b_states: list[ClaimState] = []
+    first = EphemeralClaim(a, "/bundles/b0", b"broker-a", on_change=a_states.append)
+    second = EphemeralClaim(b, "/bundles/b0", b"broker-b", contend=True, on_change=b_states.append)
+    assert await first.start() is ClaimState.HELD
+    assert await second.start() is ClaimState.PENDING
+
+    await threads.deferToThread(expire_session, zookeeper_server.hosts, a)
+
+    await eventually(lambda: second.held, 30, "the contender holds the claim")
+    await eventually(lambda: first.state is ClaimState.RELEASED, 30, "the old holder gave up")
+    assert a_states[0] is ClaimState.HELD
+    assert ClaimState.HELD not in a_states[1:]
+    assert b_states == [ClaimState.HELD]
+    got = await a.get("/bundles/b0")
+    assert got is not None
+    assert got.value == b"broker-b"
+    await second.release()
+    assert await b.get("/bundles/b0") is None
