@@ -16,6 +16,7 @@ The machine is shared and noisy: quote medians of ``--repeat`` runs and the rati
 then one JSON line as the last line. Every process it starts is stopped by its PID.
 
     python benchmarks/kafka.py [--count N] [--repeat R] [--rate MSGS_PER_S] [--no-tansu]
+                               [--entry-format pulsar|kafka]
 """
 
 from __future__ import annotations
@@ -284,8 +285,10 @@ def result_of(proc: subprocess.Popen[bytes], timeout: float = 300) -> dict[str, 
 # -- the run --------------------------------------------------------------------------------
 
 
-def start_polybroker(tmp: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+def start_polybroker(tmp: Path, entry_format: str) -> tuple[subprocess.Popen[bytes], int, int]:
     kafka, pulsar_port = free_port(), free_port()
+    conf = tmp / "broker.conf"
+    conf.write_text(f"kafkaEntryFormat={entry_format}\n")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -294,6 +297,8 @@ def start_polybroker(tmp: Path) -> tuple[subprocess.Popen[bytes], int, int]:
             "standalone",
             "--data-dir",
             str(tmp / "data"),
+            "--config",
+            str(conf),
             "--kafka-port",
             str(kafka),
             "--pulsar-port",
@@ -395,6 +400,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--no-tansu", action="store_true")
+    ap.add_argument(
+        "--entry-format", default="pulsar", choices=["pulsar", "kafka"], help="kafkaEntryFormat"
+    )
     a = ap.parse_args()
     if a.role:
         print("RESULT " + json.dumps(ROLES[a.role](a)), flush=True)
@@ -405,7 +413,7 @@ def main() -> None:
     rows: dict[str, list[tuple[float, float]]] = {}
     lat: dict[str, list[dict[str, Any]]] = {}
     try:
-        poly, kport, pport = start_polybroker(tmp)
+        poly, kport, pport = start_polybroker(tmp, a.entry_format)
         procs.append(poly)
         kafka_bs = f"127.0.0.1:{kport}"
         pulsar_url = f"pulsar://127.0.0.1:{pport}"

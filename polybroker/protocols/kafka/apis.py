@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +122,7 @@ class Settings:
     default_partitions: int
     auto_create: bool
     entry_format: str = "pulsar"  # or FORMAT_TAG: store batches verbatim
+    conversion_cache_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass
@@ -146,6 +147,10 @@ class KafkaApis:
         self.producers: dict[tuple[str, int], ProducerState] = {}
         self._producer_ids = itertools.count(int(time.time() * 1000) << 8)
         self._partitions: dict[str, int] = {}  # Kafka name -> partition count (0: not partitioned)
+        # Record batches converted from Pulsar-format entries, most recently used last: every
+        # consumer group (and librdkafka's prefetch) reads the same entries again.
+        self._converted: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+        self._converted_bytes = 0
         self._closed = False
 
     def close(self) -> None:
@@ -684,7 +689,7 @@ class KafkaApis:
                 if entry.last_index < offset:
                     continue
                 try:
-                    batch = entry_as_batch(entry.index, entry.data)
+                    batch = self._as_batch(topic.name, entry)
                 except (MessageFormatError, rec.RecordError) as e:
                     log.warning(
                         "skipping an entry Kafka cannot read",
@@ -700,6 +705,22 @@ class KafkaApis:
                 r.size += len(batch)
                 if r.size >= limit:
                     return
+
+    def _as_batch(self, topic: str, entry: Any) -> bytes:
+        key = (topic, entry.position, entry.index, len(entry.data))
+        found = self._converted.get(key)
+        if found is not None:
+            self._converted.move_to_end(key)
+            return found
+        batch = entry_as_batch(entry.index, entry.data)
+        if messages.entry_format(entry.data) == FORMAT_TAG:
+            return batch  # a verbatim batch costs nothing to serve again
+        self._converted[key] = batch
+        self._converted_bytes += len(batch)
+        while self._converted_bytes > self.settings.conversion_cache_bytes and self._converted:
+            _, dropped = self._converted.popitem(last=False)
+            self._converted_bytes -= len(dropped)
+        return batch
 
     def _fetch_response(self, reads: list[_PartitionRead]) -> Any:
         cls = c.response_class(c.API_FETCH)

@@ -186,6 +186,9 @@ def decompress(kind: int, data: bytes, limit: int) -> bytes:
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    if pos < len(data) and data[pos] < 0x80:  # one byte: the common case
+        b = data[pos]
+        return (b >> 1) ^ -(b & 1), pos + 1
     value = 0
     shift = 0
     while True:
@@ -250,7 +253,7 @@ def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
     return out
 
 
-def _zigzag(value: int) -> bytes:
+def _zigzag_slow(value: int) -> bytes:
     v = (value << 1) ^ (value >> 63)
     out = bytearray()
     while v & ~0x7F:
@@ -260,26 +263,39 @@ def _zigzag(value: int) -> bytes:
     return bytes(out)
 
 
+_SMALL = 1 << 14
+_ZIGZAG = [_zigzag_slow(v) for v in range(-1, _SMALL)]  # index v + 1
+
+
+def _zigzag(value: int) -> bytes:
+    if -1 <= value < _SMALL:
+        return _ZIGZAG[value + 1]
+    return _zigzag_slow(value)
+
+
 def _field(value: bytes | None) -> bytes:
     if value is None:
-        return _zigzag(-1)
+        return _ZIGZAG[0]
     return _zigzag(len(value)) + value
 
 
 def encode_record(record: Record, first_timestamp: int) -> bytes:
     """One record as it sits in an uncompressed batch body."""
-    parts = [
-        b"\x00",
-        _zigzag(record.timestamp_ms - first_timestamp),
-        _zigzag(record.offset_delta),
-        _field(record.key),
-        _field(record.value),
-        _zigzag(len(record.headers)),
-    ]
-    for k, v in record.headers:
-        parts.append(_field(k.encode("utf-8")))
-        parts.append(_field(v))
-    body = b"".join(parts)
+    key = record.key
+    value = record.value
+    body = b"".join(
+        (
+            b"\x00",
+            _zigzag(record.timestamp_ms - first_timestamp),
+            _zigzag(record.offset_delta),
+            _ZIGZAG[0] if key is None else _zigzag(len(key)),
+            key or b"",
+            _ZIGZAG[0] if value is None else _zigzag(len(value)),
+            value or b"",
+            _zigzag(len(record.headers)),
+            *(_field(k.encode("utf-8")) + _field(v) for k, v in record.headers),
+        )
+    )
     return _zigzag(len(body)) + body
 
 
