@@ -1,0 +1,550 @@
+"""Pulsar benchmark: polybroker standalone against pulsar-lite, with the official client.
+
+Every case runs on both brokers in the same run, alternating which goes first (the machine is
+noisy: medians of --repeat runs and the ratios are what count). The producer and the consumer
+are separate processes (this script re-run with ``--role``); messages are 100 bytes, the first
+eight holding the send time (CLOCK_MONOTONIC, the same for every process of the machine).
+
+Cases:
+  batched    sustained end-to-end rate (msgs/s, MB/s) with batching on, --batched messages
+  unbatched  the same with batching off, --unbatched messages
+  paced      publish and end-to-end latency p50/p99 at --rate msgs/s for --paced-seconds,
+             batching on with a 1 ms batch window (pulsar-perf's default)
+  topics     --topics topics, each with a producer and a subscription: set-up time and the
+             broker's RSS (polybroker: the whole standalone process, bookie and metadata
+             store included)
+
+The end-to-end rate is messages / (last receive - first send). polybroker runs with its
+defaults (journal fdatasync before every acknowledgement, group window 1 ms); pulsar-lite with
+its own (RocksDB). Prints a table, then one JSON line as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# This file is named pulsar.py: keep its folder off the path so `import pulsar` is the client.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+SIZE = 100
+_READY = "polybroker standalone ready "
+_LITE_CONFIG = "[metrics]\nenabled = false\n"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Return the q-th percentile (0..100) of ``values`` by nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def payload(now_ns: int) -> bytes:
+    """A 100-byte message carrying its send time."""
+    return struct.pack(">q", now_ns) + b"x" * (SIZE - 8)
+
+
+def free_port() -> int:
+    """A port free on loopback now (the broker binds it right after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of ``pid`` in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- brokers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Broker:
+    """A broker process this script started, and how to reach it."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    workdir: Path
+    log: Path
+
+    def stop(self) -> None:
+        """SIGTERM by PID, then SIGKILL if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def start_polybroker(root: Path) -> Broker:
+    """Start ``polybroker standalone`` on free ports; return when it is ready."""
+    workdir = root / "polybroker"
+    workdir.mkdir()
+    log = workdir / "standalone.log"
+    cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(workdir / "data")]
+    for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
+        cmd += [flag, "0"]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    buffered = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"polybroker not ready: {log.read_text()[-2000:]}")
+            if not sel.select(remaining):
+                continue
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            buffered += chunk
+            for line in buffered.decode(errors="replace").splitlines():
+                if line.startswith(_READY):
+                    ports = dict(re.findall(r"(\w+)=(\d+)", line))
+                    url = f"pulsar://127.0.0.1:{ports['brokerServicePort']}"
+                    return Broker("polybroker", proc, url, workdir, log)
+
+
+def lite_binary() -> Path:
+    """The pulsar-lite binary inside its PyPI package."""
+    import pulsar_lite
+
+    return Path(pulsar_lite.__file__).parent / "bin" / "pulsar-lite"
+
+
+def start_pulsar_lite(root: Path) -> Broker:
+    """Start pulsar-lite on loopback with metrics off; return when its port accepts."""
+    workdir = root / "pulsar-lite"
+    workdir.mkdir()
+    config = workdir / "pulsar-lite.toml"
+    config.write_text(_LITE_CONFIG)
+    port = free_port()
+    log = workdir / "pulsar-lite.log"
+    cmd = [str(lite_binary()), "--config", str(config), "--addr", f"127.0.0.1:{port}"]
+    cmd += ["--db-path", str(workdir / "db"), "--log-level", "warn"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pulsar-lite exited: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return Broker("pulsar-lite", proc, f"pulsar://127.0.0.1:{port}", workdir, log)
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("pulsar-lite did not listen within 30 s")
+
+
+# -- roles (child processes) --------------------------------------------------------------------
+
+
+def _client(url: str) -> Any:
+    import pulsar
+
+    return pulsar.Client(
+        url, operation_timeout_seconds=60, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
+    )
+
+
+def role_consumer(args: argparse.Namespace) -> None:
+    """Take --count messages; print one JSON line: first/last receive time, e2e latencies."""
+    import pulsar
+
+    client = _client(args.url)
+    consumer = client.subscribe(
+        args.topic,
+        "bench",
+        consumer_type=pulsar.ConsumerType.Exclusive,
+        initial_position=pulsar.InitialPosition.Earliest,
+        receiver_queue_size=2000,
+    )
+    print("ready", flush=True)
+    latencies: list[float] = []
+    first = last = 0
+    got = 0
+    deadline = time.monotonic() + args.timeout
+    msg = None
+    while got < args.count and time.monotonic() < deadline:
+        try:
+            msg = consumer.receive(timeout_millis=1000)
+        except pulsar.Timeout:
+            continue
+        now = time.monotonic_ns()
+        if not first:
+            first = now
+        last = now
+        (sent,) = struct.unpack_from(">q", msg.data())
+        latencies.append((now - sent) / 1e6)
+        got += 1
+        if got % 1000 == 0:
+            consumer.acknowledge_cumulative(msg)
+    if msg is not None:
+        consumer.acknowledge_cumulative(msg)
+    consumer.close()
+    client.close()
+    print(json.dumps({"got": got, "first_ns": first, "last_ns": last, "e2e_ms": latencies}))
+
+
+def role_producer(args: argparse.Namespace) -> None:
+    """Send --count messages (paced at --rate if given); print one JSON line with timings."""
+    import pulsar
+
+    client = _client(args.url)
+    producer = client.create_producer(
+        args.topic,
+        batching_enabled=args.batching,
+        batching_max_publish_delay_ms=args.batch_delay_ms,
+        batching_max_messages=1000,
+        max_pending_messages=5000,
+        block_if_queue_full=True,
+        send_timeout_millis=120_000,
+    )
+    publish_ms: list[float] = []
+    failed = [0]
+    ok = pulsar.Result.Ok
+
+    def sent_callback(start_ns: int) -> Any:
+        def done(result: Any, _msg_id: Any) -> None:
+            if result == ok:
+                publish_ms.append((time.monotonic_ns() - start_ns) / 1e6)
+            else:
+                failed[0] += 1
+
+        return done
+
+    start = time.monotonic_ns()
+    interval_ns = int(1e9 / args.rate) if args.rate else 0
+    for i in range(args.count):
+        if interval_ns:
+            due = start + i * interval_ns
+            while (now := time.monotonic_ns()) < due:
+                if due - now > 200_000:
+                    time.sleep((due - now) / 1e9 / 2)
+        now = time.monotonic_ns()
+        producer.send_async(payload(now), sent_callback(now))
+    producer.flush()
+    end = time.monotonic_ns()
+    producer.close()
+    client.close()
+    print(
+        json.dumps(
+            {"start_ns": start, "end_ns": end, "failed": failed[0], "publish_ms": publish_ms}
+        )
+    )
+
+
+def role_topics(args: argparse.Namespace) -> None:
+    """Create --count topics, each with a producer and a subscription; print the set-up time."""
+
+    async def main() -> dict[str, Any]:
+        import pulsar
+        import pulsar.asyncio as pa
+
+        client = pa.Client(
+            args.url,
+            operation_timeout_seconds=120,
+            logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+        )
+        held: list[Any] = []
+        start = time.monotonic()
+        sem = asyncio.Semaphore(64)
+
+        async def one(i: int) -> None:
+            topic = f"persistent://public/default/bench-topics-{args.tag}-{i}"
+            async with sem:
+                held.append(await client.create_producer(topic, batching_enabled=False))
+                held.append(
+                    await client.subscribe(
+                        topic, "sub", initial_position=pulsar.InitialPosition.Earliest
+                    )
+                )
+
+        await asyncio.gather(*(one(i) for i in range(args.count)))
+        elapsed = time.monotonic() - start
+        if len(held) != 2 * args.count:
+            raise RuntimeError(f"{len(held)} producers and consumers, not {2 * args.count}")
+        print(json.dumps({"setup_s": elapsed, "held": len(held)}), flush=True)
+        # Hold everything open until the parent has read the broker's RSS.
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await client.close()
+        return {}
+
+    asyncio.run(main())
+
+
+# -- cases (parent) -----------------------------------------------------------------------------
+
+
+def _role(*argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            proc.kill()
+            raise RuntimeError(f"no answer in {timeout}s")
+    line = proc.stdout.readline()
+    if not line:
+        _, err = proc.communicate(timeout=10)
+        raise RuntimeError(f"role exited: {err[-2000:]}")
+    return line
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=10)
+        raise RuntimeError(f"role did not finish in {timeout}s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"role failed ({proc.returncode}): {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@dataclass
+class Run:
+    """One producer/consumer run's figures."""
+
+    count: int
+    seconds: float
+    publish_ms: list[float] = field(default_factory=list)
+    e2e_ms: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_pair(
+    broker: Broker, topic: str, count: int, batching: bool, rate: float, timeout: float
+) -> Run:
+    """Start a consumer, then a producer, in their own processes; return what they measured."""
+    common = ["--url", broker.url, "--topic", topic, "--count", str(count)]
+    consumer = _role("--role", "consumer", *common, "--timeout", str(timeout))
+    try:
+        if _read_line(consumer, 120).strip() != "ready":
+            raise RuntimeError("consumer did not subscribe")
+        extra = ["--rate", str(rate), "--batch-delay-ms", "1" if rate else "10"]
+        if batching:
+            extra.append("--batching")
+        producer = _role("--role", "producer", *common, *extra)
+        prod = _finish(producer, timeout + 60)
+        cons = _finish(consumer, timeout + 60)
+    finally:
+        for p in (consumer,):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    if cons["got"] < count or prod["failed"]:
+        raise RuntimeError(
+            f"{broker.name}: consumer got {cons['got']} of {count}, {prod['failed']} send failures"
+        )
+    seconds = (cons["last_ns"] - prod["start_ns"]) / 1e9
+    return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"])
+
+
+def run_topics(broker: Broker, count: int, tag: str, timeout: float) -> dict[str, float]:
+    """Set up ``count`` topics with a producer and a subscription each; time and RSS."""
+    before = rss_mb(broker.proc.pid)
+    proc = _role("--role", "topics", "--url", broker.url, "--count", str(count), "--tag", tag)
+    try:
+        line = _read_line(proc, timeout)
+        while not line.startswith("{"):  # skip anything the client library printed
+            line = _read_line(proc, timeout)
+        setup = json.loads(line)
+        after = rss_mb(broker.proc.pid)
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return {
+        "topics": count,
+        "setup_s": round(setup["setup_s"], 2),
+        "rss_mb_before": round(before, 1),
+        "rss_mb": round(after, 1),
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=("consumer", "producer", "topics"), default=None)
+    parser.add_argument("--url", default="")
+    parser.add_argument("--topic", default="")
+    parser.add_argument("--count", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=0.0)
+    parser.add_argument("--batching", action="store_true")
+    parser.add_argument("--batch-delay-ms", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--batched", type=int, default=1_000_000, help="messages, batching on")
+    parser.add_argument("--unbatched", type=int, default=200_000, help="messages, batching off")
+    parser.add_argument("--paced-rate", type=float, default=10_000.0, help="msgs/s of latency run")
+    parser.add_argument("--paced-seconds", type=float, default=10.0)
+    parser.add_argument("--topics", type=int, default=10_000, help="topics of the topics case")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each throughput case")
+    parser.add_argument("--brokers", default="polybroker,pulsar-lite")
+    parser.add_argument("--cases", default="batched,unbatched,paced,topics")
+    args = parser.parse_args()
+    if args.role == "consumer":
+        role_consumer(args)
+        return 0
+    if args.role == "producer":
+        role_producer(args)
+        return 0
+    if args.role == "topics":
+        role_topics(args)
+        return 0
+
+    names = [n for n in args.brokers.split(",") if n]
+    wanted = {c for c in args.cases.split(",") if c}
+    notes = []
+    if "batched" in wanted and args.batched < 1_000_000:
+        notes.append(f"batched case over {args.batched} messages, not 1M (2-core shared machine)")
+    if "unbatched" in wanted and args.unbatched < 200_000:
+        notes.append(f"unbatched case over {args.unbatched} messages, not 200k")
+    if "topics" in wanted and args.topics < 10_000:
+        notes.append(f"topics case with {args.topics} topics, not 10,000")
+    results: dict[str, dict[str, Any]] = {n: {} for n in names}
+    starters = {"polybroker": start_polybroker, "pulsar-lite": start_pulsar_lite}
+    with tempfile.TemporaryDirectory(prefix="bench-pulsar-") as tmp:
+        root = Path(tmp)
+        brokers = {n: starters[n](root) for n in names}
+        try:
+            paced_count = int(args.paced_rate * args.paced_seconds)
+            cases = [
+                ("batched", args.batched, True, 0.0),
+                ("unbatched", args.unbatched, False, 0.0),
+                ("paced", paced_count, True, args.paced_rate),
+            ]
+            cases = [c for c in cases if c[0] in wanted]
+            for case_index, (case, count, batching, rate) in enumerate(cases):
+                repeats = 1 if case == "paced" else args.repeat
+                runs: dict[str, list[Run]] = {n: [] for n in names}
+                for r in range(repeats):
+                    order = names if (case_index + r) % 2 == 0 else names[::-1]
+                    for n in order:
+                        topic = f"persistent://public/default/bench-{case}-{r}"
+                        run = run_pair(brokers[n], topic, count, batching, rate, args.timeout)
+                        runs[n].append(run)
+                        print(
+                            f"{n:12} {case:9} run {r}: {run.count} msgs in {run.seconds:.2f} s"
+                            f" = {run.rate:,.0f} msg/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                for n in names:
+                    rates = [x.rate for x in runs[n]]
+                    entry: dict[str, Any] = {
+                        "messages": count,
+                        "msgs_per_s": round(_median(rates)),
+                        "mb_per_s": round(_median(rates) * SIZE / 1e6, 2),
+                    }
+                    if case == "paced":
+                        last = runs[n][-1]
+                        entry["rate"] = args.paced_rate
+                        entry["publish_p50_ms"] = round(percentile(last.publish_ms, 50), 2)
+                        entry["publish_p99_ms"] = round(percentile(last.publish_ms, 99), 2)
+                        entry["e2e_p50_ms"] = round(percentile(last.e2e_ms, 50), 2)
+                        entry["e2e_p99_ms"] = round(percentile(last.e2e_ms, 99), 2)
+                    results[n][case] = entry
+            for i, n in enumerate(names[::-1] if "topics" in wanted else []):
+                results[n]["topics"] = run_topics(brokers[n], args.topics, str(i), args.timeout)
+                print(f"{n:12} topics   : {results[n]['topics']}", file=sys.stderr, flush=True)
+        finally:
+            for b in brokers.values():
+                b.stop()
+
+    print(f"{'broker':12} {'case':10} {'msgs/s':>10} {'MB/s':>7}  latency (ms)")
+    for n in names:
+        for case in ("batched", "unbatched", "paced"):
+            if case not in results[n]:
+                continue
+            e = results[n][case]
+            lat = ""
+            if case == "paced":
+                lat = (
+                    f"publish p50 {e['publish_p50_ms']} p99 {e['publish_p99_ms']}, "
+                    f"e2e p50 {e['e2e_p50_ms']} p99 {e['e2e_p99_ms']}"
+                )
+            print(f"{n:12} {case:10} {e['msgs_per_s']:>10,} {e['mb_per_s']:>7}  {lat}")
+        if "topics" in results[n]:
+            t = results[n]["topics"]
+            print(
+                f"{n:12} topics     {t['topics']} topics set up in {t['setup_s']} s,"
+                f" RSS {t['rss_mb']} MB"
+            )
+    for note in notes:
+        print(f"note: {note}")
+    summary: dict[str, Any] = {"benchmark": "pulsar", "message_bytes": SIZE, **results}
+    if "polybroker" in results and "pulsar-lite" in results:
+        ours, theirs = results["polybroker"], results["pulsar-lite"]
+
+        def versus(case: str, key: str) -> float | None:
+            if case not in ours or case not in theirs or not theirs[case][key]:
+                return None
+            return round(ours[case][key] / theirs[case][key], 3)
+
+        summary["ratios"] = {
+            "batched_throughput": versus("batched", "msgs_per_s"),
+            "unbatched_throughput": versus("unbatched", "msgs_per_s"),
+            "publish_p99": versus("paced", "publish_p99_ms"),
+            "e2e_p99": versus("paced", "e2e_p99_ms"),
+            "topics_rss": versus("topics", "rss_mb"),
+            "topics_setup": versus("topics", "setup_s"),
+        }
+    summary["notes"] = notes
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
