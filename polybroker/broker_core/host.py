@@ -180,7 +180,9 @@ class ProtocolHost:
         for b in bindings:
             lsn = b.listener
             try:
-                port = self.reactor.listenTCP(lsn.port, lsn.factory, interface=lsn.host)
+                port = self.reactor.listenTCP(
+                    lsn.port, lsn.factory, backlog=lsn.backlog, interface=lsn.host
+                )
             except CannotListenError as e:
                 reason = e.socketError if e.socketError is not None else e
                 raise ListenerError(

@@ -49,6 +49,9 @@ class Listener:
     host: str
     port: int
     factory: Any
+    #: Pending connections the socket queues (Twisted's default 50); a handler expecting
+    #: bursts of connects (thousands of devices reconnecting) asks for more.
+    backlog: int = 50
 
 
 class ProtocolHandler(abc.ABC):

@@ -17,6 +17,8 @@ from polybroker.protocols.mqtt.connection import PACKET_OVERHEAD, MqttFactory, M
 from polybroker.protocols.mqtt.session import MqttBroker
 
 PORT_KEY = "mqttListenerPort"
+#: Pending connections the MQTT socket queues.
+BACKLOG = 4096
 
 
 class MqttProtocolHandler(ProtocolHandler):
@@ -72,7 +74,8 @@ class MqttProtocolHandler(ProtocolHandler):
     def listeners(self) -> dict[str, Listener]:
         if self.factory is None:
             raise RuntimeError("listeners() before start()")
-        return {PORT_KEY: Listener(self.host, self.port, self.factory)}
+        # Fleets of devices reconnect at once: queue their connects instead of dropping SYNs.
+        return {PORT_KEY: Listener(self.host, self.port, self.factory, backlog=BACKLOG)}
 
     def bound(self, key: str, port: int) -> None:
         if key == PORT_KEY:

@@ -641,16 +641,19 @@ class MqttBroker:
         self.store = service.metadata_store
         self.deny_list = [d for d in deny_list if d]
         self.sessions: dict[str, Session] = {}
+        #: Client ids with a stored (persistent) session: only those are looked up at CONNECT.
+        self.stored_ids: set[str] = set()
         self.retained: dict[str, Retained] = {}
         self._consumer_ids = 0
         self._remove_listener: Callable[[], None] | None = None
 
     def start(self) -> Deferred[None]:
-        """Load retained messages and follow topic creation."""
+        """Load retained messages and the stored sessions' ids; follow topic creation."""
         self._remove_listener = self.service.add_topic_listener(self._topic_loaded)
-        return Deferred.fromCoroutine(self._load_retained())
+        return Deferred.fromCoroutine(self._load())
 
-    async def _load_retained(self) -> None:
+    async def _load(self) -> None:
+        self.stored_ids = {unquote(c) for c in await self.store.children(SESSIONS_ROOT)}
         for child in await self.store.children(RETAINED_ROOT):
             got = await self.store.get(f"{RETAINED_ROOT}/{child}")
             if got is not None:
@@ -717,6 +720,8 @@ class MqttBroker:
         return session, False
 
     async def _restore(self, client_id: str) -> Session | None:
+        if client_id not in self.stored_ids:
+            return None
         got = await self.store.get(f"{SESSIONS_ROOT}/{quote(client_id, safe='')}")
         if got is None:
             return None
@@ -751,10 +756,12 @@ class MqttBroker:
 
     def save(self, session: Session) -> Deferred[Any]:
         """Store a persistent session's filters."""
+        self.stored_ids.add(session.client_id)
         path = f"{SESSIONS_ROOT}/{quote(session.client_id, safe='')}"
         return self.store.put(path, session.snapshot())
 
     def _forget(self, client_id: str) -> Deferred[None]:
+        self.stored_ids.discard(client_id)
         path = f"{SESSIONS_ROOT}/{quote(client_id, safe='')}"
         d = self.store.delete(path)
         d.addErrback(lambda _: None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import pytest
@@ -51,6 +51,7 @@ class PortReactor(MemoryReactor):
         self.events = events
         self.busy = busy or set()
         self.listening: set[int] = set()
+        self.backlogs: dict[int, int] = {}
         self._next = 40000
 
     def listenTCP(  # type: ignore[override]
@@ -63,6 +64,7 @@ class PortReactor(MemoryReactor):
             port = self._next
         self.events.append(f"bind {port}")
         self.listening.add(port)
+        self.backlogs[port] = backlog
         return _Port(self, port)
 
 
@@ -293,3 +295,23 @@ def test_a_failing_stop_does_not_keep_others_running() -> None:
     result_of(host.start(_context(host.reactor, host.config)))
     result_of(host.stop())
     assert events[-2:] == ["stop bad", "stop a"]
+
+
+def test_a_listeners_backlog_reaches_the_socket() -> None:
+    """The host binds each listener with the backlog it asks for (Twisted's 50 by default)."""
+    events: list[str] = []
+    installed = Installed(events, a={"aPort": 7001})
+    reactor = PortReactor(events)
+    host, config = _host("a", installed, reactor)
+    host.load()
+    handler = installed.made["a"]
+    plain = handler.listeners
+
+    def deep() -> dict[str, Listener]:
+        return {k: replace(v, backlog=4096) for k, v in plain().items()}
+
+    handler.listeners = deep  # type: ignore[method-assign]
+    result_of(host.start(_context(reactor, config)))
+    assert reactor.backlogs == {7001: 4096}
+    result_of(host.stop())
+    assert Listener("h", 1, None).backlog == 50

@@ -1,0 +1,299 @@
+"""MQTT benchmark: polybroker's MQTT handler against Mosquitto and amqtt, side by side, with paho.
+
+One run starts ``polybroker standalone`` (MQTT enabled, scratch data dir: QoS 1 publishes are
+acknowledged after the fsync'd bookie write), Mosquitto (no persistence, no queue limit) and the
+amqtt broker, each on a free loopback port, and runs the shared paho benchmark
+(``bench_mqtt.py``) against each, alternating brokers case by case: burst QoS 0 and QoS 1
+(end-to-end msgs/s, lost, duplicates) and QoS 1 paced at 2k msgs/s (latency percentiles).
+Then it opens ``--idle-clients`` MQTT connections with keep-alive to polybroker and reports its
+RSS and CPU while they sit idle. The machine is shared and noisy: quote medians of ``--repeat``
+runs and ratios.
+
+Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(os.environ.get("BENCH_MQTT", "/work/shared/bench/bench_mqtt.py"))
+
+CASES: list[tuple[str, list[str], int]] = [
+    # (name, bench_mqtt.py arguments, message count divisor)
+    ("qos0", ["--qos", "0"], 1),
+    ("qos1", ["--qos", "1"], 1),
+    ("qos1-paced-2k", ["--qos", "1", "--rate", "2000"], 2),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on {port} after {timeout_s}s")
+
+
+class Server:
+    """A broker process on a free loopback port, stopped by its PID."""
+
+    name = ""
+
+    def __init__(self, scratch: Path) -> None:
+        self.port = free_port()
+        self.scratch = scratch
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_port(self.port, 60, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+class Polybroker(Server):
+    name = "polybroker"
+
+    def command(self) -> list[str]:
+        conf = self.scratch / "broker.conf"
+        conf.write_text("messagingProtocols=mqtt\nstatsUpdateFrequencyInSecs=60\n")
+        return [
+            sys.executable,
+            "-m",
+            "polybroker",
+            "standalone",
+            "--data-dir",
+            str(self.scratch / "data"),
+            "--pulsar-port",
+            "0",
+            "--http-port",
+            "0",
+            "--kafka-port",
+            "0",
+            "--amqp-port",
+            "0",
+            "--mqtt-port",
+            str(self.port),
+            "--config",
+            str(conf),
+        ]
+
+
+class Mosquitto(Server):
+    name = "mosquitto"
+
+    def command(self) -> list[str]:
+        conf = self.scratch / "mosquitto.conf"
+        conf.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            "max_queued_messages 0\n"
+        )
+        return ["mosquitto", "-c", str(conf)]
+
+
+class Amqtt(Server):
+    name = "amqtt"
+
+    def command(self) -> list[str]:
+        conf = self.scratch / "amqtt.yaml"
+        conf.write_text(
+            "listeners:\n  default:\n    type: tcp\n"
+            f"    bind: 127.0.0.1:{self.port}\n"
+            "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n"
+            "    allow_anonymous: true\n"
+        )
+        return [shutil.which("amqtt") or "amqtt", "-c", str(conf)]
+
+
+def run_case(port: int, args: list[str], n: int, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(BENCH), "--port", str(port), "-n", str(n)]
+    cmd += ["--timeout", str(timeout_s), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s * 3, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"error": (done.stderr or done.stdout)[-300:]}
+    return dict(json.loads(lines[-1]))
+
+
+_IDLE_SCRIPT = r"""
+import socket, sys, time
+port, n, keep = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+socks = []
+for i in range(n):
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    cid = f"idle-{i}".encode()
+    body = b"\x00\x04MQTT\x04\x02" + keep.to_bytes(2, "big") + len(cid).to_bytes(2, "big") + cid
+    s.sendall(b"\x10" + bytes([len(body)]) + body)
+    socks.append(s)
+    if i % 500 == 499:
+        for t in socks[-500:]:
+            assert t.recv(4) == b"\x20\x02\x00\x00"
+for t in socks[len(socks) - len(socks) % 500:]:
+    assert t.recv(4) == b"\x20\x02\x00\x00"
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+
+def proc_stats(pid: int) -> tuple[float, float]:
+    """(RSS MB, CPU seconds) of a process."""
+    with open(f"/proc/{pid}/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss_kb / 1024.0, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def idle_clients(server: Server, n: int, idle_s: float) -> dict[str, Any]:
+    """Connect ``n`` clients (keep-alive 60 s), then measure RSS and CPU while idle."""
+    assert server.proc is not None
+    rss0, _ = proc_stats(server.proc.pid)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _IDLE_SCRIPT, str(server.port), str(n), "60"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        t0 = time.monotonic()
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        if not line.startswith("READY"):
+            return {"error": "idle clients did not connect"}
+        connect_s = time.monotonic() - t0
+        _, cpu0 = proc_stats(server.proc.pid)
+        time.sleep(idle_s)
+        rss, cpu1 = proc_stats(server.proc.pid)
+        return {
+            "clients": n,
+            "connect_s": round(connect_s, 2),
+            "rss_mb_before": round(rss0, 1),
+            "rss_mb": round(rss, 1),
+            "idle_cpu_pct": round(100 * (cpu1 - cpu0) / idle_s, 2),
+        }
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        try:
+            holder.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=20000, help="messages per burst case")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--idle-clients", type=int, default=10000)
+    ap.add_argument("--idle-seconds", type=float, default=20)
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    args = ap.parse_args()
+    wanted = set(args.cases.split(","))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-mqtt-"))
+    servers: list[Server] = [
+        Polybroker(scratch / "polybroker"),
+        Mosquitto(scratch / "mosquitto"),
+        Amqtt(scratch / "amqtt"),
+    ]
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {} for s in servers}
+    idle: dict[str, Any] = {}
+    try:
+        for s in servers:
+            s.start()
+        for _ in range(args.repeat):
+            for case, case_args, div in CASES:
+                if case not in wanted:
+                    continue
+                for s in servers:
+                    r = run_case(s.port, case_args, args.n // div, args.timeout)
+                    results[s.name].setdefault(case, []).append(r)
+        if args.idle_clients > 0:
+            idle = idle_clients(servers[0], args.idle_clients, args.idle_seconds)
+    finally:
+        for s in servers:
+            s.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def med(name: str, case: str, key: str) -> float | None:
+        vals = [r[key] for r in results[name].get(case, []) if r.get(key) is not None]
+        return round(statistics.median(vals), 3) if vals else None
+
+    summary: dict[str, Any] = {"n": args.n, "repeat": args.repeat, "cases": {}}
+    print(f"{'case':16} {'broker':11} {'e2e msg/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'lost':>6}")
+    for case, _a, div in CASES:
+        if case not in wanted:
+            continue
+        row: dict[str, Any] = {}
+        for s in servers:
+            runs = results[s.name].get(case, [])
+            lost = max((args.n // div - r.get("received", 0) for r in runs), default=None)
+            row[s.name] = {
+                "e2e_msgs_per_s": med(s.name, case, "e2e_msgs_per_s"),
+                "lat_ms_p50": med(s.name, case, "lat_ms_p50"),
+                "lat_ms_p99": med(s.name, case, "lat_ms_p99"),
+                "lost_max": lost,
+                "dups_max": max((r.get("dups", 0) for r in runs), default=None),
+                "errors": [r["error"] for r in runs if "error" in r],
+            }
+            v = row[s.name]
+            print(
+                f"{case:16} {s.name:11} {v['e2e_msgs_per_s']!s:>10} {v['lat_ms_p50']!s:>9} "
+                f"{v['lat_ms_p99']!s:>9} {lost!s:>6}"
+            )
+        pb, mq, am = (row[k]["e2e_msgs_per_s"] for k in ("polybroker", "mosquitto", "amqtt"))
+        if pb and mq:
+            row["ratio_vs_mosquitto"] = round(pb / mq, 2)
+        if pb and am:
+            row["ratio_vs_amqtt"] = round(pb / am, 2)
+        p99_pb, p99_mq = row["polybroker"]["lat_ms_p99"], row["mosquitto"]["lat_ms_p99"]
+        if p99_pb and p99_mq:
+            row["p99_ratio_vs_mosquitto"] = round(p99_pb / p99_mq, 2)
+        summary["cases"][case] = row
+    if idle:
+        print(f"idle clients: {idle}")
+        summary["idle"] = idle
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
