@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from polybroker.logs import kv
 from polybroker.protocols.mqtt import codec as c
@@ -62,6 +63,7 @@ class _AckSlot:
         self.done = False
 
 
+@implementer(IPushProducer)
 class MqttConnection(Protocol):
     """One client connection (see the module docstring)."""
 
@@ -89,6 +91,8 @@ class MqttConnection(Protocol):
         self._acks: deque[_AckSlot] = deque()
         self._aliases: dict[int, str] = {}
         self._inbound_pending = 0
+        #: The transport's buffer is full: the session holds deliveries until it drains.
+        self.paused = False
         # PUBLISHes of the read under way, by topic, with their ack slots (None for QoS 0).
         self._batches: dict[str, list[tuple[c.Publish, _AckSlot | None]]] = {}
         # QoS 2 packet ids being stored, with the slots waiting for their PUBREC.
@@ -98,6 +102,8 @@ class MqttConnection(Protocol):
 
     def connectionMade(self) -> None:
         self._last_heard = self.clock.seconds()
+        # Deliveries stop while the socket's send buffer is full (see ``paused``).
+        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
         self._timer = self.clock.callLater(self.settings.connect_timeout_s, self._connect_timeout)
 
     def dataReceived(self, data: bytes) -> None:
@@ -143,6 +149,19 @@ class MqttConnection(Protocol):
             session.detach(self)
         if will is not None:
             self._send_will(will, session)
+
+    # -- IPushProducer: backpressure from the socket -------------------------------------
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        if self.session is not None and self.session.link is self:
+            self.session.pump()
+
+    def stopProducing(self) -> None:
+        self.paused = True
 
     def _peer(self) -> str:
         try:

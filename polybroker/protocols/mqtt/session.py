@@ -144,6 +144,7 @@ class ClientLink(Protocol):
     level: int
     client_receive_max: int
     client_max_packet: int
+    paused: bool
 
     def write(self, data: bytes) -> None: ...
 
@@ -503,7 +504,7 @@ class Session:
     def pump(self) -> None:
         """Send what the connection and the client's receive maximum allow."""
         link = self.link
-        if link is None:
+        if link is None or link.paused:
             return
         chunks: list[bytes] = []
         now = self.broker.clock.seconds()

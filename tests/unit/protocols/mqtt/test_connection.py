@@ -299,3 +299,22 @@ def test_publishes_of_one_read_are_stored_as_one_batch_per_topic() -> None:
     (entry,) = env.factory.ledger(ML_AB).data.entries
     assert entry.num_messages == 3
     assert [m.payload for m in decode_entry(entry.data)] == [b"1", b"2", b"3"]
+
+
+def test_deliveries_wait_while_the_socket_is_full() -> None:
+    """While the transport has paused the connection nothing is sent (and the QoS 0 entry
+    stays unacknowledged); resuming sends what waited."""
+    env = Env()
+    sub = env.peer("s")
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 0)]))
+    sub.packets()
+    assert sub.transport.producer is sub.conn
+    sub.conn.pauseProducing()
+    env.peer("p").send(c.Publish("a/b", b"held", 0))
+    assert sub.packets() == []
+    assert env.factory.ledger(ML_AB).cursors["mqtt-s"].backlog() == 1
+    sub.conn.resumeProducing()
+    (pub,) = sub.packets()
+    assert isinstance(pub, c.Publish)
+    assert pub.payload == b"held"
+    assert env.factory.ledger(ML_AB).cursors["mqtt-s"].backlog() == 0
