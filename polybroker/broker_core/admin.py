@@ -11,6 +11,7 @@ Every handler is a coroutine over the Broker API (``BrokerService``) and the ``P
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -18,7 +19,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, quote, unquote
 
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
@@ -328,6 +329,8 @@ class AdminServer:
         r("POST", f"{topic}/subscription/{{sub}}/skip_all", self._skip_all)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor/{{time:\\d+}}", self._reset_time)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor", self._reset_position)
+        # schemas (read-only: registered by clients through their protocol)
+        r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema", self._get_schema)
 
     # -- broker ---------------------------------------------------------------------------
 
@@ -620,6 +623,31 @@ class AdminServer:
             out["batchIndex"] = last.batch_index
         return Response.json(out)
 
+    async def _get_schema(self, call: Call) -> Response:
+        """The latest schema version of a topic, as Pulsar's admin API shows it.
+
+        Schemas are stored per partitioned topic under ``/schemas/<tenant>/<ns>/<quoted topic>``
+        as ``{"versions": [{"type": <wire enum>, "data": <base64>, "properties"}, ...]}``.
+        """
+        tenant, ns, local = call.params["tenant"], call.params["ns"], call.params["topic"]
+        m = re.fullmatch(r"(.+)-partition-\d+", local)
+        node = f"/schemas/{tenant}/{ns}/{quote(m.group(1) if m else local, safe='')}"
+        found = await self.service.metadata_store.get(node)
+        versions = json.loads(found.value).get("versions", []) if found is not None else []
+        if not versions:
+            return _error(404, f"topic {tenant}/{ns}/{local} has no schema")
+        latest = versions[-1]
+        kind = int(latest.get("type", 0))
+        return Response.json(
+            {
+                "version": len(versions) - 1,
+                "type": _SCHEMA_TYPE_NAMES.get(kind, str(kind)),
+                "timestamp": 0,
+                "data": base64.b64decode(latest.get("data", "")).decode("utf-8", "replace"),
+                "properties": dict(latest.get("properties", {})),
+            }
+        )
+
     async def _terminate(self, call: Call) -> Response:
         ref = self._topic(call)
         position = await self.service.terminate_topic(ref.full)
@@ -740,6 +768,15 @@ def _dict_body(call: Call) -> dict[str, Any]:
 
 def _error(status: int, reason: str) -> Response:
     return Response.json({"reason": reason}, status)
+
+
+#: Pulsar's wire ``Schema.Type`` values by the names the admin API shows.
+_SCHEMA_TYPE_NAMES = {
+    0: "NONE", 1: "STRING", 2: "JSON", 3: "PROTOBUF", 4: "AVRO", 5: "BOOLEAN", 6: "INT8",
+    7: "INT16", 8: "INT32", 9: "INT64", 10: "FLOAT", 11: "DOUBLE", 12: "DATE", 13: "TIME",
+    14: "TIMESTAMP", 15: "KEY_VALUE", 16: "INSTANT", 17: "LOCAL_DATE", 18: "LOCAL_TIME",
+    19: "LOCAL_DATE_TIME", 20: "PROTOBUF_NATIVE",
+}  # fmt: skip
 
 
 class _Root(Resource):

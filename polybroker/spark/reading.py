@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from polybroker.spark.offsets import Boundary, ReadRange
@@ -16,9 +16,11 @@ class DataLossError(RuntimeError):
     """Messages that the planned range promised could not be read."""
 
 
-def arrow_schema() -> Any:
-    """The Arrow form of the fixed columns (``polybroker.spark.source.READ_SCHEMA``)."""
+def arrow_schema(typed: Sequence[Any] = ()) -> Any:
+    """The Arrow form of the fixed columns (``polybroker.spark.source.READ_SCHEMA``), then of
+    the ``typed`` Spark fields."""
     import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_type
 
     ts = pa.timestamp("us", tz="UTC")
     return pa.schema(
@@ -30,6 +32,7 @@ def arrow_schema() -> Any:
             ("__publishTime", ts),
             ("__eventTime", ts),
             ("__messageProperties", pa.map_(pa.string(), pa.string())),
+            *((f.name, to_arrow_type(f.dataType, timezone="UTC")) for f in typed),
         ]
     )
 
@@ -120,11 +123,17 @@ def read_batches(
     fail_on_data_loss: bool,
     batch_rows: int = BATCH_ROWS,
     timeout_ms: int = 30_000,
+    typed: Sequence[Any] = (),
 ) -> Iterator[Any]:
-    """Yield ``rng``'s rows as Arrow record batches of the fixed columns."""
+    """Yield ``rng``'s rows as Arrow record batches: the fixed columns, then the ``typed``
+    fields (Spark StructFields) taken from each JSON value (``polybroker.spark.typed``)."""
     import pyarrow as pa
 
-    schema = arrow_schema()
+    from polybroker.spark.typed import extract
+
+    schema = arrow_schema(typed)
+    fields = list(typed)
+    extra: list[list[Any]] = [[] for _ in fields]
     topic = rng.topic
     keys: list[bytes | None] = []
     values: list[bytes] = []
@@ -135,12 +144,12 @@ def read_batches(
 
     def flush() -> Any:
         n = len(values)
-        arrays = [keys, values, [topic] * n, ids, pubs, events, props]
+        arrays = [keys, values, [topic] * n, ids, pubs, events, props, *extra]
         batch = pa.RecordBatch.from_arrays(
             [pa.array(c, type=f.type) for c, f in zip(arrays, schema, strict=True)],
             schema=schema,
         )
-        for c in (keys, values, ids, pubs, events, props):
+        for c in (keys, values, ids, pubs, events, props, *extra):
             c.clear()
         return batch
 
@@ -156,6 +165,9 @@ def read_batches(
         events.append(event * 1000 if event else None)
         p = msg.properties()
         props.append(list(p.items()) if p else [])
+        if fields:
+            for column, v in zip(extra, extract(values[-1], fields), strict=True):
+                column.append(v)
         if len(values) >= batch_rows:
             yield flush()
     if values:

@@ -41,8 +41,9 @@ from pyspark.sql.types import (
 )
 
 from polybroker.spark import offsets as off
-from polybroker.spark.admin import PulsarAdmin
+from polybroker.spark.admin import AdminError, PulsarAdmin
 from polybroker.spark.reading import read_batches
+from polybroker.spark.typed import typed_fields
 from polybroker.spark.writing import publish_rows
 
 READ_SCHEMA = StructType(
@@ -115,9 +116,10 @@ class ReadConfig:
     fail_on_data_loss: bool
     max_entries_per_partition: int
     max_entries_per_trigger: int | None
+    typed: tuple[StructField, ...] = ()
 
     @classmethod
-    def of(cls, options: dict[str, str]) -> ReadConfig:
+    def of(cls, options: dict[str, str], schema: StructType | None = None) -> ReadConfig:
         service = options.get("service.url")
         admin = options.get("admin.url")
         if not service or not admin:
@@ -139,6 +141,7 @@ class ReadConfig:
             )
             or DEFAULT_MAX_ENTRIES_PER_PARTITION,
             max_entries_per_trigger=_positive(options, "maxEntriesPerTrigger", None),
+            typed=tuple(schema.fields[len(READ_SCHEMA.fields) :]) if schema else (),
         )
 
     def admin(self) -> PulsarAdmin:
@@ -180,8 +183,8 @@ def plan(
 class PulsarBatchReader(DataSourceReader):
     """Reads ``[startingOffsets, endingOffsets)`` of every named topic partition."""
 
-    def __init__(self, options: dict[str, str]) -> None:
-        self.cfg = ReadConfig.of(options)
+    def __init__(self, options: dict[str, str], schema: StructType | None = None) -> None:
+        self.cfg = ReadConfig.of(options, schema)
         self.starting = off.parse_offset_spec(options.get("startingoffsets"), "earliest")
         self.ending = off.parse_offset_spec(options.get("endingoffsets"), "latest")
         if self.starting.kind == "latest":
@@ -205,7 +208,10 @@ class PulsarBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, PulsarPartition)
         yield from read_batches(
-            self.cfg.service_url, partition.rng, fail_on_data_loss=self.cfg.fail_on_data_loss
+            self.cfg.service_url,
+            partition.rng,
+            fail_on_data_loss=self.cfg.fail_on_data_loss,
+            typed=self.cfg.typed,
         )
 
 
@@ -217,8 +223,8 @@ class PulsarStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     later are read from their start.
     """
 
-    def __init__(self, options: dict[str, str]) -> None:
-        self.cfg = ReadConfig.of(options)
+    def __init__(self, options: dict[str, str], schema: StructType | None = None) -> None:
+        self.cfg = ReadConfig.of(options, schema)
         self.starting = off.parse_offset_spec(options.get("startingoffsets"), "latest")
         self.target: dict[str, off.Boundary] | None = None
 
@@ -273,7 +279,10 @@ class PulsarStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, PulsarPartition)
         yield from read_batches(
-            self.cfg.service_url, partition.rng, fail_on_data_loss=self.cfg.fail_on_data_loss
+            self.cfg.service_url,
+            partition.rng,
+            fail_on_data_loss=self.cfg.fail_on_data_loss,
+            typed=self.cfg.typed,
         )
 
     def commit(self, end: dict) -> None:
@@ -335,13 +344,24 @@ class PulsarDataSource(DataSource):
         return "pulsar"
 
     def schema(self) -> StructType:
-        return READ_SCHEMA
+        """The fixed columns, then typed ones when the (first) topic has a JSON schema."""
+        options = _options(self.options)
+        try:
+            cfg = ReadConfig.of(options)
+            admin = cfg.admin()
+            topics = cfg.topic_partitions(admin)
+            info = admin.schema(topics[0]) if topics else None
+        except (OptionError, AdminError, off.OffsetError):
+            # Reported where it matters: planning a read raises the same error.
+            return READ_SCHEMA
+        taken = {f.name for f in READ_SCHEMA.fields}
+        return StructType([*READ_SCHEMA.fields, *typed_fields(info, taken)])
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return PulsarBatchReader(_options(self.options))
+        return PulsarBatchReader(_options(self.options), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return PulsarStreamReader(_options(self.options))
+        return PulsarStreamReader(_options(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         if overwrite:

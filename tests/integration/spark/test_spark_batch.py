@@ -163,3 +163,36 @@ def test_bad_options_are_refused(spark: Any, broker: Broker) -> None:
         spark.createDataFrame([("v",)], "value string").write.format("pulsar").mode(
             "overwrite"
         ).option("service.url", broker.service_url).option("topic", "x").save()
+
+
+def test_json_schema_topic_reads_with_typed_columns(
+    spark: Any, broker: Broker, pulsar_client: Any
+) -> None:
+    """A topic with a JSON record schema gets one typed column per field, next to value."""
+    from pulsar.schema import Array, Double, Integer, JsonSchema, Record, String
+
+    class Reading(Record):
+        sensor = String()
+        count = Integer()
+        level = Double()
+        tags = Array(String())
+
+    producer = pulsar_client.create_producer(
+        "persistent://public/default/typed", schema=JsonSchema(Reading)
+    )
+    for i in range(5):
+        producer.send(Reading(sensor=f"s{i}", count=i, level=i / 2, tags=["a", str(i)]))
+    producer.close()
+    df = _read(spark, broker, topic="typed")
+    types = dict(df.dtypes)
+    assert types["sensor"] == "string"
+    assert types["count"] == "int"
+    assert types["level"] == "double"
+    assert types["tags"] == "array<string>"
+    assert types["value"] == "binary"
+    rows = sorted(df.collect(), key=lambda r: r.sensor)
+    assert [(r.sensor, r["count"], r.level, r.tags) for r in rows] == [
+        (f"s{i}", i, i / 2, ["a", str(i)]) for i in range(5)
+    ]
+    # A topic without a schema keeps the fixed columns only.
+    assert len(_read(spark, broker, topic="out-2").columns) == 7
