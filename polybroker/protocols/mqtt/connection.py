@@ -582,10 +582,12 @@ class MqttConnection(Protocol):
         def fire() -> None:
             if session is not None:
                 session.will_call = None
+                session.will_fire = None
             self.broker.publish(pub, client_id).addErrback(self._publish_failed, will.topic)
 
         if delay > 0 and session is not None and session.persistent and not session.ended:
             session.will_call = self.clock.callLater(delay, fire)
+            session.will_fire = fire
         else:
             fire()
 

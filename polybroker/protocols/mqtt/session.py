@@ -46,6 +46,7 @@ from polybroker.broker_core.messages import (
     MessageFormatError,
     decode_entry,
     encode_entry,
+    split_entry,
 )
 from polybroker.ledger.api import InitialPosition, Position
 from polybroker.logs import kv
@@ -270,6 +271,8 @@ class TopicSub:
         session = self.session
         for entry, _count, acked in deliveries:
             filters = session.matching(self.name, self.group)
+            if filters and any(f.no_local for f in filters) and self._own(entry.data):
+                filters = [f for f in filters if not f.no_local]
             if not filters or entry.publish_time_ms < self.not_before_ms:
                 self._done(entry.position, entry.num_messages)
                 continue
@@ -293,6 +296,14 @@ class TopicSub:
                 out.track = track
                 session.queue.append(out)
         session.pump()
+
+    def _own(self, data: bytes) -> bool:
+        """Whether this session's client published the entry (for MQTT 5 no-local)."""
+        try:
+            md, _ = split_entry(data)
+        except MessageFormatError:
+            return False
+        return md.producer_name == "mqtt-" + self.session.client_id
 
     def complete(self, track: EntryTrack) -> None:
         """One message of ``track`` is done; acknowledge the entry after its last."""
@@ -349,7 +360,9 @@ class Session:
         self._next_pid = 0
         self._match_cache: dict[tuple[str, str | None], list[FilterSub]] = {}
         self._expiry_call: IDelayedCall | None = None
+        # A delayed will: its timer and what publishes it (at the delay or the session's end).
         self.will_call: IDelayedCall | None = None
+        self.will_fire: Callable[[], None] | None = None
 
     @property
     def persistent(self) -> bool:
@@ -580,6 +593,7 @@ class Session:
         if self.will_call is not None and self.will_call.active():
             self.will_call.cancel()
         self.will_call = None
+        self.will_fire = None
         self.link = link
         chunks = []
         for pid, out in self.inflight.items():
@@ -611,8 +625,15 @@ class Session:
             )
 
     def end(self) -> None:
-        """Drop every subscription (durable ones are deleted) and all state."""
+        """Drop every subscription (durable ones are deleted) and all state; a will still
+        waiting for its delay is published now."""
         self.ended = True
+        if self.will_call is not None and self.will_call.active():
+            self.will_call.cancel()
+            if self.will_fire is not None:
+                self.will_fire()
+        self.will_call = None
+        self.will_fire = None
         if self._expiry_call is not None and self._expiry_call.active():
             self._expiry_call.cancel()
         for sub in self.subs.values():

@@ -318,3 +318,40 @@ def test_deliveries_wait_while_the_socket_is_full() -> None:
     assert isinstance(pub, c.Publish)
     assert pub.payload == b"held"
     assert env.factory.ledger(ML_AB).cursors["mqtt-s"].backlog() == 0
+
+
+def test_no_local_skips_the_clients_own_messages() -> None:
+    """With no-local a client does not receive what it published itself; others still do."""
+    env = Env()
+    me = env.peer("me", c.LEVEL_5)
+    me.send(c.Subscribe(1, [c.Subscription("a/b", 0, no_local=True)]))
+    me.packets()
+    other = env.peer("other", c.LEVEL_5)
+    me.send(c.Publish("a/b", b"mine", 0))
+    other.send(c.Publish("a/b", b"theirs", 0))
+    (got,) = me.packets()
+    assert isinstance(got, c.Publish)
+    assert got.payload == b"theirs"
+
+
+def test_delayed_will_published_when_the_session_ends_first() -> None:
+    """A will delayed beyond the session expiry is published when the session ends."""
+    env = Env()
+    watcher = env.peer("w")
+    watcher.send(c.Subscribe(1, [c.Subscription("will/#", 0)]))
+    watcher.packets()
+    p = env.peer(
+        "d",
+        c.LEVEL_5,
+        clean_start=False,
+        properties={c.SESSION_EXPIRY: 5},
+        will=c.Will("will/d", b"late", 0, properties={c.WILL_DELAY: 60}),
+    )
+    p.packets()
+    p.conn.connectionLost(None)
+    env.clock.advance(4)
+    assert watcher.packets() == []
+    env.clock.advance(2)
+    (will,) = watcher.packets()
+    assert isinstance(will, c.Publish)
+    assert will.payload == b"late"
