@@ -54,6 +54,12 @@ class Broker:
     config: dict[str, Any]
     pulsar: tuple[PulsarProtocolHandler, Any]
     stopped: bool = False
+    kafka: tuple[Any, Any] | None = None
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        assert self.kafka is not None
+        return f"127.0.0.1:{self.kafka[1].getHost().port}"
 
     @property
     def pulsar_url(self) -> str:
@@ -258,11 +264,15 @@ async def start_broker(
     config: dict[str, Any] | None = None,
     ledgers: FakeLedgerFactory | None = None,
     store: FakeMetadataStore | None = None,
+    *,
+    with_kafka: bool = False,
 ) -> Broker:
-    """Start a BrokerService with the MQTT and Pulsar handlers on 127.0.0.1 port 0."""
+    """Start a BrokerService with the MQTT and Pulsar handlers (and Kafka if asked) on
+    127.0.0.1 port 0."""
     values = {
         "mqttListenerPort": 0,
         "brokerServicePort": 0,
+        "kafkaListenerPort": 0,
         "statsUpdateFrequencyInSecs": 0,
         **(config or {}),
     }
@@ -284,9 +294,21 @@ async def start_broker(
     pl = ph.listeners()[PULSAR_KEY]
     plistening = reactor.listenTCP(pl.port, pl.factory, interface=pl.host)
     ph.bound(PULSAR_KEY, plistening.getHost().port)
-    return Broker(
+    broker = Broker(
         port, service, handler, listening, ledgers, store, dict(config or {}), (ph, plistening)
     )
+    if with_kafka:
+        from polybroker.protocols.kafka.handler import PORT_KEY as KAFKA_KEY
+        from polybroker.protocols.kafka.handler import KafkaProtocolHandler
+
+        kh = KafkaProtocolHandler()
+        kh.initialize(cfg)
+        kh.start(context)
+        kl = kh.listeners()[KAFKA_KEY]
+        klistening = reactor.listenTCP(kl.port, kl.factory, interface=kl.host)
+        kh.bound(KAFKA_KEY, klistening.getHost().port)
+        broker.kafka = (kh, klistening)
+    return broker
 
 
 async def stop_broker(broker: Broker) -> None:
@@ -298,6 +320,9 @@ async def stop_broker(broker: Broker) -> None:
     broker.handler.stop()
     await broker.pulsar[1].stopListening()
     broker.pulsar[0].stop()
+    if broker.kafka is not None:
+        await broker.kafka[1].stopListening()
+        broker.kafka[0].stop()
     await broker.service.close()
 
 

@@ -11,7 +11,7 @@ import pulsar
 import pytest
 import pytest_twisted
 from amqtt.client import MQTTClient
-from mqtt_harness import Broker, recv_exactly, user_props
+from mqtt_harness import Broker, recv_exactly, start_broker, stop_broker, user_props
 from twisted.internet import threads
 
 from polybroker.protocols.mqtt import topics
@@ -162,3 +162,42 @@ async def test_malformed_packet_from_v5_client_gets_disconnect_reason(broker: Br
     head = await broker.run(scenario)
     assert head[0] == 0xE0  # DISCONNECT
     assert head[2] == 0x81  # malformed packet
+
+
+@pytest_twisted.ensureDeferred
+async def test_kafka_client_crossing_both_ways() -> None:
+    """kafka-python records on a topic reach MQTT subscribers of the same name byte-identical
+    with headers as user properties, and MQTT publishes reach a Kafka consumer."""
+    from kafka import KafkaConsumer, KafkaProducer
+
+    broker = await start_broker(with_kafka=True)
+    payload = bytes(range(200))
+    try:
+
+        def scenario() -> tuple[bytes, list[tuple[str, str]], bytes, list[tuple[str, bytes]]]:
+            mq = broker.client("m", v5=True)
+            mq.subscribe("kin", 1)
+            producer = KafkaProducer(bootstrap_servers=broker.kafka_bootstrap)
+            producer.send("kin", payload, headers=[("h", b"v")]).get(timeout=10)
+            producer.close()
+            m = mq.get()
+            mq.publish("kout", payload[::-1], 1, properties=user_props(k="v"))
+            consumer = KafkaConsumer(
+                "kout",
+                bootstrap_servers=broker.kafka_bootstrap,
+                auto_offset_reset="earliest",
+                consumer_timeout_ms=10_000,
+            )
+            record = next(iter(consumer))
+            consumer.close()
+            mq.close()
+            headers = [(k, v) for k, v in record.headers if not k.startswith("mqtt.")]
+            return m.payload, list(m.properties.UserProperty), record.value, headers
+
+        got, user, back, headers = await broker.run(scenario)
+        assert got == payload
+        assert user == [("h", "v")]
+        assert back == payload[::-1]
+        assert headers == [("k", b"v")]
+    finally:
+        await stop_broker(broker)
