@@ -121,4 +121,18 @@ def from_stored(m: Message, default_exchange: str = "", default_key: str = "") -
         p.headers = plain
     if p.timestamp is None and m.event_time_ms:
         p.timestamp = m.event_time_ms // 1000
+    # A key another protocol wrote may exceed what an AMQP short string holds.
+    routing_key = _short(routing_key)
+    exchange = _short(exchange)
+    for name in _STR_PROPS:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(p, name, _short(value))
     return AmqpMessage(exchange, routing_key, p, m.payload, m.publish_time_ms, incarnation)
+
+
+def _short(text: str) -> str:
+    raw = text.encode("utf-8")
+    if len(raw) <= 255:
+        return text
+    return raw[:255].decode("utf-8", "ignore")

@@ -86,3 +86,9 @@ def test_foreign_message_reads_as_amqp() -> None:
     assert back.properties.headers == {"a": "1"}
     assert back.properties.timestamp == 3
     assert back.routing_key == "k"
+
+
+def test_long_foreign_key_fits_a_short_string() -> None:
+    """A key longer than 255 bytes is cut to fit the routing-key short string."""
+    back = from_stored(Message(payload=b"", key=b"k" * 300))
+    assert back.routing_key == "k" * 255
