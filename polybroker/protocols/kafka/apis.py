@@ -437,6 +437,7 @@ class KafkaApis:
             throttle_time_ms=0,
             error_code=c.NONE,
             error_message=None,
+            endpoint_type=1,  # brokers
             cluster_id=self.settings.cluster_id,
             controller_id=self.settings.node_id,
             brokers=[
@@ -445,6 +446,7 @@ class KafkaApis:
                     host=self.settings.host(),
                     port=self.settings.port(),
                     rack=None,
+                    is_fenced=False,
                 )
             ],
         )

@@ -109,7 +109,7 @@ API_VERSIONS: dict[int, tuple[int, int]] = {
     API_DESCRIBE_CONFIGS: (1, 2),
     API_CREATE_PARTITIONS: (0, 1),
     API_DELETE_GROUPS: (0, 1),
-    API_DESCRIBE_CLUSTER: (0, 0),
+    API_DESCRIBE_CLUSTER: (0, 2),
 }
 
 _SIZE = struct.Struct(">i")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import pytest_twisted
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -22,18 +23,20 @@ def _wait(cond: object, timeout_s: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.parametrize("assignor", ["range", "roundrobin", "cooperative-sticky"])
 @pytest_twisted.ensureDeferred
-async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> None:
+async def test_two_members_rebalance_and_share_partitions(broker: Broker, assignor: str) -> None:
     """Two librdkafka members of one group split 4 partitions, and one leaving hands its
-    partitions to the other; every record is consumed once."""
+    partitions to the other, with each client-side assignor; every record is consumed."""
 
     def scenario() -> dict[str, object]:
         admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-        created = admin.create_topics([NewTopic("grp", num_partitions=4, replication_factor=1)])
-        created["grp"].result(10)
+        topic = f"grp-{assignor}"
+        created = admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])
+        created[topic].result(10)
         p = Producer({"bootstrap.servers": broker.bootstrap})
         for i in range(40):
-            p.produce("grp", value=b"%d" % i, partition=i % 4)
+            p.produce(topic, value=b"%d" % i, partition=i % 4)
         assert p.flush(20) == 0
         assignments: dict[str, set[int]] = {"a": set(), "b": set()}
         seen: dict[str, list[bytes]] = {"a": [], "b": []}
@@ -43,18 +46,25 @@ async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> Non
             c = Consumer(
                 {
                     "bootstrap.servers": broker.bootstrap,
-                    "group.id": "g2",
+                    "group.id": f"g2-{assignor}",
                     "auto.offset.reset": "earliest",
                     "session.timeout.ms": 6000,
                     "heartbeat.interval.ms": 200,
-                    "partition.assignment.strategy": "range",
+                    "partition.assignment.strategy": assignor,
                 }
             )
+            cooperative = assignor == "cooperative-sticky"
 
             def on_assign(consumer: Consumer, parts: list[TopicPartition]) -> None:
-                assignments[name] = {tp.partition for tp in parts}
+                # Cooperative rebalances hand out and revoke increments; eager ones replace.
+                got = {tp.partition for tp in parts}
+                assignments[name] = assignments[name] | got if cooperative else got
 
-            c.subscribe(["grp"], on_assign=on_assign)
+            def on_revoke(consumer: Consumer, parts: list[TopicPartition]) -> None:
+                if cooperative:
+                    assignments[name] = assignments[name] - {tp.partition for tp in parts}
+
+            c.subscribe([topic], on_assign=on_assign, on_revoke=on_revoke)
             while not stop[name].is_set():
                 m = c.poll(0.1)
                 if m is not None and not m.error():
@@ -62,26 +72,33 @@ async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> Non
             c.close()
 
         ta = threading.Thread(target=member, args=("a",))
-        ta.start()
-        assert _wait(lambda: len(assignments["a"]) == 4)
         tb = threading.Thread(target=member, args=("b",))
-        tb.start()
-        split = _wait(
-            lambda: (
-                assignments["a"]
-                and assignments["b"]
-                and not (assignments["a"] & assignments["b"])
-                and len(assignments["a"] | assignments["b"]) == 4
+        ta.start()
+        try:
+            first = _wait(lambda: len(assignments["a"]) == 4)
+            tb.start()
+            split = _wait(
+                lambda: (
+                    assignments["a"]
+                    and assignments["b"]
+                    and not (assignments["a"] & assignments["b"])
+                    and len(assignments["a"] | assignments["b"]) == 4
+                )
             )
-        )
-        both = (sorted(assignments["a"]), sorted(assignments["b"]))
-        stop["b"].set()
-        tb.join(30)
-        regained = _wait(lambda: len(assignments["a"]) == 4)
-        _wait(lambda: len(set(seen["a"]) | set(seen["b"])) == 40)
-        stop["a"].set()
-        ta.join(30)
+            both = (sorted(assignments["a"]), sorted(assignments["b"]))
+            stop["b"].set()
+            if tb.is_alive():
+                tb.join(30)
+            regained = _wait(lambda: len(assignments["a"]) == 4)
+            _wait(lambda: len(set(seen["a"]) | set(seen["b"])) == 40)
+        finally:
+            stop["a"].set()
+            stop["b"].set()
+            ta.join(30)
+            if tb.ident is not None:
+                tb.join(30)
         return {
+            "first": first,
             "split": split,
             "both": both,
             "regained": regained,
@@ -89,6 +106,7 @@ async def test_two_members_rebalance_and_share_partitions(broker: Broker) -> Non
         }
 
     r = await broker.run(scenario)
+    assert r["first"]
     assert r["split"], r["both"]
     assert r["regained"]
     assert r["values"] == list(range(40))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest_twisted
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
+from kafka.structs import OffsetAndMetadata
 from kafka_harness import Broker
 
 
@@ -59,3 +61,43 @@ async def test_produce_and_fetch_every_compression(broker: Broker) -> None:
         assert [r[2] for r in records] == [b"v%d" % i * 20 for i in range(5)]
         assert [r[3] for r in records] == [[("h", b"x%d" % i)] for i in range(5)]
         assert [r[4] for r in records] == [1_700_000_000_000 + i for i in range(5)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_describe_cluster_configs_and_groups(broker: Broker) -> None:
+    """kafka-python's admin client describes the cluster, topic and broker configs, and lists
+    groups with their committed offsets."""
+
+    def scenario() -> dict[str, object]:
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        try:
+            admin.create_topics([NewTopic("kp-admin", 2, 1)])
+            cluster = admin.describe_cluster()
+            configs = admin.describe_configs(
+                [
+                    ConfigResource(ConfigResourceType.TOPIC, "kp-admin"),
+                    ConfigResource(ConfigResourceType.BROKER, "0"),
+                ],
+                config_filter="all",
+            )
+            consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="kp-g")
+            consumer.commit({TopicPartition("kp-admin", 1): OffsetAndMetadata(0, "", -1)})
+            consumer.close()
+            groups = repr(admin.list_groups())
+            offsets = repr(admin.list_group_offsets("kp-g"))
+            return {
+                "cluster": cluster,
+                "configs": repr(configs),
+                "groups": groups,
+                "offsets": offsets,
+            }
+        finally:
+            admin.close()
+
+    r = await broker.run(scenario)
+    assert r["cluster"]["cluster_id"] == "standalone"
+    assert [b["broker_id"] for b in r["cluster"]["brokers"]] == [0]
+    assert "retention.ms" in r["configs"]
+    assert "message.max.bytes" in r["configs"]
+    assert "kp-g" in r["groups"]
+    assert "kp-admin" in r["offsets"]
