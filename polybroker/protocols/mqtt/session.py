@@ -30,17 +30,19 @@ import base64
 import contextlib
 import json
 import logging
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote, unquote
 
-from twisted.internet.defer import Deferred, DeferredList, gatherResults, succeed
+from twisted.internet.defer import Deferred, DeferredList, fail, gatherResults, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
 from polybroker.broker_core.consumer import Delivery, ServerConsumer, SubType
+from polybroker.broker_core.errors import NotAllowedError
 from polybroker.broker_core.messages import (
     Message,
     MessageFormatError,
@@ -359,6 +361,8 @@ class Session:
         self.ended = False
         self._next_pid = 0
         self._match_cache: dict[tuple[str, str | None], list[FilterSub]] = {}
+        # Topics whose consumer the broker closed (unload): attached again from where they were.
+        self._lost: set[tuple[str, str | None]] = set()
         self._expiry_call: IDelayedCall | None = None
         # A delayed will: its timer and what publishes it (at the delay or the session's end).
         self.will_call: IDelayedCall | None = None
@@ -399,13 +403,27 @@ class Session:
     def _cover(self, f: FilterSub, initial: bool) -> Deferred[None]:
         """Attach subscriptions on every topic ``f`` matches now."""
         if not topics.has_wildcard(f.pattern):
-            return self.ensure_sub(topics.to_pulsar(f.pattern), f.pattern, f.group, None)
+            full = topics.to_pulsar(f.pattern)
+
+            def exact(n: int) -> Deferred[Any]:
+                if n <= 0:
+                    return self.ensure_sub(full, f.pattern, f.group, None)
+                ds = [
+                    self.ensure_sub(topics.partition_name(full, i), f.pattern, f.group, None)
+                    for i in range(n)
+                ]
+                return gatherResults(ds, consumeErrors=True)
+
+            d = self.broker.partitions(full)
+            d.addCallback(exact)
+            d.addCallback(lambda _: None)
+            return d
         not_before = None if initial else f.subscribed_ms
 
         def attach_all(names: list[str]) -> Deferred[Any]:
             ds = []
             for full in names:
-                name = topics.from_pulsar(full)
+                name = topics.from_pulsar(topics.split_partition(full)[0])
                 if name is not None and topics.matches(f.pattern, name):
                     ds.append(self.ensure_sub(full, name, f.group, not_before))
             return gatherResults(ds, consumeErrors=True) if ds else succeed(None)
@@ -428,15 +446,16 @@ class Session:
         return True
 
     def topic_appeared(self, full: str, name: str) -> None:
-        """A topic was loaded: cover it if a wildcard filter matches it."""
-        groups = {
-            f.group: f
-            for f in self.filters.values()
-            if topics.has_wildcard(f.pattern) and topics.matches(f.pattern, name)
-        }
+        """A topic (or partition) was loaded: cover it if a filter matches it.
+
+        A topic this session read before (unloaded and loaded again) is read on from where
+        its subscription is (durable) or from now (non-durable), never again from the start."""
+        groups = {f.group: f for f in self.filters.values() if topics.matches(f.pattern, name)}
         for group, f in groups.items():
-            if (full, group) not in self.subs:
-                self.ensure_sub(full, name, group, f.subscribed_ms).addErrback(lambda _: None)
+            key = (full, group)
+            if key not in self.subs:
+                not_before = None if key in self._lost else f.subscribed_ms
+                self.ensure_sub(full, name, group, not_before).addErrback(lambda _: None)
 
     def ensure_sub(
         self, full: str, name: str, group: str | None, not_before_ms: int | None
@@ -479,6 +498,7 @@ class Session:
 
     def consumer_lost(self, sub: TopicSub) -> None:
         key = (sub.full, sub.group)
+        self._lost.add(key)
         if self.subs.get(key) is sub:
             del self.subs[key]
         self.queue = deque(o for o in self.queue if o.track is None or o.track.sub is not sub)
@@ -667,6 +687,7 @@ class MqttBroker:
         self.stored_ids: set[str] = set()
         self.retained: dict[str, Retained] = {}
         self._consumer_ids = 0
+        self._partitions: dict[str, int] = {}
         self._remove_listener: Callable[[], None] | None = None
 
     def start(self) -> Deferred[None]:
@@ -701,7 +722,7 @@ class MqttBroker:
         return any(d == topic_filter or topics.matches(d, topic_filter) for d in self.deny_list)
 
     def _topic_loaded(self, full: str) -> None:
-        name = topics.from_pulsar(full)
+        name = topics.from_pulsar(topics.split_partition(full)[0])
         if name is None:
             return
         for session in list(self.sessions.values()):
@@ -807,12 +828,53 @@ class MqttBroker:
             sequence_id=0,
             publish_time_ms=now_ms,
         )
-        d: Deferred[Any] = self.service.publish(topics.to_pulsar(pubs[0].topic), data, len(pubs))
+        full = topics.to_pulsar(pubs[0].topic)
+        n = len(pubs)
+        known = self._partitions.get(full)
+        if known:
+            d = self.service.publish(self._partition_of(full, known, client_id), data, n)
+        else:
+            d = self.service.publish(full, data, n)
+            d.addErrback(self._publish_partitioned, full, data, n, client_id)
         retained = [(p, pr) for p, pr in zip(pubs, props, strict=True) if p.retain]
         if retained:
             last, last_props = retained[-1]
             d.addCallback(lambda _: self.set_retained(last, last_props))
         d.addCallback(lambda _: None)
+        return d
+
+    def _publish_partitioned(
+        self, f: Failure, full: str, data: bytes, n: int, client_id: str
+    ) -> Deferred[Any]:
+        # The topic is partitioned (a Kafka client made it): publish to one of its partitions.
+        f.trap(NotAllowedError)
+
+        def to_partition(count: int) -> Deferred[Any]:
+            if count <= 0:
+                return fail(f)
+            return self.service.publish(self._partition_of(full, count, client_id), data, n)
+
+        d = self.partitions(full)
+        d.addCallback(to_partition)
+        return d
+
+    @staticmethod
+    def _partition_of(full: str, count: int, client_id: str) -> str:
+        return topics.partition_name(full, zlib.crc32(client_id.encode()) % count)
+
+    def partitions(self, full: str) -> Deferred[int]:
+        """The partition count of a topic (0: not partitioned); positive counts are cached."""
+        known = self._partitions.get(full)
+        if known:
+            return succeed(known)
+        d: Deferred[int] = self.service.partitioned_topic_metadata(full)
+
+        def remember(count: int) -> int:
+            if count > 0:
+                self._partitions[full] = count
+            return count
+
+        d.addCallback(remember)
         return d
 
     # -- retained ------------------------------------------------------------------------

@@ -5,6 +5,11 @@ whole name, percent-encoded (every byte but ``A-Z a-z 0-9 _ . - ~``), is the loc
 mapping is reversible and each MQTT topic is one Pulsar (and Kafka) topic. A Pulsar topic whose
 local name is ``x`` is the MQTT topic ``unquote(x)``.
 
+Partitioned topics (Kafka clients create them) are one MQTT topic each: a subscription covers
+every partition, and a client's publishes go to one partition chosen by its client id (so each
+publisher's messages stay in order). A local name ending ``-partition-<n>`` is read as such a
+partition.
+
 Filters: ``+`` matches one level, a trailing ``#`` the rest (including the parent level); a
 filter starting with a wildcard never matches a name starting with ``$`` (MQTT-4.7.2-1).
 ``$share/<group>/<filter>`` is a shared subscription of ``group`` on ``filter``.
@@ -12,11 +17,13 @@ filter starting with a wildcard never matches a name starting with ``$`` (MQTT-4
 
 from __future__ import annotations
 
+import re
 from urllib.parse import quote, unquote
 
 NAMESPACE = "public/default"
 _PREFIX = f"persistent://{NAMESPACE}/"
 SHARE_PREFIX = "$share/"
+_PARTITION = re.compile(r"^(.+)-partition-(\d+)$")
 
 
 def to_pulsar(name: str) -> str:
@@ -80,3 +87,18 @@ def matches(topic_filter: str, name: str) -> bool:
 def has_wildcard(topic_filter: str) -> bool:
     """Whether the filter can match more than one name."""
     return "+" in topic_filter or "#" in topic_filter
+
+
+def split_partition(full: str) -> tuple[str, int]:
+    """``(base topic, index)`` of a partition's full name; ``(full, -1)`` for another name.
+
+    A partitioned topic (as Kafka clients create them) is one MQTT topic: its base name."""
+    m = _PARTITION.match(full)
+    if m is None:
+        return full, -1
+    return m.group(1), int(m.group(2))
+
+
+def partition_name(full: str, index: int) -> str:
+    """The full name of partition ``index`` of the partitioned topic ``full``."""
+    return f"{full}-partition-{index}"

@@ -201,3 +201,44 @@ async def test_kafka_client_crossing_both_ways() -> None:
         assert headers == [("k", b"v")]
     finally:
         await stop_broker(broker)
+
+
+@pytest_twisted.ensureDeferred
+async def test_kafka_created_topic_is_one_mqtt_topic() -> None:
+    """A topic a Kafka producer created (partitioned) is subscribed and published by MQTT
+    clients under its Kafka name."""
+    from kafka import KafkaConsumer, KafkaProducer
+
+    broker = await start_broker({"defaultNumPartitions": 2}, with_kafka=True)
+    try:
+
+        def scenario() -> tuple[list[bytes], set[bytes]]:
+            producer = KafkaProducer(bootstrap_servers=broker.kafka_bootstrap)
+            producer.send("kfirst", b"k0", partition=0).get(timeout=10)
+            mq = broker.client("m")
+            mq.subscribe("kfirst", 1)
+            producer.send("kfirst", b"k1", partition=1).get(timeout=10)
+            producer.close()
+            got = [mq.get().payload]
+            mq.publish("kfirst", b"from-mqtt", 1)
+            got.append(mq.get().payload)
+            consumer = KafkaConsumer(
+                "kfirst",
+                bootstrap_servers=broker.kafka_bootstrap,
+                auto_offset_reset="earliest",
+                consumer_timeout_ms=5_000,
+            )
+            seen: set[bytes] = set()
+            for record in consumer:
+                seen.add(record.value)
+                if len(seen) == 3:
+                    break
+            consumer.close()
+            mq.close()
+            return got, seen
+
+        got, seen = await broker.run(scenario)
+        assert got == [b"k1", b"from-mqtt"]
+        assert seen == {b"k0", b"k1", b"from-mqtt"}
+    finally:
+        await stop_broker(broker)

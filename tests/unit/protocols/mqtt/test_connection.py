@@ -355,3 +355,25 @@ def test_delayed_will_published_when_the_session_ends_first() -> None:
     (will,) = watcher.packets()
     assert isinstance(will, c.Publish)
     assert will.payload == b"late"
+
+
+def test_partitioned_topics_are_one_mqtt_topic() -> None:
+    """A partitioned topic (as Kafka clients create them) is one MQTT topic: exact and
+    wildcard subscriptions cover every partition, and MQTT publishes land in one of them."""
+    env = Env()
+    result_of(env.service.create_partitioned_topic("persistent://public/default/kp", 3))
+    exact = env.peer("exact")
+    exact.send(c.Subscribe(1, [c.Subscription("kp", 1)]))
+    assert exact.packets() == [c.ConnAck(False, 0), c.SubAck(1, [1])]
+    wild = env.peer("wild")
+    wild.send(c.Subscribe(1, [c.Subscription("+", 0)]))
+    wild.packets()
+    data = encode_entry([Message(b"p2")], producer_name="k", sequence_id=0, publish_time_ms=0)
+    result_of(env.service.publish("persistent://public/default/kp-partition-2", data))
+    pub = env.peer("pub")
+    pub.send(c.Publish("kp", b"mqtt", 1, packet_id=1))
+    assert pub.packets()[-1] == c.PubAck(1)
+    got_exact = [(p.topic, p.payload) for p in exact.packets() if isinstance(p, c.Publish)]
+    got_wild = [(p.topic, p.payload) for p in wild.packets() if isinstance(p, c.Publish)]
+    assert got_exact == [("kp", b"p2"), ("kp", b"mqtt")]
+    assert got_wild == got_exact
