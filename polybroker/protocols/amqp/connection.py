@@ -595,12 +595,11 @@ class AmqpConnection(Protocol):
         def reply(q: Queue) -> Deferred[None]:
             d2 = q.caught_up()
 
-            def send(_: object) -> None:
+            def send(count: int) -> None:
                 if not m.nowait and not ch.closing:
-                    self.send(
-                        ch.number, c.QueueDeclareOk(q.name, q.message_count, len(q.consumers))
-                    )
+                    self.send(ch.number, c.QueueDeclareOk(q.name, count, len(q.consumers)))
 
+            d2.addCallback(lambda _: q.count())
             d2.addCallback(send)
             return d2
 

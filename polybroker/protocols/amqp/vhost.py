@@ -470,7 +470,9 @@ class Queue:
     def _is_caught_up(self) -> bool:
         if self.appending > 0:
             return False
-        if self.last_appended is None:
+        if self.last_appended is None or self.ready or self.in_memory >= WINDOW // 2:
+            # Nothing routed here yet, or messages to serve (older than what is still
+            # coming), or a full window that waits for acks rather than for appends.
             return True
         return self.last_fed is not None and not self.last_fed < self.last_appended
 
@@ -491,7 +493,24 @@ class Queue:
 
     @property
     def message_count(self) -> int:
+        """Ready messages in the window."""
         return sum(1 for qm in self.ready if not qm.settled)
+
+    def count(self) -> Deferred[int]:
+        """Ready messages, including a durable queue's backlog beyond the window."""
+        ready = self.message_count
+        if self.memory_only or self.in_memory < WINDOW // 2:
+            return succeed(ready)
+        d = self.vhost.service.stats(self.topic)
+
+        def backlog(stats: dict[str, Any]) -> int:
+            sub = stats.get("subscriptions", {}).get(SUBSCRIPTION, {})
+            unacked = self.in_memory - ready  # delivered to clients, not yet acknowledged
+            return max(ready, int(sub.get("backlogMessages", 0)) - unacked)
+
+        d.addCallback(backlog)
+        d.addErrback(lambda f: ready)
+        return d
 
     def add_consumer(self, c: QueueConsumer) -> None:
         if c.exclusive and self.consumers:

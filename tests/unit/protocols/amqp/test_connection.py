@@ -260,3 +260,20 @@ def test_unknown_vhost_is_not_allowed() -> None:
     close = p.methods()[-1]
     assert isinstance(close, c.ConnectionClose)
     assert close.reply_code == c.NOT_ALLOWED
+
+
+def test_declare_ok_counts_the_backlog_beyond_the_window() -> None:
+    """A durable queue's message count includes what its topic holds past the window."""
+    from polybroker.protocols.amqp.vhost import WINDOW
+
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.methods()
+    for i in range(WINDOW + 500):
+        p.publish(1, "", "q", str(i).encode(), delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.QueueDeclare(queue="q", durable=True, passive=True))
+    (ok,) = p.methods()
+    assert ok == c.QueueDeclareOk("q", WINDOW + 500, 0)
