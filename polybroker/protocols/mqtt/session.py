@@ -615,6 +615,7 @@ class Session:
         self.will_call = None
         self.will_fire = None
         self.link = link
+        self._join_groups()
         chunks = []
         for pid, out in self.inflight.items():
             if out.released:
@@ -639,10 +640,32 @@ class Session:
         self.link = None
         if not self.persistent:
             self.broker.end_session(self)
-        elif self.expiry_s is not None:
+            return
+        self._leave_groups()
+        if self.expiry_s is not None:
             self._expiry_call = self.broker.clock.callLater(
                 self.expiry_s, self.broker.end_session, self
             )
+
+    def _leave_groups(self) -> None:
+        # An absent member must not hold a share group's messages: its shared consumers go
+        # (their unacknowledged messages go to the other members) until the client returns.
+        gone = {key: sub for key, sub in self.subs.items() if sub.group is not None}
+        if not gone:
+            return
+        for key, sub in gone.items():
+            del self.subs[key]
+            self._close_sub(sub, delete=False)
+        subs = set(gone.values())
+        self.queue = deque(o for o in self.queue if o.track is None or o.track.sub not in subs)
+        for pid, out in list(self.inflight.items()):
+            if out.track is not None and out.track.sub in subs:
+                del self.inflight[pid]
+
+    def _join_groups(self) -> None:
+        for f in self.filters.values():
+            if f.group is not None:
+                self._cover(f, initial=False).addErrback(lambda _: None)
 
     def end(self) -> None:
         """Drop every subscription (durable ones are deleted) and all state; a will still

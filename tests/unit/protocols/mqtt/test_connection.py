@@ -377,3 +377,29 @@ def test_partitioned_topics_are_one_mqtt_topic() -> None:
     got_wild = [(p.topic, p.payload) for p in wild.packets() if isinstance(p, c.Publish)]
     assert got_exact == [("kp", b"p2"), ("kp", b"mqtt")]
     assert got_wild == got_exact
+
+
+def test_an_absent_share_group_member_holds_no_messages() -> None:
+    """While a persistent member of a share group is away, the other members get everything;
+    it rejoins the group when it returns."""
+    env = Env()
+    a = env.peer("a", clean_start=False)
+    a.send(c.Subscribe(1, [c.Subscription("$share/g/a/b", 1)]))
+    b = env.peer("b")
+    b.send(c.Subscribe(1, [c.Subscription("$share/g/a/b", 1)]))
+    a.packets()
+    b.packets()
+    a.conn.connectionLost(None)
+    pub = env.peer("p")
+    for i in range(4):
+        pub.send(c.Publish("a/b", str(i).encode(), 1, packet_id=i + 1))
+    got_b = [p for p in b.packets() if isinstance(p, c.Publish)]
+    assert [p.payload for p in got_b] == [b"0", b"1", b"2", b"3"]
+    for p in got_b:
+        assert p.packet_id is not None
+        b.send(c.PubAck(p.packet_id))
+    back = env.peer("a", clean_start=False)
+    assert back.packets() == [c.ConnAck(True, 0)]
+    sub = env.factory.ledger(ML_AB).cursors["mqtt-share-g"]
+    assert sub.backlog() == 0
+    assert len(env.broker.sessions["a"].subs) == 1
