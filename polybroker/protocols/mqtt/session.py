@@ -555,10 +555,18 @@ class Session:
                     continue
                 out.properties[c.MESSAGE_EXPIRY] = left
             pid = self._packet_id() if out.qos else None
-            data = c.encode(
-                c.Publish(out.topic, out.payload, out.qos, out.retain, False, pid, out.properties),
-                level,
-            )
+            try:
+                data = c.encode(
+                    c.Publish(
+                        out.topic, out.payload, out.qos, out.retain, False, pid, out.properties
+                    ),
+                    level,
+                )
+            except (ValueError, TypeError, KeyError) as e:
+                # A message MQTT cannot carry (a property longer than 65535 bytes): skipped.
+                log.warning("undeliverable message skipped", extra=kv(topic=out.topic, error=e))
+                self._complete(out)
+                continue
             if len(data) > link.client_max_packet:
                 self._complete(out)
                 continue

@@ -403,3 +403,21 @@ def test_an_absent_share_group_member_holds_no_messages() -> None:
     sub = env.factory.ledger(ML_AB).cursors["mqtt-share-g"]
     assert sub.backlog() == 0
     assert len(env.broker.sessions["a"].subs) == 1
+
+
+def test_a_message_mqtt_cannot_carry_is_skipped() -> None:
+    """A property too long for MQTT (written through another protocol) skips that message;
+    the next one is delivered."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 0)]))
+    sub.packets()
+    for props in ([("big", "x" * 70_000)], []):
+        data = encode_entry(
+            [Message(b"m", properties=props)], producer_name="o", sequence_id=0, publish_time_ms=0
+        )
+        result_of(env.service.publish("persistent://public/default/a%2Fb", data))
+    (pub,) = sub.packets()
+    assert isinstance(pub, c.Publish)
+    assert c.USER_PROPERTY not in pub.properties
+    assert env.factory.ledger(ML_AB).cursors["mqtt-s"].backlog() == 0
