@@ -242,3 +242,26 @@ async def test_kafka_created_topic_is_one_mqtt_topic() -> None:
         assert seen == {b"k0", b"k1", b"from-mqtt"}
     finally:
         await stop_broker(broker)
+
+
+@pytest_twisted.ensureDeferred
+async def test_wildcard_covers_a_topic_a_pulsar_producer_creates_later(broker: Broker) -> None:
+    """A wildcard subscription receives from a topic first created by a Pulsar producer
+    after the SUBSCRIBE, under the topic's MQTT name."""
+
+    def scenario() -> tuple[str, bytes]:
+        mq = broker.client("m")
+        mq.subscribe("news/#", 1)
+        client = pulsar.Client(broker.pulsar_url, logger=CLIENT_LOG, operation_timeout_seconds=10)
+        try:
+            producer = client.create_producer(topics.to_pulsar("news/sport"))
+            producer.send(b"goal")
+            m = mq.get()
+            mq.close()
+            return m.topic, m.payload
+        finally:
+            client.close()
+            del client
+            gc.collect()
+
+    assert await threads.deferToThread(scenario) == ("news/sport", b"goal")
