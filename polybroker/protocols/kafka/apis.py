@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 FORMAT_TAG = "kafka"
 NO_RESPONSE = object()
 _DEDUP_WINDOW = 5
+_MAX_PRODUCER_STATES = 100_000
 _LATEST = -1
 _EARLIEST = -2
 _MAX_TIMESTAMP = -3
@@ -592,7 +593,10 @@ class KafkaApis:
                     return c.OUT_OF_ORDER_SEQUENCE_NUMBER, -1
             if state is None or batch.producer_epoch > state.epoch:
                 state = ProducerState(batch.producer_epoch, last_seq)
+                self.producers.pop(key, None)
                 self.producers[key] = state
+                if len(self.producers) > _MAX_PRODUCER_STATES:  # forget the oldest producer
+                    del self.producers[next(iter(self.producers))]
             state.last_sequence = last_seq
         entry_data = self._entry(batch, records)
         try:
@@ -933,15 +937,19 @@ class KafkaApis:
             )
         )
 
-    def _list_groups(self, req: c.Request, host: str) -> Any:
+    def _list_groups(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_LIST_GROUPS)
-        return cls(
-            throttle_time_ms=0,
-            error_code=c.NONE,
-            groups=[
-                cls.ListedGroup(group_id=g.group_id, protocol_type=g.protocol_type or "consumer")
-                for g in self.groups.list()
-            ],
+        return self.groups.list_all().addCallback(
+            lambda groups: cls(
+                throttle_time_ms=0,
+                error_code=c.NONE,
+                groups=[
+                    cls.ListedGroup(
+                        group_id=g.group_id, protocol_type=g.protocol_type or "consumer"
+                    )
+                    for g in groups
+                ],
+            )
         )
 
     def _describe_groups(self, req: c.Request, host: str) -> Any:

@@ -19,14 +19,18 @@ Rule 3: ``API_VERSIONS`` lists only what the handler implements (the Kafka 2.1-e
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import kafka.protocol.admin
-import kafka.protocol.consumer
-import kafka.protocol.metadata
-import kafka.protocol.producer  # noqa: F401 - imported so every API class registers
-from kafka.protocol.api_message import ApiMessage
+# kafka-python reads its JSON schemas with importlib.resources calls that Python 3.11 deprecates.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import kafka.protocol.admin
+    import kafka.protocol.consumer
+    import kafka.protocol.metadata
+    import kafka.protocol.producer  # noqa: F401 - imported so every API class registers
+    from kafka.protocol.api_message import ApiMessage
 
 # Kafka's error codes used by the handler.
 NONE = 0

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -337,7 +337,19 @@ class GroupCoordinator:
         return self.groups.get(group_id)
 
     def list(self) -> list[Group]:
+        """The live groups of this broker (``list_all`` adds those known only by commits)."""
         return [g for g in self.groups.values() if g.state != DEAD]
+
+    def list_all(self) -> Deferred[list[Group]]:
+        """Live groups and, as Empty, groups that only have committed offsets stored."""
+        return Deferred.fromCoroutine(self._list_all())
+
+    async def _list_all(self) -> list[Group]:
+        stored = await self.store.children(GROUPS_ROOT)
+        for name in stored:
+            if name.startswith("g-"):
+                self._group(unquote(name[2:]))
+        return self.list()
 
     def delete(self, group_id: str) -> Deferred[int]:
         """DeleteGroups of one group: refused while it has members."""
@@ -358,7 +370,8 @@ class GroupCoordinator:
     # -- offsets --------------------------------------------------------------------------
 
     def _path(self, group_id: str) -> str:
-        return f"{GROUPS_ROOT}/{quote(group_id, safe='')}"
+        # The prefix keeps "", "." and ".." valid node names; quoting keeps "/" inside one.
+        return f"{GROUPS_ROOT}/g-{quote(group_id, safe='')}"
 
     async def _load_offsets(self, g: Group) -> dict[tuple[str, int], tuple[int, str]]:
         if g.offsets is None:
@@ -380,6 +393,8 @@ class GroupCoordinator:
     ) -> Deferred[int]:
         """OffsetCommit of (topic, partition, offset, metadata); fires with the error code
         once durable. Generation -1 is a commit from outside the group (assign-based)."""
+        if not group_id:
+            return succeed(c.INVALID_GROUP_ID)
         g = self._group(group_id)
         if generation >= 0 or member_id:
             if member_id not in g.members:
@@ -389,6 +404,10 @@ class GroupCoordinator:
         return Deferred.fromCoroutine(self._commit(g, offsets))
 
     async def _commit(self, g: Group, offsets: list[tuple[str, int, int, str]]) -> int:
+        try:
+            self.store_path_ok(g.group_id)
+        except ValueError:
+            return c.INVALID_GROUP_ID
         current = await self._load_offsets(g)
         for topic, partition, offset, metadata in offsets:
             current[(topic, partition)] = (offset, metadata)
@@ -403,9 +422,18 @@ class GroupCoordinator:
         return c.NONE
 
     def fetch_offsets(self, group_id: str) -> Deferred[dict[tuple[str, int], tuple[int, str]]]:
-        """The group's committed offsets."""
+        """The group's committed offsets (none for a group id the store cannot name)."""
+        try:
+            self.store_path_ok(group_id)
+        except ValueError:
+            return succeed({})
         g = self._group(group_id)
         return Deferred.fromCoroutine(self._load_offsets(g))
+
+    def store_path_ok(self, group_id: str) -> None:
+        """Raise ValueError if the group's offsets cannot be stored (too long a name)."""
+        if len(self._path(group_id).encode("utf-8", "surrogatepass")) > 1024 or not group_id:
+            raise ValueError(f"group id {group_id[:50]!r}... cannot be stored")
 
     def close(self) -> None:
         """Cancel every timer and answer every waiting request."""

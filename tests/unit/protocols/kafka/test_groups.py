@@ -130,3 +130,25 @@ def test_commits_are_durable_and_fenced_by_generation() -> None:
     g.leave("g", a)
     assert result_of(g.delete("g")) == c.NONE
     assert result_of(GroupCoordinator(Clock(), store).fetch_offsets("g")) == {}
+
+
+def test_groups_known_only_by_stored_commits_are_listed_after_a_restart() -> None:
+    """A new coordinator lists a group that has committed offsets but no members, as Empty."""
+    store = FakeMetadataStore()
+    g = GroupCoordinator(Clock(), store)
+    assert result_of(g.commit("with/slash", -1, "", [("t", 0, 1, "")])) == c.NONE
+    again = GroupCoordinator(Clock(), store)
+    listed = result_of(again.list_all())
+    assert [(x.group_id, x.state) for x in listed] == [("with/slash", EMPTY)]
+
+
+def test_odd_group_ids_are_stored_or_refused_cleanly() -> None:
+    """'.', '..' and '/'-laden ids are stored; an empty or oversize id is INVALID_GROUP_ID."""
+    store = FakeMetadataStore()
+    g = GroupCoordinator(Clock(), store)
+    for gid in (".", "..", "a/../b"):
+        assert result_of(g.commit(gid, -1, "", [("t", 0, 4, "")])) == c.NONE
+        assert result_of(GroupCoordinator(Clock(), store).fetch_offsets(gid)) == {("t", 0): (4, "")}
+    assert result_of(g.commit("", -1, "", [("t", 0, 1, "")])) == c.INVALID_GROUP_ID
+    assert result_of(g.commit("x" * 5000, -1, "", [("t", 0, 1, "")])) == c.INVALID_GROUP_ID
+    assert result_of(g.fetch_offsets("x" * 5000)) == {}
