@@ -59,6 +59,7 @@ from kazoo.protocol.states import WatchedEvent, ZnodeStat
 from twisted.internet.defer import Deferred, fail
 from twisted.python.failure import Failure
 
+from polybroker import logs
 from polybroker.config import ConfigError
 from polybroker.metadata.api import (
     BadVersionError,
@@ -222,7 +223,6 @@ class ZooKeeperMetadataStore(MetadataStore):
         # kazoo's connection thread only:
         self._session_id: int | None = None
         self._lost = False
-        self._lock = threading.Lock()
 
     # -- opening and closing ----------------------------------------------------------------
 
@@ -249,11 +249,16 @@ class ZooKeeperMetadataStore(MetadataStore):
                 raise MetadataError(
                     f"cannot connect to ZooKeeper at {url} within {connect_timeout_s}s"
                 ) from None
-            store._session_id = store._zk.client_id[0] if store._zk.client_id else None
-            store._zk.add_listener(store._on_state)
-            if store._chroot:
-                store._call(store._zk.ensure_path_async, store._chroot)
-            store._call(store._zk.ensure_path_async, store._full(SEQUENCE_NODE))
+            try:
+                store._session_id = store._zk.client_id[0] if store._zk.client_id else None
+                store._zk.add_listener(store._on_state)
+                if store._chroot:
+                    store._call(store._zk.ensure_path_async, store._chroot)
+                store._call(store._zk.ensure_path_async, store._full(SEQUENCE_NODE))
+            except BaseException:
+                store._zk.stop()
+                store._zk.close()
+                raise
             return store
 
         d = store._submit(connect)
@@ -520,7 +525,7 @@ class ZooKeeperMetadataStore(MetadataStore):
         """Call the session listeners (reactor thread)."""
         if self._closed:
             return
-        log.info("ZooKeeper session event %s", event.value, extra={"url": self.url})
+        log.info("ZooKeeper session event %s", event.value, extra=logs.kv(url=self.url))
         for callback in list(self._listeners):
             try:
                 callback(event)
