@@ -104,6 +104,10 @@ class MqttConnection(Protocol):
         self._last_heard = self.clock.seconds()
         # Deliveries stop while the socket's send buffer is full (see ``paused``).
         self.transport.registerProducer(self, True)  # type: ignore[union-attr]
+        # Acks and deliveries are small writes a client waits for: never hold them back.
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
         self._timer = self.clock.callLater(self.settings.connect_timeout_s, self._connect_timeout)
 
     def dataReceived(self, data: bytes) -> None:
