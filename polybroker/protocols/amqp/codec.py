@@ -351,8 +351,38 @@ def _register(cls: type[Method]) -> type[Method]:
     return cls
 
 
+def _fast_publish(payload: bytes) -> Method | None:
+    """basic.publish, the hottest inbound method, without the generic walk (None: let the
+    generic decoder judge a payload this cannot take)."""
+    end = len(payload)
+    pos = 6
+    if pos >= end:
+        return None
+    n = payload[pos]
+    exchange_end = pos + 1 + n
+    if exchange_end >= end:
+        return None
+    n = payload[exchange_end]
+    key_end = exchange_end + 1 + n
+    if key_end + 1 != end:
+        return None
+    try:
+        exchange = payload[pos + 1 : exchange_end].decode("utf-8")
+        key = payload[exchange_end + 1 : key_end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    bits = payload[key_end]
+    return BasicPublish(
+        int.from_bytes(payload[4:6], "big"), exchange, key, bool(bits & 1), bool(bits & 2)
+    )
+
+
 def decode_method(payload: bytes | memoryview) -> Method:
     """A method frame payload as its method object."""
+    if payload[:4] == b"\x00\x3c\x00\x28" and isinstance(payload, bytes):
+        fast = _fast_publish(payload)
+        if fast is not None:
+            return fast
     r = _Reader(payload)
     class_id = r.short()
     method_id = r.short()
@@ -972,7 +1002,23 @@ def encode_content(
     ``properties`` may be pre-encoded (flags and property list) to skip re-encoding."""
     props = properties if isinstance(properties, bytes) else properties.encode()
     header = _U16.pack(60) + b"\x00\x00" + _U64.pack(len(body)) + props
-    parts = [encode_method(channel, method), _frame(FRAME_HEADER, channel, header)]
+    if type(method) is BasicDeliver:
+        # The hottest outbound method, packed directly.
+        m = method
+        payload = b"".join(
+            (
+                b"\x00\x3c\x00\x3c",
+                _shortstr(m.consumer_tag),
+                _U64.pack(m.delivery_tag),
+                b"\x01" if m.redelivered else b"\x00",
+                _shortstr(m.exchange),
+                _shortstr(m.routing_key),
+            )
+        )
+        first = _frame(FRAME_METHOD, channel, payload)
+    else:
+        first = encode_method(channel, method)
+    parts = [first, _frame(FRAME_HEADER, channel, header)]
     chunk = max(1, frame_max - FRAME_OVERHEAD) if frame_max else len(body) or 1
     for start in range(0, len(body), chunk):
         parts.append(_frame(FRAME_BODY, channel, body[start : start + chunk]))

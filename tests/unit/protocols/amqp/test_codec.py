@@ -136,6 +136,9 @@ def test_oversize_frame_refused_before_its_body_arrives() -> None:
         struct.pack(">HH", 50, 10) + b"\x00\x00\x05ab",  # short string overruns
         struct.pack(">HH", 40, 30) + b"\x00\x00" + b"\x00\x00\x00\x00" + b"\x00\xff\xff\xff\xff",
         struct.pack(">HH", 50, 20) + b"\x00\x00\x01q\x00\x00\x00" + b"\x00\x00\x00\x03\x01aZ",
+        struct.pack(">HH", 60, 40) + b"\x00\x00\x02e",  # basic.publish cut in its exchange
+        struct.pack(">HH", 60, 40) + b"\x00\x00\x00\x05k",  # ... in its routing key
+        struct.pack(">HH", 60, 40) + b"\x00\x00\x01\xff\x00\x00",  # exchange not UTF-8
     ],
 )
 def test_truncated_or_malformed_arguments_are_syntax_errors(payload: bytes) -> None:
@@ -189,3 +192,16 @@ def test_content_properties_round_trip() -> None:
     assert len(frames) == 2
     assert isinstance(frames[1], c.HeaderFrame)
     assert frames[1].properties == props
+
+
+def test_basic_publish_and_deliver_fast_paths_match_the_generic_codec() -> None:
+    """The hand-packed publish decoder and deliver encoder agree with the generic ones."""
+    for m in (
+        c.BasicPublish(7, "ex", "rk", True, False),
+        c.BasicPublish(0, "", "", False, True),
+        c.BasicPublish(0, "é" * 100, "ü" * 100, True, True),
+    ):
+        assert c.decode_method(m.encode()) == m
+    d = c.BasicDeliver("ctag", 2**40, True, "ex", "q")
+    data = c.encode_content(1, d, c.BasicProperties(), b"", 4096)
+    assert data.startswith(c.encode_method(1, d))
