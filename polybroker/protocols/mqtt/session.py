@@ -359,6 +359,8 @@ class Session:
         self.queue: deque[Outgoing] = deque()
         self.inbound_qos2: set[int] = set()
         self.ended = False
+        #: When an absent session expires (epoch ms; None while connected or never).
+        self.expires_at_ms: int | None = None
         self._next_pid = 0
         self._match_cache: dict[tuple[str, str | None], list[FilterSub]] = {}
         # Topics whose consumer the broker closed (unload): attached again from where they were.
@@ -654,6 +656,10 @@ class Session:
             self._expiry_call = self.broker.clock.callLater(
                 self.expiry_s, self.broker.end_session, self
             )
+            # Stored too, so a restarted broker still ends the session in time.
+            now_ms = int(self.broker.clock.seconds() * 1000)
+            self.expires_at_ms = now_ms + self.expiry_s * 1000
+            self.broker.save(self).addErrback(lambda _: None)
 
     def _leave_groups(self) -> None:
         # An absent member must not hold a share group's messages: its shared consumers go
@@ -695,7 +701,11 @@ class Session:
 
     def snapshot(self) -> bytes:
         return json.dumps(
-            {"expiry": self.expiry_s, "filters": [f.as_json() for f in self.filters.values()]}
+            {
+                "expiry": self.expiry_s,
+                "expires_at_ms": self.expires_at_ms,
+                "filters": [f.as_json() for f in self.filters.values()],
+            }
         ).encode()
 
 
@@ -719,6 +729,8 @@ class MqttBroker:
         self.retained: dict[str, Retained] = {}
         self._consumer_ids = 0
         self._partitions: dict[str, int] = {}
+        # Timers ending stored sessions of absent clients (found at start).
+        self._stored_expiry: dict[str, IDelayedCall] = {}
         self._remove_listener: Callable[[], None] | None = None
 
     def start(self) -> Deferred[None]:
@@ -728,6 +740,18 @@ class MqttBroker:
 
     async def _load(self) -> None:
         self.stored_ids = {unquote(c) for c in await self.store.children(SESSIONS_ROOT)}
+        now_ms = int(self.clock.seconds() * 1000)
+        for client_id in sorted(self.stored_ids):
+            got = await self.store.get(f"{SESSIONS_ROOT}/{quote(client_id, safe='')}")
+            try:
+                expires = json.loads(got.value).get("expires_at_ms") if got else None
+            except ValueError:
+                expires = None
+            if expires is not None:
+                delay = max(0.0, (int(expires) - now_ms) / 1000.0)
+                self._stored_expiry[client_id] = self.clock.callLater(
+                    delay, self._expire_stored, client_id
+                )
         for child in await self.store.children(RETAINED_ROOT):
             got = await self.store.get(f"{RETAINED_ROOT}/{child}")
             if got is not None:
@@ -736,9 +760,31 @@ class MqttBroker:
                 except (ValueError, KeyError, TypeError):
                     log.warning("bad retained message skipped", extra=kv(topic=unquote(child)))
 
+    def _expire_stored(self, client_id: str) -> None:
+        self._stored_expiry.pop(client_id, None)
+        if client_id in self.sessions:
+            return  # back (or restored): its own timer decides
+
+        def restored(session: Session | None) -> None:
+            if session is not None and session.link is None:
+                self.end_session(session)
+
+        d = Deferred.fromCoroutine(self._restore(client_id))
+        d.addCallback(restored)
+        d.addErrback(
+            lambda f: log.warning(
+                "expiring a stored mqtt session failed",
+                extra=kv(client=client_id, error=str(f.value)),
+            )
+        )
+
     def stop(self) -> None:
         if self._remove_listener is not None:
             self._remove_listener()
+        for call in self._stored_expiry.values():
+            if call.active():
+                call.cancel()
+        self._stored_expiry.clear()
         for session in list(self.sessions.values()):
             for call in (session._expiry_call, session.will_call):
                 if call is not None and call.active():
@@ -777,11 +823,18 @@ class MqttBroker:
             existing.link.kick(c.SESSION_TAKEN_OVER)
         if existing is None:
             existing = await self._restore(client_id)
+        now_ms = int(self.clock.seconds() * 1000)
+        if existing is not None and existing.link is None:
+            expires = existing.expires_at_ms
+            if expires is not None and expires <= now_ms:
+                self.end_session(existing)  # expired while the broker was down
+                existing = None
         if existing is not None and (clean_start or existing.ended):
             self.end_session(existing)
             existing = None
         if existing is not None:
             existing.expiry_s = expiry_s
+            existing.expires_at_ms = None
             if existing.persistent:
                 await self.save(existing)
             else:
@@ -802,6 +855,8 @@ class MqttBroker:
         try:
             raw = json.loads(got.value)
             session = Session(self, client_id, raw.get("expiry"))
+            expires = raw.get("expires_at_ms")
+            session.expires_at_ms = None if expires is None else int(expires)
             filters = [FilterSub.from_json(f) for f in raw["filters"]]
         except (ValueError, KeyError, TypeError, IndexError):
             log.warning("bad stored mqtt session dropped", extra=kv(client=client_id))

@@ -27,11 +27,14 @@ ML_AB = "public/default/persistent/a%252Fb"
 class Env:
     """A service, the MQTT state over it, and helpers to open client connections."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, after: Env | None = None, **settings: Any) -> None:
+        """A fresh broker, or (``after``) one restarted over ``after``'s logs and metadata."""
         self.clock = Clock()
-        self.clock.advance(1_000_000)
+        self.clock.advance(1_000_000 if after is None else after.clock.seconds())
         self.factory = FakeLedgerFactory(self.clock.seconds)
-        self.store = FakeMetadataStore()
+        self.store = FakeMetadataStore() if after is None else after.store
+        if after is not None:
+            self.factory.logs = after.factory.logs
         self.service = BrokerService(
             self.factory, self.clock, Config({"statsUpdateFrequencyInSecs": 0}), self.store
         )
@@ -421,3 +424,25 @@ def test_a_message_mqtt_cannot_carry_is_skipped() -> None:
     assert isinstance(pub, c.Publish)
     assert c.USER_PROPERTY not in pub.properties
     assert env.factory.ledger(ML_AB).cursors["mqtt-s"].backlog() == 0
+
+
+def test_a_restarted_broker_still_expires_an_absent_session() -> None:
+    """The expiry of an absent session is stored: a broker restarted meanwhile ends the
+    session (and deletes its durable subscription) when it expires."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5, clean_start=False, properties={c.SESSION_EXPIRY: 30})
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    sub.send(c.Disconnect())
+    env.clock.advance(10)
+    env.broker.stop()
+    restarted = Env(after=env)
+    restarted.clock.advance(19)
+    assert "s" in restarted.broker.stored_ids
+    restarted.clock.advance(2)
+    assert "s" not in restarted.broker.stored_ids
+    assert "mqtt-s" not in restarted.factory.ledger(ML_AB).cursors
+    back = restarted.peer("s", c.LEVEL_5, clean_start=False)
+    connack = back.one()
+    assert isinstance(connack, c.ConnAck)
+    assert not connack.session_present
