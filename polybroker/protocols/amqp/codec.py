@@ -953,6 +953,8 @@ class HeaderFrame:
     class_id: int
     body_size: int
     properties: BasicProperties
+    #: The property flags and list as received (re-sent as is on delivery).
+    raw_properties: bytes = field(default=b"", compare=False)
 
 
 @dataclass
@@ -1082,7 +1084,7 @@ class FrameReader:
             props = BasicProperties.decode(r)
             if r.pos != r.end:
                 raise AmqpError(FRAME_ERROR, "content header has trailing bytes")
-            return HeaderFrame(channel, class_id, size, props)
+            return HeaderFrame(channel, class_id, size, props, payload[12:])
         if kind == FRAME_BODY:
             return BodyFrame(channel, payload)
         if kind == FRAME_HEARTBEAT:

@@ -62,6 +62,7 @@ class AmqpSettings:
 class _Content:
     method: c.BasicPublish
     properties: c.BasicProperties | None = None
+    raw_properties: bytes = b""
     size: int = 0
     chunks: list[bytes] = field(default_factory=list)
     received: int = 0
@@ -307,6 +308,7 @@ class AmqpConnection(Protocol):
                 )
                 return
             content.properties = frame.properties
+            content.raw_properties = frame.raw_properties
             content.size = frame.body_size
         elif isinstance(frame, c.BodyFrame):
             if content.properties is None:
@@ -712,7 +714,7 @@ class AmqpConnection(Protocol):
             c.encode_content(
                 ch.number,
                 c.BasicDeliver(qc.tag, tag, qm.redelivered, am.exchange, am.routing_key),
-                am.properties,
+                am.wire_properties(),
                 am.body,
                 self.frame_max,
             )
@@ -748,7 +750,7 @@ class AmqpConnection(Protocol):
                 c.encode_content(
                     ch.number,
                     c.BasicGetOk(tag, qm.redelivered, am.exchange, am.routing_key, q.message_count),
-                    am.properties,
+                    am.wire_properties(),
                     am.body,
                     self.frame_max,
                 )
@@ -825,6 +827,7 @@ class AmqpConnection(Protocol):
         props = content.properties or c.BasicProperties()
         body = b"".join(content.chunks)
         msg = AmqpMessage(pm.exchange, pm.routing_key, props, body)
+        msg.raw_properties = content.raw_properties
         if pm.immediate:
             raise c.AmqpError(c.NOT_IMPLEMENTED, "immediate=true", 60, 40)
         ex = self.vh.exchanges.get(pm.exchange)

@@ -48,6 +48,14 @@ class AmqpMessage:
     publish_time_ms: int = 0
     #: The broker incarnation that stored a transient message ("" for persistent ones).
     incarnation: str = ""
+    #: ``properties`` in wire form, when known (as received, or encoded once).
+    raw_properties: bytes = b""
+
+    def wire_properties(self) -> bytes:
+        """The properties in wire form, encoded at most once."""
+        if not self.raw_properties:
+            self.raw_properties = self.properties.encode()
+        return self.raw_properties
 
     @property
     def persistent(self) -> bool:
