@@ -220,6 +220,7 @@ def role_producer(args: argparse.Namespace) -> None:
     """Send --count messages (paced at --rate if given); print one JSON line with timings."""
     import pulsar
 
+    sys.setswitchinterval(0.0005)  # let the client's callback thread in promptly
     client = _client(args.url)
     producer = client.create_producer(
         args.topic,
@@ -247,10 +248,12 @@ def role_producer(args: argparse.Namespace) -> None:
     interval_ns = int(1e9 / args.rate) if args.rate else 0
     for i in range(args.count):
         if interval_ns:
+            # Sleep, never spin: a spinning loop holds the GIL that the client's send callbacks
+            # need, which would add up to the switch interval to every publish latency.
             due = start + i * interval_ns
-            while (now := time.monotonic_ns()) < due:
-                if due - now > 200_000:
-                    time.sleep((due - now) / 1e9 / 2)
+            now = time.monotonic_ns()
+            if due > now:
+                time.sleep((due - now) / 1e9)
         now = time.monotonic_ns()
         producer.send_async(payload(now), sent_callback(now))
     producer.flush()
@@ -289,6 +292,9 @@ def role_topics(args: argparse.Namespace) -> None:
                         topic, "sub", initial_position=pulsar.InitialPosition.Earliest
                     )
                 )
+                if len(held) % 2000 == 0:
+                    done = {"done": len(held) // 2, "elapsed_s": time.monotonic() - start}
+                    print(json.dumps(done), flush=True)
 
         await asyncio.gather(*(one(i) for i in range(args.count)))
         elapsed = time.monotonic() - start
@@ -316,18 +322,31 @@ def _role(*argv: str) -> subprocess.Popen[str]:
     )
 
 
+# Bytes read past the last full line, per role process (reads go straight to the fd, so a
+# select() never waits on a line already sitting in a Python buffer).
+_PENDING: dict[int, bytes] = {}
+
+
 def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buffered = _PENDING.pop(proc.pid, b"")
+    deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            proc.kill()
-            raise RuntimeError(f"no answer in {timeout}s")
-    line = proc.stdout.readline()
-    if not line:
-        _, err = proc.communicate(timeout=10)
-        raise RuntimeError(f"role exited: {err[-2000:]}")
-    return line
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in buffered:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                _PENDING[proc.pid] = buffered
+                raise TimeoutError(f"no answer in {timeout}s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                _, err = proc.communicate(timeout=10)
+                raise RuntimeError(f"role exited: {err[-2000:]}")
+            buffered += chunk
+    line, _, rest = buffered.partition(b"\n")
+    _PENDING[proc.pid] = rest
+    return line.decode() + "\n"
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
@@ -339,6 +358,7 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
         raise RuntimeError(f"role did not finish in {timeout}s") from None
     if proc.returncode != 0:
         raise RuntimeError(f"role failed ({proc.returncode}): {err[-2000:]}")
+    out = _PENDING.pop(proc.pid, b"").decode() + out
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -384,30 +404,43 @@ def run_pair(
     return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"])
 
 
-def run_topics(broker: Broker, count: int, tag: str, timeout: float) -> dict[str, float]:
-    """Set up ``count`` topics with a producer and a subscription each; time and RSS."""
+def run_topics(broker: Broker, count: int, tag: str, timeout: float) -> dict[str, Any]:
+    """Set up ``count`` topics with a producer and a subscription each; time and RSS.
+
+    A set-up still under way after ``timeout`` seconds is reported with how far it got."""
     before = rss_mb(broker.proc.pid)
     proc = _role("--role", "topics", "--url", broker.url, "--count", str(count), "--tag", tag)
+    out: dict[str, Any] = {"topics": count, "rss_mb_before": round(before, 1)}
+    deadline = time.monotonic() + timeout
+    done, elapsed = 0, 0.0
     try:
-        line = _read_line(proc, timeout)
-        while not line.startswith("{"):  # skip anything the client library printed
-            line = _read_line(proc, timeout)
-        setup = json.loads(line)
-        after = rss_mb(broker.proc.pid)
-        assert proc.stdin is not None
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        proc.communicate(timeout=120)
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                line = _read_line(proc, max(remaining, 0.001))
+            except TimeoutError:
+                out.update(completed=done, timed_out_after_s=round(timeout), setup_s=None)
+                out["rss_mb"] = round(rss_mb(broker.proc.pid), 1)
+                out["progress_rate_per_s"] = round(done / elapsed, 1) if elapsed else None
+                return out
+            if not line.startswith("{"):  # anything the client library printed
+                continue
+            report = json.loads(line)
+            if "done" in report:
+                done, elapsed = report["done"], report["elapsed_s"]
+                print(f"  {broker.name}: {done} topics in {elapsed:.1f} s", file=sys.stderr)
+                continue
+            out["setup_s"] = round(report["setup_s"], 2)
+            out["rss_mb"] = round(rss_mb(broker.proc.pid), 1)
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            proc.communicate(timeout=120)
+            return out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    return {
-        "topics": count,
-        "setup_s": round(setup["setup_s"], 2),
-        "rss_mb_before": round(before, 1),
-        "rss_mb": round(after, 1),
-    }
 
 
 def _median(values: list[float]) -> float:
@@ -423,13 +456,16 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=0.0)
     parser.add_argument("--batching", action="store_true")
     parser.add_argument("--batch-delay-ms", type=int, default=10)
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="bound of each case, s")
     parser.add_argument("--tag", default="")
     parser.add_argument("--batched", type=int, default=1_000_000, help="messages, batching on")
     parser.add_argument("--unbatched", type=int, default=200_000, help="messages, batching off")
     parser.add_argument("--paced-rate", type=float, default=10_000.0, help="msgs/s of latency run")
     parser.add_argument("--paced-seconds", type=float, default=10.0)
     parser.add_argument("--topics", type=int, default=10_000, help="topics of the topics case")
+    parser.add_argument(
+        "--topics-timeout", type=float, default=300.0, help="report how far set-up got after s"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each throughput case")
     parser.add_argument("--brokers", default="polybroker,pulsar-lite")
     parser.add_argument("--cases", default="batched,unbatched,paced,topics")
@@ -444,6 +480,9 @@ def main() -> int:
         role_topics(args)
         return 0
 
+    # Stop the brokers (finally below) on SIGTERM and on Ctrl+C, even when started in background.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     names = [n for n in args.brokers.split(",") if n]
     wanted = {c for c in args.cases.split(",") if c}
     notes = []
@@ -497,7 +536,8 @@ def main() -> int:
                         entry["e2e_p99_ms"] = round(percentile(last.e2e_ms, 99), 2)
                     results[n][case] = entry
             for i, n in enumerate(names[::-1] if "topics" in wanted else []):
-                results[n]["topics"] = run_topics(brokers[n], args.topics, str(i), args.timeout)
+                bound = args.topics_timeout
+                results[n]["topics"] = run_topics(brokers[n], args.topics, str(i), bound)
                 print(f"{n:12} topics   : {results[n]['topics']}", file=sys.stderr, flush=True)
         finally:
             for b in brokers.values():
@@ -518,10 +558,16 @@ def main() -> int:
             print(f"{n:12} {case:10} {e['msgs_per_s']:>10,} {e['mb_per_s']:>7}  {lat}")
         if "topics" in results[n]:
             t = results[n]["topics"]
-            print(
-                f"{n:12} topics     {t['topics']} topics set up in {t['setup_s']} s,"
-                f" RSS {t['rss_mb']} MB"
-            )
+            if t.get("setup_s") is None:
+                print(
+                    f"{n:12} topics     {t['completed']} of {t['topics']} set up when stopped"
+                    f" after {t['timed_out_after_s']} s, RSS {t['rss_mb']} MB"
+                )
+            else:
+                print(
+                    f"{n:12} topics     {t['topics']} topics set up in {t['setup_s']} s,"
+                    f" RSS {t['rss_mb']} MB"
+                )
     for note in notes:
         print(f"note: {note}")
     summary: dict[str, Any] = {"benchmark": "pulsar", "message_bytes": SIZE, **results}
@@ -529,9 +575,13 @@ def main() -> int:
         ours, theirs = results["polybroker"], results["pulsar-lite"]
 
         def versus(case: str, key: str) -> float | None:
-            if case not in ours or case not in theirs or not theirs[case][key]:
+            a, b = ours.get(case, {}).get(key), theirs.get(case, {}).get(key)
+            partial = "timed_out_after_s" in ours.get(
+                case, {}
+            ) or "timed_out_after_s" in theirs.get(case, {})
+            if not isinstance(a, int | float) or not isinstance(b, int | float) or not b or partial:
                 return None
-            return round(ours[case][key] / theirs[case][key], 3)
+            return round(a / b, 3)
 
         summary["ratios"] = {
             "batched_throughput": versus("batched", "msgs_per_s"),
