@@ -392,14 +392,22 @@ class Queue:
         if self.dlx is not None and self.vhost.exchanges.get(self.dlx) is not None:
             am = qm.message
             headers = dict(am.properties.headers or {})
+            # x-death keeps one entry per (queue, reason), most recent first, with a count.
+            deaths = [d for d in headers.get("x-death") or [] if isinstance(d, dict)]
+            count = 1
+            for old in deaths:
+                if old.get("queue") == self.name and old.get("reason") == reason:
+                    count = int(old.get("count", 1)) + 1
+                    deaths.remove(old)
+                    break
             death = {
                 "queue": self.name,
                 "reason": reason,
                 "exchange": am.exchange,
                 "routing-keys": [am.routing_key],
-                "count": 1,
+                "count": count,
             }
-            headers["x-death"] = [death, *list(headers.get("x-death") or [])][:16]
+            headers["x-death"] = [death, *deaths][:16]
             headers["x-first-death-queue"] = headers.get("x-first-death-queue", self.name)
             headers["x-first-death-reason"] = headers.get("x-first-death-reason", reason)
             props = type(am.properties)(**{**am.properties.__dict__})
@@ -408,7 +416,12 @@ class Queue:
                 props.expiration = None
             key = self.dlx_key if self.dlx_key is not None else am.routing_key
             dead = AmqpMessage(self.dlx, key, props, am.body, incarnation=am.incarnation)
-            d = self.vhost.publish(dead)
+            targets = self.vhost.destinations(dead)
+            if reason != "rejected":
+                # A message dead-lettered back into its own queue without a client's
+                # rejection would cycle forever (RabbitMQ drops such cycles as well).
+                targets = [q for q in targets if q is not self]
+            d = self.vhost.publish(dead, targets)
             d.addCallback(lambda _: self.settle(qm))
             d.addErrback(lambda f: self.settle(qm))
             return

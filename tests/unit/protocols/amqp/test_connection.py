@@ -277,3 +277,29 @@ def test_declare_ok_counts_the_backlog_beyond_the_window() -> None:
     p.method(1, c.QueueDeclare(queue="q", durable=True, passive=True))
     (ok,) = p.methods()
     assert ok == c.QueueDeclareOk("q", WINDOW + 500, 0)
+
+
+def test_expiry_into_its_own_queue_does_not_cycle() -> None:
+    """A queue whose dead-letter exchange routes back to itself drops expired messages
+    instead of cycling them; a rejected one comes back with an x-death count."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.ExchangeDeclare(exchange="self-dlx", type="fanout"))
+    args = {"x-dead-letter-exchange": "self-dlx", "x-message-ttl": 1000}
+    p.method(1, c.QueueDeclare(queue="loop", arguments=args))
+    p.method(1, c.QueueBind(queue="loop", exchange="self-dlx"))
+    p.methods()
+    p.publish(1, "", "loop", b"old")
+    p.clock.advance(2)
+    p.method(1, c.BasicGet(queue="loop"))
+    assert p.methods() == [c.BasicGetEmpty()]
+    p.publish(1, "", "loop", b"again")
+    p.method(1, c.BasicGet(queue="loop"))
+    p.method(1, c.BasicReject(1, requeue=False))
+    p.received()
+    p.method(1, c.BasicGet(queue="loop", no_ack=True))
+    frames = p.received()
+    header = next(f for f in frames if isinstance(f, c.HeaderFrame))
+    (death,) = header.properties.headers["x-death"]  # type: ignore[index]
+    assert (death["reason"], death["count"]) == ("rejected", 1)
