@@ -624,9 +624,10 @@ class AmqpConnection(Protocol):
     def on_QueuePurge(self, ch: Channel, m: c.QueuePurge) -> Deferred[Any]:
         q = self.vh.get_queue(m.queue, self)
         d = q.caught_up()
+        d.addCallback(lambda _: q.count())
 
-        def purge(_: object) -> None:
-            count = q.purge()
+        def purge(count: int) -> None:
+            q.purge()
             if not m.nowait:
                 self.send(ch.number, c.QueuePurgeOk(count))
 

@@ -196,6 +196,8 @@ class Queue:
         self._expiry: IDelayedCall | None = None
         self._ttl_timer: IDelayedCall | None = None
         self._acks: list[Position] = []
+        #: Entries up to here were purged before the window read them.
+        self.purged_to: Position | None = None
         self.forwarders: dict[str, Forwarder] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -269,6 +271,11 @@ class Queue:
             self._received += entry.num_messages
             if self.last_fed is None or self.last_fed < entry.position:
                 self.last_fed = entry.position
+            purged = self.purged_to
+            if purged is not None and d.redelivery_count == 0 and not purged < entry.position:
+                # Purged while still beyond the window: acknowledged unread.
+                self._received_and_dropped(entry)
+                continue
             try:
                 messages = decode_entry(entry.data)
             except MessageFormatError:
@@ -549,14 +556,21 @@ class Queue:
             self.vhost.delete_queue(self.name).addErrback(lambda f: None)
 
     def purge(self) -> int:
-        """Drop every ready message; return how many."""
+        """Drop every ready message, also those of a durable queue's backlog not yet read
+        into the window; return how many the window held."""
         count = 0
         while self.ready:
             qm = self.ready.popleft()
             if not qm.settled:
                 count += 1
                 self.settle(qm)
+        if not self.memory_only and self.last_appended is not None:
+            self.purged_to = self.last_appended
         return count
+
+    def _received_and_dropped(self, entry: Entry) -> None:
+        self._ack_entry(entry.position)
+        self._flow()  # the entry never entered the window: its permits are free again
 
     def touch(self) -> None:
         """The queue was used: restart its x-expires timer."""

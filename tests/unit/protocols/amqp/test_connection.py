@@ -303,3 +303,27 @@ def test_expiry_into_its_own_queue_does_not_cycle() -> None:
     header = next(f for f in frames if isinstance(f, c.HeaderFrame))
     (death,) = header.properties.headers["x-death"]  # type: ignore[index]
     assert (death["reason"], death["count"]) == ("rejected", 1)
+
+
+def test_purge_reaches_the_backlog_beyond_the_window() -> None:
+    """Purging a durable queue drops what its topic holds past the window too."""
+    from polybroker.protocols.amqp.vhost import WINDOW
+
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.methods()
+    for i in range(WINDOW + 300):
+        p.publish(1, "", "q", str(i).encode(), delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.QueuePurge(queue="q"))
+    assert p.methods() == [c.QueuePurgeOk(WINDOW + 300)]
+    p.clock.advance(0)
+    p.publish(1, "", "q", b"after", delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.BasicGet(queue="q", no_ack=True))
+    frames = p.received()
+    assert c.BodyFrame(1, b"after") in frames
+    p.method(1, c.QueueDeclare(queue="q", durable=True, passive=True))
+    assert p.methods() == [c.QueueDeclareOk("q", 0, 0)]
