@@ -633,29 +633,36 @@ class PacketReader:
         self.max_packet_size = max_packet_size
         self.level = level
         self._buf = bytearray()
+        self._pos = 0  # start of the first unread packet in ``_buf``
 
     def feed(self, data: bytes) -> None:
+        if self._pos:
+            # Drop what was read once per feed, not once per packet (a read holds many).
+            del self._buf[: self._pos]
+            self._pos = 0
         self._buf += data
 
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) - self._pos
 
     def next_packet(self) -> Packet | None:
         """The next complete packet, or None until more bytes arrive."""
         buf = self._buf
-        if not buf:
+        pos = self._pos
+        if pos >= len(buf):
             return None
-        got = decode_varint(buf, 1)
+        got = decode_varint(buf, pos + 1)
         if got is None:
             return None
         length, start = got
-        if start + length > self.max_packet_size:
-            raise MqttError(PACKET_TOO_LARGE, f"packet of {start + length} bytes")
-        if len(buf) < start + length:
+        if start - pos + length > self.max_packet_size:
+            raise MqttError(PACKET_TOO_LARGE, f"packet of {start - pos + length} bytes")
+        end = start + length
+        if len(buf) < end:
             return None
-        first = buf[0]
-        body = bytes(buf[start : start + length])
-        del buf[: start + length]
+        first = buf[pos]
+        body = bytes(buf[start:end])
+        self._pos = end
         ptype = first >> 4
         if ptype == 0:
             raise MqttError(MALFORMED_PACKET, "reserved packet type 0")
