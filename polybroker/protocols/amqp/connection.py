@@ -118,6 +118,9 @@ class AmqpConnection(Protocol):
         self._released = False
         self.blocked_notify = False
         self.publisher = False
+        self._in_data = False
+        self._flush_scheduled = False
+        self._confirming: list[Channel] = []
         self.blocked = False
 
     # -- Twisted -----------------------------------------------------------------------------
@@ -151,18 +154,25 @@ class AmqpConnection(Protocol):
         except c.AmqpError as e:
             self.connection_error(e)
             return
-        for frame in frames:
-            if self.closed:
-                return
-            try:
-                self.frame_received(frame)
-            except c.AmqpError as e:
-                self.connection_error(e)
-                return
-            except Exception as e:  # a bug must not take the broker down
-                log.exception("AMQP frame handling failed", extra=kv(error=str(e)))
-                self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
-                return
+        self._in_data = True
+        try:
+            for frame in frames:
+                if self.closed:
+                    return
+                try:
+                    self.frame_received(frame)
+                except c.AmqpError as e:
+                    self.connection_error(e)
+                    return
+                except Exception as e:  # a bug must not take the broker down
+                    log.exception("AMQP frame handling failed", extra=kv(error=str(e)))
+                    self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
+                    return
+        finally:
+            self._in_data = False
+            # Publishes this input completed at once (memory queues) are confirmed now.
+            if self._confirming and not self._flush_scheduled:
+                self._flush_all_confirms()
 
     @override
     def connectionLost(self, reason: Failure | None = None) -> None:
@@ -889,7 +899,17 @@ class AmqpConnection(Protocol):
         of consecutive acks as one basic.ack with multiple set."""
         ch.outcomes[seq] = ok
         if len(ch.outcomes) == 1:
-            self.s.clock.callLater(0, self._flush_confirms, ch)
+            self._confirming.append(ch)
+            if not self._in_data and not self._flush_scheduled:
+                # Completed outside our own input (a storage reply): send at the turn's end.
+                self._flush_scheduled = True
+                self.s.clock.callLater(0, self._flush_all_confirms)
+
+    def _flush_all_confirms(self) -> None:
+        self._flush_scheduled = False
+        channels, self._confirming = self._confirming, []
+        for ch in channels:
+            self._flush_confirms(ch)
 
     def _flush_confirms(self, ch: Channel) -> None:
         outcomes, ch.outcomes = ch.outcomes, {}

@@ -327,3 +327,16 @@ def test_purge_reaches_the_backlog_beyond_the_window() -> None:
     assert c.BodyFrame(1, b"after") in frames
     p.method(1, c.QueueDeclare(queue="q", durable=True, passive=True))
     assert p.methods() == [c.QueueDeclareOk("q", 0, 0)]
+
+
+def test_confirms_completed_by_the_input_itself_go_out_at_once() -> None:
+    """Publishes to a transient queue are confirmed at the end of the input that carried
+    them, with no extra reactor turn."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="t"))
+    p.method(1, c.ConfirmSelect())
+    p.methods()
+    p.publish(1, "", "t", b"a")
+    assert p.methods() == [c.BasicAck(1, True)]
