@@ -379,10 +379,15 @@ def _fast_publish(payload: bytes) -> Method | None:
 
 def decode_method(payload: bytes | memoryview) -> Method:
     """A method frame payload as its method object."""
-    if payload[:4] == b"\x00\x3c\x00\x28" and isinstance(payload, bytes):
-        fast = _fast_publish(payload)
-        if fast is not None:
-            return fast
+    if isinstance(payload, bytes):
+        head = payload[:4]
+        if head == b"\x00\x3c\x00\x28":
+            fast = _fast_publish(payload)
+            if fast is not None:
+                return fast
+        elif head == b"\x00\x3c\x00\x50" and len(payload) == 13:
+            # basic.ack, what every consumer sends per message or batch
+            return BasicAck(_U64.unpack_from(payload, 4)[0], bool(payload[12] & 1))
     r = _Reader(payload)
     class_id = r.short()
     method_id = r.short()

@@ -200,6 +200,8 @@ def test_basic_publish_and_deliver_fast_paths_match_the_generic_codec() -> None:
         c.BasicPublish(7, "ex", "rk", True, False),
         c.BasicPublish(0, "", "", False, True),
         c.BasicPublish(0, "é" * 100, "ü" * 100, True, True),
+        c.BasicAck(2**63 + 5, True),
+        c.BasicAck(1, False),
     ):
         assert c.decode_method(m.encode()) == m
     d = c.BasicDeliver("ctag", 2**40, True, "ex", "q")
