@@ -427,7 +427,9 @@ class Session:
             for full in names:
                 name = topics.from_pulsar(topics.split_partition(full)[0])
                 if name is not None and topics.matches(f.pattern, name):
-                    ds.append(self.ensure_sub(full, name, f.group, not_before))
+                    # A topic deleted since the listing is skipped, not a failed SUBSCRIBE.
+                    d = self.ensure_sub(full, name, f.group, not_before, create=False)
+                    ds.append(d.addErrback(lambda _: None))
             return gatherResults(ds, consumeErrors=True) if ds else succeed(None)
 
         d = self.broker.service.topics_of_namespace(topics.NAMESPACE)
@@ -457,13 +459,20 @@ class Session:
             key = (full, group)
             if key not in self.subs:
                 not_before = None if key in self._lost else f.subscribed_ms
-                self.ensure_sub(full, name, group, not_before).addErrback(lambda _: None)
+                d = self.ensure_sub(full, name, group, not_before, create=False)
+                d.addErrback(lambda _: None)
 
     def ensure_sub(
-        self, full: str, name: str, group: str | None, not_before_ms: int | None
+        self,
+        full: str,
+        name: str,
+        group: str | None,
+        not_before_ms: int | None,
+        create: bool = True,
     ) -> Deferred[None]:
         """Attach the session's subscription on ``full`` unless attached; ``not_before_ms``
-        reads from the earliest entry, skipping older ones (a topic found later)."""
+        reads from the earliest entry, skipping older ones (a topic found later). Only an
+        exact filter ``create``s its topic: a wildcard never brings a deleted topic back."""
         key = (full, group)
         if key in self.subs or self.ended:
             return succeed(None)
@@ -477,6 +486,7 @@ class Session:
             SubType.SHARED if group is not None else SubType.EXCLUSIVE,
             InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
             durable=durable,
+            create_topic=create,
         )
 
         def attached(server: ServerConsumer) -> None:
@@ -509,7 +519,8 @@ class Session:
 
         def again() -> None:
             if not self.ended and self.matching(sub.name, sub.group):
-                self.ensure_sub(sub.full, sub.name, sub.group, None).addErrback(lambda _: None)
+                d = self.ensure_sub(sub.full, sub.name, sub.group, None, create=False)
+                d.addErrback(lambda _: None)
 
         self.broker.clock.callLater(0.2, again)
 

@@ -446,3 +446,25 @@ def test_a_restarted_broker_still_expires_an_absent_session() -> None:
     connack = back.one()
     assert isinstance(connack, c.ConnAck)
     assert not connack.session_present
+
+
+def test_unloaded_topic_is_read_on_and_a_deleted_one_not_recreated() -> None:
+    """A topic unloaded under a subscriber is subscribed again and delivery goes on; a
+    wildcard never recreates a deleted topic."""
+    env = Env()
+    sub = env.peer("s")
+    sub.send(c.Subscribe(1, [c.Subscription("a/#", 1)]))
+    pub = env.peer("p")
+    pub.send(c.Publish("a/b", b"1", 1, packet_id=1))
+    (first,) = [p for p in sub.packets() if isinstance(p, c.Publish)]
+    assert first.packet_id is not None
+    sub.send(c.PubAck(first.packet_id))
+    result_of(env.service.unload_topic("persistent://public/default/a%2Fb"))
+    env.clock.advance(1)
+    pub.send(c.Publish("a/b", b"2", 1, packet_id=2))
+    got = [p.payload for p in sub.packets() if isinstance(p, c.Publish)]
+    assert got == [b"2"]
+    result_of(env.service.delete_topic("persistent://public/default/a%2Fb", force=True))
+    env.clock.advance(1)
+    names = result_of(env.service.topics_of_namespace("public/default"))
+    assert "persistent://public/default/a%2Fb" not in names
