@@ -41,6 +41,12 @@ _KEYS: tuple[Key, ...] = (
         "pulsar",
         "How Kafka record batches are stored: pulsar (converted on write) or kafka (verbatim)",
     ),
+    Key(
+        "kafkaApiVersions",
+        str,
+        "2.1",
+        "Kafka API table advertised: 2.1 (no flexible versions) or modern (flexible, topic ids)",
+    ),
     Key("mqttListenerPort", int, 1883, "MQTT port"),
     Key("mqttSubscriptionDenyList", str, "", "Comma-separated MQTT filters SUBSCRIBE refuses"),
     Key("mqttReceiveMaximum", int, 1024, "MQTT 5 QoS 1/2 publishes a client may have unacked"),

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ FORMAT_TAG = "kafka"
 NO_RESPONSE = object()
 _DEDUP_WINDOW = 5
 _MAX_PRODUCER_STATES = 100_000
+#: Topic ids are derived from the full topic name: stable across restarts with no stored state.
+_TOPIC_ID_NAMESPACE = uuid.UUID("5c0f9d4e-6a55-4b8e-9a43-4b6b2f1d7a01")
+_NO_TOPIC_ID = uuid.UUID(int=0)
 _LATEST = -1
 _EARLIEST = -2
 _MAX_TIMESTAMP = -3
@@ -123,6 +127,7 @@ class Settings:
     default_partitions: int
     auto_create: bool
     entry_format: str = "pulsar"  # or FORMAT_TAG: store batches verbatim
+    api_versions: dict[int, tuple[int, int]] = field(default_factory=lambda: dict(c.API_VERSIONS))
     conversion_cache_bytes: int = 64 * 1024 * 1024
 
 
@@ -130,6 +135,7 @@ class Settings:
 class _PartitionRead:
     topic: str
     partition: int
+    topic_id: uuid.UUID = _NO_TOPIC_ID
     error: int = c.NONE
     high_watermark: int = -1
     log_start: int = -1
@@ -152,6 +158,7 @@ class KafkaApis:
         # consumer group (and librdkafka's prefetch) reads the same entries again.
         self._converted: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
         self._converted_bytes = 0
+        self._topic_names: dict[uuid.UUID, str] = {}  # topic id -> Kafka name
         self._closed = False
 
     def close(self) -> None:
@@ -159,6 +166,20 @@ class KafkaApis:
         self.groups.close()
 
     # -- names ----------------------------------------------------------------------------
+
+    def topic_id(self, name: str) -> uuid.UUID:
+        """The stable id of a Kafka topic (remembered so requests may name it by id)."""
+        found = uuid.uuid5(_TOPIC_ID_NAMESPACE, self._full(name))
+        if len(self._topic_names) > 100_000:
+            self._topic_names.clear()
+        self._topic_names[found] = name
+        return found
+
+    def topic_name(self, topic_id: uuid.UUID | None, name: str | None) -> str | None:
+        """The Kafka name a request means: its name, or the topic its id belongs to."""
+        if topic_id is not None and topic_id != _NO_TOPIC_ID:
+            return self._topic_names.get(topic_id)
+        return name
 
     def _full(self, name: str) -> str:
         return self.service.topic_ref(name).full
@@ -226,7 +247,7 @@ class KafkaApis:
         return method(self, req, client_host)
 
     def _api_versions(self, req: c.Request, host: str) -> Any:
-        return c.api_versions_body(req.api_version)
+        return c.api_versions_body(req.api_version, table=self.settings.api_versions)
 
     # -- metadata and admin ---------------------------------------------------------------
 
@@ -241,11 +262,21 @@ class KafkaApis:
             names = await self._all_topics()
             auto = False
         else:
-            names = [t.name for t in body.topics]
+            names = [self.topic_name(t.topic_id, t.name) for t in body.topics]
         topics = []
         for name in names:
             error = c.NONE
             n = 0
+            if name is None:
+                topics.append(
+                    cls.MetadataResponseTopic(
+                        error_code=c.UNKNOWN_TOPIC_ID,
+                        name=None,
+                        topic_id=_NO_TOPIC_ID,
+                        partitions=[],
+                    )
+                )
+                continue
             try:
                 n = await self.partition_count(name, auto)
                 if n == 0:
@@ -266,7 +297,11 @@ class KafkaApis:
             ]
             topics.append(
                 cls.MetadataResponseTopic(
-                    error_code=error, name=name, is_internal=False, partitions=partitions
+                    error_code=error,
+                    name=name,
+                    topic_id=self.topic_id(name) if error == c.NONE else _NO_TOPIC_ID,
+                    is_internal=False,
+                    partitions=partitions,
                 )
             )
         return cls(
@@ -318,7 +353,15 @@ class KafkaApis:
             except (InvalidTopicNameError, NotAllowedError) as e:
                 error, message = c.INVALID_TOPIC_EXCEPTION, str(e)
             results.append(
-                cls.CreatableTopicResult(name=t.name, error_code=error, error_message=message)
+                cls.CreatableTopicResult(
+                    name=t.name,
+                    topic_id=self.topic_id(t.name) if error == c.NONE else _NO_TOPIC_ID,
+                    error_code=error,
+                    error_message=message,
+                    num_partitions=n if error == c.NONE else -1,
+                    replication_factor=1 if error == c.NONE else -1,
+                    configs=[],
+                )
             )
         return cls(throttle_time_ms=0, topics=results)
 
@@ -328,7 +371,11 @@ class KafkaApis:
     async def _delete_topics_async(self, req: c.Request) -> Any:
         cls = c.response_class(c.API_DELETE_TOPICS)
         results = []
-        for name in req.body.topic_names or []:
+        body = req.body
+        requested = list(body.topic_names or [])
+        if req.api_version >= 6:
+            requested = [self.topic_name(t.topic_id, t.name) or "" for t in body.topics or []]
+        for name in requested:
             error = c.NONE
             self._partitions.pop(name, None)
             try:
@@ -343,8 +390,15 @@ class KafkaApis:
             except TopicNotFoundError:
                 error = c.UNKNOWN_TOPIC_OR_PARTITION
             except InvalidTopicNameError:
-                error = c.INVALID_TOPIC_EXCEPTION
-            results.append(cls.DeletableTopicResult(name=name, error_code=error))
+                if name:
+                    error = c.INVALID_TOPIC_EXCEPTION
+            results.append(
+                cls.DeletableTopicResult(
+                    name=name or None,
+                    topic_id=self.topic_id(name) if name else _NO_TOPIC_ID,
+                    error_code=error if name else c.UNKNOWN_TOPIC_ID,
+                )
+            )
         return cls(throttle_time_ms=0, responses=results)
 
     def _create_partitions(self, req: c.Request, host: str) -> Deferred[Any]:
@@ -459,6 +513,22 @@ class KafkaApis:
         if req.body.transactional_id is not None:
             return cls(
                 throttle_time_ms=0, error_code=c.INVALID_REQUEST, producer_id=-1, producer_epoch=-1
+            )
+        b = req.body
+        if req.api_version >= 3 and b.producer_id >= 0:
+            # A producer that knows its id asks for the next epoch (KIP-360).
+            if b.producer_epoch >= 32766:
+                return cls(
+                    throttle_time_ms=0,
+                    error_code=c.NONE,
+                    producer_id=next(self._producer_ids),
+                    producer_epoch=0,
+                )
+            return cls(
+                throttle_time_ms=0,
+                error_code=c.NONE,
+                producer_id=b.producer_id,
+                producer_epoch=b.producer_epoch + 1,
             )
         return cls(
             throttle_time_ms=0,
@@ -660,11 +730,15 @@ class KafkaApis:
         reads: list[_PartitionRead] = []
         topics: list[Any] = []
         for t in body.topics:
+            name = self.topic_name(t.topic_id, t.topic)
             for p in t.partitions:
-                r = _PartitionRead(t.topic, p.partition)
+                r = _PartitionRead(name or "", p.partition, t.topic_id or _NO_TOPIC_ID)
                 reads.append(r)
+                if name is None:
+                    r.error = c.UNKNOWN_TOPIC_ID
+                    continue
                 try:
-                    topic = await self._partition_topic(t.topic, p.partition, False)
+                    topic = await self._partition_topic(name, p.partition, False)
                 except (InvalidTopicNameError, NotAllowedError):
                     topic = None
                 if topic is None:
@@ -730,9 +804,9 @@ class KafkaApis:
 
     def _fetch_response(self, reads: list[_PartitionRead]) -> Any:
         cls = c.response_class(c.API_FETCH)
-        by_topic: dict[str, list[Any]] = {}
+        by_topic: dict[tuple[str, uuid.UUID], list[Any]] = {}
         for r in reads:
-            by_topic.setdefault(r.topic, []).append(
+            by_topic.setdefault((r.topic, r.topic_id), []).append(
                 cls.FetchableTopicResponse.PartitionData(
                     partition_index=r.partition,
                     error_code=r.error,
@@ -749,8 +823,8 @@ class KafkaApis:
             error_code=c.NONE,
             session_id=0,
             responses=[
-                cls.FetchableTopicResponse(topic=name, partitions=parts)
-                for name, parts in by_topic.items()
+                cls.FetchableTopicResponse(topic=name, topic_id=tid, partitions=parts)
+                for (name, tid), parts in by_topic.items()
             ],
         )
 
@@ -796,6 +870,21 @@ class KafkaApis:
 
     def _find_coordinator(self, req: c.Request, host: str) -> Any:
         cls = c.response_class(c.API_FIND_COORDINATOR)
+        if req.api_version >= 4:  # a batch of keys
+            return cls(
+                throttle_time_ms=0,
+                coordinators=[
+                    cls.Coordinator(
+                        key=key,
+                        node_id=self.settings.node_id,
+                        host=self.settings.host(),
+                        port=self.settings.port(),
+                        error_code=c.NONE,
+                        error_message=None,
+                    )
+                    for key in req.body.coordinator_keys or []
+                ],
+            )
         return cls(
             throttle_time_ms=0,
             error_code=c.NONE,
@@ -826,7 +915,8 @@ class KafkaApis:
                 throttle_time_ms=0,
                 error_code=j.error,
                 generation_id=j.generation,
-                protocol_name=j.protocol or "",
+                protocol_type=b.protocol_type if j.error == c.NONE else None,
+                protocol_name=j.protocol or ("" if req.api_version < 7 else None),
                 leader=j.leader,
                 member_id=j.member_id,
                 members=[
@@ -845,7 +935,18 @@ class KafkaApis:
             b.member_id,
             {a.member_id: bytes(a.assignment) for a in b.assignments or []},
         )
-        return d.addCallback(lambda r: cls(throttle_time_ms=0, error_code=r[0], assignment=r[1]))
+
+        def answer(r: tuple[int, bytes]) -> Any:
+            g = self.groups.describe(b.group_id)
+            return cls(
+                throttle_time_ms=0,
+                error_code=r[0],
+                protocol_type=g.protocol_type if g is not None else None,
+                protocol_name=g.protocol if g is not None else None,
+                assignment=r[1],
+            )
+
+        return d.addCallback(answer)
 
     def _heartbeat(self, req: c.Request, host: str) -> Any:
         cls = c.response_class(c.API_HEARTBEAT)
@@ -857,9 +958,18 @@ class KafkaApis:
 
     def _leave_group(self, req: c.Request, host: str) -> Any:
         cls = c.response_class(c.API_LEAVE_GROUP)
-        return cls(
-            throttle_time_ms=0, error_code=self.groups.leave(req.body.group_id, req.body.member_id)
-        )
+        b = req.body
+        if req.api_version >= 3:  # a batch of members
+            members = [
+                cls.MemberResponse(
+                    member_id=m.member_id,
+                    group_instance_id=m.group_instance_id,
+                    error_code=self.groups.leave(b.group_id, m.member_id),
+                )
+                for m in b.members or []
+            ]
+            return cls(throttle_time_ms=0, error_code=c.NONE, members=members)
+        return cls(throttle_time_ms=0, error_code=self.groups.leave(b.group_id, b.member_id))
 
     def _offset_commit(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_OFFSET_COMMIT)
@@ -893,21 +1003,15 @@ class KafkaApis:
     def _offset_fetch(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_OFFSET_FETCH)
         b = req.body
+        if req.api_version >= 8:  # a batch of groups
+            return Deferred.fromCoroutine(self._offset_fetch_groups(cls, b))
         part_cls = cls.OffsetFetchResponseTopic.OffsetFetchResponsePartition
 
         def answer(found: dict[tuple[str, int], tuple[int, str]]) -> Any:
-            if b.topics is None:
-                wanted: dict[str, list[int]] = {}
-                for topic, partition in sorted(found):
-                    wanted.setdefault(topic, []).append(partition)
-            else:
-                wanted = {t.name: list(t.partition_indexes) for t in b.topics}
-            topics = []
-            for name, partitions in wanted.items():
-                parts = []
-                for i in partitions:
-                    offset, md = found.get((name, i), (-1, ""))
-                    parts.append(
+            topics = [
+                cls.OffsetFetchResponseTopic(
+                    name=name,
+                    partitions=[
                         part_cls(
                             partition_index=i,
                             committed_offset=offset,
@@ -915,11 +1019,47 @@ class KafkaApis:
                             metadata=md,
                             error_code=c.NONE,
                         )
-                    )
-                topics.append(cls.OffsetFetchResponseTopic(name=name, partitions=parts))
+                        for i, offset, md in parts
+                    ],
+                )
+                for name, parts in _wanted_offsets(found, b.topics)
+            ]
             return cls(throttle_time_ms=0, topics=topics, error_code=c.NONE)
 
         return self.groups.fetch_offsets(b.group_id).addCallback(answer)
+
+    async def _offset_fetch_groups(self, cls: Any, b: Any) -> Any:
+        group_cls = cls.OffsetFetchResponseGroup
+        topic_cls = group_cls.OffsetFetchResponseTopics
+        part_cls = topic_cls.OffsetFetchResponsePartitions
+        groups = []
+        for g in b.groups or []:
+            found = await self.groups.fetch_offsets(g.group_id)
+            requested = None
+            if g.topics is not None:
+                requested = [
+                    _Wanted(self.topic_name(t.topic_id, t.name) or "", t.partition_indexes)
+                    for t in g.topics
+                ]
+            topics = [
+                topic_cls(
+                    name=name,
+                    topic_id=self.topic_id(name) if name else _NO_TOPIC_ID,
+                    partitions=[
+                        part_cls(
+                            partition_index=i,
+                            committed_offset=offset,
+                            committed_leader_epoch=-1,
+                            metadata=md,
+                            error_code=c.NONE,
+                        )
+                        for i, offset, md in parts
+                    ],
+                )
+                for name, parts in _wanted_offsets(found, requested)
+            ]
+            groups.append(group_cls(group_id=g.group_id, topics=topics, error_code=c.NONE))
+        return cls(throttle_time_ms=0, groups=groups)
 
     def _committed(self, group: str, topic: str, partition: int, offset: int) -> None:
         """Mirror a durable commit on a Pulsar subscription named after the group, so the
@@ -939,15 +1079,20 @@ class KafkaApis:
 
     def _list_groups(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_LIST_GROUPS)
+        states = {x.lower() for x in getattr(req.body, "states_filter", None) or []}
         return self.groups.list_all().addCallback(
             lambda groups: cls(
                 throttle_time_ms=0,
                 error_code=c.NONE,
                 groups=[
                     cls.ListedGroup(
-                        group_id=g.group_id, protocol_type=g.protocol_type or "consumer"
+                        group_id=g.group_id,
+                        protocol_type=g.protocol_type or "consumer",
+                        group_state=g.state,
+                        group_type="classic",
                     )
                     for g in groups
+                    if not states or g.state.lower() in states
                 ],
             )
         )
@@ -1008,6 +1153,29 @@ class KafkaApis:
             )
 
         return DeferredList(ds, consumeErrors=True).addCallback(answer)
+
+
+@dataclass
+class _Wanted:
+    name: str
+    partition_indexes: list[int]
+
+
+def _wanted_offsets(
+    found: dict[tuple[str, int], tuple[int, str]], requested: Any
+) -> list[tuple[str, list[tuple[int, int, str]]]]:
+    """(topic, [(partition, offset, metadata)]) for the requested topics, or every stored one."""
+    wanted: dict[str, list[int]] = {}
+    if requested is None:
+        for topic, partition in sorted(found):
+            wanted.setdefault(topic, []).append(partition)
+    else:
+        for t in requested:
+            wanted.setdefault(t.name, []).extend(t.partition_indexes)
+    return [
+        (name, [(i, *found.get((name, i), (-1, ""))) for i in parts])
+        for name, parts in wanted.items()
+    ]
 
 
 _DISPATCH: dict[int, Callable[[KafkaApis, c.Request, str], Any]] = {

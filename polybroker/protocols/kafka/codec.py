@@ -12,8 +12,9 @@ follows the schema rather than hand-written packing.
 Rule 1: ``FrameDecoder`` refuses a frame larger than its limit before buffering it.
 Rule 2: ``parse_request`` never reads past the frame it is given; anything malformed raises
         ``KafkaCodecError`` (the connection then closes).
-Rule 3: ``API_VERSIONS`` lists only what the handler implements (the Kafka 2.1-era table, plus
-        DescribeCluster): ApiVersions above it gets error 35 and a v0 body.
+Rule 3: the advertised table lists only what the handler implements: ``API_VERSIONS`` (the
+        Kafka 2.1-era table, plus DescribeCluster) or ``API_VERSIONS_MODERN`` (flexible versions
+        and topic ids); ApiVersions above it gets error 35 and a v0 body.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ NON_EMPTY_GROUP = 68
 INVALID_GROUP_ID = 24
 MEMBER_ID_REQUIRED = 79
 UNKNOWN_PRODUCER_ID = 59
+UNKNOWN_TOPIC_ID = 100
 TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 INVALID_RECORD = 87
 
@@ -116,6 +118,34 @@ API_VERSIONS: dict[int, tuple[int, int]] = {
     API_DESCRIBE_CLUSTER: (0, 2),
 }
 
+#: The modern table (``kafkaApiVersions=modern``): flexible versions and topic ids, up to what
+#: kafka-python 3, librdkafka 2.16 and the Java 3.9 clients send, minus what the handler does
+#: not implement (Produce by topic id, KIP-848 member epochs, transactions).
+API_VERSIONS_MODERN: dict[int, tuple[int, int]] = {
+    API_PRODUCE: (0, 11),
+    API_FETCH: (4, 17),
+    API_LIST_OFFSETS: (1, 7),
+    API_METADATA: (0, 12),
+    API_OFFSET_COMMIT: (2, 9),
+    API_OFFSET_FETCH: (1, 9),
+    API_FIND_COORDINATOR: (0, 4),
+    API_JOIN_GROUP: (0, 9),
+    API_HEARTBEAT: (0, 4),
+    API_LEAVE_GROUP: (0, 5),
+    API_SYNC_GROUP: (0, 5),
+    API_DESCRIBE_GROUPS: (0, 5),
+    API_LIST_GROUPS: (0, 4),
+    API_API_VERSIONS: (0, 4),
+    API_CREATE_TOPICS: (2, 7),
+    API_DELETE_TOPICS: (1, 6),
+    API_INIT_PRODUCER_ID: (0, 4),
+    API_DESCRIBE_CONFIGS: (1, 4),
+    API_CREATE_PARTITIONS: (0, 3),
+    API_DELETE_GROUPS: (0, 2),
+    API_DESCRIBE_CLUSTER: (0, 2),
+}
+TABLES = {"2.1": API_VERSIONS, "modern": API_VERSIONS_MODERN}
+
 _SIZE = struct.Struct(">i")
 _HEADER = struct.Struct(">hhih")  # api key, api version, correlation id, client id length
 
@@ -138,13 +168,13 @@ def _message_classes() -> tuple[dict[int, type[ApiMessage]], dict[int, type[ApiM
         if getattr(cls, "_class_version", 0) is not None or getattr(cls, "_json", None) is None:
             continue
         key = cls.API_KEY
-        if key in API_VERSIONS:
+        if key in API_VERSIONS_MODERN:
             (requests if cls.is_request() else responses)[key] = cls
     return requests, responses
 
 
 REQUESTS, RESPONSES = _message_classes()
-_missing = set(API_VERSIONS) - set(REQUESTS) | set(API_VERSIONS) - set(RESPONSES)
+_missing = set(API_VERSIONS_MODERN) - set(REQUESTS) | set(API_VERSIONS_MODERN) - set(RESPONSES)
 if _missing:  # pragma: no cover - a kafka-python without these schemas
     raise ImportError(f"kafka.protocol lacks the schemas of API keys {sorted(_missing)}")
 
@@ -232,13 +262,15 @@ def _skip_tagged_fields(data: bytes, pos: int) -> int:
     return pos
 
 
-def is_supported(api_key: int, api_version: int) -> bool:
-    """Whether the broker serves ``api_version`` of ``api_key``."""
-    found = API_VERSIONS.get(api_key)
+def is_supported(
+    api_key: int, api_version: int, table: dict[int, tuple[int, int]] = API_VERSIONS
+) -> bool:
+    """Whether the broker serves ``api_version`` of ``api_key`` (with ``table``)."""
+    found = table.get(api_key)
     return found is not None and found[0] <= api_version <= found[1]
 
 
-def parse_request(frame: bytes) -> Request:
+def parse_request(frame: bytes, table: dict[int, tuple[int, int]] = API_VERSIONS) -> Request:
     """Decode a request frame (without its size prefix).
 
     An unknown API key, or an unsupported version of any API other than ApiVersions, raises
@@ -259,9 +291,9 @@ def parse_request(frame: bytes) -> Request:
         pos += client_len
     elif client_len != -1:
         raise KafkaCodecError("negative client id length")
-    if api_key not in API_VERSIONS:
+    if api_key not in table:
         raise KafkaCodecError(f"unknown API key {api_key}")
-    if not is_supported(api_key, version):
+    if not is_supported(api_key, version, table):
         if api_key == API_API_VERSIONS:
             return Request(api_key, version, correlation_id, client_id, None, len(frame))
         raise KafkaCodecError(f"API key {api_key} version {version} is not supported")
@@ -285,20 +317,24 @@ def encode_response(api_key: int, api_version: int, correlation_id: int, body: A
     return _SIZE.pack(len(header) + len(payload)) + header + payload
 
 
-def api_versions_body(version: int, error_code: int = NONE) -> Any:
-    """The ApiVersions response body listing ``API_VERSIONS``."""
+def api_versions_body(
+    version: int, error_code: int = NONE, table: dict[int, tuple[int, int]] = API_VERSIONS
+) -> Any:
+    """The ApiVersions response body listing ``table``."""
     cls = RESPONSES[API_API_VERSIONS]
     keys = [
         cls.ApiVersion(api_key=k, min_version=lo, max_version=hi)
-        for k, (lo, hi) in sorted(API_VERSIONS.items())
+        for k, (lo, hi) in sorted(table.items())
     ]
     return cls(version=version, error_code=error_code, api_keys=keys, throttle_time_ms=0)
 
 
-def encode_unsupported_api_versions(correlation_id: int) -> bytes:
+def encode_unsupported_api_versions(
+    correlation_id: int, table: dict[int, tuple[int, int]] = API_VERSIONS
+) -> bytes:
     """Error 35 with a v0 body listing our range of ApiVersions, so the client retries lower."""
     cls = RESPONSES[API_API_VERSIONS]
-    lo, hi = API_VERSIONS[API_API_VERSIONS]
+    lo, hi = table[API_API_VERSIONS]
     body = cls(
         version=0,
         error_code=UNSUPPORTED_VERSION,

@@ -64,7 +64,7 @@ class KafkaConnection(Protocol):
             if self.closed:
                 return
             try:
-                req = c.parse_request(frame)
+                req = c.parse_request(frame, self.apis.settings.api_versions)
             except c.KafkaCodecError as e:
                 self._fail(str(e))
                 return
@@ -77,7 +77,9 @@ class KafkaConnection(Protocol):
         slot = _Slot()
         self.pending.append(slot)
         if not req.supported:
-            slot.data = c.encode_unsupported_api_versions(req.correlation_id)
+            slot.data = c.encode_unsupported_api_versions(
+                req.correlation_id, self.apis.settings.api_versions
+            )
             slot.done = True
             self._flush()
             return

@@ -6,7 +6,8 @@ Config keys: ``kafkaListenerPort`` (default 9092), ``bindAddress``, ``advertised
 (topics a Kafka client names are created partitioned), ``kafkaEntryFormat`` (``pulsar``: each
 record batch is converted to a Pulsar message batch on write, which every protocol reads as is;
 ``kafka``: the batch is stored verbatim behind a format tag, cheaper to write and to fetch, and
-converted when another protocol reads it).
+converted when another protocol reads it), ``kafkaApiVersions`` (``2.1``: the Kafka 2.1 table with
+no flexible versions, which every client accepts; ``modern``: flexible versions and topic ids).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from twisted.internet.defer import Deferred
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
 from polybroker.config import Config, ConfigError
 from polybroker.protocols.kafka.apis import KafkaApis, Settings
+from polybroker.protocols.kafka.codec import TABLES
 from polybroker.protocols.kafka.connection import KafkaFactory
 
 PORT_KEY = "kafkaListenerPort"
@@ -38,6 +40,7 @@ class KafkaProtocolHandler(ProtocolHandler):
         self.default_partitions = 1
         self.auto_create = True
         self.entry_format = "pulsar"
+        self.api_versions = "2.1"
         self.context: BrokerContext | None = None
         self.apis: KafkaApis | None = None
         self.factory: KafkaFactory | None = None
@@ -56,6 +59,10 @@ class KafkaProtocolHandler(ProtocolHandler):
         if entry_format not in ("pulsar", "kafka"):
             raise ConfigError(f"kafkaEntryFormat: {entry_format!r} is not one of pulsar, kafka")
         self.entry_format = entry_format
+        table = str(config.get("kafkaApiVersions"))
+        if table not in TABLES:
+            raise ConfigError(f"kafkaApiVersions: {table!r} is not one of {', '.join(TABLES)}")
+        self.api_versions = table
         self.port = port
         self.max_message_size = size
         self.default_partitions = partitions
@@ -77,6 +84,7 @@ class KafkaProtocolHandler(ProtocolHandler):
                 default_partitions=self.default_partitions,
                 auto_create=self.auto_create,
                 entry_format=self.entry_format,
+                api_versions=dict(TABLES[self.api_versions]),
             ),
         )
         self.factory = KafkaFactory(self.apis, self.max_message_size + FRAME_OVERHEAD)

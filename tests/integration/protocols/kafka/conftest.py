@@ -6,6 +6,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 import pytest_twisted
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -13,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kafka_harness import Broker, start_broker, stop_broker
 
 
-@pytest_twisted.async_yield_fixture
-async def broker() -> AsyncIterator[Broker]:
-    """A running broker with the Kafka and Pulsar handlers, stopped after the test."""
-    b = await start_broker()
+@pytest_twisted.async_yield_fixture(params=["2.1", "modern"])
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
+    """A running broker with the Kafka and Pulsar handlers, stopped after the test; every test
+    runs with both advertised API tables (Kafka 2.1, and modern flexible versions)."""
+    b = await start_broker({"kafkaApiVersions": request.param})
     try:
         yield b
     finally:

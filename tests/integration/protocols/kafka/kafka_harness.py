@@ -43,6 +43,8 @@ class Broker:
     handler: KafkaProtocolHandler
     pulsar: PulsarProtocolHandler
     listening: list[Any]
+    #: (api key, api version) of every request the Kafka handler answered.
+    seen: set[tuple[int, int]]
 
     def run(self, fn: Callable[..., R], *args: Any) -> Deferred[R]:
         """Run blocking client code in a pool thread; fire with its result."""
@@ -86,6 +88,16 @@ async def start_broker(config: dict[str, Any] | None = None) -> Broker:
     pulsar = PulsarProtocolHandler()
     pulsar.initialize(cfg)
     pulsar.start(context)
+    seen: set[tuple[int, int]] = set()
+    apis = kafka.apis
+    assert apis is not None
+    answer = apis.handle
+
+    def recording(req: Any, host: str) -> Any:
+        seen.add((req.api_key, req.api_version))
+        return answer(req, host)
+
+    apis.handle = recording  # type: ignore[method-assign]
     listening = []
     ports = {}
     for handler, key in ((kafka, PORT_KEY), (pulsar, PULSAR_PORT_KEY)):
@@ -101,6 +113,7 @@ async def start_broker(config: dict[str, Any] | None = None) -> Broker:
         kafka,
         pulsar,
         listening,
+        seen,
     )
 
 

@@ -149,3 +149,49 @@ async def test_verbatim_entry_format_round_trips_and_converts_for_other_readers(
         )
     finally:
         await stop_broker(broker)
+
+
+@pytest_twisted.ensureDeferred
+async def test_modern_table_clients_use_flexible_versions_and_topic_ids() -> None:
+    """With kafkaApiVersions=modern, librdkafka fetches by topic id (Fetch v13+) and both
+    Python clients use flexible Metadata and Produce versions; records still round-trip."""
+    from kafka import KafkaConsumer, KafkaProducer
+    from kafka import TopicPartition as KTopicPartition
+    from kafka_harness import start_broker, stop_broker
+
+    broker = await start_broker({"kafkaApiVersions": "modern"})
+    try:
+
+        def scenario() -> list[bytes]:
+            kp = KafkaProducer(bootstrap_servers=broker.bootstrap)
+            kp.send("modern", value=b"from-kafka-python").get(timeout=10)
+            kp.close()
+            p = Producer({"bootstrap.servers": broker.bootstrap})
+            p.produce("modern", value=b"from-librdkafka")
+            assert p.flush(20) == 0
+            c = Consumer(
+                {
+                    "bootstrap.servers": broker.bootstrap,
+                    "group.id": "modern",
+                    "auto.offset.reset": "earliest",
+                }
+            )
+            c.subscribe(["modern"])
+            got = [m.value() for m in _poll_n(c, 2)]
+            c.close()
+            kc = KafkaConsumer(bootstrap_servers=broker.bootstrap, consumer_timeout_ms=10_000)
+            kc.assign([KTopicPartition("modern", 0)])
+            kc.seek_to_beginning()
+            got += [r.value for r in kc]
+            kc.close()
+            return got
+
+        got = await broker.run(scenario)
+        assert got == [b"from-kafka-python", b"from-librdkafka"] * 2
+        fetch_versions = {v for k, v in broker.seen if k == 1}
+        assert max(fetch_versions) >= 13, broker.seen
+        assert max(v for k, v in broker.seen if k == 3) >= 10
+        assert max(v for k, v in broker.seen if k == 0) >= 9
+        assert (18, 3) in broker.seen or (18, 4) in broker.seen
+    finally:
+        await stop_broker(broker)
