@@ -43,7 +43,12 @@ def batch(
 class Wire:
     """One broker (fake storage) and one client connection over StringTransport."""
 
-    def __init__(self, entry_format: str = "pulsar", max_message_size: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        entry_format: str = "pulsar",
+        max_message_size: int = 1 << 20,
+        api_versions: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
         self.clock = Clock()
         self.service = BrokerService(
             FakeLedgerFactory(self.clock.seconds),
@@ -63,6 +68,7 @@ class Wire:
                 default_partitions=1,
                 auto_create=True,
                 entry_format=entry_format,
+                api_versions=api_versions or dict(c.API_VERSIONS),
             ),
         )
         self.transport, self.conn = self.connect()
@@ -98,7 +104,11 @@ class Wire:
         corr = self.send(request)
         [(got, body)] = self.responses()
         assert got == corr
-        return c.response_class(request.API_KEY)[version].decode(body)
+        cls = c.response_class(request.API_KEY)
+        if cls.flexible_version_q(version) and request.API_KEY != c.API_API_VERSIONS:
+            assert body[0] == 0  # response header v1: no tagged fields
+            body = body[1:]
+        return cls[version].decode(body)
 
     def produce(self, data: bytes, topic: str = "t", acks: int = -1) -> Any:
         req = ProduceRequest[7](
@@ -323,3 +333,119 @@ def test_too_new_api_versions_is_answered_with_error_35() -> None:
     assert got == corr
     assert ApiVersionsResponse[0].decode(body).error_code == c.UNSUPPORTED_VERSION
     assert not w.transport.disconnecting
+
+
+def test_modern_versions_name_topics_by_stable_ids() -> None:
+    """Metadata v12 gives a topic id derived from the name; Fetch v16 by that id reads the
+    records; an unknown id is UNKNOWN_TOPIC_ID."""
+    import uuid
+
+    w = Wire(api_versions=dict(c.API_VERSIONS_MODERN))
+    w.produce(batch(2))
+    req = MetadataRequest[12](
+        topics=[MetadataRequest.MetadataRequestTopic(name="t", topic_id=uuid.UUID(int=0))],
+        allow_auto_topic_creation=False,
+        include_topic_authorized_operations=False,
+    )
+    [topic] = w.call(req).topics
+    assert topic.topic_id == uuid.uuid5(
+        uuid.UUID("5c0f9d4e-6a55-4b8e-9a43-4b6b2f1d7a01"), "persistent://public/default/t"
+    )
+
+    def fetch(topic_id: uuid.UUID) -> Any:
+        return FetchRequest[16](
+            replica_id=-1,
+            max_wait_ms=0,
+            min_bytes=1,
+            max_bytes=1 << 20,
+            isolation_level=0,
+            session_id=0,
+            session_epoch=-1,
+            topics=[
+                FetchRequest.FetchTopic(
+                    topic_id=topic_id,
+                    partitions=[
+                        FetchRequest.FetchTopic.FetchPartition(
+                            partition=0,
+                            current_leader_epoch=-1,
+                            fetch_offset=0,
+                            last_fetched_epoch=-1,
+                            log_start_offset=-1,
+                            partition_max_bytes=1 << 20,
+                        )
+                    ],
+                )
+            ],
+            forgotten_topics_data=[],
+            rack_id="",
+        )
+
+    resp = w.call(fetch(topic.topic_id)).responses[0]
+    assert resp.topic_id == topic.topic_id
+    assert [r[0] for r in records_of(resp.partitions[0])] == [0, 1]
+    other = w.call(fetch(uuid.uuid4())).responses[0].partitions[0]
+    assert other.error_code == c.UNKNOWN_TOPIC_ID
+
+
+def test_modern_group_apis_take_batches() -> None:
+    """FindCoordinator v4, OffsetFetch v8 and LeaveGroup v3 answer each key, group or member;
+    InitProducerId v3 bumps a known producer's epoch."""
+    from kafka.protocol.consumer import LeaveGroupRequest, OffsetCommitRequest, OffsetFetchRequest
+    from kafka.protocol.metadata import FindCoordinatorRequest
+    from kafka.protocol.producer import InitProducerIdRequest
+
+    w = Wire(api_versions=dict(c.API_VERSIONS_MODERN))
+    found = w.call(FindCoordinatorRequest[4](key_type=0, coordinator_keys=["a", "b"]))
+    assert [(x.key, x.node_id, x.port) for x in found.coordinators] == [
+        ("a", 0, 9092),
+        ("b", 0, 9092),
+    ]
+    commit = OffsetCommitRequest[8](
+        group_id="g",
+        generation_id_or_member_epoch=-1,
+        member_id="",
+        group_instance_id=None,
+        topics=[
+            OffsetCommitRequest.OffsetCommitRequestTopic(
+                name="t",
+                partitions=[
+                    OffsetCommitRequest.OffsetCommitRequestTopic.OffsetCommitRequestPartition(
+                        partition_index=0,
+                        committed_offset=7,
+                        committed_leader_epoch=-1,
+                        committed_metadata="m",
+                    )
+                ],
+            )
+        ],
+    )
+    assert w.call(commit).topics[0].partitions[0].error_code == c.NONE
+    fetch = OffsetFetchRequest[8](
+        groups=[OffsetFetchRequest.OffsetFetchRequestGroup(group_id="g", topics=None)],
+        require_stable=False,
+    )
+    [group] = w.call(fetch).groups
+    assert [
+        (t.name, [(p.partition_index, p.committed_offset, p.metadata) for p in t.partitions])
+        for t in group.topics
+    ] == [("t", [(0, 7, "m")])]
+    leave = LeaveGroupRequest[3](
+        group_id="g",
+        members=[LeaveGroupRequest.MemberIdentity(member_id="nobody", group_instance_id=None)],
+    )
+    [member] = w.call(leave).members
+    assert (member.member_id, member.error_code) == ("nobody", c.UNKNOWN_MEMBER_ID)
+    first = w.call(
+        InitProducerIdRequest[3](
+            transactional_id=None, transaction_timeout_ms=60000, producer_id=-1, producer_epoch=-1
+        )
+    )
+    bumped = w.call(
+        InitProducerIdRequest[3](
+            transactional_id=None,
+            transaction_timeout_ms=60000,
+            producer_id=first.producer_id,
+            producer_epoch=first.producer_epoch,
+        )
+    )
+    assert (bumped.producer_id, bumped.producer_epoch) == (first.producer_id, 1)
