@@ -61,6 +61,8 @@ SESSIONS_ROOT = "/mqtt/sessions"
 RETAINED_ROOT = "/mqtt/retained"
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
+#: How long a listing of the namespace's topics serves wildcard SUBSCRIBEs.
+LISTING_TTL_S = 5.0
 #: Session expiry meaning "never".
 NEVER = None
 
@@ -432,7 +434,7 @@ class Session:
                     ds.append(d.addErrback(lambda _: None))
             return gatherResults(ds, consumeErrors=True) if ds else succeed(None)
 
-        d = self.broker.service.topics_of_namespace(topics.NAMESPACE)
+        d = self.broker.topic_names()
         d.addCallback(attach_all)
         d.addCallback(lambda _: None)
         return d
@@ -740,6 +742,11 @@ class MqttBroker:
         self.retained: dict[str, Retained] = {}
         self._consumer_ids = 0
         self._partitions: dict[str, int] = {}
+        # The namespace's topics, listed at most every LISTING_TTL_S (wildcard SUBSCRIBEs of a
+        # reconnecting fleet share one listing); topics loaded meanwhile are added.
+        self._names: dict[str, float] = {}  # full name -> when listed or loaded
+        self._names_at = -LISTING_TTL_S
+        self._listing: list[Deferred[list[str]]] | None = None
         # Timers ending stored sessions of absent clients (found at start).
         self._stored_expiry: dict[str, IDelayedCall] = {}
         self._remove_listener: Callable[[], None] | None = None
@@ -809,10 +816,41 @@ class MqttBroker:
         """Whether the deny list refuses a SUBSCRIBE of ``topic_filter``."""
         return any(d == topic_filter or topics.matches(d, topic_filter) for d in self.deny_list)
 
+    def topic_names(self) -> Deferred[list[str]]:
+        """Full names of the namespace's topics (a listing at most ``LISTING_TTL_S`` old,
+        plus every topic loaded since)."""
+        if self.clock.seconds() - self._names_at < LISTING_TTL_S:
+            return succeed(sorted(self._names))
+        d: Deferred[list[str]] = Deferred()
+        if self._listing is not None:
+            self._listing.append(d)
+            return d
+        self._listing = [d]
+        started = self.clock.seconds()
+
+        def listed(names: list[str]) -> None:
+            # Deleted topics drop out; topics loaded while listing stay.
+            fresh = {n: t for n, t in self._names.items() if t >= started}
+            fresh.update(dict.fromkeys(names, started))
+            self._names = fresh
+            self._names_at = started
+            waiting, self._listing = self._listing or [], None
+            for w in waiting:
+                w.callback(sorted(self._names))
+
+        def failed(f: Failure) -> None:
+            waiting, self._listing = self._listing or [], None
+            for w in waiting:
+                w.errback(f)
+
+        self.service.topics_of_namespace(topics.NAMESPACE).addCallbacks(listed, failed)
+        return d
+
     def _topic_loaded(self, full: str) -> None:
         name = topics.from_pulsar(topics.split_partition(full)[0])
         if name is None:
             return
+        self._names[full] = self.clock.seconds()
         for session in list(self.sessions.values()):
             if session.filters:
                 session.topic_appeared(full, name)

@@ -468,3 +468,34 @@ def test_unloaded_topic_is_read_on_and_a_deleted_one_not_recreated() -> None:
     env.clock.advance(1)
     names = result_of(env.service.topics_of_namespace("public/default"))
     assert "persistent://public/default/a%2Fb" not in names
+
+
+def test_wildcard_subscribes_share_one_listing() -> None:
+    """Wildcard SUBSCRIBEs within the listing's lifetime share one namespace listing; topics
+    loaded meanwhile are covered without another; a later SUBSCRIBE lists again."""
+    env = Env()
+    calls: list[str] = []
+    real = env.service.topics_of_namespace
+
+    def counting(namespace: str, *args: Any) -> Any:
+        calls.append(namespace)
+        return real(namespace, *args)
+
+    env.service.topics_of_namespace = counting  # type: ignore[method-assign]
+    pub = env.peer("p")
+    first = env.peer("first")
+    first.send(c.Subscribe(1, [c.Subscription("a/#", 0)]))
+    for i in range(3):
+        pub.send(c.Publish(f"a/{i}", b"x", 0))
+    late = env.peer("late")
+    late.send(c.Subscribe(1, [c.Subscription("a/+", 0)]))
+    late.packets()
+    first.packets()
+    pub.send(c.Publish("a/1", b"y", 0))
+    assert [p.topic for p in late.packets() if isinstance(p, c.Publish)] == ["a/1"]
+    assert [p.topic for p in first.packets() if isinstance(p, c.Publish)] == ["a/1"]
+    assert len(calls) == 1
+    env.clock.advance(6)
+    env.peer("later").send(c.Subscribe(1, [c.Subscription("a/#", 0)]))
+    assert len(calls) == 2
+    assert sorted(env.broker._names) == [f"persistent://public/default/a%2F{i}" for i in range(3)]
