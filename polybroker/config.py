@@ -44,8 +44,8 @@ _KEYS: tuple[Key, ...] = (
     Key(
         "kafkaApiVersions",
         str,
-        "2.1",
-        "Kafka API table advertised: 2.1 (no flexible versions) or modern (flexible, topic ids)",
+        "modern",
+        "Kafka API table advertised: modern (flexible, topic ids) or 2.1 (no flexible versions)",
     ),
     Key("mqttListenerPort", int, 1883, "MQTT port"),
     Key("mqttSubscriptionDenyList", str, "", "Comma-separated MQTT filters SUBSCRIBE refuses"),
