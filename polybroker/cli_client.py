@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     except pulsar.PulsarException as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # an unreadable -f file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         client.close()
 
@@ -225,7 +228,7 @@ def _produce(client: Any, args: argparse.Namespace) -> int:
     ok = pulsar.Result.Ok
 
     def done(result: Any, _msg_id: Any) -> None:
-        # Called on the client's I/O thread; an int increment is safe under the GIL.
+        # Runs on the client's callback thread, the only writer of ``acked``.
         if result == ok:
             acked[0] += 1
         elif len(failures) < 10:

@@ -383,3 +383,44 @@ def test_admin_errors_are_clear_and_exit_non_zero(broker: Standalone) -> None:
     usage = polybroker("admin", "topics", "create-partitioned-topic", "x")
     assert usage.returncode == 2
     assert "--partitions" in usage.stderr
+
+
+def test_files_hex_and_an_http_service_url(broker: Standalone, tmp_path: Path) -> None:
+    """-f sends a file's bytes as they are; --hex shows them; http:// service URLs work too."""
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"\x00\xffbin")
+    http_url = ["--service-url", broker.admin_url]
+    produced = polybroker("client", "produce", "cli-files", "-f", str(blob), *http_url)
+    assert produced.returncode == 0, produced.stderr
+    consumed = polybroker(
+        "client", "consume", "cli-files", "-s", "s", "-p", "Earliest", "--hex", *http_url
+    )
+    assert consumed.returncode == 0, consumed.stderr
+    assert messages_of(consumed.stdout) == ["key:[null], properties:[], content:00ff62696e"]
+    missing = client(broker, "produce", "cli-files", "-f", str(tmp_path / "absent"))
+    assert missing.returncode == 1
+    assert "absent" in missing.stderr
+
+
+def test_admin_schemas_get(broker: Standalone) -> None:
+    """A schema a client registered is shown by `admin schemas get`; none is a 404 error."""
+    import pulsar
+    from pulsar.schema import StringSchema
+
+    topic = "persistent://public/default/cli-schema"
+    c = pulsar.Client(
+        broker.service_url,
+        operation_timeout_seconds=30,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+    )
+    try:
+        producer = c.create_producer(topic, schema=StringSchema())
+        producer.send("typed")
+    finally:
+        c.close()
+    schema = admin_json(broker, "schemas", "get", topic)
+    assert schema["type"] == "STRING"
+    assert schema["version"] == 0
+    none = admin(broker, "schemas", "get", "cli-no-schema")
+    assert none.returncode == 1
+    assert none.stderr.startswith("error: HTTP 404: ")
