@@ -234,11 +234,18 @@ class ZooKeeperMetadataStore(MetadataStore):
         *,
         session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
         connect_timeout_s: float = 15.0,
+        operation_timeout_s: float | None = None,
     ) -> Deferred[ZooKeeperMetadataStore]:
         """Connect, create the chroot and the store's own nodes; fire with the store, or fail
         with ``MetadataError`` if ZooKeeper does not answer within ``connect_timeout_s``.
-        Raises ``ConfigError`` at once for a malformed URL."""
-        store = cls(url, reactor, session_timeout_ms=session_timeout_ms)
+        Raises ``ConfigError`` at once for a malformed URL. Operations wait at most
+        ``operation_timeout_s`` (default: the session timeout, at least 5 s; Rule Z5)."""
+        store = cls(
+            url,
+            reactor,
+            session_timeout_ms=session_timeout_ms,
+            operation_timeout_s=operation_timeout_s,
+        )
 
         def connect() -> ZooKeeperMetadataStore:
             try:

@@ -81,6 +81,8 @@ class ZooKeeperServer:
                     "admin.enableServer=false",
                     "4lw.commands.whitelist=srvr,ruok",
                     "maxClientCnxns=0",
+                    # The default cap is 20 ticks (5 s here): let tests ask for longer sessions.
+                    "maxSessionTimeout=120000",
                     "",
                 ]
             )
@@ -88,7 +90,9 @@ class ZooKeeperServer:
         log = open(directory / "zookeeper.log", "ab")  # noqa: SIM115 - the child keeps it
         cmd = [
             "java",
-            "-Xmx256m",
+            "-Xmx128m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
             f"-Dzookeeper.log.dir={directory}",
             "-Dzookeeper.root.logger=WARN,CONSOLE",
             "-cp",

@@ -19,7 +19,7 @@ from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
 
 SESSION_MS = 2000
 # ZooKeeper expires sessions on tick boundaries and the test's own polling adds a little.
-EXPIRY_SLACK_S = 2.0
+EXPIRY_SLACK_S = 3.0
 BOOKIE_CONFIG = {"metadataStoreSessionTimeoutMillis": SESSION_MS}
 
 

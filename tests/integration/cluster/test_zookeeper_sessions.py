@@ -4,18 +4,20 @@ server restart within the session timeout (the same session reconnects)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
 from cluster_harness import eventually
 from kazoo.client import KazooClient
 from twisted.internet import reactor, threads
 from zk_server import ZooKeeperServer
 
-from polybroker.metadata.api import EventType, Notification, SessionEvent
+from polybroker.metadata.api import ConnectionLossError, EventType, Notification, SessionEvent
 from polybroker.metadata.claim import ClaimState, EphemeralClaim
 from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
 
@@ -54,8 +56,12 @@ class Stores:
     def __init__(self) -> None:
         self.opened: list[ZooKeeperMetadataStore] = []
 
-    async def open(self, url: str, timeout_ms: int) -> ZooKeeperMetadataStore:
-        store = await ZooKeeperMetadataStore.open(url, reactor, session_timeout_ms=timeout_ms)
+    async def open(
+        self, url: str, timeout_ms: int, operation_timeout_s: float | None = None
+    ) -> ZooKeeperMetadataStore:
+        store = await ZooKeeperMetadataStore.open(
+            url, reactor, session_timeout_ms=timeout_ms, operation_timeout_s=operation_timeout_s
+        )
         self.opened.append(store)
         return store
 
@@ -128,7 +134,7 @@ async def test_a_server_restart_keeps_the_session_and_reports_changes_made_meanw
     server = await threads.deferToThread(ZooKeeperServer.start, tmp_path / "zk")
     try:
         url = server.url(f"/restart-{uuid.uuid4().hex}")
-        store = await stores.open(url, 20_000)
+        store = await stores.open(url, 30_000)
         events: list[SessionEvent] = []
         store.add_session_listener(events.append)
         await store.put(OWNED, b"kept", ephemeral=True)
@@ -140,7 +146,7 @@ async def test_a_server_restart_keeps_the_session_and_reports_changes_made_meanw
 
         await threads.deferToThread(server.restart)
         # Another client changes the node before this one has reconnected (or just after).
-        other = await stores.open(url, 20_000)
+        other = await stores.open(url, 30_000)
         await other.put("/data", b"v1")
         await eventually(lambda: SessionEvent.RECONNECTED in events, 30, "reconnect")
         assert events[0] is SessionEvent.CONNECTION_LOST
@@ -185,3 +191,33 @@ async def test_an_expired_owner_loses_its_claim_to_a_contender(
     assert got.value == b"broker-b"
     await second.release()
     assert await b.get("/bundles/b0") is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_operation_while_zookeeper_is_down_fails_in_bounded_time(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """With the server down an operation fails with ConnectionLossError after the operation
+    timeout (it may still be applied later: its outcome is unknown); once the server is back
+    the same session serves again."""
+    server = await threads.deferToThread(ZooKeeperServer.start, tmp_path / "zk")
+    try:
+        url = server.url(f"/down-{uuid.uuid4().hex}")
+        store = await stores.open(url, 30_000, operation_timeout_s=2.0)
+        events: list[SessionEvent] = []
+        store.add_session_listener(events.append)
+        await store.put("/before", b"1")
+        await threads.deferToThread(server.stop)
+        start = time.monotonic()
+        with pytest.raises(ConnectionLossError):
+            await store.put("/during", b"2")
+        assert time.monotonic() - start < 2.0 + 3.0
+        await threads.deferToThread(server.restart)
+        await eventually(lambda: SessionEvent.RECONNECTED in events, 30, "reconnect")
+        assert SessionEvent.SESSION_LOST not in events
+        assert (await store.get("/before")).value == b"1"
+        await store.put("/after", b"3")
+        assert (await store.get("/after")).value == b"3"
+    finally:
+        await stores.close()
+        await threads.deferToThread(server.stop)
