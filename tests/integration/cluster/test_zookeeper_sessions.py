@@ -86,7 +86,7 @@ async def test_an_expired_session_is_reported_and_its_owner_takes_the_ephemeral_
     """The owner's listener sees SESSION_LOST then SESSION_REESTABLISHED; another session sees
     the ephemeral node deleted (ZooKeeper dropped it) and created again by the owner; the
     owner's watches keep firing on the new session."""
-    owner_store = await stores.open(zk_url, 2000)
+    owner_store = await stores.open(zk_url, 10_000)
     observer = await stores.open(zk_url, 10_000)
     owner = Owner(owner_store)
     first = await owner_store.put(OWNED, b"owner", ephemeral=True)
@@ -170,7 +170,7 @@ async def test_an_expired_owner_loses_its_claim_to_a_contender(
 ) -> None:
     """A claim held by a session that expires is not kept: a contending session takes the
     node, and the old holder ends RELEASED without ever holding it again."""
-    a = await stores.open(zk_url, 2000)
+    a = await stores.open(zk_url, 10_000)
     b = await stores.open(zk_url, 10_000)
     a_states: list[ClaimState] = []
     b_states: list[ClaimState] = []
