@@ -30,6 +30,11 @@ from typing import Any
 
 _READY = "polybroker standalone ready "
 
+# Run as a script, this folder comes first on sys.path, and benchmarks/pulsar.py would hide the
+# Pulsar client package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 
 def start_broker(data_dir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     """Start a standalone broker; return it with its service and admin URLs."""
