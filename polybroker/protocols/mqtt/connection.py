@@ -267,8 +267,16 @@ class MqttConnection(Protocol):
             expiry_s: int | None = None if expiry == _FOREVER else expiry
             self.client_receive_max = int(props.get(c.RECEIVE_MAXIMUM, 65535))
             self.client_max_packet = int(props.get(c.MAXIMUM_PACKET_SIZE, self.client_max_packet))
+            refusal = None
             if self.client_receive_max == 0 or self.client_max_packet == 0:
-                raise c.MqttError(c.PROTOCOL_ERROR, "receive maximum or packet size 0")
+                refusal = (c.PROTOCOL_ERROR, "receive maximum or packet size 0")
+            elif c.AUTH_METHOD in props:
+                refusal = (c.BAD_AUTH_METHOD, "enhanced authentication is not offered")
+            if refusal is not None:
+                self.send(c.ConnAck(False, refusal[0], {c.REASON_STRING: refusal[1]}))
+                self._log_close(refusal[1])
+                self.close()
+                return
         else:
             expiry_s = 0 if p.clean_start else None
         self.client_id = client_id

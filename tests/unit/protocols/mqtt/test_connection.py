@@ -499,3 +499,16 @@ def test_wildcard_subscribes_share_one_listing() -> None:
     env.peer("later").send(c.Subscribe(1, [c.Subscription("a/#", 0)]))
     assert len(calls) == 2
     assert sorted(env.broker._names) == [f"persistent://public/default/a%2F{i}" for i in range(3)]
+
+
+def test_v5_connect_refusals_get_a_connack_reason() -> None:
+    """A Receive Maximum of 0 is refused with CONNACK 0x82, an authentication method with
+    0x8C (bad authentication method); the connection closes."""
+    env = Env()
+    zero = env.peer("z", c.LEVEL_5, properties={c.RECEIVE_MAXIMUM: 0})
+    auth = env.peer("a", c.LEVEL_5, properties={c.AUTH_METHOD: "SCRAM-SHA-1"})
+    for peer, code in ((zero, c.PROTOCOL_ERROR), (auth, c.BAD_AUTH_METHOD)):
+        connack = peer.one()
+        assert isinstance(connack, c.ConnAck)
+        assert connack.reason_code == code
+        assert peer.closed
