@@ -161,9 +161,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         root = Path(tmp)
         proc, service_url, admin_url = start_broker(root / "data")
-        client = pulsar.Client(service_url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+        client = None
         spark = None
         try:
+            log = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
+            client = pulsar.Client(service_url, logger=log)
             topic = "persistent://public/default/bench"
             fill_s = fill(client, topic, args.messages, args.size)
             client_result = read_with_client(client, topic, args.messages)
@@ -184,7 +186,8 @@ def main() -> None:
         finally:
             if spark is not None:
                 spark.stop()
-            client.close()
+            if client is not None:
+                client.close()
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(30)
