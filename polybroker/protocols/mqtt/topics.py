@@ -23,6 +23,8 @@ from urllib.parse import quote, unquote
 NAMESPACE = "public/default"
 _PREFIX = f"persistent://{NAMESPACE}/"
 SHARE_PREFIX = "$share/"
+#: Longest topic name or filter accepted (UTF-8 bytes): each name is a managed ledger's name.
+MAX_NAME_BYTES = 1024
 _PARTITION = re.compile(r"^(.+)-partition-(\d+)$")
 
 
@@ -39,13 +41,18 @@ def from_pulsar(full: str) -> str | None:
 
 
 def valid_name(name: str) -> bool:
-    """Whether ``name`` can be published to (non-empty, no wildcards)."""
-    return bool(name) and "+" not in name and "#" not in name
+    """Whether ``name`` can be published to (non-empty, no wildcards, not too long)."""
+    return (
+        bool(name)
+        and "+" not in name
+        and "#" not in name
+        and len(name.encode("utf-8")) <= MAX_NAME_BYTES
+    )
 
 
 def valid_filter(topic_filter: str) -> bool:
     """Whether ``topic_filter`` is a well-formed filter (wildcards occupy whole levels)."""
-    if not topic_filter:
+    if not topic_filter or len(topic_filter.encode("utf-8")) > MAX_NAME_BYTES:
         return False
     levels = topic_filter.split("/")
     for i, level in enumerate(levels):

@@ -61,3 +61,5 @@ def test_filter_validity_and_shared() -> None:
         t.split_shared("$share/g")
     assert not t.valid_name("a/+")
     assert t.valid_name("a/b")
+    assert not t.valid_name("x" * (t.MAX_NAME_BYTES + 1))
+    assert not t.valid_filter("x" * (t.MAX_NAME_BYTES + 1))
