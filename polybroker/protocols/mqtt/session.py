@@ -251,6 +251,8 @@ class TopicSub:
         self.not_before_ms = not_before_ms
         self.server: ServerConsumer | None = None
         self.closed = False
+        self.durable = False
+        self.delete = False  # closed for good: its durable subscription is deleted
         self.to_flow = 0
 
     @property
@@ -481,6 +483,7 @@ class Session:
         sub = TopicSub(self, full, name, group, self.broker.next_consumer_id(), not_before_ms or 0)
         self.subs[key] = sub
         durable = group is not None or self.persistent
+        sub.durable = durable
         d = self.broker.service.subscribe(
             full,
             sub.subscription,
@@ -494,7 +497,8 @@ class Session:
         def attached(server: ServerConsumer) -> None:
             sub.server = server
             if sub.closed or self.subs.get(key) is not sub:
-                server.close().addErrback(lambda _: None)
+                done = server.unsubscribe() if sub.delete else server.close()
+                done.addErrback(lambda _: None)
                 return
             server.flow(FLOW_WINDOW)
 
@@ -527,11 +531,14 @@ class Session:
         self.broker.clock.callLater(0.2, again)
 
     def _close_sub(self, sub: TopicSub, delete: bool) -> None:
+        """Detach ``sub``; with ``delete`` its durable subscription goes too (never a share
+        group's, which other members use). One still attaching is handled when it attaches."""
         sub.closed = True
+        sub.delete = delete and sub.durable and sub.group is None
         server = sub.server
         if server is None:
             return
-        if delete and sub.group is None and self.persistent:
+        if sub.delete:
             server.unsubscribe().addErrback(lambda _: None)
         else:
             server.close().addErrback(lambda _: None)
@@ -927,9 +934,8 @@ class MqttBroker:
             del self.sessions[session.client_id]
         if session.link is not None:
             return
-        was_persistent = session.persistent
         session.end()
-        if was_persistent:
+        if session.client_id in self.stored_ids:
             self._forget(session.client_id)
 
     def save(self, session: Session) -> Deferred[Any]:

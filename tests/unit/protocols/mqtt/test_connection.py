@@ -512,3 +512,22 @@ def test_v5_connect_refusals_get_a_connack_reason() -> None:
         assert isinstance(connack, c.ConnAck)
         assert connack.reason_code == code
         assert peer.closed
+
+
+def test_a_session_made_non_persistent_still_deletes_its_durable_subscriptions() -> None:
+    """A persistent session resumed with expiry 0 ends at disconnect: its durable
+    subscription and its stored record are deleted."""
+    env = Env()
+    first = env.peer("s", c.LEVEL_5, clean_start=False, properties={c.SESSION_EXPIRY: 60})
+    first.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    first.packets()
+    first.send(c.Disconnect())
+    assert "mqtt-s" in env.factory.ledger(ML_AB).cursors
+    again = env.peer("s", c.LEVEL_5, clean_start=False)
+    connack = again.packets()[0]
+    assert isinstance(connack, c.ConnAck)
+    assert connack.session_present
+    again.send(c.Disconnect())
+    assert "mqtt-s" not in env.factory.ledger(ML_AB).cursors
+    assert "s" not in env.broker.stored_ids
+    assert result_of(env.store.get("/mqtt/sessions/s")) is None
