@@ -169,6 +169,8 @@ class AmqpConnection(Protocol):
                     self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
                     return
         finally:
+            if self.vhost is not None:
+                self.vhost.flush()  # this input's publishes go to storage as batch entries
             self._in_data = False
             # Publishes this input completed at once (memory queues) are confirmed now.
             if self._confirming and not self._flush_scheduled:

@@ -38,7 +38,12 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 
 from polybroker.broker_core.consumer import Delivery, ServerConsumer, SubType
-from polybroker.broker_core.messages import MessageFormatError, decode_entry, encode_entry
+from polybroker.broker_core.messages import (
+    Message,
+    MessageFormatError,
+    decode_entry,
+    encode_entry,
+)
 from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
 from polybroker.protocols.amqp import routing
@@ -70,6 +75,10 @@ WINDOW = 2000
 CATCH_UP_S = 2.0
 #: How often wildcard forwarders look for new topics.
 RESCAN_S = 5.0
+#: Publishes to one topic within one client input (or reactor turn) share a batch entry of at
+#: most this many messages and bytes.
+BATCH_MAX_MESSAGES = 500
+BATCH_MAX_BYTES = 512 * 1024
 
 
 def _now_ms(clock: IReactorTime) -> int:
@@ -817,7 +826,9 @@ class VirtualHost:
         self.queues: dict[str, Queue] = {}
         self._root = f"/amqp/{namespace}"
         self._names = itertools.count(1)
-        self._sequence = itertools.count(0)
+        self._seq = 0
+        self._pending: dict[str, _Batch] = {}
+        self._flush_scheduled = False
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -1192,28 +1203,21 @@ class VirtualHost:
             targets.append(f"persistent://{self.namespace}/{msg.routing_key}")
         if not targets:
             return succeed(reached)
-        data = encode_entry(
-            [to_stored(msg)],
-            producer_name="amqp",
-            sequence_id=next(self._sequence),
-            publish_time_ms=now,
-        )
-        if len(queues) == 1 and not bridge:
-            # The common case: one destination, no list of Deferreds to wait on.
-            q = queues[0]
-            q.appending += 1
-            one = self.service.publish(q.topic, data, publish_time_ms=now)
-            one.addBoth(_appended, q)
-            one.addCallback(lambda _: reached)
-            return one  # type: ignore[no-any-return]
+        stored_message = to_stored(msg)
+        size = len(msg.body) + 256
         ds: list[Deferred[Any]] = []
         for q in queues:
             q.appending += 1
-            d = self.service.publish(q.topic, data, publish_time_ms=now)
+            d = self._store(q.topic, stored_message, size)
             d.addBoth(_appended, q)
             ds.append(d)
         if bridge:
-            ds.append(self.service.publish(targets[-1], data, publish_time_ms=now))
+            ds.append(self._store(targets[-1], stored_message, size))
+        if len(ds) == 1:
+            # The common case: one destination, no list of Deferreds to wait on.
+            one = ds[0]
+            one.addCallback(lambda _: reached)
+            return one
         dl = DeferredList(ds, fireOnOneErrback=True, consumeErrors=True)
 
         def unwrap(f: Any) -> Any:
@@ -1221,6 +1225,65 @@ class VirtualHost:
 
         dl.addCallbacks(lambda _: reached, unwrap)
         return dl  # type: ignore[return-value]
+
+    # -- batching ----------------------------------------------------------------------------
+
+    def _store(self, topic: str, message: Message, size: int) -> Deferred[Any]:
+        """Append ``message`` to ``topic`` in the batch entry of this turn; fires with the
+        stored entry once it is durable."""
+        pending = self._pending.get(topic)
+        if pending is not None and pending.size + size > BATCH_MAX_BYTES:
+            self._flush_topic(topic)
+            pending = None
+        if pending is None:
+            pending = self._pending[topic] = _Batch()
+        d: Deferred[Any] = Deferred()
+        pending.messages.append(message)
+        pending.waiters.append(d)
+        pending.size += size
+        if len(pending.messages) >= BATCH_MAX_MESSAGES:
+            self._flush_topic(topic)
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.clock.callLater(0, self.flush)
+        return d
+
+    def flush(self) -> None:
+        """Send every batch being gathered (the end of a client's input, or of the turn)."""
+        self._flush_scheduled = False
+        for topic in list(self._pending):
+            self._flush_topic(topic)
+
+    def _flush_topic(self, topic: str) -> None:
+        batch = self._pending.pop(topic, None)
+        if batch is None:
+            return
+        now = _now_ms(self.clock)
+        count = len(batch.messages)
+        data = encode_entry(
+            batch.messages, producer_name="amqp", sequence_id=self._seq, publish_time_ms=now
+        )
+        self._seq += count
+        d = self.service.publish(topic, data, count, publish_time_ms=now)
+
+        def done(entry: Any) -> None:
+            for w in batch.waiters:
+                w.callback(entry)
+
+        def failed(f: Any) -> None:
+            for w in batch.waiters:
+                w.errback(f)
+
+        d.addCallbacks(done, failed)
+
+
+@dataclass
+class _Batch:
+    """Messages gathered for one topic in one turn, stored as one batch entry."""
+
+    messages: list[Message] = field(default_factory=list)
+    waiters: list[Deferred[Any]] = field(default_factory=list)
+    size: int = 0
 
 
 def _appended(result: Any, q: Queue) -> Any:

@@ -340,3 +340,31 @@ def test_confirms_completed_by_the_input_itself_go_out_at_once() -> None:
     p.methods()
     p.publish(1, "", "t", b"a")
     assert p.methods() == [c.BasicAck(1, True)]
+
+
+def test_publishes_of_one_input_share_a_batch_entry() -> None:
+    """Publishes to one durable queue that arrive in one read are stored as one batch entry,
+    each confirmed, each delivered, and the entry acknowledged once all are acked."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.ConfirmSelect())
+    p.methods()
+    data = b""
+    for i in range(3):
+        body = f"m{i}".encode()
+        data += c.encode_content(
+            1, c.BasicPublish(exchange="", routing_key="q"), c.BasicProperties(), body, 4096
+        )
+    p.send(data)
+    assert p.methods() == [c.BasicAck(3, True)]
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    assert ledger.last_confirmed.entry_id == 0  # one entry holds the three messages
+    p.method(1, c.BasicConsume(queue="q", consumer_tag="t"))
+    frames = p.received()
+    assert [f.data for f in frames if isinstance(f, c.BodyFrame)] == [b"m0", b"m1", b"m2"]
+    p.method(1, c.BasicAck(3, True))
+    p.clock.advance(0)
+    p.method(1, c.QueueDeclare(queue="q", durable=True, passive=True))
+    assert p.methods() == [c.QueueDeclareOk("q", 0, 1)]
