@@ -183,7 +183,7 @@ async def _ml_appends(
     from polybroker.ledger.bookie_client import TcpBookieClient
     from polybroker.ledger.client import BookKeeperClient
     from polybroker.ledger.managed import ManagedLedgerFactoryImpl
-    from polybroker.ledger.placement import StaticBookieRegistry
+    from polybroker.ledger.registry import StaticBookieRegistry
     from polybroker.metadata.memory import MemoryMetadataStore
 
     e, qw, qa = ensemble
