@@ -327,6 +327,7 @@ class AdminServer:
         r("PUT", f"{topic}/subscription/{{sub}}", self._create_subscription)
         r("DELETE", f"{topic}/subscription/{{sub}}", self._delete_subscription)
         r("POST", f"{topic}/subscription/{{sub}}/skip_all", self._skip_all)
+        r("POST", f"{topic}/subscription/{{sub}}/skip/{{count:\\d+}}", self._skip)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor/{{time:\\d+}}", self._reset_time)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor", self._reset_position)
         # schemas (read-only: registered by clients through their protocol)
@@ -717,6 +718,14 @@ class AdminServer:
     async def _skip_all(self, call: Call) -> Response:
         for sub in await self._each_subscription(call):
             await sub.seek(InitialPosition.LATEST)
+        return Response()
+
+    async def _skip(self, call: Call) -> Response:
+        count = int(call.params["count"])
+        for sub in await self._each_subscription(call):
+            if not hasattr(sub, "skip"):
+                raise precondition("skip needs a persistent topic")
+            await sub.skip(count)
         return Response()
 
     async def _reset_time(self, call: Call) -> Response:

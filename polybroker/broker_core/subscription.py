@@ -271,6 +271,35 @@ class Subscription(SubscriptionAPI):
             self.dispatcher.acked_up_to(target)
         return d
 
+    def skip(self, count: int) -> Deferred[int]:
+        """Acknowledge the next ``count`` unacknowledged entries after the mark-delete position,
+        as Pulsar's skip does (it counts entries); fire with how many were skipped."""
+        if self.closed:
+            return fail(SubscriptionNotFoundError(f"subscription {self.name!r} was deleted"))
+        return Deferred.fromCoroutine(self._skip(count))
+
+    async def _skip(self, count: int) -> int:
+        skipped: list[Position] = []
+        md = self.cursor.mark_delete_position
+        position = Position(md.ledger_id, md.entry_id + 1)
+        last = self.topic.ledger.last_confirmed
+        while len(skipped) < count and not last < position:
+            entries = await self.topic.ledger.read(position, min(count - len(skipped), 500) + 64)
+            if not entries:
+                break
+            for entry in entries:
+                if not self.cursor.is_deleted(entry.position):
+                    skipped.append(entry.position)
+                    if len(skipped) == count:
+                        break
+            tail = entries[-1].position
+            position = Position(tail.ledger_id, tail.entry_id + 1)
+        if skipped:
+            await self.cursor.delete(skipped)
+            if self.dispatcher is not None:
+                self.dispatcher.acked(skipped)
+        return len(skipped)
+
     def _previous_position(self, position: Position) -> Position | None:
         if position.entry_id > 0:
             return Position(position.ledger_id, position.entry_id - 1)

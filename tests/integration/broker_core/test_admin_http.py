@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent / "unit" / "broker_co
 from fake_ledger import RecordingConsumer
 
 from polybroker.broker_core.consumer import SubType
-from polybroker.ledger.api import InitialPosition
+from polybroker.ledger.api import InitialPosition, Position
 
 Admin = Any  # the fixture of this folder's conftest.py
 
@@ -220,6 +220,35 @@ async def test_subscriptions_skip_reset_and_delete(admin: Admin) -> None:
     gone = await admin.request("DELETE", f"{T}/subs/subscription/s1")
     assert gone.status == 404
     assert (await admin.request("GET", f"{T}/subs/subscriptions")).json() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_skip_n_acknowledges_the_next_unacknowledged_entries(admin: Admin) -> None:
+    """skip/N moves past N entries not yet acknowledged, stepping over acknowledged ones."""
+    name = "persistent://public/default/skipn"
+    for i in range(6):
+        await admin.service.publish(name, f"m{i}".encode())
+    consumer = RecordingConsumer()
+    server_consumer = await admin.service.subscribe(
+        name, "s", consumer, SubType.SHARED, InitialPosition.EARLIEST
+    )
+    sub = admin.service.topics[name].subscriptions["s"]
+    await sub.remove_consumer(server_consumer)
+    last = (await admin.request("GET", f"{T}/skipn/lastMessageId")).json()["ledgerId"]
+    await sub.cursor.delete([Position(last, 1)])  # acknowledged out of order: m1
+
+    async def backlog() -> int:
+        stats = (await admin.request("GET", f"{T}/skipn/stats")).json()
+        return int(stats["subscriptions"]["s"]["msgBacklog"])
+
+    assert await backlog() == 5
+    assert (await admin.request("POST", f"{T}/skipn/subscription/s/skip/2")).status == 204
+    assert await backlog() == 3
+    assert sub.cursor.mark_delete_position == Position(last, 2)
+    assert (await admin.request("POST", f"{T}/skipn/subscription/s/skip/10")).status == 204
+    assert await backlog() == 0
+    missing = await admin.request("POST", f"{T}/skipn/subscription/nope/skip/1")
+    assert missing.status == 404
 
 
 @pytest_twisted.ensureDeferred
