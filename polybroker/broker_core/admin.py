@@ -332,6 +332,7 @@ class AdminServer:
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor", self._reset_position)
         # schemas (read-only: registered by clients through their protocol)
         r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema", self._get_schema)
+        r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema/{version:\\d+}", self._get_schema)
 
     # -- broker ---------------------------------------------------------------------------
 
@@ -625,7 +626,8 @@ class AdminServer:
         return Response.json(out)
 
     async def _get_schema(self, call: Call) -> Response:
-        """The latest schema version of a topic, as Pulsar's admin API shows it.
+        """A schema version of a topic (the latest unless one is named), as Pulsar's admin API
+        shows it.
 
         Schemas are stored per partitioned topic under ``/schemas/<tenant>/<ns>/<quoted topic>``
         as ``{"versions": [{"type": <wire enum>, "data": <base64>, "properties"}, ...]}``.
@@ -637,11 +639,14 @@ class AdminServer:
         versions = json.loads(found.value).get("versions", []) if found is not None else []
         if not versions:
             return _error(404, f"topic {tenant}/{ns}/{local} has no schema")
-        latest = versions[-1]
+        number = int(call.params.get("version", len(versions) - 1))
+        if number >= len(versions):
+            return _error(404, f"topic {tenant}/{ns}/{local} has no schema version {number}")
+        latest = versions[number]
         kind = int(latest.get("type", 0))
         return Response.json(
             {
-                "version": len(versions) - 1,
+                "version": number,
                 "type": _SCHEMA_TYPE_NAMES.get(kind, str(kind)),
                 "timestamp": 0,
                 "data": base64.b64decode(latest.get("data", "")).decode("utf-8", "replace"),

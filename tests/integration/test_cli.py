@@ -333,7 +333,8 @@ def test_admin_topics_lifecycle_and_stats(broker: Standalone) -> None:
 
 
 def test_admin_subscriptions_skip_reset_and_unsubscribe(broker: Standalone) -> None:
-    """A subscription made by admin sees the backlog; skip --all clears it; reset brings it back."""
+    """A subscription made by admin sees the backlog; skip -n and --all shrink and clear it;
+    reset brings it back."""
     topic = "cli-subs"
     produced = client(broker, "produce", topic, "-m", "1,2,3,4,5", "-db")
     assert produced.returncode == 0, produced.stderr
@@ -346,6 +347,8 @@ def test_admin_subscriptions_skip_reset_and_unsubscribe(broker: Standalone) -> N
         return int(admin_json(broker, "topics", "stats", topic)["subscriptions"][sub]["msgBacklog"])
 
     assert (backlog("audit"), backlog("tail")) == (5, 0)
+    assert admin(broker, "topics", "skip", topic, "-s", "audit", "-n", "2").returncode == 0
+    assert backlog("audit") == 3
     assert admin(broker, "topics", "skip", topic, "-s", "audit", "--all").returncode == 0
     assert backlog("audit") == 0
     assert admin(broker, "topics", "reset-cursor", topic, "-s", "audit", "-t", "1h").returncode == 0
@@ -421,6 +424,8 @@ def test_admin_schemas_get(broker: Standalone) -> None:
     schema = admin_json(broker, "schemas", "get", topic)
     assert schema["type"] == "STRING"
     assert schema["version"] == 0
+    assert admin_json(broker, "schemas", "get", topic, "-v", "0") == schema
+    assert admin(broker, "schemas", "get", topic, "-v", "1").returncode == 1
     none = admin(broker, "schemas", "get", "cli-no-schema")
     assert none.returncode == 1
     assert none.stderr.startswith("error: HTTP 404: ")
