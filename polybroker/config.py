@@ -38,8 +38,9 @@ _KEYS: tuple[Key, ...] = (
     Key(
         "kafkaEntryFormat",
         str,
-        "pulsar",
-        "How Kafka record batches are stored: pulsar (converted on write) or kafka (verbatim)",
+        "kafka",
+        "How Kafka record batches are stored: kafka (verbatim, converted when read through "
+        "another protocol) or pulsar (converted on write)",
     ),
     Key(
         "kafkaApiVersions",

@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - the dependency is declared
 
 MAGIC_CRC32C = 0x0E01
 FORMAT_PROPERTY = "entry.format"
+_FORMAT_KEY = FORMAT_PROPERTY.encode()
 PULSAR_FORMAT = "pulsar"
 DEFAULT_MAX_SIZE = 64 * 1024 * 1024
 
@@ -365,7 +366,14 @@ def _decode_batch(md: pb.Metadata, body: bytes, publish: int) -> list[Message]:
 
 def to_pulsar_entry(data: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> bytes:
     """Return the entry in the Pulsar format: unchanged when it is, else converted through its
-    registered decoder (for the Pulsar handler, whose clients read stored entries verbatim)."""
+    registered decoder (for the Pulsar handler, whose clients read stored entries verbatim).
+
+    Cheap for Pulsar-format entries: their metadata is parsed only if its bytes name the
+    format property at all."""
+    if len(data) >= _HEAD.size:
+        magic, _, md_size = _HEAD.unpack_from(data, 0)
+        if magic == MAGIC_CRC32C and _FORMAT_KEY not in data[_HEAD.size : _HEAD.size + md_size]:
+            return data
     md, _ = split_entry(data)
     if _format_of(md) == PULSAR_FORMAT:
         return data

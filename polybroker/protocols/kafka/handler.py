@@ -3,12 +3,13 @@
 Config keys: ``kafkaListenerPort`` (default 9092), ``bindAddress``, ``advertisedAddress``,
 ``maxMessageSize`` (the largest record batch; frames may exceed it by ``FRAME_OVERHEAD``),
 ``clusterName`` (the Kafka cluster id), ``defaultNumPartitions`` and ``allowAutoTopicCreation``
-(topics a Kafka client names are created partitioned), ``kafkaEntryFormat`` (``pulsar``: each
-record batch is converted to a Pulsar message batch on write, which every protocol reads as is;
-``kafka``: the batch is stored verbatim behind a format tag, cheaper to write and to fetch, and
-converted when another protocol reads it), ``kafkaApiVersions`` (``modern``, the default:
-flexible versions and topic ids, as the clients use them with Kafka 3.x brokers; ``2.1``: the
-Kafka 2.1 table with no flexible versions, which every client also accepts).
+(topics a Kafka client names are created partitioned), ``kafkaEntryFormat`` (``kafka``, the
+default: each record batch is stored verbatim behind a format tag, cheaper to write and to
+fetch, and converted when another protocol reads it; ``pulsar``: each batch is converted to a
+Pulsar message batch on write, which every protocol reads as is), ``kafkaApiVersions``
+(``modern``, the default: flexible versions and topic ids, as the clients use them with
+Kafka 3.x brokers; ``2.1``: the Kafka 2.1 table with no flexible versions, which every client
+also accepts).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class KafkaProtocolHandler(ProtocolHandler):
         self.cluster_id = "standalone"
         self.default_partitions = 1
         self.auto_create = True
-        self.entry_format = "pulsar"
+        self.entry_format = "kafka"
         self.api_versions = "modern"
         self.context: BrokerContext | None = None
         self.apis: KafkaApis | None = None

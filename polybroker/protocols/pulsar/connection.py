@@ -27,6 +27,7 @@ from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
+from polybroker.broker_core import messages
 from polybroker.broker_core.consumer import (
     Delivery,
     KeySharedMeta,
@@ -80,6 +81,19 @@ _LIST_MODES = {
     pb.CommandGetTopicsOfNamespace.NON_PERSISTENT: TopicListMode.NON_PERSISTENT,
     pb.CommandGetTopicsOfNamespace.ALL: TopicListMode.ALL,
 }
+
+
+def _pulsar_format(entry: Entry) -> bytes:
+    """The entry as Pulsar clients read it: stored entries of another protocol's native format
+    (e.g. Kafka record batches kept verbatim) are converted here; Pulsar ones pass unchanged.
+    An entry no decoder can convert goes out as stored, and is logged."""
+    try:
+        return messages.to_pulsar_entry(entry.data)
+    except messages.MessageFormatError as e:
+        log.warning(
+            "cannot convert a stored entry", extra=kv(position=str(entry.position), error=str(e))
+        )
+        return entry.data
 
 
 def server_error(exc: BaseException) -> tuple[int, str]:
@@ -178,7 +192,7 @@ class PulsarConsumer:
                 n = entry.num_messages
                 unacked = ~acked & ((1 << n) - 1)
                 msg.message.ack_set.extend(ack_set_words(unacked, n))
-            out.append(encode_payload_command(msg, entry.data))
+            out.append(encode_payload_command(msg, _pulsar_format(entry)))
         self.conn.write_raw(b"".join(out))
 
     def active_changed(self, is_active: bool) -> None:
