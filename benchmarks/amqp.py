@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(os.environ.get("BENCH_AMQP", "/work/shared/bench/bench_amqp.py"))
+BENCH = Path(os.environ.get("BENCH_AMQP", Path(__file__).parent / "clients" / "bench_amqp.py"))
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
 
 CASES: list[tuple[str, list[str], int]] = [

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(os.environ.get("BENCH_MQTT", "/work/shared/bench/bench_mqtt.py"))
+BENCH = Path(os.environ.get("BENCH_MQTT", Path(__file__).parent / "clients" / "bench_mqtt.py"))
 
 CASES: list[tuple[str, list[str], int]] = [
     # (name, bench_mqtt.py arguments, message count divisor)
