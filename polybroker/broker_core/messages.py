@@ -252,24 +252,28 @@ def _format_of(md: pb.Metadata) -> str:
     return PULSAR_FORMAT
 
 
-def _decompress(md: pb.Metadata, payload: bytes, limit: int) -> bytes:
-    code = md.compression
+def decompress(code: int, uncompressed_size: int, payload: bytes, limit: int) -> bytes:
+    """Undo a payload's compression (``code`` as Pulsar numbers it: 0 none, 1 LZ4, 2 ZLIB,
+    3 ZSTD, 4 SNAPPY); refuse a result above ``limit`` bytes."""
     if code == pb.NONE:
         return payload
-    size = md.uncompressed_size
-    if size > limit:
-        raise MessageFormatError(f"uncompressed size {size} exceeds the limit of {limit}")
+    if uncompressed_size > limit:
+        raise MessageFormatError(
+            f"uncompressed size {uncompressed_size} exceeds the limit of {limit}"
+        )
     try:
         if code == pb.LZ4:
             import lz4.block
 
-            out = lz4.block.decompress(payload, uncompressed_size=size)
+            out = lz4.block.decompress(payload, uncompressed_size=uncompressed_size)
         elif code == pb.ZLIB:
-            out = zlib.decompressobj().decompress(payload, size or limit)
+            out = zlib.decompressobj().decompress(payload, uncompressed_size or limit)
         elif code == pb.ZSTD:
             import zstandard
 
-            out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size or limit)
+            out = zstandard.ZstdDecompressor().decompress(
+                payload, max_output_size=uncompressed_size or limit
+            )
         elif code == pb.SNAPPY:
             import snappy
 
@@ -309,7 +313,7 @@ def decode_entry(data: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> list[Messa
             raise MessageFormatError(f"entry format {fmt!r} has no registered decoder")
         template = Message(b"", publish_time_ms=publish, sequence_id=int(md.sequence_id))
         return decoder(payload, template)
-    body = _decompress(md, payload, max_size)
+    body = decompress(md.compression, md.uncompressed_size, payload, max_size)
     props = [(p.key, p.value) for p in md.properties]
     if not md.HasField("num_messages_in_batch"):  # a lone message; a batch always says so
         return [

@@ -17,13 +17,13 @@ All integers are big-endian.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import crc32c as _crc32c
 from google.protobuf.message import DecodeError, EncodeError
 
+from polybroker.broker_core import messages
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 
 MAGIC_CRC32C = 0x0E01
@@ -228,37 +228,10 @@ def split_tail(tail: bytes) -> tuple[pb.MessageMetadata, bytes]:
 
 def decompress(metadata: pb.MessageMetadata, payload: bytes, limit: int) -> bytes:
     """Undo the payload's compression; refuse an uncompressed size above ``limit``."""
-    kind = metadata.compression
-    if kind == pb.NONE:
-        return payload
-    size = metadata.uncompressed_size
-    if size > limit:
-        raise CodecError(f"uncompressed size {size} exceeds the limit of {limit}")
     try:
-        if kind == pb.LZ4:
-            import lz4.block
-
-            out = lz4.block.decompress(payload, uncompressed_size=size)
-        elif kind == pb.ZLIB:
-            d = zlib.decompressobj()
-            out = d.decompress(payload, size or limit)
-        elif kind == pb.ZSTD:
-            import zstandard
-
-            out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size or limit)
-        elif kind == pb.SNAPPY:
-            import snappy
-
-            out = snappy.uncompress(payload)
-        else:
-            raise CodecError(f"unknown compression {kind}")
-    except CodecError:
-        raise
-    except Exception as e:
-        raise CodecError(f"cannot decompress payload: {e}") from None
-    if len(out) > limit:
-        raise CodecError(f"uncompressed payload exceeds the limit of {limit}")
-    return bytes(out)
+        return messages.decompress(metadata.compression, metadata.uncompressed_size, payload, limit)
+    except messages.MessageFormatError as e:
+        raise CodecError(str(e)) from None
 
 
 def decode_batch(
