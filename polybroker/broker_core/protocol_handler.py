@@ -54,6 +54,16 @@ class Listener:
     backlog: int = 50
 
 
+def set_no_delay(transport: Any) -> None:
+    """Turn off Nagle's algorithm on a TCP transport (no-op on others, e.g. in unit tests).
+
+    Every protocol's acknowledgements and deliveries are small writes a client waits for;
+    holding them back for a delayed ACK costs tens of milliseconds a round trip."""
+    setter = getattr(transport, "setTcpNoDelay", None)
+    if setter is not None:
+        setter(True)
+
+
 class ProtocolHandler(abc.ABC):
     """One wire protocol served by the broker (see the module docstring for the lifecycle)."""
 

@@ -122,6 +122,10 @@ class _ClientProtocol(Protocol):
 
     @override
     def connectionMade(self) -> None:
+        # Adds are small writes whose answers gate acknowledgements: never hold them back.
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
         self.client._connected(self)
 
     @override

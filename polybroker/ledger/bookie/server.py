@@ -654,6 +654,10 @@ class BookieProtocol(Protocol):
     def connectionMade(self) -> None:
         self.open = True
         self.bookie.protocols.add(self)
+        # Add and read answers are small writes a client waits for: never hold them back.
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
 
     @override
     def dataReceived(self, data: bytes) -> None:

@@ -26,6 +26,7 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from typing_extensions import override
 
+from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.convert import AmqpMessage
@@ -127,6 +128,7 @@ class AmqpConnection(Protocol):
 
     @override
     def connectionMade(self) -> None:
+        set_no_delay(self.transport)
         if self.factory is not None:
             self.factory.connections.add(self)
         self.s.gauge.listeners.append(self._memory)

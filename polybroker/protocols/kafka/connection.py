@@ -19,6 +19,7 @@ from twisted.internet.defer import maybeDeferred
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.python.failure import Failure
 
+from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
 from polybroker.protocols.kafka import codec as c
 from polybroker.protocols.kafka.apis import NO_RESPONSE, KafkaApis
@@ -49,6 +50,7 @@ class KafkaConnection(Protocol):
         self.client_host = ""
 
     def connectionMade(self) -> None:
+        set_no_delay(self.transport)
         peer = self.transport.getPeer()  # type: ignore[union-attr]
         self.client_host = f"/{getattr(peer, 'host', '')}"
 

@@ -29,6 +29,7 @@ from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
@@ -104,10 +105,7 @@ class MqttConnection(Protocol):
         self._last_heard = self.clock.seconds()
         # Deliveries stop while the socket's send buffer is full (see ``paused``).
         self.transport.registerProducer(self, True)  # type: ignore[union-attr]
-        # Acks and deliveries are small writes a client waits for: never hold them back.
-        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
-        if set_no_delay is not None:
-            set_no_delay(True)
+        set_no_delay(self.transport)
         self._timer = self.clock.callLater(self.settings.connect_timeout_s, self._connect_timeout)
 
     def dataReceived(self, data: bytes) -> None:

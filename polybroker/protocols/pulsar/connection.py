@@ -36,6 +36,7 @@ from polybroker.broker_core.consumer import (
     SubType,
 )
 from polybroker.broker_core.errors import BrokerError, TopicNotFoundError
+from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode
 from polybroker.ledger.api import Entry, InitialPosition, Position
@@ -250,6 +251,7 @@ class PulsarConnection(Protocol):
     # -- transport ------------------------------------------------------------------------
 
     def connectionMade(self) -> None:
+        set_no_delay(self.transport)
         if self.settings.keep_alive_s > 0:
             self._keep_alive = LoopingCall(self._keep_alive_tick)
             self._keep_alive.clock = self.settings.clock
