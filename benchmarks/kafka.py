@@ -401,7 +401,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--no-tansu", action="store_true")
     ap.add_argument(
-        "--entry-format", default="pulsar", choices=["pulsar", "kafka"], help="kafkaEntryFormat"
+        "--entry-format", default="kafka", choices=["pulsar", "kafka"], help="kafkaEntryFormat"
     )
     a = ap.parse_args()
     if a.role:
