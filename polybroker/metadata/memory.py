@@ -421,8 +421,9 @@ def _check_version(path: str, node: Node | None, expected: int | None) -> None:
         raise BadVersionError(f"{path} is at version {node.version}, expected {expected}")
 
 
-class _Watch:
-    """One registered watch; identity matters (the same callback may be registered twice)."""
+class Watch:
+    """One registered watch; identity matters (the same callback may be registered twice).
+    Shared by the stores that keep their own watch lists."""
 
     __slots__ = ("active", "callback")
 
@@ -440,7 +441,7 @@ class TreeSession(MetadataStore):
     def __init__(self, tree: MemoryTree) -> None:
         self._tree = tree
         self._session_id = tree.attach(self)
-        self._watches: dict[str, list[_Watch]] = {}
+        self._watches: dict[str, list[Watch]] = {}
         self._listeners: list[Callable[[SessionEvent], None]] = []
         self._closed = False
 
@@ -487,7 +488,7 @@ class TreeSession(MetadataStore):
         """Register a persistent watch; raise ``StoreClosedError`` once closed."""
         self._check_open()
         validate_path(path)
-        w = _Watch(callback)
+        w = Watch(callback)
         self._watches.setdefault(path, []).append(w)
 
         def unwatch() -> None:

@@ -77,6 +77,7 @@ from polybroker.metadata.api import (
 )
 from polybroker.metadata.memory import (
     SEQUENCE_DIGITS,
+    Watch,
     parent_of,
     validate_path,
     validate_value,
@@ -171,16 +172,6 @@ def _stat(zstat: ZnodeStat) -> Stat:
     return Stat(zstat.version, zstat.ephemeralOwner != 0, zstat.ctime, zstat.mtime)
 
 
-class _Watch:
-    """One registered watch; identity matters (the same callback may be registered twice)."""
-
-    __slots__ = ("active", "callback")
-
-    def __init__(self, callback: Callable[[Notification], None]) -> None:
-        self.callback = callback
-        self.active = True
-
-
 class ZooKeeperMetadataStore(MetadataStore):
     """A session with a ZooKeeper ensemble (see the module docstring); build with ``open``."""
 
@@ -214,7 +205,7 @@ class ZooKeeperMetadataStore(MetadataStore):
         self._closed_done = False
         self._close_waiters: list[Deferred[None]] = []
         # Reactor thread only:
-        self._watches: dict[str, list[_Watch]] = {}
+        self._watches: dict[str, list[Watch]] = {}
         self._listeners: list[Callable[[SessionEvent], None]] = []
         # Worker thread only: the armed paths and what each looked like at its last read
         # (``_UNREAD`` until a first read succeeded).
@@ -451,7 +442,7 @@ class ZooKeeperMetadataStore(MetadataStore):
         if self._closed:
             raise StoreClosedError("the metadata store session is closed")
         self._check_user_path(path)
-        w = _Watch(callback)
+        w = Watch(callback)
         registered = self._watches.setdefault(path, [])
         registered.append(w)
         if len(registered) == 1:
