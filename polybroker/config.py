@@ -86,6 +86,16 @@ _KEYS: tuple[Key, ...] = (
     Key("maxUnackedMessagesPerConsumer", int, 50_000, "Shared consumers pause here (0: no cap)"),
     Key("delayedDeliveryEnabled", bool, True, "Honour deliver-at times (Shared, Key_Shared)"),
     Key("statsUpdateFrequencyInSecs", int, 60, "How often topic rates are recomputed"),
+    # Cluster: bundles, ownership and the load manager (Pulsar's names and defaults)
+    Key("defaultNumberOfNamespaceBundles", int, 4, "Bundles (hash ranges) of a new namespace"),
+    Key("loadBalancerReportUpdateMinIntervalMillis", int, 5000, "Write this broker's load"),
+    Key("loadBalancerSheddingEnabled", bool, True, "The leader unloads bundles of busy brokers"),
+    Key("loadBalancerSheddingIntervalMinutes", float, 1.0, "How often the leader sheds"),
+    Key("loadBalancerBrokerThresholdShedderPercentage", int, 10, "Rate over average that sheds"),
+    Key("loadBalancerAutoBundleSplitEnabled", bool, True, "Split bundles that grow too big"),
+    Key("loadBalancerNamespaceBundleMaxTopics", int, 1000, "Split a bundle above this"),
+    Key("loadBalancerNamespaceBundleMaxMsgRate", int, 30000, "Split a bundle above this"),
+    Key("loadBalancerNamespaceMaximumBundles", int, 128, "Never split beyond this"),
     # Bookie (BookKeeper's names)
     Key("bookiePort", int, 3181, "Bookie protocol port"),
     Key("journalSyncData", bool, True, "fdatasync the journal before acknowledging adds"),
@@ -98,6 +108,10 @@ _KEYS: tuple[Key, ...] = (
     Key("dbStorage_readAheadCacheMaxSizeMb", int, 64, "Read cache of entry log data"),
     Key("flushInterval", int, 10_000, "Checkpoint interval (ms)"),
     Key("gcWaitTime", int, 60_000, "Entry log garbage collection interval (ms)"),
+    # Autorecovery (BookKeeper's names): an auditor elected among the bookies re-replicates
+    Key("autoRecoveryDaemonEnabled", bool, True, "Bookies with a metadata store run the auditor"),
+    Key("lostBookieRecoveryDelay", float, 5.0, "Seconds a bookie is gone before re-replication"),
+    Key("auditorPeriodicCheckInterval", float, 3600.0, "Seconds between full audits (0: never)"),
     # Operations
     Key("logFormat", str, "text", "Log lines as 'text' or 'json'"),
     Key("logLevel", str, "info", "debug, info, warning or error"),

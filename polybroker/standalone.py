@@ -207,7 +207,9 @@ class Standalone:
         self.service = service
 
         cluster = str(config["clusterName"])
-        policies = PolicyStore(store, cluster)
+        policies = PolicyStore(
+            store, cluster, default_bundles=int(config["defaultNumberOfNamespaceBundles"])
+        )
         advertised = _advertised(config)
         await policies.ensure_defaults(
             {

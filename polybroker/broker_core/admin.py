@@ -42,6 +42,13 @@ from polybroker.broker_core.errors import (
     TopicNotFoundError,
     TopicTerminatedError,
 )
+from polybroker.broker_core.ownership import (
+    ClusterOwnership,
+    NotOwnerError,
+    bundle_names,
+    bundle_of,
+    even_boundaries,
+)
 from polybroker.broker_core.service import (
     PARTITIONED_ROOT,
     BrokerService,
@@ -89,6 +96,7 @@ class Response:
     status: int = 204
     body: bytes = b""
     content_type: str = "application/json"
+    location: str = ""  # a redirect's target
 
     @classmethod
     def json(cls, value: Any, status: int = 200) -> Response:
@@ -207,6 +215,13 @@ def _sum_stats(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _boundaries(policies: dict[str, Any]) -> list[str]:
+    bundles = policies.get("bundles")
+    if isinstance(bundles, dict) and isinstance(bundles.get("boundaries"), list):
+        return [str(b) for b in bundles["boundaries"]]
+    return even_boundaries(1)
+
+
 class AdminServer:
     """The broker's HTTP service (module docstring)."""
 
@@ -259,6 +274,12 @@ class AdminServer:
             return await handler(call)
         except AdminError as e:
             return _error(e.status, e.reason)
+        except NotOwnerError as e:
+            if e.owner is None or not e.owner.web_url:
+                return _error(503, str(e))
+            # As Pulsar does: the owner of the topic's bundle answers (307 keeps the method).
+            target = e.owner.web_url.rstrip("/") + request.uri.decode("utf-8", "replace")
+            return Response(307, json.dumps({"reason": str(e)}).encode(), location=target)
         except BrokerError as e:
             for kind, status in _STATUS_OF:
                 if isinstance(e, kind):
@@ -284,6 +305,13 @@ class AdminServer:
         r("GET", "/metrics", self._metrics)
         r("GET", f"/lookup/v2/topic/{dom}/{{tenant}}/{{ns}}/{{topic}}", self._lookup)
         r("GET", f"/lookup/v2/topic/{dom}/{{tenant}}/{{ns}}/{{topic}}/bundle", self._bundle)
+        # bundles (cluster mode moves them between brokers)
+        bundle = "/admin/v2/namespaces/{tenant}/{ns}/{bundle:0x[0-9a-fA-F]+_0x[0-9a-fA-F]+}"
+        r("GET", "/admin/v2/namespaces/{tenant}/{ns}/bundles", self._bundles)
+        r("PUT", "/admin/v2/namespaces/{tenant}/{ns}/unload", self._unload_namespace)
+        r("PUT", f"{bundle}/unload", self._unload_bundle)
+        r("PUT", f"{bundle}/split", self._split_bundle)
+        r("GET", "/admin/v2/namespaces/{tenant}/{ns}/owners", self._bundle_owners)
         # clusters
         r("GET", "/admin/v2/clusters", self._clusters)
         r("GET", "/admin/v2/clusters/{cluster}", self._get_cluster)
@@ -342,6 +370,9 @@ class AdminServer:
     async def _brokers(self, call: Call) -> Response:
         if call.params["cluster"] != self.policies.cluster:
             raise not_found("Cluster does not exist")
+        ownership = self.service.ownership
+        if ownership is not None and ownership.clustered:
+            return Response.json([b.broker_id for b in await ownership.brokers()])
         http = self.urls().get("httpUrl", "")
         return Response.json([http.removeprefix("http://")] if http else [])
 
@@ -352,6 +383,20 @@ class AdminServer:
     async def _lookup(self, call: Call) -> Response:
         ref = self._topic(call)
         await self._require_namespace(ref.namespace_name)
+        ownership = self.service.ownership
+        if ownership is not None and ownership.clustered:
+            owner = await ownership.lookup(ref.full, authoritative=call.flag("authoritative"))
+            if owner.broker_id != ownership.local.broker_id:
+                http = owner.web_url
+                return Response.json(
+                    {
+                        "brokerUrl": owner.pulsar_url,
+                        "brokerUrlTls": "",
+                        "httpUrl": http,
+                        "httpUrlTls": "",
+                        "nativeUrl": owner.pulsar_url,
+                    }
+                )
         urls = self.urls()
         answer = {
             "brokerUrl": urls.get("brokerUrl", ""),
@@ -365,7 +410,58 @@ class AdminServer:
     async def _bundle(self, call: Call) -> Response:
         ref = self._topic(call)
         await self._require_namespace(ref.namespace_name)
-        return Response.text("0x00000000_0xffffffff")
+        policies = await self.policies.get_policies(ref.namespace_name)
+        return Response.text(bundle_of(ref.full, _boundaries(policies)))
+
+    def _cluster_ownership(self) -> ClusterOwnership:
+        ownership = self.service.ownership
+        if not isinstance(ownership, ClusterOwnership):
+            raise AdminError(412, "bundles move between brokers in cluster mode only")
+        return ownership
+
+    async def _bundles(self, call: Call) -> Response:
+        namespace = f"{call.params['tenant']}/{call.params['ns']}"
+        boundaries = _boundaries(await self.policies.get_policies(namespace))
+        return Response.json({"boundaries": boundaries, "numBundles": len(boundaries) - 1})
+
+    async def _bundle_owners(self, call: Call) -> Response:
+        namespace = f"{call.params['tenant']}/{call.params['ns']}"
+        await self.policies.get_policies(namespace)
+        owners = await self._cluster_ownership().bundle_owners(namespace)
+        return Response.json({b: (o.broker_id if o else None) for b, o in owners.items()})
+
+    async def _unload_namespace(self, call: Call) -> Response:
+        namespace = f"{call.params['tenant']}/{call.params['ns']}"
+        await self.policies.get_policies(namespace)
+        ownership = self.service.ownership
+        if isinstance(ownership, ClusterOwnership):
+            await ownership.unload_namespace(namespace)
+        else:
+            for name in list(self.service.topics):
+                if self.service.topic_ref(name).namespace_name == namespace:
+                    await self.service.unload_topic(name)
+        return Response()
+
+    async def _unload_bundle(self, call: Call) -> Response:
+        namespace = f"{call.params['tenant']}/{call.params['ns']}"
+        bundle = call.params["bundle"].lower()
+        if bundle not in bundle_names(_boundaries(await self.policies.get_policies(namespace))):
+            raise not_found(f"bundle {bundle} does not exist in {namespace}")
+        destination = (call.query.get("destinationBroker") or [""])[-1] or None
+        try:
+            await self._cluster_ownership().unload(namespace, bundle, destination)
+        except ValueError as e:
+            raise AdminError(412, str(e)) from None
+        return Response()
+
+    async def _split_bundle(self, call: Call) -> Response:
+        namespace = f"{call.params['tenant']}/{call.params['ns']}"
+        await self.policies.get_policies(namespace)
+        try:
+            await self._cluster_ownership().split(namespace, call.params["bundle"].lower())
+        except ValueError as e:
+            raise AdminError(412, str(e)) from None
+        return Response()
 
     # -- clusters, tenants, namespaces ----------------------------------------------------
 
@@ -812,6 +908,8 @@ class _Root(Resource):
                 # The client went away while the answer was being prepared.
                 return
             request.setResponseCode(response.status)
+            if response.location:
+                request.setHeader(b"location", response.location.encode())
             if response.body or response.status != 204:
                 request.setHeader(b"content-type", response.content_type.encode())
             request.write(response.body)

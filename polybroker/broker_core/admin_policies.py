@@ -53,10 +53,17 @@ def check_name(kind: str, name: str) -> None:
         raise precondition(f"{kind} name is not valid: {name!r}")
 
 
-def default_policies(cluster: str) -> dict[str, Any]:
+def even_bundles(count: int) -> dict[str, Any]:
+    """Policies' ``bundles`` for ``count`` equal hash ranges."""
+    from polybroker.broker_core.ownership import even_boundaries
+
+    return {"boundaries": even_boundaries(count), "numBundles": count}
+
+
+def default_policies(cluster: str, bundles: int = 1) -> dict[str, Any]:
     """The Policies of a namespace created with no body."""
     return {
-        "bundles": {"boundaries": ["0x00000000", "0xffffffff"], "numBundles": 1},
+        "bundles": even_bundles(bundles),
         "replication_clusters": [cluster],
         "auth_policies": {
             "namespace_auth": {},
@@ -81,9 +88,10 @@ def _load(raw: bytes) -> Any:
 class PolicyStore:
     """Clusters, tenants and namespaces in the metadata store (module docstring)."""
 
-    def __init__(self, store: MetadataStore, cluster: str) -> None:
+    def __init__(self, store: MetadataStore, cluster: str, *, default_bundles: int = 4) -> None:
         self.store = store
         self.cluster = cluster
+        self.default_bundles = default_bundles
         self._namespaces: dict[str, dict[str, Any]] = {}
 
     def load(self) -> Deferred[None]:
@@ -227,8 +235,14 @@ class PolicyStore:
         check_name("Namespace", ns)
         if await self.store.get(f"{POLICIES_ROOT}/{tenant}") is None:
             raise not_found("Tenant does not exist")
-        merged = default_policies(self.cluster)
+        merged = default_policies(self.cluster, self.default_bundles)
         merged.update(policies or {})
+        asked = merged.get("bundles")
+        if isinstance(asked, dict) and "boundaries" not in asked:
+            count = asked.get("numBundles")
+            if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1024:
+                raise AdminError(412, "numBundles must be an integer from 1 to 1024")
+            merged["bundles"] = even_bundles(count)
         try:
             await self.store.put(f"{POLICIES_ROOT}/{namespace}", _dump(merged), -1)
         except BadVersionError:

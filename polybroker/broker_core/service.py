@@ -53,6 +53,7 @@ from polybroker.broker_core.errors import (
     TopicAlreadyExistsError,
     TopicNotFoundError,
 )
+from polybroker.broker_core.ownership import Ownership
 from polybroker.broker_core.topic import (
     NonPersistentTopic,
     PersistentTopic,
@@ -190,6 +191,8 @@ class BrokerService:
         # Whether a namespace ("tenant/ns") exists; topics are created only in one that does.
         # None: every namespace exists.
         self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
+        # Who serves which topic; None: this broker serves every topic (standalone).
+        self.ownership: Ownership | None = None
         cluster = _cfg(config, "clusterName", "standalone")
         counter = itertools.count()
         instance = secrets.token_hex(3)
@@ -307,6 +310,9 @@ class BrokerService:
         return topic
 
     async def _open(self, ref: TopicRef, create: bool) -> Topic:
+        if self.ownership is not None and self.ownership.clustered:
+            # In a cluster a topic is served only by the owner of its bundle.
+            await self.ownership.acquire(ref.full)
         may_create = create and self._auto_create
         if may_create and self.namespace_exists is not None:
             known = self.namespace_exists(ref.namespace_name)
@@ -526,6 +532,18 @@ class BrokerService:
         await topic.delete(force)
         if self.topics.get(ref.full) is topic:
             del self.topics[ref.full]
+
+    def topic_loads(self) -> dict[str, tuple[float, float]]:
+        """Each loaded topic's last measured (msgs/s in, msgs/s out), for load reports."""
+        loads = {}
+        for name, topic in self.topics.items():
+            rate_out = sum(
+                getattr(c, "msg_rate_out", 0.0)
+                for sub in topic.subscriptions.values()
+                for c in sub.consumers
+            )
+            loads[name] = (topic.msg_rate_in, rate_out)
+        return loads
 
     def update_rates(self) -> None:
         """Refresh the per-second rates in every loaded topic's stats."""

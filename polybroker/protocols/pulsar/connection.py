@@ -462,15 +462,47 @@ class PulsarConnection(Protocol):
                 )
             )
             return
-        # One broker owns every topic: answer Connect to ourselves, authoritatively. A cluster
-        # answers Redirect with another broker's URL through the same fields.
+        ownership = getattr(self.service, "ownership", None)
+        if ownership is None or not ownership.clustered:
+            # One broker owns every topic: answer Connect to ourselves, authoritatively.
+            self._lookup_answer(
+                rid, self.settings.service_url(), pb.CommandLookupTopicResponse.Connect
+            )
+            return
+        topic = self.service.topic_ref(c.topic).full
+        d = ownership.lookup(topic, authoritative=c.authoritative)
+
+        def found(owner: Any) -> None:
+            if owner.broker_id == ownership.local.broker_id:
+                url, kind = self.settings.service_url(), pb.CommandLookupTopicResponse.Connect
+            else:
+                # Another broker owns it, or will once the client asks it (authoritatively).
+                url, kind = owner.pulsar_url, pb.CommandLookupTopicResponse.Redirect
+            self._lookup_answer(rid, url, kind)
+
+        def failed(f: Failure) -> None:
+            code, message = server_error(f.value)
+            self.send(
+                command(
+                    T.LOOKUP_RESPONSE,
+                    "lookupTopicResponse",
+                    request_id=rid,
+                    response=pb.CommandLookupTopicResponse.Failed,
+                    error=code,
+                    message=message,
+                )
+            )
+
+        d.addCallbacks(found, failed)
+
+    def _lookup_answer(self, rid: int, url: str, kind: int) -> None:
         self.send(
             command(
                 T.LOOKUP_RESPONSE,
                 "lookupTopicResponse",
                 request_id=rid,
-                brokerServiceUrl=self.settings.service_url(),
-                response=pb.CommandLookupTopicResponse.Connect,
+                brokerServiceUrl=url,
+                response=kind,
                 authoritative=True,
                 proxy_through_service_url=False,
             )
