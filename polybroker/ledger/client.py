@@ -497,9 +497,14 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             current, version = found
             if current.state is not LedgerState.OPEN:
                 raise LedgerFencedError(f"ledger {self.ledger_id} is {current.state.value}")
-            if current.fragments != meta.fragments or attempt + 1 >= _CAS_ATTEMPTS:
+            if (
+                [f for f, _ in current.fragments] != [f for f, _ in meta.fragments]
+                or current.fragments[-1] != meta.fragments[-1]
+                or attempt + 1 >= _CAS_ATTEMPTS
+            ):
                 raise LedgerFencedError(f"ledger {self.ledger_id}: another writer changed it")
-            # Another field changed (custom metadata): keep it, retry on its version.
+            # Another field changed (custom metadata, or an earlier fragment the auditor
+            # re-replicated): keep it, retry on its version.
             self._metadata, self._version = current, version
             return self._got_bookies(available, failed, attempt + 1)
 
