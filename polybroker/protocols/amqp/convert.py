@@ -11,6 +11,7 @@ properties as string headers, its key as routing key and its event time as times
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ P_EXCHANGE = "amqp.exchange"
 P_ROUTING_KEY = "amqp.routing_key"
 P_HEADERS = "amqp.headers"
 P_INCARNATION = "amqp.incarnation"
+#: On a message stored once for several queues: the queues it was routed to (``encode_to``).
+P_TO = "amqp.to"
 _PREFIX = "amqp."
 _STR_PROPS = (
     "content_type",
@@ -144,3 +147,19 @@ def _short(text: str) -> str:
     if len(raw) <= 255:
         return text
     return raw[:255].decode("utf-8", "ignore")
+
+
+def encode_to(queues: list[str]) -> str:
+    """The value of ``P_TO`` for a message routed to ``queues``."""
+    return json.dumps(queues, ensure_ascii=False, separators=(",", ":"))
+
+
+def decode_to(value: str) -> frozenset[str]:
+    """The queues a ``P_TO`` value names (none when it is malformed)."""
+    try:
+        names = json.loads(value)
+    except ValueError:
+        return frozenset()
+    if not isinstance(names, list):
+        return frozenset()
+    return frozenset(n for n in names if isinstance(n, str))

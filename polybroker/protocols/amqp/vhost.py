@@ -1,23 +1,34 @@
 """Virtual hosts: exchanges, queues and bindings of one namespace, over the Broker API.
 
-Design. A durable queue is a topic of its own, ``persistent://<ns>/amqp.queue.<name>``, read
-through one durable subscription (``amqp``) by a feeder that keeps a bounded window of the
-backlog in memory; AMQP consumers, ``basic.get``, prefetch, requeue and redelivered flags work on
-that window, and an entry is acknowledged on the subscription once every message of it is settled
-(acked, dropped or dead-lettered). Routing runs at publish time: the message is encoded once and
-that one buffer is appended to each destination queue's topic, so every queue is an ordinary
-topic that any broker can own (no one-bundle rule) and durability is the topics' durability.
+Design. Routing happens at publish time and stores each message once, whatever the number of
+queues it reaches: in the one durable queue's own topic, ``persistent://<ns>/amqp.queue.<name>``;
+for several, in the exchange's log, ``amqp.exchange.<name>``, with the names of the queues it
+was routed to (``P_TO``); for ``amq.topic`` with routing key R, on topic R itself. A queue reads
+each log it gets messages from through a durable subscription of its own (``amqp`` on its own
+topic, ``amqp.q.<name>`` on a shared one), created and recorded in the metadata store before
+the first append that needs it, so a confirmed message is in every queue it was routed to and a
+restart reads the same logs from the same positions. A queue keeps its own messages of a shared
+log and acknowledges the others at once, so the log is trimmed once every queue has passed an
+entry; an unbind leaves what was routed before it; a deleted queue drops its subscriptions.
+Every queue is read from ordinary topics that any broker can own (no one-bundle rule), and
+durability is the topics' durability. Order is kept per log: messages that reach a queue
+through different logs (a key routed to it alone, then one routed to several) may interleave.
+
+A queue keeps a bounded window of what it read in memory; AMQP consumers, ``basic.get``,
+prefetch, requeue and redelivered flags work on that window, and an entry is acknowledged on its
+subscription once every message of it for the queue is settled (acked, dropped or dead-lettered).
 A transient (non-durable) queue does not outlive this broker, so, as in RabbitMQ, it holds its
 messages in memory only, against the handler's ``MemoryGauge`` (publishers are blocked above
 its watermark).
 
-``amq.topic`` bridges to the other protocols: a publish with routing key R is also written to
-topic R; a queue bound to ``amq.topic`` with key P gets, through a forwarder (a durable
-subscription ``amqp.fwd.<queue>`` on each topic matching P), what other protocols produce there.
+``amq.topic`` bridges to the other protocols: a publish with routing key R is written to topic R
+(and reaches the bound queues from there); a queue bound to ``amq.topic`` with key P reads each
+topic matching P (a ``Forwarder`` finds them), where messages other protocols produce are routed
+on read by the queue's current ``amq.topic`` bindings.
 
-Durable exchanges, queues and bindings are kept in the metadata store under
-``/amqp/<tenant>/<ns>/``; transient messages in durable queues carry the incarnation that stored
-them and are dropped when a later incarnation reads them.
+Durable exchanges, queues, bindings and the logs each queue reads are kept in the metadata store
+under ``/amqp/<tenant>/<ns>/``; transient messages in durable queues carry the incarnation that
+stored them and are dropped when a later incarnation reads them.
 """
 
 from __future__ import annotations
@@ -58,7 +69,10 @@ from polybroker.protocols.amqp.codec import (
 from polybroker.protocols.amqp.convert import (
     P_EXCHANGE,
     P_ROUTING_KEY,
+    P_TO,
     AmqpMessage,
+    decode_to,
+    encode_to,
     from_stored,
     to_stored,
 )
@@ -109,10 +123,19 @@ class QueueConsumer:
         self.queue: Queue | None = None
 
 
+#: What a queue reads: its own topic, the log of an exchange (messages stored once for several
+#: queues) or a topic bridged through ``amq.topic``.
+OWN = "own"
+SHARED = "shared"
+BRIDGE = "bridge"
+SOURCE_KINDS = frozenset({OWN, SHARED, BRIDGE})
+
+
 @dataclass(slots=True)
 class _EntryRef:
     position: Position | None  # None: a message held in memory only
     remaining: int
+    source: _Source | None = None
 
 
 @dataclass(slots=True)
@@ -126,14 +149,41 @@ class QueuedMessage:
     settled: bool = False
 
 
-class _Feeder:
-    """The broker-side consumer that reads a queue's topic (see ``Consumer``)."""
+class _Source:
+    """One log a queue reads through a subscription of its own (the broker-side ``Consumer``).
+
+    The queue's own topic (subscription ``amqp``) holds what was routed to it alone. A log that
+    several queues read (an exchange's log, or a topic bridged through ``amq.topic``; the
+    subscription is ``amqp.q.<queue>``) holds each message once, with the queues it was routed
+    to in ``P_TO``; the queue keeps its own messages and acknowledges the others unread by any
+    client. A bridged topic's messages from other protocols (no ``P_TO``) are routed on read.
+    """
 
     _ids = itertools.count(1)
 
-    def __init__(self, queue: Queue) -> None:
+    def __init__(self, queue: Queue, topic: str, kind: str) -> None:
         self.queue = queue
+        self.topic = topic
+        self.kind = kind
+        self.local = topic.rsplit("/", 1)[-1]
+        self.subscription = SUBSCRIPTION if kind == OWN else f"amqp.q.{quote(queue.name, safe='')}"
+        self.server_consumer: ServerConsumer | None = None
+        #: The subscription exists (the cursor is durable unless the queue is transient).
+        self.created = False
+        self.closed = False
+        self.waiters: list[Deferred[None]] = []
+        self.granted = 0
+        self.received = 0
+        #: Messages of this source in the queue's window.
+        self.in_memory = 0
+        self.last_appended: Position | None = None
+        self.last_fed: Position | None = None
+        #: Entries up to here were purged before the window read them.
+        self.purged_to: Position | None = None
+        self.acks: list[Position] = []
         self._id = next(self._ids)
+
+    # -- Consumer ----------------------------------------------------------------------------
 
     @property
     def consumer_id(self) -> int:
@@ -148,7 +198,7 @@ class _Feeder:
         return 0
 
     def send_entries(self, deliveries: list[Delivery]) -> None:
-        self.queue.fed(deliveries)
+        self.queue.fed(self, deliveries)
 
     def active_changed(self, is_active: bool) -> None:
         pass
@@ -157,7 +207,96 @@ class _Feeder:
         pass
 
     def disconnect(self) -> None:
-        self.queue.feeder_lost()
+        self.server_consumer = None
+        self.queue.source_lost(self)
+
+    # -- subscription ------------------------------------------------------------------------
+
+    def attach(self) -> Deferred[None]:
+        """Subscribe (creating the subscription if it is new); fires once subscribed."""
+        vh = self.queue.vhost
+        d = vh.service.subscribe(
+            self.topic,
+            self.subscription,
+            self,
+            SubType.EXCLUSIVE,
+            InitialPosition.EARLIEST if self.kind == OWN else InitialPosition.LATEST,
+            durable=not self.queue.memory_only,
+        )
+
+        def attached(sc: ServerConsumer) -> None:
+            self.created = True
+            if self.closed:
+                sc.close().addErrback(lambda f: None)
+                return
+            self.server_consumer = sc
+            self.granted = self.received = 0
+            self.queue._flow()
+
+        d.addCallback(attached)
+        return d  # type: ignore[return-value]
+
+    def ready(self) -> Deferred[None]:
+        """Fires once the subscription exists (at once if it does)."""
+        if self.created:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self.waiters.append(d)
+        return d
+
+    def settled_attach(self, failure: Any = None) -> None:
+        waiters, self.waiters = self.waiters, []
+        for w in waiters:
+            if failure is None:
+                w.callback(None)
+            else:
+                w.errback(failure)
+
+    def ack(self, position: Position) -> None:
+        # Acks of one reactor turn go to the subscription together.
+        self.acks.append(position)
+        if len(self.acks) == 1:
+            self.queue.vhost.clock.callLater(0, self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        acks, self.acks = self.acks, []
+        if acks and self.server_consumer is not None:
+            self.server_consumer.ack(acks).addErrback(lambda f: None)
+
+    def close(self, unsubscribe: bool = False) -> None:
+        """Stop reading; ``unsubscribe`` also deletes the subscription (the queue is gone)."""
+        self.closed = True
+        sc, self.server_consumer = self.server_consumer, None
+        if sc is not None:
+            (sc.unsubscribe() if unsubscribe else sc.close()).addErrback(lambda f: None)
+
+    # -- routing on read ---------------------------------------------------------------------
+
+    def accepts(self, m: Message) -> bool:
+        """Whether a message of this log belongs to the queue (see the class docstring)."""
+        if self.kind == OWN:
+            return True
+        to: str | None = None
+        exchange: str | None = None
+        for k, v in m.properties:
+            if k == P_TO:
+                to = v
+            elif k == P_EXCHANGE:
+                exchange = v
+        if to is not None:
+            return self.queue.name in decode_to(to)
+        if self.kind != BRIDGE or exchange == "amq.topic":
+            # Not routed here, or an AMQP publish stored before P_TO existed (those were
+            # routed to the queue's own topic directly).
+            return False
+        if not self.queue.vhost.bridge_bound(self.queue.name, self.local):
+            return False
+        m.properties = [
+            *(p for p in m.properties if not p[0].startswith("amqp.")),
+            (P_EXCHANGE, "amq.topic"),
+            (P_ROUTING_KEY, self.local),
+        ]
+        return True
 
 
 class Queue:
@@ -188,14 +327,11 @@ class Queue:
         self.consumers: list[QueueConsumer] = []
         self._rr = 0
         self.in_memory = 0
-        self._granted = 0
-        self._received = 0
-        self.server_consumer: ServerConsumer | None = None
+        #: The logs this queue reads, by topic.
+        self.sources: dict[str, _Source] = {}
         self.deleted = False
         self.had_consumer = False
         self.appending = 0
-        self.last_appended: Position | None = None
-        self.last_fed: Position | None = None
         self._waiters: list[Deferred[None]] = []
         self.ttl_ms = _int_arg(arguments, "x-message-ttl")
         self.expires_ms = _int_arg(arguments, "x-expires")
@@ -204,50 +340,67 @@ class Queue:
         self.dlx_key: str | None = arguments.get("x-dead-letter-routing-key")
         self._expiry: IDelayedCall | None = None
         self._ttl_timer: IDelayedCall | None = None
-        self._acks: list[Position] = []
-        #: Entries up to here were purged before the window read them.
-        self.purged_to: Position | None = None
         self.forwarders: dict[str, Forwarder] = {}
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the queue is kept in the metadata store (and so are its sources)."""
+        return self.durable and self.exclusive_owner is None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Deferred[None]:
-        """Subscribe the feeder to the queue's topic (a transient queue has none)."""
+        """Subscribe to the queue's own topic (a transient queue has none)."""
         self.touch()
         if self.memory_only:
             return succeed(None)
-        d = self.vhost.service.subscribe(
-            self.topic,
-            SUBSCRIPTION,
-            _Feeder(self),
-            SubType.EXCLUSIVE,
-            InitialPosition.EARLIEST,
-        )
+        own = _Source(self, self.topic, OWN)
+        self.sources[self.topic] = own
+        return own.attach()
 
-        def attached(sc: ServerConsumer) -> None:
-            if self.deleted:
-                sc.close()
-                return
-            self.server_consumer = sc
-            self._flow()
-
-        d.addCallback(attached)
-        return d  # type: ignore[return-value]
-
-    def feeder_lost(self) -> None:
-        """The broker closed the feeder (topic unloaded): drop the window and subscribe again."""
-        self.server_consumer = None
+    def ensure_source(self, topic: str, kind: str) -> Deferred[None] | None:
+        """Make sure the queue reads ``topic``: None when it does already, else a Deferred
+        that fires once its subscription exists (recorded first, so a restart finds it)."""
+        s = self.sources.get(topic)
+        if s is not None:
+            return None if s.created else s.ready()
         if self.deleted:
+            return None
+        s = _Source(self, topic, kind)
+        self.sources[topic] = s
+        d = self.vhost.record_source(self, topic, kind) if self.recorded else succeed(None)
+        d.addCallback(lambda _: s.attach())
+
+        def failed(f: Any) -> None:
+            log.warning("AMQP queue cannot read a log", extra=kv(topic=topic, error=str(f.value)))
+            if self.sources.get(topic) is s:
+                del self.sources[topic]
+            s.settled_attach(f)
+
+        d.addCallbacks(lambda _: s.settled_attach(), failed)
+        return s.ready()
+
+    def source_lost(self, s: _Source) -> None:
+        """The broker closed a source's subscription (topic unloaded): drop what the window
+        holds of it and subscribe again."""
+        if self.deleted or s.closed or self.sources.get(s.topic) is not s:
             return
-        self.ready.clear()
-        self.in_memory = 0
-        self._granted = self._received = 0
-        self.start().addErrback(
+        kept: deque[QueuedMessage] = deque()
+        for qm in self.ready:
+            if qm.ref.source is s and not qm.settled:
+                qm.settled = True
+                self.in_memory -= 1
+                s.in_memory -= 1
+            elif not qm.settled:
+                kept.append(qm)
+        self.ready = kept
+        s.granted = s.received = 0
+        s.attach().addErrback(
             lambda f: log.warning("AMQP queue feeder lost", extra=kv(error=str(f.value)))
         )
 
     def close(self) -> None:
-        """Stop reading (broker shutdown); the subscription keeps its position."""
+        """Stop reading (broker shutdown); the subscriptions keep their positions."""
         self.deleted = True
         if self.memory_only:
             while self.ready:
@@ -257,49 +410,60 @@ class Queue:
                 timer.cancel()
         for fwd in self.forwarders.values():
             fwd.close()
-        if self.server_consumer is not None:
-            self.server_consumer.close()
-            self.server_consumer = None
+        for s in self.sources.values():
+            s.close()
 
     # -- feeding -----------------------------------------------------------------------------
 
-    def _flow(self) -> None:
-        if self.server_consumer is None:
-            return
-        outstanding = self._granted - self._received
-        want = WINDOW - self.in_memory - outstanding
-        if want >= WINDOW // 4:
-            self._granted += want
-            self.server_consumer.flow(want)
+    def _cap(self) -> int:
+        """The share of the window each source may fill."""
+        return max(WINDOW // max(len(self.sources), 1), 50)
 
-    def fed(self, deliveries: list[Delivery]) -> None:
-        """Entries from the topic: decode them into the window."""
+    def _flow(self) -> None:
+        cap = self._cap()
+        for s in self.sources.values():
+            if s.server_consumer is None:
+                continue
+            want = cap - s.in_memory - (s.granted - s.received)
+            if want >= cap // 4:
+                s.granted += want
+                s.server_consumer.flow(want)
+
+    def fed(self, source: _Source, deliveries: list[Delivery]) -> None:
+        """Entries from one of the queue's logs: decode this queue's messages into the
+        window, acknowledge the rest."""
+        if self.sources.get(source.topic) is not source or source.closed:
+            return
         now = _now_ms(self.vhost.clock)
         for d in deliveries:
             entry = d.entry
-            self._received += entry.num_messages
-            if self.last_fed is None or self.last_fed < entry.position:
-                self.last_fed = entry.position
-            purged = self.purged_to
+            source.received += entry.num_messages
+            if source.last_fed is None or source.last_fed < entry.position:
+                source.last_fed = entry.position
+            purged = source.purged_to
             if purged is not None and d.redelivery_count == 0 and not purged < entry.position:
                 # Purged while still beyond the window: acknowledged unread.
-                self._received_and_dropped(entry)
+                source.ack(entry.position)
                 continue
             try:
                 messages = decode_entry(entry.data)
             except MessageFormatError:
-                log.warning("AMQP queue skips a malformed entry", extra=kv(topic=self.topic))
-                self._ack_entry(entry.position)
+                log.warning("AMQP queue skips a malformed entry", extra=kv(topic=source.topic))
+                source.ack(entry.position)
                 continue
-            ref = _EntryRef(entry.position, len(messages))
+            if source.kind != OWN:
+                messages = [m for m in messages if source.accepts(m)]
             if not messages:
-                self._ack_entry(entry.position)
+                source.ack(entry.position)
+                continue
+            ref = _EntryRef(entry.position, len(messages), source)
             for m in messages:
                 am = from_stored(m)
                 if not am.publish_time_ms:
                     am.publish_time_ms = entry.publish_time_ms
                 qm = QueuedMessage(ref, am, redelivered=d.redelivery_count > 0)
                 self.in_memory += 1
+                source.in_memory += 1
                 if am.incarnation and am.incarnation != self.vhost.incarnation:
                     self.settle(qm)  # a transient message from before a restart
                     continue
@@ -369,29 +533,21 @@ class Queue:
 
     # -- settling ----------------------------------------------------------------------------
 
-    def _ack_entry(self, position: Position) -> None:
-        # Acks of one reactor turn go to the subscription together.
-        self._acks.append(position)
-        if len(self._acks) == 1:
-            self.vhost.clock.callLater(0, self._flush_acks)
-
-    def _flush_acks(self) -> None:
-        acks, self._acks = self._acks, []
-        if acks and self.server_consumer is not None:
-            self.server_consumer.ack(acks).addErrback(lambda f: None)
-
     def settle(self, qm: QueuedMessage) -> None:
         """The message is done with (acked, dropped or dead-lettered)."""
         if qm.settled:
             return
         qm.settled = True
         self.in_memory -= 1
-        qm.ref.remaining -= 1
-        if qm.ref.position is None:
+        ref = qm.ref
+        ref.remaining -= 1
+        source = ref.source
+        if source is None or ref.position is None:
             self.vhost.gauge.add(-len(qm.message.body))
             return
-        if qm.ref.remaining == 0:
-            self._ack_entry(qm.ref.position)
+        source.in_memory -= 1
+        if ref.remaining == 0:
+            source.ack(ref.position)
         self._flow()
 
     def requeue(self, messages: list[QueuedMessage]) -> None:
@@ -499,11 +655,15 @@ class Queue:
     def _is_caught_up(self) -> bool:
         if self.appending > 0:
             return False
-        if self.last_appended is None or self.ready or self.in_memory >= WINDOW // 2:
-            # Nothing routed here yet, or messages to serve (older than what is still
-            # coming), or a full window that waits for acks rather than for appends.
+        if self.ready or self.in_memory >= WINDOW // 2:
+            # Messages to serve (older than what is still coming), or a full window that
+            # waits for acks rather than for appends.
             return True
-        return self.last_fed is not None and not self.last_fed < self.last_appended
+        for s in self.sources.values():
+            # Something routed here that the window has not read yet.
+            if s.last_appended is not None and (s.last_fed is None or s.last_fed < s.last_appended):
+                return False
+        return True
 
     def _wake_waiters(self) -> None:
         if self._waiters and self._is_caught_up():
@@ -511,13 +671,16 @@ class Queue:
             for d in waiters:
                 d.callback(None)
 
-    def appended(self, entry: Entry | None) -> None:
-        """An append routed here finished (``entry`` None when it failed)."""
+    def appended(self, topic: str, entry: Entry | None) -> None:
+        """An append routed here (to ``topic``) finished (``entry`` None when it failed)."""
         self.appending -= 1
-        if entry is not None and (
-            self.last_appended is None or self.last_appended < entry.position
+        s = self.sources.get(topic)
+        if (
+            s is not None
+            and entry is not None
+            and (s.last_appended is None or s.last_appended < entry.position)
         ):
-            self.last_appended = entry.position
+            s.last_appended = entry.position
         self._wake_waiters()
 
     @property
@@ -528,14 +691,19 @@ class Queue:
     def count(self) -> Deferred[int]:
         """Ready messages, including a durable queue's backlog beyond the window."""
         ready = self.message_count
-        if self.memory_only or self.in_memory < WINDOW // 2:
+        own = self.sources.get(self.topic)
+        if own is None or own.in_memory < self._cap() // 2:
             return succeed(ready)
         d = self.vhost.service.stats(self.topic)
 
         def backlog(stats: dict[str, Any]) -> int:
+            # The own topic's backlog counts what the window has not read yet; a shared
+            # log's backlog holds other queues' messages too, so only its window part counts.
             sub = stats.get("subscriptions", {}).get(SUBSCRIPTION, {})
-            unacked = self.in_memory - ready  # delivered to clients, not yet acknowledged
-            return max(ready, int(sub.get("backlogMessages", 0)) - unacked)
+            own_ready = sum(1 for qm in self.ready if qm.ref.source is own and not qm.settled)
+            unacked = own.in_memory - own_ready  # delivered to clients, not yet acknowledged
+            beyond = int(sub.get("backlogMessages", 0)) - unacked
+            return ready - own_ready + max(own_ready, beyond)
 
         d.addCallback(backlog)
         d.addErrback(lambda f: ready)
@@ -573,13 +741,10 @@ class Queue:
             if not qm.settled:
                 count += 1
                 self.settle(qm)
-        if not self.memory_only and self.last_appended is not None:
-            self.purged_to = self.last_appended
+        for s in self.sources.values():
+            if s.last_appended is not None:
+                s.purged_to = s.last_appended
         return count
-
-    def _received_and_dropped(self, entry: Entry) -> None:
-        self._ack_entry(entry.position)
-        self._flow()  # the entry never entered the window: its permits are free again
 
     def touch(self) -> None:
         """The queue was used: restart its x-expires timer."""
@@ -627,17 +792,18 @@ class MemoryGauge:
 
 
 class Forwarder:
-    """Feeds a queue bound to ``amq.topic`` from topics other protocols write (see module)."""
+    """Finds the topics a queue's ``amq.topic`` binding with ``pattern`` covers and makes the
+    queue read each of them (a ``BRIDGE`` source; see the module docstring)."""
 
     def __init__(self, queue: Queue, pattern: str) -> None:
         self.queue = queue
         self.pattern = pattern
-        self.topics: dict[str, ServerConsumer | None] = {}
+        self.topics: set[str] = set()
         self._scan: LoopingCall | None = None
         self.closed = False
 
     def start(self) -> Deferred[Any]:
-        """Subscribe to the matching topics there are; fires once subscribed."""
+        """Read the matching topics there are; fires once subscribed."""
         if not routing.is_pattern(self.pattern):
             return self._attach(self.pattern)
         d = self.rescan()
@@ -647,7 +813,7 @@ class Forwarder:
         return d
 
     def rescan(self) -> Deferred[Any]:
-        """Subscribe to matching topics created since the last scan."""
+        """Read matching topics created since the last scan."""
         vh = self.queue.vhost
         d = vh.service.topics_of_namespace(vh.namespace)
 
@@ -655,9 +821,7 @@ class Forwarder:
             ds = []
             for full in names:
                 local = full.rsplit("/", 1)[-1]
-                if local.startswith("amqp."):
-                    continue
-                if routing.topic_matches(self.pattern, local):
+                if _valid_local(local) and routing.topic_matches(self.pattern, local):
                     ds.append(self._attach(local))
             return DeferredList(ds, consumeErrors=True)
 
@@ -668,123 +832,25 @@ class Forwarder:
     def _attach(self, local: str) -> Deferred[Any]:
         if self.closed or local in self.topics or not _valid_local(local):
             return succeed(None)
-        self.topics[local] = None
-        vh = self.queue.vhost
-        topic = f"persistent://{vh.namespace}/{local}"
-        sink = _ForwardSink(self, topic)
-        d = vh.service.subscribe(
-            topic,
-            f"amqp.fwd.{quote(self.queue.name, safe='')}",
-            sink,
-            SubType.EXCLUSIVE,
-            InitialPosition.LATEST,
-        )
-
-        def attached(sc: ServerConsumer) -> None:
-            if self.closed:
-                sc.close()
-                return
-            self.topics[local] = sc
-            sink.server_consumer = sc
-            sc.flow(1000)
+        self.topics.add(local)
+        topic = f"persistent://{self.queue.vhost.namespace}/{local}"
+        d = self.queue.ensure_source(topic, BRIDGE)
+        if d is None:
+            return succeed(None)
 
         def failed(f: Any) -> None:
-            log.warning(
-                "AMQP forwarder cannot subscribe", extra=kv(topic=topic, error=str(f.value))
-            )
-            self.topics.pop(local, None)
+            self.topics.discard(local)
 
-        d.addCallbacks(attached, failed)
+        d.addErrback(failed)
         return d
 
-    def close(self, unsubscribe: bool = False) -> None:
+    def close(self) -> None:
+        """Stop looking for topics; the queue keeps reading those it reads (what was
+        routed to it before an unbind stays in it)."""
         self.closed = True
         if self._scan is not None and self._scan.running:
             self._scan.stop()
-        for sc in self.topics.values():
-            if sc is not None:
-                (sc.unsubscribe() if unsubscribe else sc.close()).addErrback(lambda f: None)
         self.topics.clear()
-
-
-class _ForwardSink:
-    """Copies entries another protocol stored into the queue's topic, then acknowledges them."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, forwarder: Forwarder, topic: str) -> None:
-        self.forwarder = forwarder
-        self.topic = topic
-        self.server_consumer: ServerConsumer | None = None
-        self._id = next(self._ids)
-
-    consumer_id = property(lambda self: self._id)
-    consumer_name = property(lambda self: "amqp-forwarder")
-    priority_level = property(lambda self: 0)
-
-    def send_entries(self, deliveries: list[Delivery]) -> None:
-        queue = self.forwarder.queue
-        for d in deliveries:
-            entry = d.entry
-            data = entry.data
-            try:
-                messages = decode_entry(data)
-            except MessageFormatError:
-                messages = []
-            # What AMQP published to amq.topic was routed to the queue directly already.
-            keep = [m for m in messages if (P_EXCHANGE, "amq.topic") not in m.properties]
-            sc = self.server_consumer
-            if not keep or queue.deleted:
-                if sc is not None:
-                    sc.ack([entry.position]).addErrback(lambda f: None)
-                    sc.flow(entry.num_messages)
-                continue
-            local = self.topic.rsplit("/", 1)[-1]
-            for m in keep:
-                m.properties = [
-                    *(p for p in m.properties if not p[0].startswith("amqp.")),
-                    (P_EXCHANGE, "amq.topic"),
-                    (P_ROUTING_KEY, local),
-                ]
-            data = encode_entry(
-                keep,
-                producer_name="amqp-forwarder",
-                sequence_id=-1,
-                publish_time_ms=entry.publish_time_ms,
-            )
-            if queue.memory_only:
-                for m in keep:
-                    am = from_stored(m)
-                    am.publish_time_ms = am.publish_time_ms or entry.publish_time_ms
-                    queue.accept(am)
-                if sc is not None:
-                    sc.ack([entry.position]).addErrback(lambda f: None)
-                    sc.flow(entry.num_messages)
-                continue
-            queue.appending += 1
-            pd = queue.vhost.service.publish(queue.topic, data, num_messages=len(keep))
-
-            def done(
-                e: Entry | None, pos: Position = entry.position, n: int = entry.num_messages
-            ) -> None:
-                queue.appended(e)
-                if self.server_consumer is not None:
-                    self.server_consumer.ack([pos]).addErrback(lambda f: None)
-                    self.server_consumer.flow(n)
-
-            def failed(f: Any) -> None:
-                queue.appended(None)
-
-            pd.addCallbacks(done, failed)
-
-    def active_changed(self, is_active: bool) -> None:
-        pass
-
-    def reached_end_of_topic(self) -> None:
-        pass
-
-    def disconnect(self) -> None:
-        self.server_consumer = None
 
 
 @dataclass
@@ -843,6 +909,48 @@ class VirtualHost:
         d.addErrback(lambda f: None)
         return d
 
+    def _source_path(self, q: Queue, topic: str) -> str:
+        return f"{self._root}/sources/{quote(q.name, safe='')}/{quote(topic, safe='')}"
+
+    def record_source(self, q: Queue, topic: str, kind: str) -> Deferred[Any]:
+        """Remember that durable queue ``q`` reads ``topic`` (so a restart reads it again)."""
+        body = json.dumps({"kind": kind}).encode()
+        return self.service.metadata_store.put(self._source_path(q, topic), body)
+
+    def _forget_source(self, q: Queue, topic: str) -> Deferred[Any]:
+        d = self.service.metadata_store.delete(self._source_path(q, topic))
+        d.addErrback(lambda f: None)
+        return d
+
+    async def _restore_sources(self, q: Queue) -> None:
+        store = self.service.metadata_store
+        root = f"{self._root}/sources/{quote(q.name, safe='')}"
+        for child in await store.children(root):
+            got = await store.get(f"{root}/{child}")
+            if got is None:
+                continue
+            kind = json.loads(got.value).get("kind")
+            if kind in (SHARED, BRIDGE):
+                d = q.ensure_source(unquote(child), kind)
+                if d is not None:
+                    await d
+
+    def bridge_bound(self, queue: str, local: str) -> bool:
+        """Whether ``queue`` is bound to ``amq.topic`` with a key that topic ``local`` matches."""
+        ex = self.exchanges.get("amq.topic")
+        if ex is None:
+            return False
+        return any(
+            b.kind == routing.QUEUE
+            and b.destination == queue
+            and routing.topic_matches(b.routing_key, local)
+            for b in ex.bindings
+        )
+
+    def exchange_log(self, exchange: str) -> str:
+        """The topic that holds what is published to ``exchange`` for several queues."""
+        return f"persistent://{self.namespace}/amqp.exchange.{quote(exchange, safe='') or '%'}"
+
     @staticmethod
     def _binding_id(b: routing.Binding) -> str:
         raw = json.dumps([b.source, b.destination, b.kind, b.routing_key, repr(b.arguments)])
@@ -879,6 +987,7 @@ class VirtualHost:
                     )
                     self.queues[name] = q
                     await q.start()
+                    await self._restore_sources(q)
                 else:
                     b = routing.Binding(
                         body["source"],
@@ -1045,7 +1154,7 @@ class VirtualHost:
             ):
                 fwd = q.forwarders.pop(b.routing_key, None)
                 if fwd is not None:
-                    fwd.close(unsubscribe=True)
+                    fwd.close()
         return self._forget("bindings", self._binding_id(b))
 
     # -- queues ------------------------------------------------------------------------------
@@ -1142,8 +1251,13 @@ class VirtualHost:
                 if b.kind == routing.QUEUE and b.destination == name:
                     ds.append(self._unbind(ex, b))
         for fwd in q.forwarders.values():
-            fwd.close(unsubscribe=True)
+            fwd.close()
         q.forwarders.clear()
+        for topic, s in q.sources.items():
+            if s.kind != OWN:
+                s.close(unsubscribe=True)
+                if q.recorded:
+                    ds.append(self._forget_source(q, topic))
         q.close()
         if q.durable:
             ds.append(self._forget("queues", name))
@@ -1180,51 +1294,63 @@ class VirtualHost:
         return [self.queues[n] for n in names if n in self.queues]
 
     def publish(self, msg: AmqpMessage, queues: list[Queue] | None = None) -> Deferred[int]:
-        """Store ``msg`` once per destination (and on topic R via ``amq.topic``); fire with the
-        number of queues reached once every write is durable."""
+        """Store ``msg`` once, whatever the number of queues it reaches; fire with that
+        number once the write is durable (then it is in every one of them).
+
+        Where it is stored: on topic R for ``amq.topic`` with routing key R (other protocols
+        read it there); else in the one durable queue's own topic; else, for several, in the
+        exchange's log, naming the queues in ``P_TO``. Each queue reads a shared log through
+        a subscription of its own, created (and recorded) before the first append it needs.
+        Transient queues take the message in memory."""
         if queues is None:
             queues = self.destinations(msg)
         if not msg.persistent and not msg.incarnation:
             msg.incarnation = self.incarnation
-        now = _now_ms(self.clock)
-        stored = [q for q in queues if not q.memory_only]
-        if len(stored) != len(queues):
-            msg.publish_time_ms = now
+        reached = len(queues)
+        stored = [q for q in queues if not q.memory_only and not q.deleted]
+        if any(q.memory_only for q in queues):
+            msg.publish_time_ms = _now_ms(self.clock)
             for q in queues:
                 if q.memory_only:
                     q.accept(msg)
-            reached = len(queues)
-            queues = stored
+        kind = SHARED
+        if msg.exchange == "amq.topic" and _valid_local(msg.routing_key):
+            target = f"persistent://{self.namespace}/{msg.routing_key}"
+            kind = BRIDGE
+        elif len(stored) > 1:
+            target = self.exchange_log(msg.exchange)
+        elif stored:
+            target = stored[0].topic
+            kind = OWN
         else:
-            reached = len(queues)
-        targets = [q.topic for q in queues]
-        bridge = msg.exchange == "amq.topic" and _valid_local(msg.routing_key)
-        if bridge:
-            targets.append(f"persistent://{self.namespace}/{msg.routing_key}")
-        if not targets:
             return succeed(reached)
         stored_message = to_stored(msg)
-        size = len(msg.body) + 256
-        ds: list[Deferred[Any]] = []
-        for q in queues:
+        waits: list[Deferred[None]] = []
+        if kind != OWN:
+            stored_message.properties.append((P_TO, encode_to([q.name for q in stored])))
+            for q in stored:
+                w = q.ensure_source(target, kind)
+                if w is not None:
+                    waits.append(w)
+        for q in stored:
             q.appending += 1
-            d = self._store(q.topic, stored_message, size)
-            d.addBoth(_appended, q)
-            ds.append(d)
-        if bridge:
-            ds.append(self._store(targets[-1], stored_message, size))
-        if len(ds) == 1:
-            # The common case: one destination, no list of Deferreds to wait on.
-            one = ds[0]
-            one.addCallback(lambda _: reached)
-            return one
-        dl = DeferredList(ds, fireOnOneErrback=True, consumeErrors=True)
+        size = len(msg.body) + 256
+        if not waits:
+            d = self._store(target, stored_message, size)
+        else:
+            # The first message a queue gets through this log waits for its subscription.
+            d = DeferredList(waits, fireOnOneErrback=True, consumeErrors=True)
+            d.addCallbacks(lambda _: self._store(target, stored_message, size), _first_failure)
 
-        def unwrap(f: Any) -> Any:
-            return f.value.subFailure if hasattr(f.value, "subFailure") else f
+        def appended(result: Any) -> Any:
+            entry = result if isinstance(result, Entry) else None
+            for q in stored:
+                q.appended(target, entry)
+            return result
 
-        dl.addCallbacks(lambda _: reached, unwrap)
-        return dl  # type: ignore[return-value]
+        d.addBoth(appended)
+        d.addCallback(lambda _: reached)
+        return d  # type: ignore[return-value]
 
     # -- batching ----------------------------------------------------------------------------
 
@@ -1286,10 +1412,12 @@ class _Batch:
     size: int = 0
 
 
-def _appended(result: Any, q: Queue) -> Any:
-    q.appended(result if isinstance(result, Entry) else None)
-    return result
+def _first_failure(f: Any) -> Any:
+    """The failure inside a DeferredList's FirstError."""
+    return f.value.subFailure if hasattr(f.value, "subFailure") else f
 
 
 def _valid_local(name: str) -> bool:
-    return bool(name) and "/" not in name and ":" not in name
+    """Whether ``amq.topic`` bridges routing key ``name`` to a topic (the ``amqp.`` topics
+    are this handler's own)."""
+    return bool(name) and "/" not in name and ":" not in name and not name.startswith("amqp.")

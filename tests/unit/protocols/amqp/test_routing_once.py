@@ -1,0 +1,208 @@
+"""Unit tests of routing without a copy per queue: a message that reaches several durable queues
+is stored once (in its exchange's log) and each queue reads it through a subscription of its own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from amqp_peer import Peer
+
+from polybroker.protocols.amqp import codec as c
+
+EXCHANGE_LOG = "public/default/persistent/amqp.exchange.fan"
+QUEUES = [f"q{i}" for i in range(5)]
+
+
+def stored(p: Peer) -> tuple[int, int]:
+    """Entries and payload bytes over every log of the broker."""
+    entries = [e for log in p.ledgers.logs.values() for e in log.entries]
+    return len(entries), sum(len(e.data) for e in entries)
+
+
+def fanout(p: Peer, queues: list[str] = QUEUES, *, confirm: bool = True) -> None:
+    """Declare durable exchange ``fan`` with ``queues`` bound to it."""
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.ExchangeDeclare(exchange="fan", type="fanout", durable=True))
+    for q in queues:
+        p.method(1, c.QueueDeclare(queue=q, durable=True))
+        p.method(1, c.QueueBind(queue=q, exchange="fan"))
+    if confirm:
+        p.method(1, c.ConfirmSelect())
+    p.clock.advance(0)
+    p.methods()
+
+
+def get(p: Peer, queue: str, no_ack: bool = True) -> bytes | None:
+    """basic.get one message's body (None: get-empty)."""
+    p.method(1, c.BasicGet(queue=queue, no_ack=no_ack))
+    p.clock.advance(0)
+    frames = p.received()
+    if any(isinstance(f, c.MethodFrame) and isinstance(f.method, c.BasicGetEmpty) for f in frames):
+        return None
+    return b"".join(f.data for f in frames if isinstance(f, c.BodyFrame))
+
+
+def drain(p: Peer, queue: str) -> list[bytes]:
+    out: list[bytes] = []
+    while (body := get(p, queue)) is not None:
+        out.append(body)
+    return out
+
+
+def restart(p: Peer) -> Peer:
+    """Stop ``p`` and start a broker over what it stored."""
+    p.handler.stop()
+    p.service.close()
+    p.clock.advance(0)
+    again = Peer(ledgers=p.ledgers, store=p.store)
+    again.clock.advance(0)
+    return again
+
+
+def test_fanout_to_five_queues_stores_the_body_once() -> None:
+    """A 10 kB message fanned out to five durable queues adds one entry (about 10 kB) to
+    storage, is confirmed once that entry is durable, and every queue delivers it."""
+    p = Peer()
+    fanout(p)
+    body = bytes(range(256)) * 40
+    before = stored(p)
+    p.publish(1, "fan", "", body, delivery_mode=2)
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicAck(1, True)]
+    entries, size = stored(p)
+    assert entries - before[0] == 1
+    assert len(body) < size - before[1] < 2 * len(body)
+    assert len(p.ledgers.ledger(EXCHANGE_LOG).data.entries) == 1
+    assert [get(p, q) for q in QUEUES] == [body] * 5
+    assert [get(p, q) for q in QUEUES] == [None] * 5
+
+
+def test_confirm_waits_for_the_shared_write_and_nacks_a_failed_one() -> None:
+    """A message stored once for several queues is confirmed only after its durable write,
+    and nacked (and delivered nowhere) when that write fails."""
+    p = Peer()
+    fanout(p, ["a", "b"])
+    p.publish(1, "fan", "", b"first", delivery_mode=2)  # creates the exchange's log
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicAck(1, True)]
+    ledger = p.ledgers.ledger(EXCHANGE_LOG)
+    ledger.hold_appends = True
+    p.publish(1, "fan", "", b"second", delivery_mode=2)
+    p.publish(1, "fan", "", b"third", delivery_mode=2)
+    p.clock.advance(0)
+    assert p.methods() == []
+    ledger.release_appends(error=RuntimeError("bookies gone"))
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicNack(2, False, False), c.BasicNack(3, False, False)]
+    assert drain(p, "a") == [b"first"]
+    assert drain(p, "b") == [b"first"]
+
+
+def test_each_queue_acks_on_its_own_and_only_gets_what_was_routed_to_it() -> None:
+    """On a direct exchange one log holds the messages for several queues; each queue gets
+    the ones routed to it (in order), and a message routed to one queue goes to its own topic."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.ExchangeDeclare(exchange="fan", type="direct", durable=True))
+    for q, keys in (("a", ("x", "both")), ("b", ("y", "both"))):
+        p.method(1, c.QueueDeclare(queue=q, durable=True))
+        for k in keys:
+            p.method(1, c.QueueBind(queue=q, exchange="fan", routing_key=k))
+    p.clock.advance(0)
+    p.methods()
+    for i in range(3):
+        p.publish(1, "fan", "both", f"both{i}".encode(), delivery_mode=2)
+        p.publish(1, "fan", "x", f"x{i}".encode(), delivery_mode=2)
+        p.publish(1, "fan", "y", f"y{i}".encode(), delivery_mode=2)
+    p.clock.advance(0)
+    assert len(p.ledgers.ledger(EXCHANGE_LOG).data.entries) == 3  # the "both" messages
+    assert len(p.ledgers.ledger("public/default/persistent/amqp.queue.a").data.entries) == 3
+    a, b = drain(p, "a"), drain(p, "b")
+    assert [m for m in a if m.startswith(b"both")] == [b"both0", b"both1", b"both2"]
+    assert [m for m in a if not m.startswith(b"both")] == [b"x0", b"x1", b"x2"]
+    assert [m for m in b if m.startswith(b"both")] == [b"both0", b"both1", b"both2"]
+    assert [m for m in b if not m.startswith(b"both")] == [b"y0", b"y1", b"y2"]
+    p.publish(1, "fan", "both", b"late", delivery_mode=2)
+    p.clock.advance(0)
+    assert drain(p, "a") == [b"late"]
+
+
+def test_unbind_keeps_what_was_routed_before() -> None:
+    """Messages routed to a queue before its unbind stay in it; later ones do not reach it."""
+    p = Peer()
+    fanout(p, ["a", "b"], confirm=False)
+    p.publish(1, "fan", "", b"before", delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.QueueUnbind(queue="b", exchange="fan"))
+    p.clock.advance(0)
+    assert p.methods() == [c.QueueUnbindOk()]
+    p.publish(1, "fan", "", b"after", delivery_mode=2)
+    p.clock.advance(0)
+    assert drain(p, "a") == [b"before", b"after"]
+    assert drain(p, "b") == [b"before"]
+
+
+def test_restart_keeps_every_queue_of_a_fanout() -> None:
+    """After a restart each queue bound to one exchange has what it had not acknowledged,
+    in order, and the exchange keeps routing to all of them."""
+    p = Peer()
+    fanout(p, ["a", "b", "c"])
+    for i in range(4):
+        p.publish(1, "fan", "", f"m{i}".encode(), delivery_mode=2)
+    p.clock.advance(0)
+    p.methods()
+    assert [get(p, "a"), get(p, "a")] == [b"m0", b"m1"]  # acknowledged (no-ack)
+    assert get(p, "b", no_ack=False) == b"m0"  # delivered, never acknowledged
+    p.clock.advance(1)
+    p = restart(p)
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.clock.advance(0)
+    p.methods()
+    assert drain(p, "a") == [b"m2", b"m3"]
+    assert drain(p, "b") == [b"m0", b"m1", b"m2", b"m3"]
+    assert drain(p, "c") == [b"m0", b"m1", b"m2", b"m3"]
+    p.publish(1, "fan", "", b"again", delivery_mode=2)
+    p.clock.advance(0)
+    assert [drain(p, q) for q in "abc"] == [[b"again"]] * 3
+
+
+def test_delete_and_purge_release_the_shared_log() -> None:
+    """A deleted queue's subscription on the exchange's log goes with it; a purged queue
+    drops what it had; the log keeps serving the other queues."""
+    p = Peer()
+    fanout(p, ["a", "b", "c"], confirm=False)
+    p.publish(1, "fan", "", b"one", delivery_mode=2)
+    p.clock.advance(0)
+    ledger = p.ledgers.ledger(EXCHANGE_LOG)
+    assert sorted(ledger.data.cursors) == ["amqp.q.a", "amqp.q.b", "amqp.q.c"]
+    p.method(1, c.QueueDelete(queue="c"))
+    p.method(1, c.QueuePurge(queue="b"))
+    p.clock.advance(0)
+    assert p.methods() == [c.QueueDeleteOk(1), c.QueuePurgeOk(1)]
+    assert sorted(ledger.data.cursors) == ["amqp.q.a", "amqp.q.b"]
+    assert drain(p, "b") == []
+    assert drain(p, "a") == [b"one"]
+    assert not any("/sources/c/" in path for path in p.store.nodes)
+    assert any("/sources/a/" in path for path in p.store.nodes)
+
+
+def test_transient_and_durable_queues_share_one_publish() -> None:
+    """A fanout to a transient and two durable queues: the transient one holds the message in
+    memory, the durable ones read the one stored copy."""
+    p = Peer()
+    fanout(p, ["d1", "d2"], confirm=False)
+    p.method(1, c.QueueDeclare(queue="t", durable=False))
+    p.method(1, c.QueueBind(queue="t", exchange="fan"))
+    p.clock.advance(0)
+    p.methods()
+    before = stored(p)[0]
+    p.publish(1, "fan", "", b"m", delivery_mode=2)
+    p.clock.advance(0)
+    assert stored(p)[0] - before == 1
+    assert [drain(p, q) for q in ("d1", "d2", "t")] == [[b"m"]] * 3
