@@ -14,11 +14,18 @@ Rule 4: answers map to the api's errors: FENCED -> ``LedgerFencedError``, NO_SUC
         ``NoSuchEntryError``, NO_SUCH_LEDGER -> ``NoSuchLedgerError``, BAD_REQUEST, BAD_VERSION and
         TOO_LARGE -> ``BookieProtocolError``, ERROR -> ``BookieError``. A frame the client cannot
         decode drops the connection (pending requests fail as in Rule 3).
+Rule 5: ``add_entry_batched`` stages adds and sends those of one ledger made in one reactor turn
+        as one ADD_MULTI frame (split at the frame limit) to a bookie that negotiated wire
+        version 2, as single ADD frames to an older one; the listener hears once per frame
+        which entries were acknowledged or failed, with no Deferred per entry. Staged adds that
+        cannot be sent (the connection failed, the client closed) fail like pending ones.
 """
 
 from __future__ import annotations
 
 import logging
+import typing
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -41,8 +48,11 @@ from polybroker.ledger.wire import (
     ADD_FIELDS_SIZE,
     DEFAULT_MAX_FRAME_SIZE,
     HEADER_SIZE,
+    LATEST_VERSION,
+    MULTI_ADD_VERSION,
     WIRE_VERSION,
     AddResponse,
+    Buffer,
     DeleteLedgerRequest,
     DeleteLedgerResponse,
     ErrorResponse,
@@ -52,6 +62,7 @@ from polybroker.ledger.wire import (
     HelloRequest,
     HelloResponse,
     Message,
+    MultiAddResponse,
     ReadLacRequest,
     ReadLacResponse,
     ReadRangeRequest,
@@ -62,6 +73,8 @@ from polybroker.ledger.wire import (
     WriteLacRequest,
     WriteLacResponse,
     encode_add_request,
+    encode_multi_add,
+    multi_add_size,
 )
 
 log = logging.getLogger(__name__)
@@ -77,8 +90,9 @@ _ERRORS: dict[int, type[BookieError]] = {
 }
 
 # What each kind of request expects back.
-_ADD, _READ, _RANGE, _LAC, _FENCE, _DELETE, _HELLO, _WRITE_LAC = range(8)
+_ADD, _READ, _RANGE, _LAC, _FENCE, _DELETE, _HELLO, _WRITE_LAC, _MULTI = range(9)
 _EXPECT: dict[int, type] = {
+    _MULTI: MultiAddResponse,
     _ADD: AddResponse,
     _READ: ReadResponse,
     _RANGE: ReadRangeResponse,
@@ -88,26 +102,61 @@ _EXPECT: dict[int, type] = {
     _HELLO: HelloResponse,
     _WRITE_LAC: WriteLacResponse,
 }
-_NAMES = ("add", "read", "read range", "read LAC", "fence", "delete", "hello", "write LAC")
+_NAMES = ("add", "read", "read range", "read LAC", "fence", "delete", "hello", "write LAC", "add")
 
 _IDLE, _CONNECTING, _HANDSHAKING, _READY = range(4)
 
 
+class AddListener(typing.Protocol):
+    """Who hears the outcome of batched adds (Rule 5): called once per frame answered."""
+
+    def entries_acked(self, address: str, entry_ids: Sequence[int]) -> None:
+        """The bookie at ``address`` journaled these entries."""
+
+    def entries_failed(self, address: str, entry_ids: Sequence[int], error: BookieError) -> None:
+        """These entries failed on the bookie at ``address``."""
+
+
+class _Group:
+    """Batched adds of one ledger staged in this reactor turn."""
+
+    __slots__ = ("entry_ids", "items", "listener", "nbytes")
+
+    def __init__(self, listener: AddListener) -> None:
+        self.listener = listener
+        self.items: list[tuple[int, int, Buffer, int]] = []
+        self.entry_ids: list[int] = []
+        self.nbytes = 0
+
+
 class _Pending:
-    """A request waiting for its answer."""
+    """A request waiting for its answer: a Deferred's, or a listener's (batched adds)."""
 
-    __slots__ = ("d", "deadline", "entry_id", "kind", "ledger_id", "timer")
+    __slots__ = ("d", "deadline", "entry_id", "entry_ids", "kind", "ledger_id", "listener", "timer")
 
-    def __init__(self, d: Deferred[Any], deadline: float, kind: int, ledger_id: int, entry_id: int):
+    def __init__(
+        self,
+        d: Deferred[Any] | None,
+        deadline: float,
+        kind: int,
+        ledger_id: int,
+        entry_id: int,
+        listener: AddListener | None = None,
+        entry_ids: list[int] | None = None,
+    ):
         self.d = d
         self.deadline = deadline
         self.kind = kind
         self.ledger_id = ledger_id
         self.entry_id = entry_id
         self.timer: Any = None
+        self.listener = listener
+        self.entry_ids = entry_ids
 
     def describe(self) -> str:
         what = _NAMES[self.kind]
+        if self.kind == _MULTI and self.entry_ids:
+            return f"{what} {self.ledger_id}:{self.entry_ids[0]}..{self.entry_ids[-1]}"
         if self.kind in (_ADD, _READ, _RANGE):
             return f"{what} {self.ledger_id}:{self.entry_id}"
         if self.kind == _HELLO:
@@ -196,6 +245,10 @@ class TcpBookieClient(BookieClient):
         self._identity_error: BookieUnavailableError | None = None
         self._closed = False
         self._close_waiters: list[Deferred[None]] = []
+        self._version = WIRE_VERSION  # what the bookie chose at the handshake
+        self._staged: dict[int, _Group] = {}  # batched adds of this reactor turn, by ledger
+        self._unsent: list[tuple[int, _Group]] = []  # flushed before the handshake ended
+        self._flush_call: Any = None
 
     # -- the BookieClient API ---------------------------------------------------------------
 
@@ -227,6 +280,41 @@ class TcpBookieClient(BookieClient):
         else:
             self._send(frame)
         return d
+
+    def add_entry_batched(
+        self, ledger_id: int, entry_id: int, lac: int, data: bytes, listener: AddListener
+    ) -> None:
+        """Stage an add to go out with the others of this reactor turn (Rule 5); ``listener``
+        hears of it once, possibly before this returns (an add refused at once)."""
+        if len(data) > self._max_data:
+            self._tell_failed(
+                listener,
+                [entry_id],
+                BookieProtocolError(
+                    f"{self.address}: add {ledger_id}:{entry_id}: {len(data)} bytes exceed the "
+                    f"frame limit {self.max_frame_size}"
+                ),
+            )
+            return
+        if self._closed or self._identity_error is not None:
+            error = self._identity_error or BookieUnavailableError(f"{self.address}: closed")
+            self._tell_failed(listener, [entry_id], error)
+            return
+        group = self._staged.get(ledger_id)
+        if group is not None and (
+            group.listener is not listener
+            or multi_add_size(group.nbytes + len(data), len(group.items) + 1) > self.max_frame_size
+        ):
+            del self._staged[ledger_id]
+            self._flush_group(ledger_id, group)
+            group = None
+        if group is None:
+            group = self._staged[ledger_id] = _Group(listener)
+        group.items.append((entry_id, lac, data, 0))
+        group.entry_ids.append(entry_id)
+        group.nbytes += len(data)
+        if self._flush_call is None:
+            self._flush_call = self._reactor.callLater(0, self._flush)
 
     @override
     def read_entry(self, ledger_id: int, entry_id: int, *, fence: bool = False) -> Deferred[bytes]:
@@ -334,13 +422,76 @@ class TcpBookieClient(BookieClient):
             return
         self._backlog.append(frame)
         if self._state == _IDLE:
-            self._state = _CONNECTING
-            self._connector = self._reactor.connectTCP(
-                self._host, self._port, _Factory(self), timeout=self.timeout_s
-            )
+            self._connect()
+
+    def _write_sequence(self, parts: list[Buffer]) -> None:
+        self._proto.transport.writeSequence(parts)  # type: ignore[union-attr, arg-type]
+
+    def _connect(self) -> None:
+        self._state = _CONNECTING
+        self._connector = self._reactor.connectTCP(
+            self._host, self._port, _Factory(self), timeout=self.timeout_s
+        )
 
     def _hello(self, rid: int) -> bytes:
-        return HelloRequest(rid, WIRE_VERSION, WIRE_VERSION, self._client_name).encode()
+        return HelloRequest(rid, WIRE_VERSION, LATEST_VERSION, self._client_name).encode()
+
+    # -- batched adds (Rule 5) --------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_call = None
+        staged, self._staged = self._staged, {}
+        for ledger_id, group in staged.items():
+            self._flush_group(ledger_id, group)
+
+    def _flush_group(self, ledger_id: int, group: _Group) -> None:
+        if self._write is None:
+            self._unsent.append((ledger_id, group))
+            if self._state == _IDLE:
+                self._connect()
+            return
+        deadline = self._seconds() + self.timeout_s
+        pending = self._pending
+        if self._sweep_call is None:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval, self._sweep)
+        if self._version >= MULTI_ADD_VERSION:
+            rid = self._next_id
+            self._next_id = rid + 1
+            pending[rid] = _Pending(
+                None, deadline, _MULTI, ledger_id, -1, group.listener, group.entry_ids
+            )
+            self._write_sequence(encode_multi_add(rid, ledger_id, group.items))
+            return
+        frames = []
+        for entry_id, lac, data, _ in group.items:
+            rid = self._next_id
+            self._next_id = rid + 1
+            pending[rid] = _Pending(
+                None, deadline, _ADD, ledger_id, entry_id, group.listener, [entry_id]
+            )
+            frames.append(encode_add_request(rid, ledger_id, entry_id, lac, data))
+        self._write_sequence(frames)
+
+    def _tell_acked(self, p: _Pending) -> None:
+        try:
+            p.listener.entries_acked(self.address, p.entry_ids)  # type: ignore[union-attr, arg-type]
+        except Exception:
+            log.exception("add listener failed", extra={"fields": {"address": self.address}})
+
+    def _tell_failed(
+        self, listener: AddListener, entry_ids: Sequence[int], error: BookieError
+    ) -> None:
+        try:
+            listener.entries_failed(self.address, entry_ids, error)
+        except Exception:
+            log.exception("add listener failed", extra={"fields": {"address": self.address}})
+
+    def _reject(self, p: _Pending, error: BookieError) -> None:
+        """Fail a pending request, whoever waits for it."""
+        if p.d is not None:
+            p.d.errback(error)
+        else:
+            self._tell_failed(p.listener, p.entry_ids, error)  # type: ignore[arg-type]
 
     def _sweep(self) -> None:
         self._sweep_call = None
@@ -364,7 +515,7 @@ class TcpBookieClient(BookieClient):
             self._expire(p)
 
     def _expire(self, p: _Pending) -> None:
-        p.d.errback(BookieUnavailableError(f"{self.address}: {p.describe()} timed out"))
+        self._reject(p, BookieUnavailableError(f"{self.address}: {p.describe()} timed out"))
         if p.kind == _HELLO and self._state == _HANDSHAKING and self._proto is not None:
             # A bookie that does not answer the handshake is not usable on this connection.
             assert self._proto.transport is not None
@@ -409,11 +560,15 @@ class TcpBookieClient(BookieClient):
             self._proto.transport.loseConnection()
             return
         self._state = _READY
+        self._version = resp.version
         assert self._proto.transport is not None
         self._write = self._proto.transport.write
         backlog, self._backlog = self._backlog, []
         if backlog:
             self._proto.transport.writeSequence(backlog)
+        unsent, self._unsent = self._unsent, []
+        for ledger_id, group in unsent:
+            self._flush_group(ledger_id, group)
 
     def _handshake_failed(self, reason: Failure, proto: _ClientProtocol) -> None:
         if proto is not self._proto:
@@ -461,10 +616,18 @@ class TcpBookieClient(BookieClient):
         if self._sweep_call is not None and self._sweep_call.active():
             self._sweep_call.cancel()
         self._sweep_call = None
+        groups = self._unsent + list(self._staged.items())
+        self._unsent = []
+        self._staged = {}
+        if self._flush_call is not None and self._flush_call.active():
+            self._flush_call.cancel()
+        self._flush_call = None
         for p in pending:
             if p.timer is not None and p.timer.active():
                 p.timer.cancel()
-            p.d.errback(error)
+            self._reject(p, error)
+        for _, group in groups:
+            self._tell_failed(group.listener, group.entry_ids, error)
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -477,28 +640,46 @@ class TcpBookieClient(BookieClient):
                 return  # timed out already: its caller was told
             if p.timer is not None and p.timer.active():
                 p.timer.cancel()
-        if type(msg) is AddResponse and p.kind == _ADD:
-            if msg.status == Status.OK:
-                p.d.callback(None)
+        t = type(msg)
+        if t is MultiAddResponse and p.kind == _MULTI:
+            if msg.status == Status.OK and msg.count == len(p.entry_ids):  # type: ignore[union-attr, arg-type]
+                self._tell_acked(p)
+                return
+        elif t is AddResponse and p.kind == _ADD:
+            if msg.status == Status.OK:  # type: ignore[union-attr]
+                if p.d is not None:
+                    p.d.callback(None)
+                else:
+                    self._tell_acked(p)
             else:
-                p.d.errback(self._error(p, msg.status, msg.message))
+                self._reject(p, self._error(p, msg.status, msg.message))  # type: ignore[union-attr]
             return
         self._answer_other(p, msg)
 
     def _answer_other(self, p: _Pending, msg: Message) -> None:
         status: Status = msg.status  # type: ignore[union-attr]
         if type(msg) is ErrorResponse:
-            p.d.errback(self._error(p, status, msg.message))
+            self._reject(p, self._error(p, status, msg.message))
             return
         if type(msg) is not _EXPECT[p.kind]:
-            p.d.errback(
+            self._reject(
+                p,
                 BookieProtocolError(
                     f"{self.address}: {p.describe()}: answered with {type(msg).__name__}"
-                )
+                ),
             )
             return
         if status != Status.OK:
-            p.d.errback(self._error(p, status, msg.message))  # type: ignore[union-attr]
+            self._reject(p, self._error(p, status, msg.message))  # type: ignore[union-attr]
+            return
+        if p.kind == _MULTI:
+            # OK with a count other than what was sent: the bookie is not following the protocol.
+            self._reject(
+                p,
+                BookieProtocolError(
+                    f"{self.address}: {p.describe()}: answered for {msg.count} entries"  # type: ignore[union-attr]
+                ),
+            )
             return
         kind = p.kind
         result: Any
@@ -514,6 +695,7 @@ class TcpBookieClient(BookieClient):
             result = msg
         else:
             result = None
+        assert p.d is not None
         p.d.callback(result)
 
     def _error(self, p: _Pending, status: int, message: str) -> BookieError:

@@ -278,15 +278,46 @@ class _ReadHandle(ReadHandle):
         return succeed(None)
 
 
+AddDone = Callable[[int, Any, "WriteHandle"], None]
+AddFailed = Callable[[Exception, Any, "WriteHandle"], None]
+
+
+def _fire(entry_id: int, d: Deferred[int], _: WriteHandle) -> None:
+    d.callback(entry_id)
+
+
+def _fire_error(error: Exception, d: Deferred[int], _: WriteHandle) -> None:
+    d.errback(error)
+
+
 class _PendingAdd:
-    """One add not yet completed."""
+    """One add not yet completed, and whom to tell when it is."""
 
-    __slots__ = ("acked", "d", "length", "record", "sent_at", "write_set")
+    __slots__ = (
+        "acked",
+        "length",
+        "on_done",
+        "on_failed",
+        "record",
+        "sent_at",
+        "token",
+        "write_set",
+    )
 
-    def __init__(self, record: bytes, length: int, now: float) -> None:
+    def __init__(
+        self,
+        record: bytes,
+        length: int,
+        now: float,
+        on_done: AddDone,
+        on_failed: AddFailed,
+        token: Any,
+    ) -> None:
         self.record = record
         self.length = length  # cumulative bytes through this entry
-        self.d: Deferred[int] = Deferred()
+        self.on_done = on_done
+        self.on_failed = on_failed
+        self.token = token
         self.acked: set[str] = set()
         self.write_set: tuple[str, ...] | None = None  # None: not sent yet (ensemble change)
         self.sent_at = now
@@ -333,32 +364,66 @@ class _WriteHandle(_ReadHandle, WriteHandle):
 
     @override
     def append(self, data: bytes) -> Deferred[int]:
+        d: Deferred[int] = Deferred()
+        self.append_then(data, _fire, _fire_error, d)
+        return d
+
+    def append_then(self, data: bytes, on_done: AddDone, on_failed: AddFailed, token: Any) -> None:
+        """``append`` without a Deferred: exactly one of ``on_done(entry_id, token, self)`` and
+        ``on_failed(error, token, self)`` is called, completions in entry order (an add refused
+        at once is failed before this returns)."""
         if self._error is not None:
-            return fail(self._error)
+            on_failed(self._error, token, self)
+            return
         if self._closing:
-            return fail(LedgerClosedError(f"ledger {self.ledger_id} is closed"))
+            on_failed(LedgerClosedError(f"ledger {self.ledger_id} is closed"), token, self)
+            return
         entry_id = self._next
         self._next = entry_id + 1
         length = self._sent_length = self._sent_length + len(data)
         record = encode_record(self.ledger_id, entry_id, self._lac, length, data)
-        p = _PendingAdd(record, length, self._reactor.seconds())
+        p = _PendingAdd(record, length, self._reactor.seconds(), on_done, on_failed, token)
         self._pending[entry_id] = p
         if not self._changing:
             p.write_set = ws = self._write_sets[entry_id % self._metadata.ensemble_size]
             self._send(entry_id, p, ws)
         if self._sweep_call is None:
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
-        return p.d
 
     def _send(self, entry_id: int, p: _PendingAdd, targets: Sequence[str]) -> None:
         bookie, ledger_id, lac, record = self._client._bookie, self.ledger_id, self._lac, p.record
         for address in targets:
-            bookie(address).add_entry(ledger_id, entry_id, lac, record).addCallbacks(
+            client = bookie(address)
+            batched = getattr(client, "add_entry_batched", None)
+            if batched is not None:
+                batched(ledger_id, entry_id, lac, record, self)
+                continue
+            client.add_entry(ledger_id, entry_id, lac, record).addCallbacks(
                 self._acked,
                 self._add_failed,
                 callbackArgs=(entry_id, address),
                 errbackArgs=(entry_id, address),
             )
+
+    # The listener of batched adds (``TcpBookieClient.add_entry_batched``).
+
+    def entries_acked(self, address: str, entry_ids: Sequence[int]) -> None:
+        """A bookie journaled these entries."""
+        pending = self._pending
+        for entry_id in entry_ids:
+            p = pending.get(entry_id)
+            if p is not None and p.write_set is not None and address in p.write_set:
+                p.acked.add(address)
+        if not self._changing:
+            p = pending.get(self._lac + 1)
+            if p is not None and len(p.acked) >= self._qa:
+                self._complete()
+
+    def entries_failed(self, address: str, entry_ids: Sequence[int], error: BookieError) -> None:
+        """A bookie failed these entries."""
+        failure = Failure(error)
+        for entry_id in entry_ids:
+            self._add_failed(failure, entry_id, address)
 
     def _acked(self, _: object, entry_id: int, address: str) -> None:
         p = self._pending.get(entry_id)
@@ -377,7 +442,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             del pending[self._lac + 1]
             self._lac += 1
             self._length = p.length
-            p.d.callback(self._lac)
+            p.on_done(self._lac, p.token, self)
         if not pending and self._closing:
             self._seal()
 
@@ -435,7 +500,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         pending = sorted(self._pending.items())
         self._pending.clear()
         for _, p in pending:
-            p.d.errback(self._error)
+            p.on_failed(self._error, p.token, self)
         if self._sweep_call is not None and self._sweep_call.active():
             self._sweep_call.cancel()
         self._sweep_call = None

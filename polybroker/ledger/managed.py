@@ -440,6 +440,11 @@ class ManagedLedgerImpl(ManagedLedger):
         self._sent_entries += 1
         self._sent_bytes += len(add.raw)
         self._pending.append(add)
+        append_then = getattr(handle, "append_then", None)
+        if append_then is not None:
+            # The ledger client's Deferred-free append (one Deferred per entry is enough).
+            append_then(add.raw, self._add_done, self._add_error, add)
+            return
         handle.append(add.raw).addCallbacks(
             self._add_done, self._add_failed, callbackArgs=(add, handle), errbackArgs=(add, handle)
         )
@@ -481,6 +486,9 @@ class ManagedLedgerImpl(ManagedLedger):
             elif self._state is _State.OPEN and self._accepting and self._is_full():
                 self._begin_roll()
             self._check_idle()
+
+    def _add_error(self, error: Exception, add: _Add, handle: WriteHandle) -> None:
+        self._add_failed(Failure(error), add, handle)
 
     def _add_failed(self, failure: Failure, add: _Add, handle: WriteHandle) -> None:
         if handle is not self._current:

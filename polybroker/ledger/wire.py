@@ -23,6 +23,15 @@ Rule 5: responses carry ``[u8 status][u16 len][utf-8 message]`` then the payload
 Rule 6: a HELLO is always sent in a version-1 frame; its body carries the range of versions the
         client speaks and the answer the version chosen (or ``BAD_VERSION``) and the bookie's
         instance id.
+Rule 7: a frame's version byte is the version that defined its type: 1 for every type of
+        version 1, 2 for ``ADD_MULTI`` and its answer (a type in a header of another version is
+        refused). A client sends ``ADD_MULTI`` only to a bookie that chose version 2 or later.
+Rule 8: the ``ADD_MULTI`` body is ``[u64 ledger][u32 count]`` then ``count`` journal records
+        ``[u32 length][u32 crc32c(record body)][record body]``, each record body an ADD body of
+        that ledger (entry id >= 0, no flag but recovery). Each record's checksum covers its own
+        body and the frame checksum covers every other byte (the 12-byte head and each record's
+        8-byte head, in order), so every byte is checked once and the records are journaled
+        verbatim. The entries of one ``ADD_MULTI`` share one fate and one answer (the count).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,8 +51,10 @@ from polybroker.ledger.api import BookieProtocolError
 # Constants
 # ---------------------------------------------------------------------------------------------
 
-WIRE_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({WIRE_VERSION})
+WIRE_VERSION = 1  # the version of the base frame types (and of every HELLO)
+MULTI_ADD_VERSION = 2  # adds ADD_MULTI and ADD_MULTI_RESPONSE (Rules 7, 8)
+LATEST_VERSION = MULTI_ADD_VERSION
+SUPPORTED_VERSIONS = frozenset({WIRE_VERSION, MULTI_ADD_VERSION})
 
 # Room for the ledger client's record header around a largest message, and for response fields.
 FRAME_OVERHEAD = 64 * 1024
@@ -73,6 +85,12 @@ _RANGE_ITEM = struct.Struct(">qI")
 _FENCE_RESP = struct.Struct(">Qqq")
 # One struct for a whole ADD answer (the hot path): header, status, empty message, ledger, entry.
 _ADD_RESP_BODY = struct.Struct(">BHQq")
+MULTI_HEAD = struct.Struct(">QI")  # ledger, count: the head of an ADD_MULTI body
+MULTI_HEAD_SIZE = MULTI_HEAD.size  # 12
+RECORD_HEAD = struct.Struct(">II")  # a journal record's length and crc32c (Rule 8)
+RECORD_HEAD_SIZE = RECORD_HEAD.size  # 8
+_RECORD_AND_FIELDS = struct.Struct(">IIQqqB")  # a record head and the ADD fields after it
+_MULTI_RESP = struct.Struct(">QI")  # ledger, count
 
 _MAX_MESSAGE_TEXT = 1024
 
@@ -88,6 +106,7 @@ class MsgType(enum.IntEnum):
     FENCE = 6
     DELETE_LEDGER = 7
     WRITE_LAC = 8
+    ADD_MULTI = 9  # version 2
 
     RESPONSE = 0x80
     HELLO_RESPONSE = 0x81
@@ -98,6 +117,7 @@ class MsgType(enum.IntEnum):
     FENCE_RESPONSE = 0x86
     DELETE_LEDGER_RESPONSE = 0x87
     WRITE_LAC_RESPONSE = 0x88
+    ADD_MULTI_RESPONSE = 0x89  # version 2
     # An answer to a frame that could not be decoded far enough to know what it asked.
     ERROR_RESPONSE = 0xFF
 
@@ -142,9 +162,9 @@ def _text(message: str) -> bytes:
     return raw
 
 
-def _frame(mtype: int, request_id: int, body: Buffer) -> bytes:
+def _frame(mtype: int, request_id: int, body: Buffer, version: int = WIRE_VERSION) -> bytes:
     return (
-        HEADER.pack(_LENGTH_AFTER_PREFIX + len(body), WIRE_VERSION, mtype, request_id, crc32c(body))
+        HEADER.pack(_LENGTH_AFTER_PREFIX + len(body), version, mtype, request_id, crc32c(body))
         + body
     )
 
@@ -281,6 +301,27 @@ class WriteLacRequest:
 
     def encode(self) -> bytes:
         return _frame(self.TYPE, self.request_id, _LEDGER_LAC.pack(self.ledger_id, self.lac))
+
+
+@dataclass(slots=True)
+class MultiAddRequest:
+    """Store several entries of one ledger as one journal submission (Rule 8, version 2).
+
+    ``entries`` holds (entry id, lac, data) with ``data`` a view of the received frame;
+    ``records`` is the journal-ready tail of the body; ``recovery`` is set when every record
+    carries the recovery flag."""
+
+    request_id: int
+    ledger_id: int
+    entries: list[tuple[int, int, Buffer]]
+    records: Buffer = b""
+    recovery: bool = False
+    TYPE: ClassVar[MsgType] = MsgType.ADD_MULTI
+
+    def encode(self) -> bytes:
+        flags = FLAG_RECOVERY if self.recovery else 0
+        items = [(entry, lac, data, flags) for entry, lac, data in self.entries]
+        return b"".join(encode_multi_add(self.request_id, self.ledger_id, items))
 
 
 @dataclass(slots=True)
@@ -433,6 +474,24 @@ class WriteLacResponse:
 
 
 @dataclass(slots=True)
+class MultiAddResponse:
+    """The one outcome of every entry of an ADD_MULTI (``count`` of them)."""
+
+    request_id: int
+    status: Status
+    message: str = ""
+    ledger_id: int = 0
+    count: int = 0
+    TYPE: ClassVar[MsgType] = MsgType.ADD_MULTI_RESPONSE
+
+    def encode(self) -> bytes:
+        body = _status_head(self.status, self.message) + _MULTI_RESP.pack(
+            self.ledger_id, self.count
+        )
+        return _frame(self.TYPE, self.request_id, body, MULTI_ADD_VERSION)
+
+
+@dataclass(slots=True)
 class ErrorResponse:
     """The answer to a frame that was not understood (bad checksum, unknown type, ...)."""
 
@@ -454,6 +513,7 @@ Request = (
     | FenceRequest
     | DeleteLedgerRequest
     | WriteLacRequest
+    | MultiAddRequest
 )
 Response = (
     HelloResponse
@@ -464,6 +524,7 @@ Response = (
     | FenceResponse
     | DeleteLedgerResponse
     | WriteLacResponse
+    | MultiAddResponse
     | ErrorResponse
 )
 Message = Request | Response
@@ -512,6 +573,50 @@ def encode_add_response(request_id: int, status: int, ledger_id: int, entry_id: 
         ledger_id,
         entry_id,
     )
+
+
+def encode_multi_add(
+    request_id: int, ledger_id: int, items: Sequence[tuple[int, int, Buffer, int]]
+) -> list[Buffer]:
+    """Return the parts of an ADD_MULTI frame of (entry id, lac, data, flags) items (Rule 8),
+    for ``writeSequence``: the data are referenced, not copied."""
+    fields_pack = ADD_FIELDS.pack
+    head_pack = RECORD_HEAD.pack
+    head = MULTI_HEAD.pack(ledger_id, len(items))
+    frame_crc = crc32c(head)
+    total = MULTI_HEAD_SIZE
+    parts: list[Buffer] = [b""]  # the frame header, once the checksum is known
+    append = parts.append
+    for entry_id, lac, data, flags in items:
+        fields = fields_pack(ledger_id, entry_id, lac, flags)
+        n = ADD_FIELDS_SIZE + len(data)
+        record_head = head_pack(n, crc32c(data, crc32c(fields)))
+        frame_crc = crc32c(record_head, frame_crc)
+        append(record_head + fields)
+        append(data)
+        total += RECORD_HEAD_SIZE + n
+    parts[0] = (
+        HEADER.pack(
+            _LENGTH_AFTER_PREFIX + total,
+            MULTI_ADD_VERSION,
+            MsgType.ADD_MULTI,
+            request_id,
+            frame_crc,
+        )
+        + head
+    )
+    return parts
+
+
+def multi_add_size(data_sizes: int, count: int) -> int:
+    """The size of an ADD_MULTI frame of ``count`` entries holding ``data_sizes`` bytes of data."""
+    return HEADER_SIZE + MULTI_HEAD_SIZE + count * (RECORD_HEAD_SIZE + ADD_FIELDS_SIZE) + data_sizes
+
+
+def encode_multi_add_response(request_id: int, status: int, ledger_id: int, count: int) -> bytes:
+    """Return an ADD_MULTI answer with no message."""
+    body = _STATUS.pack(status, 0) + _MULTI_RESP.pack(ledger_id, count)
+    return _frame(MsgType.ADD_MULTI_RESPONSE, request_id, body, MULTI_ADD_VERSION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,6 +669,44 @@ def _dec_add(rid: int, body: memoryview) -> AddRequest:
     return AddRequest(
         rid, ledger, entry, lac, bool(flags & FLAG_RECOVERY), body[ADD_FIELDS_SIZE:], body
     )
+
+
+def _dec_add_multi(rid: int, body: memoryview, frame_crc: int) -> MultiAddRequest:
+    """Decode and check an ADD_MULTI body (Rule 8); every bound is checked before use."""
+    size = len(body)
+    if size < MULTI_HEAD_SIZE:
+        raise _bad(rid, "ADD_MULTI body too short")
+    ledger_id, count = MULTI_HEAD.unpack_from(body, 0)
+    if count < 1 or count > (size - MULTI_HEAD_SIZE) // (RECORD_HEAD_SIZE + ADD_FIELDS_SIZE):
+        raise _bad(rid, f"ADD_MULTI claims {count} records, impossible in {size} bytes")
+    unpack = _RECORD_AND_FIELDS.unpack_from
+    running = crc32c(body[:MULTI_HEAD_SIZE])
+    entries: list[tuple[int, int, Buffer]] = []
+    append = entries.append
+    recovery = True
+    off = MULTI_HEAD_SIZE
+    for _ in range(count):
+        start = off + RECORD_HEAD_SIZE
+        if start + ADD_FIELDS_SIZE > size:
+            raise _bad(rid, "ADD_MULTI record runs past the frame")
+        length, crc, lid, entry_id, lac, flags = unpack(body, off)
+        end = start + length
+        if length < ADD_FIELDS_SIZE or end > size:
+            raise _bad(rid, f"ADD_MULTI record of {length} bytes does not fit the frame")
+        running = crc32c(body[off:start], running)
+        if crc32c(body[start:end]) != crc:
+            raise _bad(rid, "ADD_MULTI record checksum mismatch")
+        if lid != ledger_id or entry_id < 0 or flags & ~FLAG_RECOVERY:
+            raise _bad(rid, f"ADD_MULTI record {lid}:{entry_id} (flags {flags}) is not allowed")
+        if not flags:
+            recovery = False
+        append((entry_id, lac, body[start + ADD_FIELDS_SIZE : end]))
+        off = end
+    if off != size:
+        raise _bad(rid, "ADD_MULTI has trailing bytes")
+    if running != frame_crc:
+        raise _bad(rid, "frame checksum mismatch")
+    return MultiAddRequest(rid, ledger_id, entries, body[MULTI_HEAD_SIZE:], recovery)
 
 
 def _dec_read(rid: int, body: memoryview) -> ReadRequest:
@@ -671,6 +814,12 @@ def _dec_write_lac_resp(rid: int, body: memoryview) -> WriteLacResponse:
     return WriteLacResponse(rid, status, message, _LEDGER.unpack_from(body, off)[0])
 
 
+def _dec_add_multi_resp(rid: int, body: memoryview) -> MultiAddResponse:
+    status, message, off = _read_status(body, rid)
+    _exact(body, off + _MULTI_RESP.size, rid, "ADD_MULTI response")
+    return MultiAddResponse(rid, status, message, *_MULTI_RESP.unpack_from(body, off))
+
+
 def _dec_error_resp(rid: int, body: memoryview) -> ErrorResponse:
     status, message, off = _read_status(body, rid)
     _exact(body, off, rid, "ERROR response")
@@ -695,7 +844,12 @@ _DECODERS = {
     MsgType.DELETE_LEDGER_RESPONSE: _dec_delete_resp,
     MsgType.WRITE_LAC_RESPONSE: _dec_write_lac_resp,
     MsgType.ERROR_RESPONSE: _dec_error_resp,
+    MsgType.ADD_MULTI_RESPONSE: _dec_add_multi_resp,
 }
+# The version that defines each type (Rule 7); ADD_MULTI has its own checksum rule (Rule 8).
+_TYPE_VERSION = {int(t): WIRE_VERSION for t in _DECODERS}
+_TYPE_VERSION[MsgType.ADD_MULTI] = MULTI_ADD_VERSION
+_TYPE_VERSION[MsgType.ADD_MULTI_RESPONSE] = MULTI_ADD_VERSION
 _STATUSES = tuple(Status(i) for i in range(len(Status)))
 # Plain-int keys: the lookup runs once per frame.
 _DECODE_BY_INT = {int(k): v for k, v in _DECODERS.items()}
@@ -798,8 +952,15 @@ class FrameDecoder:
                 f"wire version {version} not supported (speaks {sorted(SUPPORTED_VERSIONS)})",
                 rid,
             )
-        if mtype not in _DECODE_BY_INT:
+        defined_in = _TYPE_VERSION.get(mtype)
+        if defined_in is None:
             raise FrameError(Status.BAD_REQUEST, f"unknown frame type {mtype}", rid)
+        if defined_in != version:
+            raise FrameError(
+                Status.BAD_REQUEST,
+                f"frame type {mtype} belongs to wire version {defined_in}, not {version}",
+                rid,
+            )
 
     def next_frame(self) -> Message | None:
         """Return the next complete message, None if more bytes are needed.
@@ -829,20 +990,22 @@ class FrameDecoder:
         statuses = _STATUSES
         n_statuses = len(statuses)
         max_frame = self._max
+        type_version = _TYPE_VERSION.get
         try:
             while len(out) != limit:
                 avail = len(buf) - pos
                 if avail >= HEADER_SIZE:
                     length, version, mtype, rid, crc = unpack_header(buf, pos)
                     total = length + 4
-                    if (
-                        total <= avail
-                        and length >= _LENGTH_AFTER_PREFIX
-                        and total <= max_frame
-                        and version == WIRE_VERSION
-                    ):
+                    if total <= avail and length >= _LENGTH_AFTER_PREFIX and total <= max_frame:
                         end = pos + total
                         body = view[pos + HEADER_SIZE : end]
+                        if version != type_version(mtype):
+                            self._check(length, version, mtype, rid)  # raises
+                        if mtype == _ADD_MULTI:
+                            out.append(_dec_add_multi(rid, body, crc))
+                            pos = end
+                            continue
                         if crc32c(body) != crc:
                             raise FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid)
                         if mtype == _ADD and length >= _MIN_ADD_LENGTH:
@@ -867,8 +1030,6 @@ class FrameDecoder:
                             else:
                                 out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         else:
-                            if mtype not in _DECODE_BY_INT:
-                                self._check(length, version, mtype, rid)
                             out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         pos = end
                         continue
@@ -884,9 +1045,12 @@ class FrameDecoder:
                     break
                 frame = self._take(total)
                 body = memoryview(frame)[HEADER_SIZE:]
-                if crc32c(body) != crc:
-                    raise FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid)
-                out.append(_decode_body(mtype, rid, body, frame, 0, crc))
+                if mtype == _ADD_MULTI:
+                    out.append(_dec_add_multi(rid, body, crc))
+                else:
+                    if crc32c(body) != crc:
+                        raise FrameError(Status.BAD_REQUEST, "frame checksum mismatch", rid)
+                    out.append(_decode_body(mtype, rid, body, frame, 0, crc))
                 buf, view, pos = self._buf, self._view, self._pos
         except FrameError as e:
             self.error = e
@@ -895,6 +1059,7 @@ class FrameDecoder:
 
 
 _ADD = int(MsgType.ADD)
+_ADD_MULTI = int(MsgType.ADD_MULTI)
 _MIN_ADD_LENGTH = _LENGTH_AFTER_PREFIX + ADD_FIELDS_SIZE
 _ADD_RESPONSE_LENGTH = _LENGTH_AFTER_PREFIX + _ADD_RESP_BODY.size
 

@@ -368,6 +368,12 @@ class Journal:
         self._staged_tokens.append(token)
         self._staged_bytes += RECORD_HEADER_SIZE + len(body)
 
+    def add_records(self, records: Buffer, token: Any) -> None:
+        """Stage several ready-made, checked records (an ADD_MULTI's tail) under one token."""
+        self._staged_parts.append(records)
+        self._staged_tokens.append(token)
+        self._staged_bytes += len(records)
+
     def submit(self, more_coming: bool = False) -> None:
         """Hand the staged records to the writer; ``more_coming`` lets it wait for more."""
         if not self._staged_tokens:

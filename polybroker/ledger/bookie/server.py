@@ -69,6 +69,7 @@ from polybroker.ledger.wire import (
     HelloRequest,
     HelloResponse,
     Message,
+    MultiAddRequest,
     ReadLacRequest,
     ReadLacResponse,
     ReadRangeRequest,
@@ -79,6 +80,7 @@ from polybroker.ledger.wire import (
     WriteLacRequest,
     WriteLacResponse,
     encode_add_response,
+    encode_multi_add_response,
 )
 from polybroker.logs import kv
 from polybroker.metadata.api import MetadataStore
@@ -266,8 +268,29 @@ class Bookie:
         if proto.in_flight >= self.max_in_flight:
             proto.set_paused("in_flight", True)
 
+    def add_multi(self, proto: BookieProtocol, req: MultiAddRequest) -> None:
+        """Journal the entries of an ADD_MULTI as one submission (answered together)."""
+        ledger_id, rid, count = req.ledger_id, req.request_id, len(req.entries)
+        status = Status.OK
+        if self.failed is not None or self.closing:
+            status = Status.ERROR
+        else:
+            st = self.storage.state(ledger_id)
+            if st is not None and st.fenced and not req.recovery:
+                status = Status.FENCED
+            elif max(e[0] for e in req.entries) > MAX_ENTRY_ID:
+                status = Status.BAD_REQUEST
+        if status != Status.OK:
+            proto.send(encode_multi_add_response(rid, status, ledger_id, count))
+            return
+        assert self.journal is not None
+        self.journal.add_records(req.records, (proto, req))
+        proto.in_flight += count
+        if proto.in_flight >= self.max_in_flight:
+            proto.set_paused("in_flight", True)
+
     def dispatch(self, proto: BookieProtocol, msg: Message) -> None:
-        """Handle every request but ADD."""
+        """Handle every request but ADD and ADD_MULTI."""
         t = type(msg)
         if t is ReadRequest:
             self._read(proto, msg)  # type: ignore[arg-type]
@@ -453,10 +476,22 @@ class Bookie:
         out: list[bytes] = []
         touched: list[tuple[BookieProtocol, list[bytes]]] = []
         for proto, req in tokens:
-            if type(req) is AddRequest:
-                lid = req.ledger_id
-                storage.put_entry(lid, req.entry_id, req.lac, req.data)
-                frame = encode_add_response(req.request_id, 0, lid, req.entry_id)
+            t = type(req)
+            n = 1
+            if t is MultiAddRequest:
+                multi: MultiAddRequest = req  # type: ignore[assignment]
+                lid, n = multi.ledger_id, len(multi.entries)
+                storage.put_entries(lid, multi.entries)
+                frame = encode_multi_add_response(multi.request_id, 0, lid, n)
+                if watchers and lid in watchers:
+                    if woken is None:
+                        woken = set()
+                    woken.add(lid)
+            elif t is AddRequest:
+                add: AddRequest = req  # type: ignore[assignment]
+                lid = add.ledger_id
+                storage.put_entry(lid, add.entry_id, add.lac, add.data)
+                frame = encode_add_response(add.request_id, 0, lid, add.entry_id)
                 if watchers and lid in watchers:
                     if woken is None:
                         woken = set()
@@ -467,7 +502,7 @@ class Bookie:
                     if woken is None:
                         woken = set()
                     woken.add(lid)
-            proto.in_flight -= 1
+            proto.in_flight -= n
             if proto is not out_proto:
                 out = []
                 out_proto = proto
@@ -513,7 +548,7 @@ class Bookie:
             self.failed = error
             log.critical("bookie failed: refusing writes", extra=kv(error=str(error)))
         for proto, req in tokens:
-            proto.in_flight -= 1
+            proto.in_flight -= len(req.entries) if type(req) is MultiAddRequest else 1  # type: ignore[union-attr]
             proto.send(ErrorResponse(req.request_id, Status.ERROR, str(error)).encode())
 
     # -- checkpoints and garbage collection -----------------------------------------------
@@ -668,8 +703,11 @@ class BookieProtocol(Protocol):
         bookie = self.bookie
         add = bookie.add
         for msg in decoder.drain():
-            if type(msg) is AddRequest:
-                add(self, msg)
+            t = type(msg)
+            if t is MultiAddRequest:
+                bookie.add_multi(self, msg)  # type: ignore[arg-type]
+            elif t is AddRequest:
+                add(self, msg)  # type: ignore[arg-type]
             else:
                 bookie.dispatch(self, msg)
                 if not self.open:

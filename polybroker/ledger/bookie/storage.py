@@ -201,6 +201,28 @@ class LedgerStorage:
             st.lac = lac
         st.dirty = True
 
+    def put_entries(self, ledger_id: int, entries: Iterable[tuple[int, int, Buffer]]) -> None:
+        """Put (entry id, lac, data) entries of one ledger (already journaled) in the write
+        cache, as ``put_entry`` does for each."""
+        st = self._states.get(ledger_id) or self.state_or_create(ledger_id)
+        cache = self._cache.get(ledger_id)
+        if cache is None:
+            cache = self._cache[ledger_id] = {}
+        added = 0
+        last, top_lac = st.last_entry, st.lac
+        for entry_id, lac, data in entries:
+            owned = bytes(data)  # a view would pin the whole network read it came from
+            old = cache.get(entry_id)
+            cache[entry_id] = owned
+            added += len(owned) - (len(old) if old is not None else 0)
+            if entry_id > last:
+                last = entry_id
+            if lac > top_lac:
+                top_lac = lac
+        self._cache_bytes += added
+        st.last_entry, st.lac = last, top_lac
+        st.dirty = True
+
     def fence(self, ledger_id: int) -> LedgerState:
         """Mark the ledger fenced (the caller journals it first)."""
         st = self.state_or_create(ledger_id)

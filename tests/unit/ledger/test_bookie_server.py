@@ -20,6 +20,7 @@ from polybroker.ledger.bookie.server import Bookie, BookieProtocol
 from polybroker.ledger.bookie.storage import LedgerStorage
 from polybroker.ledger.wire import (
     HEADER,
+    LATEST_VERSION,
     WIRE_VERSION,
     AddResponse,
     DeleteLedgerRequest,
@@ -137,9 +138,15 @@ def test_add_is_answered_only_after_the_journal_synced_it(h: Harness) -> None:
 def test_hello_answers_instance_id_and_negotiates(h: Harness) -> None:
     """HELLO picks a common version and names the bookie; no common version is BAD_VERSION."""
     proto, t = h.connect()
-    send(proto, HelloRequest(1, 1, 5).encode(), HelloRequest(2, 2, 5).encode())
-    ok, bad = answers(t)
-    assert ok == HelloResponse(1, Status.OK, "", WIRE_VERSION, "instance-1")
+    send(
+        proto,
+        HelloRequest(1, 1, 5).encode(),
+        HelloRequest(2, 1, 1).encode(),
+        HelloRequest(3, 6, 9).encode(),
+    )
+    ok, old, bad = answers(t)
+    assert ok == HelloResponse(1, Status.OK, "", LATEST_VERSION, "instance-1")
+    assert old == HelloResponse(2, Status.OK, "", WIRE_VERSION, "instance-1")
     assert isinstance(bad, HelloResponse)
     assert bad.status == Status.BAD_VERSION
     assert bad.instance_id == "instance-1"
