@@ -53,6 +53,49 @@ def _add_standalone(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(run=run)
 
 
+def _add_broker(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("broker", help="run a stateless cluster broker (needs ZooKeeper)")
+    p.add_argument("--metadata", default=None, help="zk://host:port[,host:port][/chroot]")
+    p.add_argument("--bind", default=None, help="bind address (bindAddress; 127.0.0.1)")
+    p.add_argument("--advertised-address", default=None, help="host clients are told to use")
+    p.add_argument("--cluster", default=None, help="cluster name (clusterName)")
+    for flag, key, default in (
+        ("--pulsar-port", "brokerServicePort", 6650),
+        ("--http-port", "webServicePort", 8080),
+        ("--kafka-port", "kafkaListenerPort", 9092),
+        ("--mqtt-port", "mqttListenerPort", 1883),
+        ("--amqp-port", "amqpListenerPort", 5672),
+    ):
+        p.add_argument(flag, type=int, default=None, help=f"{key} ({default}; 0 = any free port)")
+    p.add_argument("--config", default=None, help="broker.conf-style key=value file")
+
+    def run(args: argparse.Namespace) -> int:
+        from polybroker.broker import run_broker
+
+        return run_broker(args)
+
+    p.set_defaults(run=run)
+
+
+def _add_initialize(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "initialize-cluster-metadata",
+        help="create a cluster, tenant public and namespace public/default in ZooKeeper",
+    )
+    p.add_argument("--cluster", required=True, help="cluster name")
+    p.add_argument("--metadata-store", required=True, help="zk://host:port[/chroot]")
+    p.add_argument("--web-service-url", default=None, help="http://host:port of the cluster")
+    p.add_argument("--broker-service-url", default=None, help="pulsar://host:port of the cluster")
+    p.add_argument("--bundles", type=int, default=4, help="bundles of public/default (4)")
+
+    def run(args: argparse.Namespace) -> int:
+        from polybroker.broker import initialize_cluster_metadata
+
+        return initialize_cluster_metadata(args)
+
+    p.set_defaults(run=run)
+
+
 def _add_client(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from polybroker import cli_client
 
@@ -80,6 +123,8 @@ def _add_admin(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ignore[type-arg]
     _add_bookie,
     _add_standalone,
+    _add_broker,
+    _add_initialize,
     _add_client,
     _add_admin,
 ]

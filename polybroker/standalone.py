@@ -249,11 +249,11 @@ class Standalone:
                 log.error("unclean stop", extra=kv(component=what, error=str(e)))
 
 
-def ready_line(ports: Mapping[str, int]) -> str:
+def ready_line(ports: Mapping[str, int], kind: str = "standalone") -> str:
     """The line printed once every port is bound."""
     order = ["webServicePort", "brokerServicePort"]
     keys = [k for k in order if k in ports] + sorted(k for k in ports if k not in order)
-    return "polybroker standalone ready " + " ".join(f"{k}={ports[k]}" for k in keys)
+    return f"polybroker {kind} ready " + " ".join(f"{k}={ports[k]}" for k in keys)
 
 
 def run_standalone(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -269,29 +269,41 @@ def run_standalone(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from twisted.internet import reactor
 
     standalone = Standalone(config, reactor, explicit=explicit)
+    return run_process(reactor, "standalone", standalone.start, standalone.stop, out)
+
+
+def run_process(
+    reactor: Any,
+    kind: str,
+    start: Callable[[], Deferred[dict[str, int]]],
+    stop: Callable[[], Deferred[None]],
+    out: TextIO,
+) -> int:
+    """Run the reactor: ``start`` once running (print the ready line, or the reason it could
+    not start and exit 1), ``stop`` before shutdown (SIGTERM, SIGINT); return the exit status."""
     status = {"code": 0}
 
     def failed(f: Failure) -> None:
         status["code"] = 1
         print(
-            f"polybroker standalone: cannot start: {f.getErrorMessage()}",
-            file=sys.stderr,
-            flush=True,
+            f"polybroker {kind}: cannot start: {f.getErrorMessage()}", file=sys.stderr, flush=True
         )
         from polybroker.broker_core.host import ListenerError
         from polybroker.ledger.api import StorageError
+        from polybroker.metadata.api import MetadataError
 
-        if f.check(ConfigError, ListenerError, CannotListenError, StorageError) is None:
-            log.error("standalone failed to start", exc_info=(f.type, f.value, f.tb))
-        if reactor.running:  # type: ignore[attr-defined]
-            reactor.stop()  # type: ignore[attr-defined]
+        expected = (ConfigError, ListenerError, CannotListenError, StorageError, MetadataError)
+        if f.check(*expected) is None:
+            log.error(f"{kind} failed to start", exc_info=(f.type, f.value, f.tb))
+        if reactor.running:
+            reactor.stop()
 
-    def start() -> None:
-        d = standalone.start()
-        d.addCallback(lambda ports: print(ready_line(ports), file=out, flush=True))
+    def begin() -> None:
+        d = start()
+        d.addCallback(lambda ports: print(ready_line(ports, kind), file=out, flush=True))
         d.addErrback(failed)
 
-    reactor.callWhenRunning(start)  # type: ignore[attr-defined]
-    reactor.addSystemEventTrigger("before", "shutdown", standalone.stop)  # type: ignore[attr-defined]
-    reactor.run()  # type: ignore[attr-defined]
+    reactor.callWhenRunning(begin)
+    reactor.addSystemEventTrigger("before", "shutdown", stop)
+    reactor.run()
     return status["code"]

@@ -367,7 +367,12 @@ class ClusterOwnership(Ownership):
         topic_loads: Callable[[], Mapping[str, tuple[float, float]]],
         config: Mapping[str, Any] | None = None,
     ) -> None:
-        cfg = dict(config or {})
+        def cfg_get(key: str, default: Any) -> Any:
+            try:
+                return default if config is None else config[key]
+            except KeyError:
+                return default
+
         self.store = store
         self.local = local
         self.reactor = reactor
@@ -381,21 +386,23 @@ class ClusterOwnership(Ownership):
         self._live: dict[str, BrokerInfo] | None = None
         self._unwatch_brokers: Callable[[], None] | None = None
         self._reports: dict[str, LoadReport] = {}
-        self._pending: dict[str, int] = {}
+        self._pending: dict[str, int] = {}  # bundles given to each broker since its report
+        self._assigned: dict[str, str] = {}  # bundle -> broker it was given to (not yet claimed)
         self._registration: EphemeralClaim | None = None
         self._leader: EphemeralClaim | None = None
         self._loops: list[LoopingCall] = []
+        self._started = False
         self._stopped = False
         self.report_interval_s = (
-            float(cfg.get("loadBalancerReportUpdateMinIntervalMillis", 5000)) / 1000
+            float(cfg_get("loadBalancerReportUpdateMinIntervalMillis", 5000)) / 1000
         )
-        self.shed_interval_s = 60.0 * float(cfg.get("loadBalancerSheddingIntervalMinutes", 1))
-        self.shed_threshold = float(cfg.get("loadBalancerBrokerThresholdShedderPercentage", 10))
-        self.shedding = bool(cfg.get("loadBalancerSheddingEnabled", True))
-        self.auto_split = bool(cfg.get("loadBalancerAutoBundleSplitEnabled", True))
-        self.split_max_topics = int(cfg.get("loadBalancerNamespaceBundleMaxTopics", 1000))
-        self.split_max_rate = float(cfg.get("loadBalancerNamespaceBundleMaxMsgRate", 30000))
-        self.max_bundles = int(cfg.get("loadBalancerNamespaceMaximumBundles", 128))
+        self.shed_interval_s = 60.0 * float(cfg_get("loadBalancerSheddingIntervalMinutes", 1))
+        self.shed_threshold = float(cfg_get("loadBalancerBrokerThresholdShedderPercentage", 10))
+        self.shedding = bool(cfg_get("loadBalancerSheddingEnabled", True))
+        self.auto_split = bool(cfg_get("loadBalancerAutoBundleSplitEnabled", True))
+        self.split_max_topics = int(cfg_get("loadBalancerNamespaceBundleMaxTopics", 1000))
+        self.split_max_rate = float(cfg_get("loadBalancerNamespaceBundleMaxMsgRate", 30000))
+        self.max_bundles = int(cfg_get("loadBalancerNamespaceMaximumBundles", 128))
 
     @property
     def clustered(self) -> bool:
@@ -564,7 +571,9 @@ class ClusterOwnership(Ownership):
         finally:
             bundle.ready = None
         if state is ClaimState.HELD:
-            self._pending.pop(self.local.broker_id, None)
+            if self._assigned.pop(key, None) == self.local.broker_id:
+                mine = self._pending.get(self.local.broker_id, 0)
+                self._pending[self.local.broker_id] = max(0, mine - 1)
             log.info("bundle acquired", extra=kv(bundle=key))
             await self._clear_hint(key)
         else:
@@ -618,7 +627,6 @@ class ClusterOwnership(Ownership):
         if target == self.local.broker_id:
             await self._acquire(topic)
             return self.local
-        self._pending[target] = self._pending.get(target, 0) + 1
         return live[target]
 
     async def _candidate(self, key: str, live: Mapping[str, BrokerInfo]) -> str:
@@ -629,8 +637,16 @@ class ClusterOwnership(Ownership):
                 return wanted
         if any(b not in self._reports for b in live):
             await self._read_reports(live)
+        # No await from here on: concurrent lookups of one bundle agree, and each new
+        # assignment counts for the next decision.
+        chosen = self._assigned.get(key)
+        if chosen is not None and chosen in live:
+            return chosen
         reports = {**self._reports, self.local.broker_id: self.local_report()}
-        return least_loaded(live, reports, self._pending)
+        chosen = least_loaded(live, reports, self._pending)
+        self._assigned[key] = chosen
+        self._pending[chosen] = self._pending.get(chosen, 0) + 1
+        return chosen
 
     async def _clear_hint(self, key: str) -> None:
         try:
@@ -694,11 +710,13 @@ class ClusterOwnership(Ownership):
             except (ValueError, TypeError):
                 reports[broker] = LoadReport()
         self._reports = reports
-        self._pending = {}
 
     async def _report_and_split(self) -> None:
         await self.report_load()
         await self._read_reports(await self._live_brokers())
+        # Fresh reports count what was assigned before them.
+        self._pending = {}
+        self._assigned = {}
         if self.auto_split:
             report = self._reports.get(self.local.broker_id, LoadReport())
             for key in bundles_to_split(report, self.split_max_topics, self.split_max_rate):

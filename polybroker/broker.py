@@ -1,0 +1,298 @@
+"""``polybroker broker``: one stateless broker of a cluster, and ``initialize-cluster-metadata``.
+
+A broker keeps nothing on local disk. Started in this order, stopped in the reverse one:
+
+1. the protocol handlers are loaded and validated (no I/O yet);
+2. the metadata store (``--metadata zk://host:port[,host:port]/chroot``); the cluster must have
+   been initialised there (``initialize-cluster-metadata``) or the broker refuses to start;
+3. the ledger client over the bookies registered under ``/bookies/available`` (E/Qw/Qa from
+   ``managedLedgerDefault*``), the managed-ledger factory and the Broker API;
+4. ownership (``broker_core.ownership``): topics are served only by the owner of their bundle;
+   until step 6 this broker owns nothing and serves no topic;
+5. the protocol handlers' listeners and the HTTP service, bound together;
+6. this broker's registration under ``/loadbalance/brokers/<host>:<webServicePort>`` with the
+   addresses of every bound listener, its load reports and the load-manager election.
+
+Prints one ready line once registered::
+
+    polybroker broker ready webServicePort=8080 brokerServicePort=6650 ...
+
+``initialize-cluster-metadata`` writes the cluster, tenant ``public`` and namespace
+``public/default`` into the metadata store once (idempotent), as Pulsar's command does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.python.failure import Failure
+
+from polybroker import logs
+from polybroker.config import Config, ConfigError, load, parse_lines
+from polybroker.logs import kv
+from polybroker.standalone import STANDALONE_PROTOCOLS, _advertised, run_process
+
+log = logging.getLogger(__name__)
+
+#: CLI flag (argparse dest) -> configuration key.
+FLAG_KEYS: Mapping[str, str] = {
+    "metadata": "metadataStoreUrl",
+    "bind": "bindAddress",
+    "advertised_address": "advertisedAddress",
+    "cluster": "clusterName",
+    "pulsar_port": "brokerServicePort",
+    "http_port": "webServicePort",
+    "kafka_port": "kafkaListenerPort",
+    "mqtt_port": "mqttListenerPort",
+    "amqp_port": "amqpListenerPort",
+}
+
+#: Bound port key -> the protocol name a ``BrokerInfo`` lists it under.
+LISTENER_NAMES: Mapping[str, str] = {
+    "kafkaListenerPort": "kafka",
+    "mqttListenerPort": "mqtt",
+    "amqpListenerPort": "amqp",
+}
+
+
+def broker_config(args: argparse.Namespace) -> Config:
+    """The config of a broker run: file, then flags; every installed protocol by default."""
+    explicit: set[str] = set()
+    if args.config is not None:
+        try:
+            text = Path(args.config).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {args.config}: {e.strerror}") from None
+        explicit.update(parse_lines(text.splitlines(), str(args.config)))
+    overrides = {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
+    explicit.update(k for k, v in overrides.items() if v is not None)
+    if "messagingProtocols" not in explicit:
+        from polybroker.broker_core.host import installed_entry_points
+
+        installed = {ep.name for ep in installed_entry_points()}
+        overrides["messagingProtocols"] = ",".join(
+            p for p in STANDALONE_PROTOCOLS if p in installed
+        )
+    config = load(args.config, overrides)
+    if not str(config["metadataStoreUrl"]).startswith("zk://"):
+        raise ConfigError("a cluster broker needs --metadata zk://host:port[/chroot]")
+    return config
+
+
+class ClusterBroker:
+    """Every component of one cluster broker; ``start`` and ``stop`` (module docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        *,
+        discover: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.reactor = reactor
+        self._discover = discover
+        self.ports: dict[str, int] = {}
+        self._stops: list[tuple[str, Callable[[], Any]]] = []
+        self.service: Any = None
+        self.ownership: Any = None
+
+    def start(self) -> Deferred[dict[str, int]]:
+        """Start everything; fire with every bound port. On failure, what started is stopped."""
+        return Deferred.fromCoroutine(self._start_or_undo())
+
+    async def _start_or_undo(self) -> dict[str, int]:
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> dict[str, int]:
+        from polybroker.broker_core.admin import AdminServer
+        from polybroker.broker_core.admin_policies import CLUSTERS_ROOT, PolicyStore
+        from polybroker.broker_core.host import ProtocolHost
+        from polybroker.broker_core.ownership import BrokerInfo, ClusterOwnership
+        from polybroker.broker_core.protocol_handler import BrokerContext, Listener
+        from polybroker.broker_core.service import BrokerService
+        from polybroker.ledger.client import BookKeeperClient
+        from polybroker.ledger.managed import ManagedLedgerFactoryImpl
+        from polybroker.ledger.registry import MetadataBookieRegistry, tcp_connector
+        from polybroker.metadata import open_metadata_store
+
+        config, reactor = self.config, self.reactor
+        bind = str(config["bindAddress"])
+        host = (
+            ProtocolHost(config, reactor)
+            if self._discover is None
+            else ProtocolHost(config, reactor, discover=self._discover)
+        )
+        host.load()
+
+        store = await open_metadata_store(
+            config["metadataStoreUrl"],
+            data_dir="",
+            reactor=reactor,
+            session_timeout_ms=int(config["metadataStoreSessionTimeoutMillis"]),
+        )
+        self._stops.append(("metadata store", store.close))
+        cluster = str(config["clusterName"])
+        if await store.get(f"{CLUSTERS_ROOT}/{cluster}") is None:
+            raise ConfigError(
+                f"cluster {cluster!r} is not initialised in {config['metadataStoreUrl']}: "
+                "run `polybroker initialize-cluster-metadata` first"
+            )
+
+        registry = MetadataBookieRegistry(store)
+        self._stops.append(("bookie registry", registry.close))
+        client = BookKeeperClient(store, registry, tcp_connector(reactor), reactor)
+        self._stops.append(("ledger client", client.close))
+        factory = ManagedLedgerFactoryImpl(
+            store,
+            client,
+            reactor,
+            cache_size_bytes=int(config["managedLedgerCacheSizeMB"]) * 1024 * 1024,
+        )
+        service = BrokerService(factory, reactor, config, store)
+        self.service = service
+        advertised = _advertised(config)
+        # Named once the listeners are bound; until it starts it refuses every topic.
+        ownership = ClusterOwnership(
+            store,
+            BrokerInfo(f"{advertised}:0", ""),
+            reactor,
+            unload_topic=service.unload_topic,
+            topic_loads=service.topic_loads,
+            config=config,
+        )
+        service.ownership = ownership
+        self.ownership = ownership
+        self._stops.append(("ownership", ownership.stop))
+        # Closing the service closes the ledger factory too; it goes before ownership does.
+        self._stops.append(("broker", service.close))
+
+        policies = PolicyStore(
+            store, cluster, default_bundles=int(config["defaultNumberOfNamespaceBundles"])
+        )
+        await policies.load()
+        service.namespace_exists = policies.namespace_exists
+        service.deduplication_policy = policies.deduplication_of
+
+        def urls() -> dict[str, str]:
+            out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}
+            pulsar = self.ports.get("brokerServicePort")
+            out["brokerUrl"] = f"pulsar://{advertised}:{pulsar}" if pulsar else ""
+            return out
+
+        admin = AdminServer(service, policies, urls=urls)
+        host.add_listener("webServicePort", Listener(bind, config["webServicePort"], admin.site()))
+        self._stops.append(("listeners and protocol handlers", host.stop))
+        bound = await host.start(BrokerContext(service, config, reactor, advertised))
+        self.ports.update(bound)
+
+        web = self.ports["webServicePort"]
+        pulsar = self.ports.get("brokerServicePort")
+        ownership.set_local(
+            BrokerInfo(
+                broker_id=f"{advertised}:{web}",
+                web_url=f"http://{advertised}:{web}",
+                pulsar_url=f"pulsar://{advertised}:{pulsar}" if pulsar else "",
+                listeners={
+                    name: f"{advertised}:{self.ports[key]}"
+                    for key, name in LISTENER_NAMES.items()
+                    if key in self.ports
+                },
+            )
+        )
+        await ownership.start()
+        log.info("broker started", extra=kv(**self.ports))
+        return dict(self.ports)
+
+    def stop(self) -> Deferred[None]:
+        """Stop what started, in reverse order; each failure is logged, the rest still stop."""
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        stops, self._stops = self._stops, []
+        for what, stop in reversed(stops):
+            try:
+                await maybeDeferred(stop)
+            except Exception as e:
+                log.error("unclean stop", extra=kv(component=what, error=str(e)))
+
+
+def run_broker(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run a cluster broker with the CLI's arguments; return the process exit status."""
+    out = out if out is not None else sys.stdout
+    try:
+        config = broker_config(args)
+        logs.setup(config["logLevel"], config["logFormat"])
+    except (ConfigError, ValueError) as e:
+        print(f"polybroker broker: {e}", file=sys.stderr, flush=True)
+        return 1
+
+    from twisted.internet import reactor
+
+    broker = ClusterBroker(config, reactor)
+    return run_process(reactor, "broker", broker.start, broker.stop, out)
+
+
+# -- initialize-cluster-metadata ----------------------------------------------------------
+
+
+def initialize_cluster_metadata(args: argparse.Namespace) -> int:
+    """Write the cluster, tenant ``public`` and namespace ``public/default`` (idempotent)."""
+    url = str(args.metadata_store)
+    if not url.startswith("zk://"):
+        print(
+            "polybroker initialize-cluster-metadata: --metadata-store must be zk://...",
+            file=sys.stderr,
+        )
+        return 1
+    from twisted.internet import task
+
+    result: dict[str, Any] = {"code": 0}
+
+    async def run(reactor: Any) -> None:
+        from polybroker.broker_core.admin_policies import PolicyStore
+        from polybroker.metadata import open_metadata_store
+
+        store = await open_metadata_store(url, data_dir="", reactor=reactor)
+        try:
+            policies = PolicyStore(store, args.cluster, default_bundles=args.bundles)
+            data = {
+                "serviceUrl": args.web_service_url or "",
+                "brokerServiceUrl": args.broker_service_url or "",
+            }
+            await policies.ensure_defaults(data)
+        finally:
+            await store.close()
+
+    def main(reactor: Any) -> Deferred[None]:
+        d = Deferred.fromCoroutine(run(reactor))
+
+        def failed(f: Failure) -> None:
+            result["code"] = 1
+            print(
+                f"polybroker initialize-cluster-metadata: {f.getErrorMessage()}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        return d.addErrback(failed)
+
+    logs.setup("warning", "text")
+    try:
+        task.react(main)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            return int(e.code) if isinstance(e.code, int) else 1
+    if result["code"] == 0:
+        print(f"cluster {args.cluster} initialised in {url}", flush=True)
+    return int(result["code"])
