@@ -10,10 +10,15 @@ Rule 2: a data dir with journal or ledger data but no master cookie, a directory
 Rule 3: with a metadata store, the cookie is registered at ``/bookies/cookies/<host:port>``; a
         different instance id registered there for the same address refuses the start (a wiped
         bookie must not rejoin under its old address as if it still held the data).
+Rule 4: the announcement ``/bookies/available/<host:port>`` is an ephemeral node of the current
+        session: one left by an earlier run (a crash whose session has not expired yet) is
+        deleted and created again, never merely overwritten (it would vanish with the old
+        session, leaving a running bookie unannounced).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -26,7 +31,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 
 from polybroker.ledger.api import StorageError
 from polybroker.ledger.bookie.journal import write_atomically
-from polybroker.metadata.api import BadVersionError, MetadataError, MetadataStore
+from polybroker.metadata.api import BadVersionError, MetadataError, MetadataStore, NotFoundError
 
 LAYOUT_VERSION = 1
 COOKIE_FILE = "cookie"
@@ -158,7 +163,20 @@ def register(
             )
         break
     info = json.dumps({"instance_id": cookie.instance_id, "address": address}).encode()
-    yield store.put(f"{AVAILABLE_PATH}/{address}", info, ephemeral=True)
+    available = f"{AVAILABLE_PATH}/{address}"
+    for _ in range(5):
+        try:
+            yield store.put(available, info, expected_version=-1, ephemeral=True)
+            return
+        except BadVersionError:
+            pass
+        # A node left by an earlier run of this bookie (killed: its session has not expired
+        # yet) would vanish with that session: replace it by one of this session (Rule 4).
+        got = yield store.get(available)
+        if got is not None:
+            with contextlib.suppress(NotFoundError, BadVersionError):
+                yield store.delete(available, got.stat.version)
+    raise MetadataError(f"cannot announce {available}: it keeps being recreated")
 
 
 @inlineCallbacks

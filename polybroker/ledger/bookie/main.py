@@ -8,7 +8,9 @@ With a metadata store (``--metadata``) the bookie is announced by an ephemeral n
 ``/bookies/available``; when the store's session is lost (ZooKeeper expired it, so the node is
 gone) the bookie announces itself again as soon as a new session is established, retrying every
 ``REREGISTER_RETRY_S`` while the store cannot be reached. Another identity registered at its
-address meanwhile stops the bookie (exit 1).
+address meanwhile stops the bookie (exit 1). With ``autoRecoveryDaemonEnabled`` (the default) it
+also runs an auditor (``ledger.auditor``): every bookie contends, the elected one re-replicates
+the ledgers of lost bookies; a clean stop gives the role up first.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.error import CannotListenError
 from twisted.python.failure import Failure
 
 from polybroker import logs
 from polybroker.config import ConfigError, load
 from polybroker.ledger.api import StorageError
+from polybroker.ledger.auditor import Auditor
 from polybroker.ledger.bookie import cookie as cookies
+from polybroker.ledger.registry import tcp_connector
 from polybroker.metadata.api import MetadataStore, SessionEvent
 
 log = logging.getLogger(__name__)
@@ -120,6 +124,22 @@ class Reregistration:
         d.addCallbacks(done, failed)
 
 
+def start_auditor(store: MetadataStore, address: str, config: Any, reactor: Any) -> Auditor:
+    """Start this bookie's auditor: it contends for the role, and only the elected one acts."""
+    auditor = Auditor(
+        store,
+        tcp_connector(reactor),
+        reactor,
+        address=address,
+        lost_bookie_recovery_delay_s=config["lostBookieRecoveryDelay"],
+        periodic_check_interval_s=config["auditorPeriodicCheckInterval"],
+    )
+    auditor.start().addErrback(
+        lambda f: log.error("auditor failed to start", extra=logs.kv(error=f.getErrorMessage()))
+    )
+    return auditor
+
+
 async def _missing_store(url: str) -> None:
     raise ConfigError(f"--metadata {url}: this build has no metadata store to open it with")
 
@@ -184,6 +204,8 @@ def run_bookie(args: argparse.Namespace) -> int:
                     holder["reregistration"] = Reregistration(
                         store, server.address, server.cookie, reactor, conflict
                     )
+                    if config["autoRecoveryDaemonEnabled"]:
+                        holder["auditor"] = start_auditor(store, server.address, config, reactor)
                 print(f"bookie listening on {server.address}", flush=True)
 
             return d2.addCallback(listening)
@@ -200,10 +222,15 @@ def run_bookie(args: argparse.Namespace) -> int:
         reregistration = holder.pop("reregistration", None)
         if reregistration is not None:
             reregistration.stop()
+        auditor = holder.pop("auditor", None)
+        # Give the auditor role up first, so another bookie's auditor takes over at once.
+        stopped: Deferred[Any] = auditor.stop() if auditor is not None else succeed(None)
         server = holder.pop("server", None)
-        d: Deferred[Any] = server.stop() if server is not None else Deferred()
-        if server is None:
-            d.callback(None)
+        d: Deferred[Any] = Deferred()
+        if server is not None:
+            stopped.addBoth(lambda _: server.stop()).chainDeferred(d)
+        else:
+            stopped.addBoth(lambda _: None).chainDeferred(d)
         store = holder.pop("store", None)
         if store is not None:
             d.addBoth(lambda _: store.close())
