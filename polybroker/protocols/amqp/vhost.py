@@ -1,18 +1,23 @@
 """Virtual hosts: exchanges, queues and bindings of one namespace, over the Broker API.
 
-Design. Routing happens at publish time and stores each message once, whatever the number of
-queues it reaches: in the one durable queue's own topic, ``persistent://<ns>/amqp.queue.<name>``;
-for several, in the exchange's log, ``amqp.exchange.<name>``, with the names of the queues it
-was routed to (``P_TO``); for ``amq.topic`` with routing key R, on topic R itself. A queue reads
-each log it gets messages from through a durable subscription of its own (``amqp`` on its own
-topic, ``amqp.q.<name>`` on a shared one), created and recorded in the metadata store before
-the first append that needs it, so a confirmed message is in every queue it was routed to and a
-restart reads the same logs from the same positions. A queue keeps its own messages of a shared
-log and acknowledges the others at once, so the log is trimmed once every queue has passed an
-entry; an unbind leaves what was routed before it; a deleted queue drops its subscriptions.
-Every queue is read from ordinary topics that any broker can own (no one-bundle rule), and
-durability is the topics' durability. Order is kept per log: messages that reach a queue
-through different logs (a key routed to it alone, then one routed to several) may interleave.
+Design. Routing happens at publish time and stores each message once for the queues it reaches,
+whatever their number: in the exchange's log, ``persistent://<ns>/amqp.exchange.<name>``, with
+the names of those queues (``P_TO``), when it reaches several durable queues or one that reads
+that log already; else in the one durable queue's own topic, ``amqp.queue.<name>``. A queue
+reads each log it gets messages from through a durable subscription of its own (``amqp`` on its
+own topic, ``amqp.q.<name>.<unique>`` on a shared one), created and recorded in the metadata
+store before the first append that needs it, so a confirmed message is in every queue it was
+routed to and a restart reads the same logs from the same positions. A queue keeps its own
+messages of a shared log and acknowledges the others at once, so the log is trimmed once every
+queue has passed an entry; an unbind leaves what was routed before it; a deleted queue drops its
+subscriptions (a restart drops those of exclusive queues that did not come back). Every queue is
+read from ordinary topics that any broker can own (no one-bundle rule), and durability is the
+topics' durability.
+
+Order: what one exchange routes to one queue keeps its publish order. Once a queue reads an
+exchange's log, everything that exchange routes to it goes there; when it starts to, the log's
+entries wait until the queue's own topic is read up to the last append issued before. Messages
+that reach a queue through different exchanges may interleave (as RabbitMQ allows).
 
 A queue keeps a bounded window of what it read in memory; AMQP consumers, ``basic.get``,
 prefetch, requeue and redelivered flags work on that window, and an entry is acknowledged on its
@@ -21,10 +26,11 @@ A transient (non-durable) queue does not outlive this broker, so, as in RabbitMQ
 messages in memory only, against the handler's ``MemoryGauge`` (publishers are blocked above
 its watermark).
 
-``amq.topic`` bridges to the other protocols: a publish with routing key R is written to topic R
-(and reaches the bound queues from there); a queue bound to ``amq.topic`` with key P reads each
-topic matching P (a ``Forwarder`` finds them), where messages other protocols produce are routed
-on read by the queue's current ``amq.topic`` bindings.
+``amq.topic`` bridges to the other protocols: a publish with routing key R is also written to
+topic R (one more copy, whatever the number of queues); a queue bound to ``amq.topic`` with key
+P reads each topic matching P (a ``Forwarder`` finds them), where messages other protocols
+produce are routed on read by the queue's current ``amq.topic`` bindings (the AMQP copies are
+skipped there: the queues have those from the exchange).
 
 Durable exchanges, queues, bindings and the logs each queue reads are kept in the metadata store
 under ``/amqp/<tenant>/<ns>/``; transient messages in durable queues carry the incarnation that
@@ -34,6 +40,7 @@ stored them and are dropped when a later incarnation reads them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import itertools
 import json
@@ -161,12 +168,12 @@ class _Source:
 
     _ids = itertools.count(1)
 
-    def __init__(self, queue: Queue, topic: str, kind: str) -> None:
+    def __init__(self, queue: Queue, topic: str, kind: str, subscription: str) -> None:
         self.queue = queue
         self.topic = topic
         self.kind = kind
         self.local = topic.rsplit("/", 1)[-1]
-        self.subscription = SUBSCRIPTION if kind == OWN else f"amqp.q.{quote(queue.name, safe='')}"
+        self.subscription = subscription
         self.server_consumer: ServerConsumer | None = None
         #: The subscription exists (the cursor is durable unless the queue is transient).
         self.created = False
@@ -181,6 +188,15 @@ class _Source:
         #: Entries up to here were purged before the window read them.
         self.purged_to: Position | None = None
         self.acks: list[Position] = []
+        #: Appends routed here through this log: issued, and finished (in that order).
+        self.issued = 0
+        self.done = 0
+        #: A shared log a queue starts reading while its own topic still has messages to
+        #: feed holds its entries back until the own topic is read up to the append that
+        #: was issued last before (ticket), at ``barrier_pos``, keeping one exchange's order.
+        self.barrier_ticket: int | None = None
+        self.barrier_pos: Position | None = None
+        self.held: list[Delivery] = []
         self._id = next(self._ids)
 
     # -- Consumer ----------------------------------------------------------------------------
@@ -331,7 +347,8 @@ class Queue:
         self.sources: dict[str, _Source] = {}
         self.deleted = False
         self.had_consumer = False
-        self.appending = 0
+        #: Appends routed here that have not finished.
+        self.in_flight = 0
         self._waiters: list[Deferred[None]] = []
         self.ttl_ms = _int_arg(arguments, "x-message-ttl")
         self.expires_ms = _int_arg(arguments, "x-expires")
@@ -344,8 +361,9 @@ class Queue:
 
     @property
     def recorded(self) -> bool:
-        """Whether the queue is kept in the metadata store (and so are its sources)."""
-        return self.durable and self.exclusive_owner is None
+        """Whether the queue is kept in the metadata store (and so are the logs it reads:
+        those of an exclusive one too, so that a restart removes its subscriptions)."""
+        return not self.memory_only
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -354,21 +372,35 @@ class Queue:
         self.touch()
         if self.memory_only:
             return succeed(None)
-        own = _Source(self, self.topic, OWN)
+        own = _Source(self, self.topic, OWN, SUBSCRIPTION)
         self.sources[self.topic] = own
         return own.attach()
 
-    def ensure_source(self, topic: str, kind: str) -> Deferred[None] | None:
+    def ensure_source(
+        self, topic: str, kind: str, subscription: str | None = None
+    ) -> Deferred[None] | None:
         """Make sure the queue reads ``topic``: None when it does already, else a Deferred
-        that fires once its subscription exists (recorded first, so a restart finds it)."""
+        that fires once its subscription exists (recorded first, so a restart finds it).
+
+        A new subscription gets a name of its own (``amqp.q.<queue>.<unique>``), so a queue
+        declared again under an old name never inherits what the old one left."""
         s = self.sources.get(topic)
         if s is not None:
             return None if s.created else s.ready()
         if self.deleted:
             return None
-        s = _Source(self, topic, kind)
+        restored = subscription is not None
+        if subscription is None:
+            subscription = f"amqp.q.{quote(self.name, safe='')}.{self.vhost.unique()}"
+        s = _Source(self, topic, kind, subscription)
+        own = self.sources.get(self.topic)
+        if kind == SHARED and own is not None and own.issued:
+            s.barrier_ticket = own.issued
+            if own.done >= own.issued:
+                s.barrier_pos = own.last_appended
         self.sources[topic] = s
-        d = self.vhost.record_source(self, topic, kind) if self.recorded else succeed(None)
+        record = self.recorded and not restored
+        d = self.vhost.record_source(self, s) if record else succeed(None)
         d.addCallback(lambda _: s.attach())
 
         def failed(f: Any) -> None:
@@ -394,6 +426,7 @@ class Queue:
             elif not qm.settled:
                 kept.append(qm)
         self.ready = kept
+        s.held.clear()
         s.granted = s.received = 0
         s.attach().addErrback(
             lambda f: log.warning("AMQP queue feeder lost", extra=kv(error=str(f.value)))
@@ -433,6 +466,9 @@ class Queue:
         """Entries from one of the queue's logs: decode this queue's messages into the
         window, acknowledge the rest."""
         if self.sources.get(source.topic) is not source or source.closed:
+            return
+        if source.held or not self._barrier_passed(source):
+            source.held.extend(deliveries)
             return
         now = _now_ms(self.vhost.clock)
         for d in deliveries:
@@ -474,6 +510,8 @@ class Queue:
         self.dispatch(now)
         self._schedule_expiry()
         self._flow()
+        if source.kind == OWN:
+            self._release_held()
 
     def _schedule_expiry(self) -> None:
         """Expire messages at the head when their time comes, not only when read."""
@@ -653,7 +691,7 @@ class Queue:
         return d
 
     def _is_caught_up(self) -> bool:
-        if self.appending > 0:
+        if self.in_flight > 0:
             return False
         if self.ready or self.in_memory >= WINDOW // 2:
             # Messages to serve (older than what is still coming), or a full window that
@@ -671,17 +709,45 @@ class Queue:
             for d in waiters:
                 d.callback(None)
 
+    def appending(self, topic: str) -> None:
+        """An append routed here (to ``topic``) is issued."""
+        self.in_flight += 1
+        s = self.sources.get(topic)
+        if s is not None:
+            s.issued += 1
+
     def appended(self, topic: str, entry: Entry | None) -> None:
         """An append routed here (to ``topic``) finished (``entry`` None when it failed)."""
-        self.appending -= 1
+        self.in_flight -= 1
         s = self.sources.get(topic)
-        if (
-            s is not None
-            and entry is not None
-            and (s.last_appended is None or s.last_appended < entry.position)
-        ):
-            s.last_appended = entry.position
+        if s is not None:
+            s.done += 1
+            if entry is not None and (s.last_appended is None or s.last_appended < entry.position):
+                s.last_appended = entry.position
+            if s.kind == OWN:
+                for other in self.sources.values():
+                    if other.barrier_ticket is not None and other.barrier_ticket == s.done:
+                        other.barrier_pos = s.last_appended
+                self._release_held()
         self._wake_waiters()
+
+    def _barrier_passed(self, s: _Source) -> bool:
+        if s.barrier_ticket is None:
+            return True
+        own = self.sources.get(self.topic)
+        if own is not None and own.done < s.barrier_ticket:
+            return False
+        pos = s.barrier_pos
+        if own is None or pos is None or (own.last_fed is not None and not own.last_fed < pos):
+            s.barrier_ticket = s.barrier_pos = None
+            return True
+        return False
+
+    def _release_held(self) -> None:
+        for s in list(self.sources.values()):
+            if s.held and self._barrier_passed(s):
+                held, s.held = s.held, []
+                self.fed(s, held)
 
     @property
     def message_count(self) -> int:
@@ -912,10 +978,14 @@ class VirtualHost:
     def _source_path(self, q: Queue, topic: str) -> str:
         return f"{self._root}/sources/{quote(q.name, safe='')}/{quote(topic, safe='')}"
 
-    def record_source(self, q: Queue, topic: str, kind: str) -> Deferred[Any]:
-        """Remember that durable queue ``q`` reads ``topic`` (so a restart reads it again)."""
-        body = json.dumps({"kind": kind}).encode()
-        return self.service.metadata_store.put(self._source_path(q, topic), body)
+    def unique(self) -> str:
+        """A name part no other object of this vhost has, across restarts."""
+        return f"{self.incarnation}{next(self._names)}"
+
+    def record_source(self, q: Queue, s: _Source) -> Deferred[Any]:
+        """Remember that queue ``q`` reads ``s`` (so a restart reads it again)."""
+        body = json.dumps({"kind": s.kind, "subscription": s.subscription}).encode()
+        return self.service.metadata_store.put(self._source_path(q, s.topic), body)
 
     def _forget_source(self, q: Queue, topic: str) -> Deferred[Any]:
         d = self.service.metadata_store.delete(self._source_path(q, topic))
@@ -929,11 +999,35 @@ class VirtualHost:
             got = await store.get(f"{root}/{child}")
             if got is None:
                 continue
-            kind = json.loads(got.value).get("kind")
-            if kind in (SHARED, BRIDGE):
-                d = q.ensure_source(unquote(child), kind)
+            body = json.loads(got.value)
+            kind, subscription = body.get("kind"), body.get("subscription")
+            if kind in (SHARED, BRIDGE) and isinstance(subscription, str):
+                d = q.ensure_source(unquote(child), kind, subscription)
                 if d is not None:
                     await d
+
+    async def _drop_orphan_sources(self) -> None:
+        """Remove the subscriptions of queues that did not come back (exclusive queues of
+        a broker that stopped without deleting them)."""
+        store = self.service.metadata_store
+        for qchild in await store.children(f"{self._root}/sources"):
+            if unquote(qchild) in self.queues:
+                continue
+            root = f"{self._root}/sources/{qchild}"
+            for child in await store.children(root):
+                got = await store.get(f"{root}/{child}")
+                subscription = json.loads(got.value).get("subscription") if got else None
+                if isinstance(subscription, str):
+                    try:
+                        topic = await self.service.get_topic(unquote(child), create=False)
+                        await topic.delete_subscription(subscription, force=True)
+                    except Exception as e:
+                        log.info(
+                            "AMQP orphan subscription not removed",
+                            extra=kv(topic=unquote(child), error=str(e)),
+                        )
+                with contextlib.suppress(Exception):
+                    await store.delete(f"{root}/{child}")
 
     def bridge_bound(self, queue: str, local: str) -> bool:
         """Whether ``queue`` is bound to ``amq.topic`` with a key that topic ``local`` matches."""
@@ -1000,6 +1094,9 @@ class VirtualHost:
                     if ex is not None and b not in ex.bindings:
                         ex.bindings.append(b)
                         await self._bound(b)
+        Deferred.fromCoroutine(self._drop_orphan_sources()).addErrback(
+            lambda f: log.warning("AMQP orphan sweep failed", extra=kv(error=str(f.value)))
+        )
 
     def close(self) -> None:
         for q in self.queues.values():
@@ -1294,47 +1391,60 @@ class VirtualHost:
         return [self.queues[n] for n in names if n in self.queues]
 
     def publish(self, msg: AmqpMessage, queues: list[Queue] | None = None) -> Deferred[int]:
-        """Store ``msg`` once, whatever the number of queues it reaches; fire with that
-        number once the write is durable (then it is in every one of them).
+        """Store ``msg`` once for the queues it reaches, whatever their number; fire with that
+        number once every write is durable (then it is in each of them).
 
-        Where it is stored: on topic R for ``amq.topic`` with routing key R (other protocols
-        read it there); else in the one durable queue's own topic; else, for several, in the
-        exchange's log, naming the queues in ``P_TO``. Each queue reads a shared log through
-        a subscription of its own, created (and recorded) before the first append it needs.
-        Transient queues take the message in memory."""
+        Where: in the exchange's log, naming the queues in ``P_TO``, when it reaches several
+        durable queues or one that reads that log already (so the order of what one exchange
+        routes to one queue is the log's order); else in the one durable queue's own topic.
+        Each queue reads a shared log through a subscription of its own, created (and
+        recorded) before the first append it needs. Transient queues take the message in
+        memory. ``amq.topic`` with routing key R also writes it on topic R, for the other
+        protocols (queues skip those copies: they have it from the exchange already)."""
         if queues is None:
             queues = self.destinations(msg)
         if not msg.persistent and not msg.incarnation:
             msg.incarnation = self.incarnation
         reached = len(queues)
         stored = [q for q in queues if not q.memory_only and not q.deleted]
-        if any(q.memory_only for q in queues):
+        if len(stored) != len(queues):
             msg.publish_time_ms = _now_ms(self.clock)
             for q in queues:
                 if q.memory_only:
                     q.accept(msg)
-        kind = SHARED
+        size = len(msg.body) + 256
+        ds: list[Deferred[Any]] = []
+        if stored:
+            ds.append(self._route(msg, stored, size))
         if msg.exchange == "amq.topic" and _valid_local(msg.routing_key):
-            target = f"persistent://{self.namespace}/{msg.routing_key}"
-            kind = BRIDGE
-        elif len(stored) > 1:
-            target = self.exchange_log(msg.exchange)
-        elif stored:
-            target = stored[0].topic
-            kind = OWN
-        else:
+            bridged = f"persistent://{self.namespace}/{msg.routing_key}"
+            ds.append(self._store(bridged, to_stored(msg), size))
+        if not ds:
             return succeed(reached)
+        if len(ds) == 1:
+            d = ds[0]
+        else:
+            d = DeferredList(ds, fireOnOneErrback=True, consumeErrors=True)
+            d.addErrback(_first_failure)
+        d.addCallback(lambda _: reached)
+        return d
+
+    def _route(self, msg: AmqpMessage, stored: list[Queue], size: int) -> Deferred[Any]:
+        """Append ``msg`` for durable queues ``stored`` (see ``publish``)."""
+        log_topic = self.exchange_log(msg.exchange)
         stored_message = to_stored(msg)
         waits: list[Deferred[None]] = []
-        if kind != OWN:
+        if len(stored) > 1 or log_topic in stored[0].sources:
+            target = log_topic
             stored_message.properties.append((P_TO, encode_to([q.name for q in stored])))
             for q in stored:
-                w = q.ensure_source(target, kind)
+                w = q.ensure_source(target, SHARED)
                 if w is not None:
                     waits.append(w)
+        else:
+            target = stored[0].topic
         for q in stored:
-            q.appending += 1
-        size = len(msg.body) + 256
+            q.appending(target)
         if not waits:
             d = self._store(target, stored_message, size)
         else:
@@ -1349,8 +1459,7 @@ class VirtualHost:
             return result
 
         d.addBoth(appended)
-        d.addCallback(lambda _: reached)
-        return d  # type: ignore[return-value]
+        return d
 
     # -- batching ----------------------------------------------------------------------------
 

@@ -102,34 +102,61 @@ def test_confirm_waits_for_the_shared_write_and_nacks_a_failed_one() -> None:
     assert drain(p, "b") == [b"first"]
 
 
-def test_each_queue_acks_on_its_own_and_only_gets_what_was_routed_to_it() -> None:
-    """On a direct exchange one log holds the messages for several queues; each queue gets
-    the ones routed to it (in order), and a message routed to one queue goes to its own topic."""
-    p = Peer()
+def direct(p: Peer, bindings: dict[str, tuple[str, ...]]) -> None:
+    """Declare durable direct exchange ``fan`` and durable queues bound with these keys."""
     p.handshake()
     p.method(1, c.ChannelOpen())
     p.method(1, c.ExchangeDeclare(exchange="fan", type="direct", durable=True))
-    for q, keys in (("a", ("x", "both")), ("b", ("y", "both"))):
+    for q, keys in bindings.items():
         p.method(1, c.QueueDeclare(queue=q, durable=True))
         for k in keys:
             p.method(1, c.QueueBind(queue=q, exchange="fan", routing_key=k))
     p.clock.advance(0)
     p.methods()
+
+
+def test_each_queue_gets_what_was_routed_to_it_in_order() -> None:
+    """On a direct exchange one log holds the messages for several queues; each queue gets
+    exactly the ones routed to it, in publish order (once a queue reads the exchange's log,
+    what the exchange routes to it alone goes there too)."""
+    p = Peer()
+    direct(p, {"a": ("x", "both"), "b": ("y", "both"), "c": ("z",)})
     for i in range(3):
         p.publish(1, "fan", "both", f"both{i}".encode(), delivery_mode=2)
         p.publish(1, "fan", "x", f"x{i}".encode(), delivery_mode=2)
         p.publish(1, "fan", "y", f"y{i}".encode(), delivery_mode=2)
+        p.publish(1, "fan", "z", f"z{i}".encode(), delivery_mode=2)
     p.clock.advance(0)
-    assert len(p.ledgers.ledger(EXCHANGE_LOG).data.entries) == 3  # the "both" messages
-    assert len(p.ledgers.ledger("public/default/persistent/amqp.queue.a").data.entries) == 3
-    a, b = drain(p, "a"), drain(p, "b")
-    assert [m for m in a if m.startswith(b"both")] == [b"both0", b"both1", b"both2"]
-    assert [m for m in a if not m.startswith(b"both")] == [b"x0", b"x1", b"x2"]
-    assert [m for m in b if m.startswith(b"both")] == [b"both0", b"both1", b"both2"]
-    assert [m for m in b if not m.startswith(b"both")] == [b"y0", b"y1", b"y2"]
+    assert len(p.ledgers.ledger(EXCHANGE_LOG).data.entries) == 9
+    assert len(p.ledgers.ledger("public/default/persistent/amqp.queue.c").data.entries) == 3
+    assert drain(p, "a") == [f"{k}{i}".encode() for i in range(3) for k in ("both", "x")]
+    assert drain(p, "b") == [f"{k}{i}".encode() for i in range(3) for k in ("both", "y")]
+    assert drain(p, "c") == [b"z0", b"z1", b"z2"]
     p.publish(1, "fan", "both", b"late", delivery_mode=2)
     p.clock.advance(0)
     assert drain(p, "a") == [b"late"]
+
+
+def test_a_queue_that_starts_reading_the_exchange_log_keeps_the_exchange_order() -> None:
+    """Messages routed to one queue alone (its own topic, appends still in flight) and then
+    some routed to several (the exchange's log) reach that queue in publish order."""
+    p = Peer()
+    direct(p, {"a": ("x", "both"), "b": ("both",)})
+    own = p.ledgers.ledger("public/default/persistent/amqp.queue.a")
+    own.hold_appends = True
+    p.publish(1, "fan", "x", b"x0", delivery_mode=2)
+    p.publish(1, "fan", "x", b"x1", delivery_mode=2)
+    p.publish(1, "fan", "both", b"both0", delivery_mode=2)
+    p.publish(1, "fan", "x", b"x2", delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.BasicConsume(queue="a", consumer_tag="t", no_ack=True))
+    p.clock.advance(0)
+    assert [f.data for f in p.received() if isinstance(f, c.BodyFrame)] == []
+    own.release_appends()
+    p.clock.advance(0)
+    bodies = [f.data for f in p.received() if isinstance(f, c.BodyFrame)]
+    assert bodies == [b"x0", b"x1", b"both0", b"x2"]
+    assert drain(p, "b") == [b"both0"]
 
 
 def test_unbind_keeps_what_was_routed_before() -> None:
@@ -180,12 +207,12 @@ def test_delete_and_purge_release_the_shared_log() -> None:
     p.publish(1, "fan", "", b"one", delivery_mode=2)
     p.clock.advance(0)
     ledger = p.ledgers.ledger(EXCHANGE_LOG)
-    assert sorted(ledger.data.cursors) == ["amqp.q.a", "amqp.q.b", "amqp.q.c"]
+    assert sorted(n.split(".")[2] for n in ledger.data.cursors) == ["a", "b", "c"]
     p.method(1, c.QueueDelete(queue="c"))
     p.method(1, c.QueuePurge(queue="b"))
     p.clock.advance(0)
     assert p.methods() == [c.QueueDeleteOk(1), c.QueuePurgeOk(1)]
-    assert sorted(ledger.data.cursors) == ["amqp.q.a", "amqp.q.b"]
+    assert sorted(n.split(".")[2] for n in ledger.data.cursors) == ["a", "b"]
     assert drain(p, "b") == []
     assert drain(p, "a") == [b"one"]
     assert not any("/sources/c/" in path for path in p.store.nodes)
@@ -206,3 +233,46 @@ def test_transient_and_durable_queues_share_one_publish() -> None:
     p.clock.advance(0)
     assert stored(p)[0] - before == 1
     assert [drain(p, q) for q in ("d1", "d2", "t")] == [[b"m"]] * 3
+
+
+def test_a_queue_declared_again_does_not_inherit_the_old_ones_messages() -> None:
+    """A queue deleted while the exchange's log still held messages for it, then declared
+    and bound again under the same name, gets only what is routed to it afterwards."""
+    p = Peer()
+    fanout(p, ["a", "b"], confirm=False)
+    p.publish(1, "fan", "", b"old", delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.QueueDelete(queue="b"))
+    p.method(1, c.QueueDeclare(queue="b", durable=True))
+    p.method(1, c.QueueBind(queue="b", exchange="fan"))
+    p.clock.advance(0)
+    p.methods()
+    p.publish(1, "fan", "", b"new", delivery_mode=2)
+    p.clock.advance(0)
+    assert drain(p, "b") == [b"new"]
+    assert drain(p, "a") == [b"old", b"new"]
+
+
+def test_a_restart_removes_what_exclusive_queues_left_on_shared_logs() -> None:
+    """An exclusive queue does not come back after a crash, and neither does its
+    subscription on the exchange's log (which would hold the log forever)."""
+    p = Peer()
+    fanout(p, ["a"], confirm=False)
+    p.method(1, c.QueueDeclare(queue="mine", durable=True, exclusive=True))
+    p.method(1, c.QueueBind(queue="mine", exchange="fan"))
+    p.clock.advance(0)
+    p.methods()
+    p.publish(1, "fan", "", b"m", delivery_mode=2)
+    p.clock.advance(0)
+    log = p.ledgers.logs[EXCHANGE_LOG]
+    assert sorted(n.split(".")[2] for n in log.cursors) == ["a", "mine"]
+    # A crash: nothing is closed, a new broker starts over the same storage.
+    again = Peer(ledgers=p.ledgers, store=p.store)
+    again.handshake()
+    again.clock.advance(0)
+    assert sorted(n.split(".")[2] for n in log.cursors) == ["a"]
+    assert not any("/sources/mine" in path for path in again.store.nodes)
+    again.method(1, c.ChannelOpen())
+    again.clock.advance(0)
+    again.methods()
+    assert drain(again, "a") == [b"m"]
