@@ -127,3 +127,57 @@ def test_kill_9_keeps_confirmed_persistent_messages_and_durable_definitions(
     assert bodies == published[50 - len(bodies) :]  # in order, no transient message
     assert routed == b"after"
     assert e.value.reply_code == 404
+
+
+def test_kill_9_keeps_every_queue_bound_to_one_exchange(tmp_path: Path) -> None:
+    """Three durable queues on one fanout read its one stored copy of each message; after
+    kill -9 each has what it had not acknowledged, in order, and routing goes on."""
+    data = tmp_path / "data"
+    log = tmp_path / "standalone.log"
+    queues = ("a", "b", "c")
+    proc, port = start(data, log)
+    try:
+        conn = connect(port)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.exchange_declare("fan", "fanout", durable=True)
+        for q in queues:
+            ch.queue_declare(q, durable=True)
+            ch.queue_bind(q, "fan")
+        for i in range(30):
+            ch.basic_publish("fan", "", f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        for _ in range(10):  # a acknowledges ten
+            method, _, _ = ch.basic_get("a")
+            ch.basic_ack(method.delivery_tag)
+        ch.queue_declare("a", passive=True)  # a round trip: the acks were processed
+        conn.close()
+    finally:
+        stop(proc, signal.SIGKILL)
+    proc, port = start(data, log)
+    try:
+        conn = connect(port)
+        ch = conn.channel()
+        got: dict[str, list[bytes]] = {q: [] for q in queues}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            progress = False
+            for q in queues:
+                body = ch.basic_get(q, auto_ack=True)[2]
+                if body is not None:
+                    got[q].append(body)
+                    progress = True
+            if not progress and all(len(got[q]) >= (20 if q == "a" else 30) for q in queues):
+                break
+        ch.confirm_delivery()
+        ch.basic_publish("fan", "", b"after", mandatory=True)
+        after = {q: ch.basic_get(q, auto_ack=True)[2] for q in queues}
+        conn.close()
+    finally:
+        stop(proc)
+    published = [f"m{i}".encode() for i in range(30)]
+    # Acks are persisted at the cursor's mark-delete rate (at-least-once after a crash).
+    assert got["a"][-20:] == published[10:]
+    assert got["a"] == published[30 - len(got["a"]) :]
+    assert got["b"] == published
+    assert got["c"] == published
+    assert after == {q: b"after" for q in queues}
