@@ -395,7 +395,9 @@ class Auditor:
                     "audit failed, retrying in %ss: %s",
                     RETRY_S,
                     outcome.getErrorMessage(),
-                    exc_info=None if outcome.check(StorageError, MetadataError) else True,
+                    exc_info=None
+                    if outcome.check(StorageError, MetadataError)
+                    else (outcome.type, outcome.value, outcome.getTracebackObject()),
                 )
                 self._schedule(self._reactor.seconds() + RETRY_S)
         else:

@@ -157,3 +157,35 @@ async def test_another_auditor_takes_over_when_the_auditors_host_is_killed(
         await assert_fully_replicated(rig, ledgers, host)
     finally:
         await rig.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stopped_auditor_host_hands_the_role_over_at_once(
+    zk_url: str, bookies: BookieProcesses
+) -> None:
+    """SIGTERM of the auditor's host gives the role up as it stops: another auditor leads well
+    before the stopped bookie's session (10 s here) could have expired."""
+    config = {"metadataStoreSessionTimeoutMillis": 10_000}
+    for _ in range(2):
+        await threads.deferToThread(bookies.start, zk_url, config)
+    rig = await LedgerClientRig.open(zk_url)
+    try:
+
+        async def elected() -> bool:
+            return await current_auditor(rig.store) is not None
+
+        await poll(elected, 30, "an auditor elected")
+        host = await current_auditor(rig.store)
+        assert host is not None
+        stopped_at = time.monotonic()
+        assert await threads.deferToThread(bookies.stop, by_address(bookies, host)) == 0
+
+        async def handed_over() -> bool:
+            now = await current_auditor(rig.store)
+            return now is not None and now != host
+
+        await poll(handed_over, 5, "the role handed over")
+        print(f"\nauditor host stopped -> successor leads: {time.monotonic() - stopped_at:.2f}s")
+        assert await current_auditor(rig.store) == bookies.running[0].address
+    finally:
+        await rig.close()

@@ -447,3 +447,63 @@ def _deferred(coro: Any) -> Any:
     from twisted.internet.defer import Deferred
 
     return Deferred.fromCoroutine(coro)
+
+
+def test_a_deposed_auditor_writes_nothing_and_the_successor_repairs() -> None:
+    """The leader loses its session while its copies are in flight: once they complete it
+    switches nothing; the new leader copies again and makes the one metadata change."""
+    rig = Rig(bookies=4, delay=0.0)
+    ledger = rig.closed_ledger()
+    ensemble = rig.metadata(ledger).fragments[0][1]
+    (spare,) = set(rig.cluster.addresses) - set(ensemble)
+    rig.cluster.bookies[spare].hold = True
+    first = rig.auditor("bookie-a")
+    second = rig.auditor("bookie-b")
+    version = result_of(rig.store.get(f"/ledgers/{ledger}")).stat.version
+    victim = ensemble[2]
+    rig.kill(victim)
+    assert rig.cluster.bookies[spare].held  # the leader's copies wait on the spare
+    session = first._store
+    assert isinstance(session, MemoryMetadataStore)
+    session.expire_session(reestablish=False)
+    assert not first.leading
+    assert second.leading
+    rig.cluster.bookies[spare].hold = False
+    rig.cluster.bookies[spare].release()
+    got = result_of(rig.store.get(f"/ledgers/{ledger}"))
+    assert got.stat.version == version + 1  # one switch, by the successor
+    m = decode_metadata(got.value)
+    assert m.fragments[0][1] == tuple(spare if a == victim else a for a in ensemble)
+    assert rig.fully_replicated(ledger)
+    assert rig.marker(ledger) is None
+
+
+def test_a_failed_audit_is_retried() -> None:
+    """An audit that fails on the metadata store is run again after RETRY_S."""
+    rig = Rig(delay=0.0)
+    ledger = rig.closed_ledger()
+    auditor = rig.auditor()
+    session = auditor._store
+    real_get = session.get
+    failing = [True]
+
+    def flaky_get(path: str) -> Any:
+        from twisted.internet.defer import fail
+
+        from polybroker.metadata.api import ConnectionLossError
+
+        if failing[0] and path.startswith("/ledgers/"):
+            return fail(ConnectionLossError("connection lost"))
+        return real_get(path)
+
+    session.get = flaky_get  # type: ignore[method-assign]
+    victim = rig.metadata(ledger).fragments[0][1][0]
+    audits = auditor.audits
+    rig.kill(victim)
+    assert auditor.audits == audits  # it failed
+    assert victim in names(rig.metadata(ledger))
+    failing[0] = False
+    rig.clock.advance(5.0)
+    assert auditor.audits == audits + 1
+    assert victim not in names(rig.metadata(ledger))
+    assert rig.fully_replicated(ledger)
