@@ -1,0 +1,245 @@
+"""A real cluster (ZooKeeper, bookie and broker processes) driven by the official Pulsar client:
+topics spread over brokers, lookups from any broker, bundle unload/transfer/split through the
+admin API, and kill -9 of a broker while producers run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pulsar
+import pytest
+from broker_harness import Broker, BrokerProcesses, initialize
+from cluster_harness import BookieProcesses
+
+NS = "public/default"
+REPLICATION = {
+    "managedLedgerDefaultEnsembleSize": 2,
+    "managedLedgerDefaultWriteQuorum": 2,
+    "managedLedgerDefaultAckQuorum": 2,
+}
+
+
+@dataclass
+class Cluster:
+    zk_url: str
+    bookies: BookieProcesses
+    brokers: BrokerProcesses
+    members: list[Broker]
+
+    @property
+    def service_url(self) -> str:
+        """Every broker, as a multi-host service URL: any of them answers lookups."""
+        hosts = ",".join(f"127.0.0.1:{b.ports['brokerServicePort']}" for b in self.members)
+        return f"pulsar://{hosts}"
+
+
+@pytest.fixture
+def cluster(zk_url: str, bookies: BookieProcesses, tmp_path: Path) -> Iterator[Cluster]:
+    """ZooKeeper + 3 bookies + 2 brokers (E=Qw=Qa=2), stopped by PID at teardown."""
+    initialize(zk_url)
+    for _ in range(3):
+        bookies.start(zk_url)
+    procs = BrokerProcesses(tmp_path)
+    try:
+        members = [procs.start(zk_url, REPLICATION) for _ in range(2)]
+        yield Cluster(zk_url, bookies, procs, members)
+    finally:
+        procs.close()
+
+
+def http(method: str, url: str, body: Any = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        time.sleep(0.05)
+
+
+def owners(broker: Broker) -> dict[str, str | None]:
+    return http("GET", f"{broker.http_url}/admin/v2/namespaces/{NS}/owners")
+
+
+def receive_all(consumer: pulsar.Consumer, expected: set[bytes], timeout: float = 60) -> set[bytes]:
+    got: set[bytes] = set()
+    deadline = time.monotonic() + timeout
+    while not expected <= got:
+        assert time.monotonic() < deadline, f"missing {len(expected - got)} messages"
+        try:
+            msg = consumer.receive(1000)
+        except pulsar.Timeout:
+            continue
+        got.add(msg.data())
+        consumer.acknowledge(msg)
+    return got
+
+
+def test_partitions_spread_over_brokers_and_any_broker_answers(cluster: Cluster) -> None:
+    a, b = cluster.members
+    topic = f"persistent://{NS}/spread"
+    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/spread/partitions", 8)
+    client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
+    try:
+        consumer = client.subscribe(topic, "s", consumer_type=pulsar.ConsumerType.Shared)
+        producer = client.create_producer(topic, batching_enabled=False)
+        sent = {f"m-{i}".encode() for i in range(200)}
+        for i, m in enumerate(sorted(sent)):
+            producer.send(m, partition_key=str(i))
+        assert receive_all(consumer, sent) == sent
+    finally:
+        client.close()
+    held = {o for o in owners(a).values() if o is not None}
+    assert held == {a.broker_id, b.broker_id}
+    assert owners(b) == owners(a)
+    # The HTTP lookup of any partition, asked of either broker, names its owner.
+    bundle_owner = owners(a)
+    for i in range(8):
+        name = f"spread-partition-{i}"
+        bundle = (
+            urllib.request.urlopen(
+                f"{b.http_url}/lookup/v2/topic/persistent/{NS}/{name}/bundle", timeout=30
+            )
+            .read()
+            .decode()
+        )
+        for asked in (a, b):
+            found = http("GET", f"{asked.http_url}/lookup/v2/topic/persistent/{NS}/{name}")
+            owner = next(m for m in cluster.members if m.broker_id == bundle_owner[bundle])
+            assert found["brokerUrl"] == owner.pulsar_url
+        # Admin calls for a topic reach its owner, from either broker (307 to the owner).
+        for asked in (a, b):
+            stats = http("GET", f"{asked.http_url}/admin/v2/persistent/{NS}/{name}/stats")
+            assert stats["msgInCounter"] > 0
+
+
+def test_bundle_unload_transfer_and_split_through_admin(cluster: Cluster) -> None:
+    a, b = cluster.members
+    topic = f"persistent://{NS}/moving"
+    client = pulsar.Client(cluster.service_url, operation_timeout_seconds=30)
+    try:
+        producer = client.create_producer(topic, batching_enabled=False)
+        consumer = client.subscribe(topic, "s")
+        producer.send(b"before")
+        bundle = (
+            urllib.request.urlopen(
+                f"{a.http_url}/lookup/v2/topic/persistent/{NS}/moving/bundle", timeout=30
+            )
+            .read()
+            .decode()
+        )
+        first = owners(a)[bundle]
+        other = b if first == a.broker_id else a
+        http(
+            "PUT",
+            f"{a.http_url}/admin/v2/namespaces/{NS}/{bundle}/unload"
+            f"?destinationBroker={other.broker_id}",
+        )
+        producer.send(b"after-transfer")  # the client follows the topic to its new owner
+        assert owners(a)[bundle] == other.broker_id
+        http("PUT", f"{b.http_url}/admin/v2/namespaces/{NS}/{bundle}/split")
+        bundles = http("GET", f"{a.http_url}/admin/v2/namespaces/{NS}/bundles")
+        assert bundles["numBundles"] == 5
+        producer.send(b"after-split")
+        assert receive_all(consumer, {b"before", b"after-transfer", b"after-split"}) == {
+            b"before",
+            b"after-transfer",
+            b"after-split",
+        }
+    finally:
+        client.close()
+
+
+class Sender:
+    """Sends numbered messages to a partitioned topic from a thread; records what was acked."""
+
+    def __init__(self, client: pulsar.Client, topic: str) -> None:
+        self.producer = client.create_producer(
+            topic, batching_enabled=False, send_timeout_millis=60_000
+        )
+        self.acked: dict[bytes, float] = {}
+        self.partition_acks: dict[int, list[float]] = {}
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        lock = threading.Semaphore(64)
+        while not self._stop.is_set():
+            data = f"m-{i:06d}".encode()
+            lock.acquire()
+
+            def done(res: Any, msg_id: Any, data: bytes = data) -> None:
+                lock.release()
+                if res == pulsar.Result.Ok:
+                    now = time.monotonic()
+                    self.acked[data] = now
+                    self.partition_acks.setdefault(msg_id.partition(), []).append(now)
+                else:
+                    self.failed.append(str(res))
+
+            self.producer.send_async(data, done, partition_key=str(i))
+            i += 1
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.producer.flush()
+
+
+def test_kill_a_broker_while_producing_loses_nothing(cluster: Cluster) -> None:
+    a, b = cluster.members
+    topic = f"persistent://{NS}/failover"
+    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/failover/partitions", 8)
+    # The service URL names the broker that stays, as a load balancer in front of the
+    # cluster would; the other broker owns some of the partitions and is killed.
+    client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
+    try:
+        consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
+        sender = Sender(client, topic)
+        wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+        victim, survivor = b, a
+        assert victim.broker_id in owners(a).values()
+        killed_at = time.monotonic()
+        cluster.brokers.kill(victim)
+        # Every bundle comes back under the survivor, and producing goes on.
+        wait_for(
+            lambda: (
+                all(o in (None, survivor.broker_id) for o in owners(survivor).values())
+                and sum(1 for t in sender.acked.values() if t > killed_at) > 200
+            ),
+            60,
+            "producing again after the kill",
+        )
+        sender.stop()
+        assert sorted(sender.partition_acks) == list(range(8))
+        # Every partition, those of the dead broker included, acknowledged sends again.
+        resumed = max(
+            min(t for t in times if t > killed_at) for times in sender.partition_acks.values()
+        )
+        print(f"every partition serving again {resumed - killed_at:.2f}s after kill -9")
+        assert not sender.failed
+        acked = set(sender.acked)
+        assert receive_all(consumer, acked, timeout=90) >= acked
+    finally:
+        client.close()
