@@ -1,0 +1,421 @@
+"""Cluster benchmark: ZooKeeper + 3 bookies + 2 brokers (E=3, Qw=2, Qa=2) against one standalone
+broker, with the official Pulsar client, in the same run.
+
+Cases:
+  throughput  --messages messages of 100 bytes to a topic with 8 partitions (spread over both
+              brokers in the cluster), batching on, one producer and one Shared consumer in this
+              process: end-to-end msgs/s (messages / (last receive - first send)), end-to-end
+              latency p50/p99, and the CPU seconds the polybroker processes spent per message
+              (brokers and bookies, or the standalone process; ZooKeeper and the client are not
+              counted). Two cores cannot show scale-out: CPU per message is the figure to hold
+              (target: cluster at most 1.5x standalone). --repeat runs, medians.
+  broker-kill while producing at --rate msgs/s, kill -9 the broker that owns some partitions
+              (the client's service URL names the other one, as a load balancer would): seconds
+              until every partition acknowledged a send again (target: under 5 s). ZooKeeper
+              sessions are --session-ms long: a dead broker's bundles are free after that.
+  bookie-kill a spare 4th bookie joins; while producing, kill -9 a bookie the partitions' ledgers
+              write to: seconds until every partition acknowledged a send again (target: 2 s).
+
+Prints a table, then one JSON line as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Keep this folder off the path so `import pulsar` is the client, not benchmarks/pulsar.py.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+# The ZooKeeper launcher the tests use (Debian's zookeeper package).
+sys.path.insert(0, str(_HERE.parent / "tests" / "contract"))
+
+import pulsar  # noqa: E402
+from zk_server import ZooKeeperServer  # noqa: E402
+
+PARTITIONS = 8
+SIZE = 100
+REPLICATION = {
+    "managedLedgerDefaultEnsembleSize": 3,
+    "managedLedgerDefaultWriteQuorum": 2,
+    "managedLedgerDefaultAckQuorum": 2,
+}
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen[bytes]
+    ready: str
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def port(self, key: str) -> int:
+        for item in self.ready.split():
+            k, _, v = item.partition("=")
+            if k == key:
+                return int(v)
+        raise KeyError(key)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.process.wait(30)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def spawn(cmd: list[str], marker: str, log: Path, timeout: float = 60.0) -> Proc:
+    """Start ``polybroker ...`` and wait (bounded) for its line starting with ``marker``."""
+    with open(log, "wb") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "polybroker", *cmd], stdout=subprocess.PIPE, stderr=err
+        )
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(process.stdout, selectors.EVENT_READ)
+        while True:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
+            if not sel.select(1.0):
+                continue
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"{cmd[0]} exited: {log.read_text()[-2000:]}")
+            seen += chunk
+            for line in seen.decode(errors="replace").splitlines():
+                if line.startswith(marker):
+                    return Proc(process, line[len(marker) :])
+
+
+def write_conf(path: Path, settings: dict[str, object]) -> Path:
+    path.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+    return path
+
+
+PORT_FLAGS = ["--pulsar-port", "0", "--http-port", "0", "--kafka-port", "0"]
+PORT_FLAGS += ["--mqtt-port", "0", "--amqp-port", "0"]
+
+
+class Cluster:
+    """ZooKeeper, bookies and brokers as processes under one directory."""
+
+    def __init__(self, root: Path, session_ms: int) -> None:
+        self.root = root
+        self.session_ms = session_ms
+        self.zk = ZooKeeperServer.start(root / "zk")
+        self.url = self.zk.url("/bench")
+        self.bookies: list[Proc] = []
+        self.brokers: list[Proc] = []
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "polybroker",
+                "initialize-cluster-metadata",
+                "--cluster",
+                "bench",
+                "--metadata-store",
+                self.url,
+            ],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.decode())
+
+    def add_bookie(self) -> Proc:
+        n = len(self.bookies) + 1
+        cmd = ["bookie", "--data-dir", str(self.root / f"bookie-{n}"), "--port", "0"]
+        cmd += ["--bind", "127.0.0.1", "--metadata", self.url]
+        bookie = spawn(cmd, "bookie listening on ", self.root / f"bookie-{n}.log")
+        self.bookies.append(bookie)
+        return bookie
+
+    def add_broker(self) -> Proc:
+        n = len(self.brokers) + 1
+        conf = write_conf(
+            self.root / f"broker-{n}.conf",
+            {
+                **REPLICATION,
+                "metadataStoreSessionTimeoutMillis": self.session_ms,
+                "loadBalancerSheddingEnabled": "false",
+                "logLevel": "warning",
+            },
+        )
+        cmd = ["broker", "--metadata", self.url, "--cluster", "bench", "--bind", "127.0.0.1"]
+        cmd += ["--config", str(conf), *PORT_FLAGS]
+        broker = spawn(cmd, "polybroker broker ready ", self.root / f"broker-{n}.log")
+        self.brokers.append(broker)
+        return broker
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.bookies + self.brokers if p.process.poll() is None]
+
+    def close(self) -> None:
+        for p in self.brokers + self.bookies:
+            p.stop()
+        self.zk.stop()
+
+
+def http_put(url: str, body: Any) -> None:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="PUT",
+        headers={"content-type": "application/json"},
+    )
+    urllib.request.urlopen(req, timeout=60).read()
+
+
+def http_get(url: str) -> Any:
+    return json.loads(urllib.request.urlopen(url, timeout=60).read())
+
+
+def throughput(
+    service_url: str, http_url: str, topic: str, n: int, pids: list[int]
+) -> dict[str, float]:
+    """Send ``n`` messages through a fresh partitioned topic and receive them all."""
+    http_put(f"{http_url}/admin/v2/persistent/public/default/{topic}/partitions", PARTITIONS)
+    client = pulsar.Client(service_url, operation_timeout_seconds=60, io_threads=2)
+    full = f"persistent://public/default/{topic}"
+    latencies: list[float] = []
+    done = threading.Event()
+    last = [0.0]
+
+    def listener(consumer: Any, msg: Any) -> None:
+        now = time.monotonic_ns()
+        latencies.append((now - struct.unpack_from(">q", msg.data())[0]) / 1e6)
+        consumer.acknowledge(msg)
+        if len(latencies) >= n:
+            last[0] = time.monotonic()
+            done.set()
+
+    client.subscribe(
+        full,
+        "bench",
+        consumer_type=pulsar.ConsumerType.Shared,
+        message_listener=listener,
+        receiver_queue_size=2000,
+    )
+    producer = client.create_producer(
+        full,
+        batching_enabled=True,
+        batching_max_publish_delay_ms=1,
+        block_if_queue_full=True,
+        max_pending_messages=2000,
+    )
+    filler = b"x" * (SIZE - 8)
+    cpu0 = sum(cpu_seconds(p) for p in pids)
+    start = time.monotonic()
+    for i in range(n):
+        producer.send_async(
+            struct.pack(">q", time.monotonic_ns()) + filler, None, partition_key=str(i)
+        )
+    producer.flush()
+    if not done.wait(300):
+        raise RuntimeError(f"received {len(latencies)} of {n}")
+    cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+    client.close()
+    return {
+        "msgs_per_s": n / (last[0] - start),
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "cpu_us_per_msg": cpu / n * 1e6,
+    }
+
+
+class PacedSender:
+    """Sends to a partitioned topic at a fixed rate; records acknowledgement times per partition."""
+
+    def __init__(self, service_url: str, topic: str, rate: int) -> None:
+        self.client = pulsar.Client(service_url, operation_timeout_seconds=60)
+        self.producer = self.client.create_producer(
+            topic, batching_enabled=False, send_timeout_millis=60_000, block_if_queue_full=True
+        )
+        self.acks: dict[int, list[float]] = {}
+        self.errors = 0
+        self.rate = rate
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        start = time.monotonic()
+        while not self._stop.is_set():
+
+            def acked(res: Any, msg_id: Any) -> None:
+                if res == pulsar.Result.Ok:
+                    self.acks.setdefault(msg_id.partition(), []).append(time.monotonic())
+                else:
+                    self.errors += 1
+
+            self.producer.send_async(b"p" * SIZE, acked, partition_key=str(i))
+            i += 1
+            ahead = start + i / self.rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+
+    def resumed_after(self, at: float, timeout: float = 120.0) -> float:
+        """Seconds from ``at`` until every partition acknowledged a send after it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            firsts = [
+                min((t for t in times if t > at), default=None) for times in self.acks.values()
+            ]
+            if len(firsts) == PARTITIONS and all(f is not None for f in firsts):
+                return max(firsts) - at  # type: ignore[type-var,operator]
+            time.sleep(0.05)
+        raise RuntimeError("partitions did not all resume")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rate", type=int, default=500, help="paced rate of the kill cases")
+    parser.add_argument("--session-ms", type=int, default=2000)
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        root = Path(tmp)
+        # -- standalone
+        conf = write_conf(root / "standalone.conf", {"logLevel": "warning"})
+        standalone = spawn(
+            [
+                "standalone",
+                "--data-dir",
+                str(root / "standalone"),
+                "--config",
+                str(conf),
+                *PORT_FLAGS,
+            ],
+            "polybroker standalone ready ",
+            root / "standalone.log",
+        )
+        cluster = Cluster(root, args.session_ms)
+        try:
+            for _ in range(3):
+                cluster.add_bookie()
+            a, b = cluster.add_broker(), cluster.add_broker()
+            s_url = f"pulsar://127.0.0.1:{standalone.port('brokerServicePort')}"
+            s_http = f"http://127.0.0.1:{standalone.port('webServicePort')}"
+            c_url = f"pulsar://127.0.0.1:{a.port('brokerServicePort')}"
+            c_http = f"http://127.0.0.1:{a.port('webServicePort')}"
+            runs: dict[str, list[dict[str, float]]] = {"standalone": [], "cluster": []}
+            for r in range(args.repeat):
+                order = ["standalone", "cluster"] if r % 2 == 0 else ["cluster", "standalone"]
+                for which in order:
+                    if which == "standalone":
+                        res = throughput(s_url, s_http, f"s{r}", args.messages, [standalone.pid])
+                    else:
+                        res = throughput(c_url, c_http, f"c{r}", args.messages, cluster.pids())
+                    runs[which].append(res)
+                    print(
+                        f"{which:10s} run {r}: " + " ".join(f"{k}={v:.1f}" for k, v in res.items()),
+                        flush=True,
+                    )
+            for which, rs in runs.items():
+                results[which] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+            results["cpu_ratio"] = (
+                results["cluster"]["cpu_us_per_msg"] / results["standalone"]["cpu_us_per_msg"]
+            )
+            results["throughput_ratio"] = (
+                results["cluster"]["msgs_per_s"] / results["standalone"]["msgs_per_s"]
+            )
+            standalone.stop()
+
+            # -- broker kill -9
+            topic = "persistent://public/default/failover"
+            http_put(f"{c_http}/admin/v2/persistent/public/default/failover/partitions", PARTITIONS)
+            sender = PacedSender(c_url, topic, args.rate)
+            time.sleep(3)  # warm up: every partition has a producer and has acknowledged sends
+            owners = http_get(f"{c_http}/admin/v2/namespaces/public/default/owners")
+            b_id = f"127.0.0.1:{b.port('webServicePort')}"
+            if b_id not in owners.values():
+                raise RuntimeError(f"the second broker owns no bundle: {owners}")
+            killed = time.monotonic()
+            b.kill()
+            results["broker_kill_resume_s"] = sender.resumed_after(killed)
+            print(
+                f"broker kill -9: every partition serving again after "
+                f"{results['broker_kill_resume_s']:.2f}s",
+                flush=True,
+            )
+
+            # -- bookie kill -9 (a spare bookie lets every ensemble change find a replacement)
+            cluster.add_bookie()
+            time.sleep(2)
+            killed = time.monotonic()
+            cluster.bookies[0].kill()
+            results["bookie_kill_resume_s"] = sender.resumed_after(killed)
+            results["paced_send_errors"] = sender.errors
+            sender.close()
+            print(
+                f"bookie kill -9: every partition writing again after "
+                f"{results['bookie_kill_resume_s']:.2f}s",
+                flush=True,
+            )
+        finally:
+            standalone.stop()
+            cluster.close()
+
+    print(f"{'':12s}{'msgs/s':>10s}{'p50 ms':>9s}{'p99 ms':>9s}{'CPU us/msg':>12s}")
+    for which in ("standalone", "cluster"):
+        r = results[which]
+        print(
+            f"{which:12s}{r['msgs_per_s']:10.0f}{r['p50_ms']:9.1f}{r['p99_ms']:9.1f}"
+            f"{r['cpu_us_per_msg']:12.0f}"
+        )
+    print(f"CPU per message, cluster / standalone: {results['cpu_ratio']:.2f}x (target <= 1.5x)")
+    print(json.dumps({"benchmark": "cluster", **results}))
+
+
+if __name__ == "__main__":
+    main()
