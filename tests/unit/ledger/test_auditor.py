@@ -507,3 +507,23 @@ def test_a_failed_audit_is_retried() -> None:
     assert auditor.audits == audits + 1
     assert victim not in names(rig.metadata(ledger))
     assert rig.fully_replicated(ledger)
+
+
+def test_the_periodic_check_audits_again() -> None:
+    """Every auditorPeriodicCheckInterval seconds the leader scans again, and only the leader."""
+    rig = Rig()
+    rig.closed_ledger()
+    leader = rig.auditor("bookie-a", interval=60.0)
+    other = rig.auditor("bookie-b", interval=60.0)
+    before = leader.audits
+    rig.clock.advance(59)
+    assert leader.audits == before
+    rig.clock.advance(1)
+    assert leader.audits == before + 1
+    rig.clock.advance(60)
+    rig.clock.advance(60)
+    assert leader.audits == before + 3
+    assert other.audits == 0
+    assert leader.last_result is not None
+    assert leader.last_result.ledgers == 1
+    assert leader.last_result.under_replicated == []
