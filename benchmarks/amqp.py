@@ -5,7 +5,8 @@ One run starts a private RabbitMQ node (loopback only, its own epmd port, scratc
 (``bench_amqp.py``) against each, alternating brokers case by case, for: no confirms, a confirm
 per message, async confirms with a window, each transient and persistent (durable queue,
 delivery_mode 2), end to end with a concurrent consumer; and a backlog drain (publish first, then
-consume). The machine is shared and noisy: quote medians of ``--repeat`` runs and the ratios.
+consume); and both for a fanout to five durable queues (rates count deliveries). The machine is
+shared and noisy: quote medians of ``--repeat`` runs and the ratios.
 
 Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
 """
@@ -43,6 +44,17 @@ CASES: list[tuple[str, list[str], int]] = [
         "drain-backlog-persistent",
         ["--mode", "confirm-async", "--consume", "after", "--persistent"],
         1,
+    ),
+    # A fanout to five durable queues: rates count deliveries (five per message).
+    (
+        "fanout5-confirm-async-persistent",
+        ["--mode", "confirm-async", "--persistent", "--fanout", "5"],
+        5,
+    ),
+    (
+        "fanout5-drain-backlog-persistent",
+        ["--mode", "confirm-async", "--consume", "after", "--persistent", "--fanout", "5"],
+        5,
     ),
 ]
 
@@ -198,7 +210,7 @@ def run_case(port: int, args: list[str], n: int, timeout_s: float) -> dict[str, 
 
 
 def rate_of(result: dict[str, Any], case: str) -> float | None:
-    key = "consume_msgs_per_s" if case.startswith("drain") else "e2e_msgs_per_s"
+    key = "consume_msgs_per_s" if "drain" in case else "e2e_msgs_per_s"
     value = result.get(key)
     return float(value) if isinstance(value, int | float) else None
 

@@ -17,6 +17,8 @@ Consumer: BlockingConnection, basic_qos(prefetch_count=--prefetch),
 --consume none:       publish only.
 The queue is a fresh server-named-like queue "bench-<id>" on the default exchange,
 deleted at the end.  --persistent uses a durable queue and delivery_mode=2.
+--fanout N: publish to a fresh fanout exchange with N queues bound to it instead; the
+  consumer reads all N (one channel) and rates count deliveries (N per message).
 Every run is bounded by --timeout seconds.  Prints one JSON line.
 Usage: bench_amqp.py --host 127.0.0.1 --port 5672 --mode confirm-async -n 50000
 """
@@ -46,8 +48,18 @@ def params(a):
     )
 
 
+def fanout_queues(a, q):
+    return [f"{q}-{i}" for i in range(a.fanout)]
+
+
 def declare(ch, a, q):
-    ch.queue_declare(q, durable=a.persistent, auto_delete=False)
+    if not a.fanout:
+        ch.queue_declare(q, durable=a.persistent, auto_delete=False)
+        return
+    ch.exchange_declare(a.exchange, "fanout", durable=a.persistent)
+    for name in fanout_queues(a, q):
+        ch.queue_declare(name, durable=a.persistent, auto_delete=False)
+        ch.queue_bind(name, a.exchange)
 
 
 def consumer(a, q, ready, result_q, expect):
@@ -87,7 +99,8 @@ def consumer(a, q, ready, result_q, expect):
             conn.call_later(0.2, watchdog)
 
     conn.call_later(0.2, watchdog)
-    ch.basic_consume(q, on_msg, auto_ack=False)
+    for name in fanout_queues(a, q) if a.fanout else [q]:
+        ch.basic_consume(name, on_msg, auto_ack=False)
     t_start_consume = time.monotonic_ns()
     ready.set()
     ch.start_consuming()
@@ -130,13 +143,13 @@ def publish_blocking(a, q, confirm):
             while time.monotonic_ns() < target:
                 time.sleep(max(0.0, (target - time.monotonic_ns()) / 1e9 - 0.0002))
         # with confirm_delivery() this raises on nack/return and blocks until acked
-        ch.basic_publish("", q, HDR.pack(i, time.monotonic_ns()) + pad, props)
+        ch.basic_publish(a.exchange, a.key, HDR.pack(i, time.monotonic_ns()) + pad, props)
         sent += 1
         if time.monotonic() > deadline:
             break
     t1 = time.monotonic_ns()
     # round trip so the broker has processed all publishes on this channel
-    ch.queue_declare(q, passive=True)
+    ch.queue_declare(fanout_queues(a, q)[0] if a.fanout else q, passive=True)
     t2 = time.monotonic_ns()
     conn.close()
     return {
@@ -166,7 +179,9 @@ def publish_async(a, q):
     def pump():
         ch = st["ch"]
         while st["sent"] < a.n and len(st["outstanding"]) < a.window:
-            ch.basic_publish("", q, HDR.pack(st["sent"], time.monotonic_ns()) + pad, props)
+            ch.basic_publish(
+                a.exchange, a.key, HDR.pack(st["sent"], time.monotonic_ns()) + pad, props
+            )
             st["sent"] += 1
             st["outstanding"].add(st["sent"])  # delivery tags are 1, 2, 3, ... per channel
 
@@ -194,6 +209,9 @@ def publish_async(a, q):
 
     def on_channel(ch):
         st["ch"] = ch
+        if a.fanout:  # declared (blocking) before the run
+            on_declared(None)
+            return
         ch.queue_declare(q, durable=a.persistent, auto_delete=False, callback=on_declared)
 
     def on_open(c):
@@ -245,13 +263,21 @@ def main():
     ap.add_argument("--timeout", type=float, default=50)
     ap.add_argument("--idle", type=float, default=5)
     ap.add_argument("--label", default="")
+    ap.add_argument("--fanout", type=int, default=0, help="N queues on a fanout exchange")
     a = ap.parse_args()
     q = "bench-" + uuid.uuid4().hex[:8]
+    a.exchange, a.key = ("bench-fx-" + q[6:], "") if a.fanout else ("", q)
+    per_message = max(a.fanout, 1)  # deliveries per published message
+    if a.fanout:
+        setup = pika.BlockingConnection(params(a))
+        declare(setup.channel(), a, q)
+        setup.close()
     ctx = mp.get_context("fork")
     ready, result_q = ctx.Event(), ctx.Queue()
     cons = None
     if a.consume == "concurrent":
-        cons = ctx.Process(target=consumer, args=(a, q, ready, result_q, a.n), daemon=True)
+        expect = a.n * per_message
+        cons = ctx.Process(target=consumer, args=(a, q, ready, result_q, expect), daemon=True)
         cons.start()
         if not ready.wait(15):
             print(json.dumps({"error": "consumer not ready"}))
@@ -273,12 +299,14 @@ def main():
         "prefetch": a.prefetch,
         "ack_every": a.ack_every,
         "window": a.window if a.mode == "confirm-async" else None,
+        "fanout": a.fanout,
         "sent": pr["sent"],
         "confirmed": pr["confirmed"],
         "pub_msgs_per_s": round(pr["sent"] / pr["pub_sync_s"], 1),
     }
     if a.consume == "after":
-        cons = ctx.Process(target=consumer, args=(a, q, ready, result_q, pr["sent"]), daemon=True)
+        expect = pr["sent"] * per_message
+        cons = ctx.Process(target=consumer, args=(a, q, ready, result_q, expect), daemon=True)
         cons.start()
     if cons is not None:
         res = result_q.get(timeout=a.timeout + a.idle + 10)
@@ -302,7 +330,11 @@ def main():
     # clean up the queue
     try:
         c = pika.BlockingConnection(params(a))
-        c.channel().queue_delete(q)
+        cch = c.channel()
+        for name in fanout_queues(a, q) if a.fanout else [q]:
+            cch.queue_delete(name)
+        if a.fanout:
+            cch.exchange_delete(a.exchange)
         c.close()
     except Exception as e:
         out["cleanup_error"] = repr(e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from polybroker.broker_core.messages import Message
@@ -154,6 +155,7 @@ def encode_to(queues: list[str]) -> str:
     return json.dumps(queues, ensure_ascii=False, separators=(",", ":"))
 
 
+@lru_cache(maxsize=1024)
 def decode_to(value: str) -> frozenset[str]:
     """The queues a ``P_TO`` value names (none when it is malformed)."""
     try:

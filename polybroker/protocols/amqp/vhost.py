@@ -178,6 +178,7 @@ class _Source:
         #: The subscription exists (the cursor is durable unless the queue is transient).
         self.created = False
         self.closed = False
+        self.dropped = False
         self.waiters: list[Deferred[None]] = []
         self.granted = 0
         self.received = 0
@@ -243,7 +244,7 @@ class _Source:
         def attached(sc: ServerConsumer) -> None:
             self.created = True
             if self.closed:
-                sc.close().addErrback(lambda f: None)
+                (sc.unsubscribe() if self.dropped else sc.close()).addErrback(lambda f: None)
                 return
             self.server_consumer = sc
             self.granted = self.received = 0
@@ -282,6 +283,7 @@ class _Source:
     def close(self, unsubscribe: bool = False) -> None:
         """Stop reading; ``unsubscribe`` also deletes the subscription (the queue is gone)."""
         self.closed = True
+        self.dropped = unsubscribe
         sc, self.server_consumer = self.server_consumer, None
         if sc is not None:
             (sc.unsubscribe() if unsubscribe else sc.close()).addErrback(lambda f: None)
