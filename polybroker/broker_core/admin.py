@@ -688,14 +688,37 @@ class AdminServer:
         for i in range(partitions):
             name = ref.partition(i).full
             try:
-                parts[name] = await self.service.stats(name)
-            except TopicNotFoundError:
-                continue
+                parts[name] = await self._partition_stats(name)
+            except NotOwnerError as e:
+                if e.owner is None:
+                    raise
+                # Served by another broker of the cluster: ask it.
+                path = f"/admin/v2/{ref.domain}/{ref.tenant}/{ref.namespace}/"
+                parts[name] = await self._remote_json(
+                    e.owner.web_url + path + quote(ref.partition(i).local, safe="") + "/stats"
+                )
         out = _sum_stats(parts)
         out["metadata"] = {"partitions": partitions}
         if call.flag("perPartition", True):
             out["partitions"] = parts
         return Response.json(out)
+
+    async def _partition_stats(self, name: str) -> dict[str, Any]:
+        try:
+            return await self.service.stats(name)
+        except TopicNotFoundError:
+            # A partition nobody used yet: it exists by declaration, as in Pulsar.
+            await self.service.get_topic(name, create=True)
+            return await self.service.stats(name)
+
+    async def _remote_json(self, url: str) -> Any:
+        from twisted.web.client import Agent, readBody
+
+        response = await Agent(self.service.reactor).request(b"GET", url.encode())
+        body = await readBody(response)
+        if response.code != 200:
+            raise AdminError(response.code, body.decode(errors="replace")[:200])
+        return json.loads(body)
 
     async def _internal_stats(self, call: Call) -> Response:
         ref = self._topic(call)

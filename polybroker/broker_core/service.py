@@ -127,6 +127,12 @@ class TopicRef:
     def namespace_name(self) -> str:
         return f"{self.tenant}/{self.namespace}"
 
+    @property
+    def partitioned_parent(self) -> TopicRef | None:
+        """The partitioned topic this partition belongs to (None: not a partition name)."""
+        m = _PARTITION_RE.match(self.local)
+        return TopicRef(self.domain, self.tenant, self.namespace, m.group(1)) if m else None
+
     def partition(self, index: int) -> TopicRef:
         return TopicRef(self.domain, self.tenant, self.namespace, f"{self.local}-partition-{index}")
 
@@ -313,7 +319,8 @@ class BrokerService:
         if self.ownership is not None and self.ownership.clustered:
             # In a cluster a topic is served only by the owner of its bundle.
             await self.ownership.acquire(ref.full)
-        may_create = create and self._auto_create
+        # A partition of a partitioned topic exists by declaration, whatever auto-creation says.
+        may_create = create and (self._auto_create or await self._declared_partition(ref))
         if may_create and self.namespace_exists is not None:
             known = self.namespace_exists(ref.namespace_name)
             if isinstance(known, Deferred):
@@ -369,6 +376,15 @@ class BrokerService:
             await ledger.close()
             raise
         return topic
+
+    async def _declared_partition(self, ref: TopicRef) -> bool:
+        parent = ref.partitioned_parent
+        if parent is None:
+            return False
+        found = await self.metadata_store.get(parent.partitioned_path)
+        return found is not None and ref.partition_index < int(
+            json.loads(found.value)["partitions"]
+        )
 
     def _topic_closed(self, topic: Topic) -> None:
         # The topic shut itself (fenced by another owner): forget it and release its log.

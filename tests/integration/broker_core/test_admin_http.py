@@ -6,7 +6,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
+
+from polybroker.broker_core.errors import TopicNotFoundError
 
 sys.path.insert(0, str(Path(__file__).parent.parent.parent / "unit" / "broker_core"))
 
@@ -170,6 +173,27 @@ async def test_auto_created_partitioned_topic_through_lookup_metadata(
     )
     reply = await fx.request("GET", f"{T}/auto/partitions?checkAllowAutoCreation=true")
     assert reply.json() == {"partitions": 2}
+
+
+@pytest_twisted.ensureDeferred
+async def test_partitions_exist_by_declaration_without_auto_creation(admin_factory: Any) -> None:
+    """With auto-creation off, the partitions of a declared partitioned topic still take
+    messages, and partitioned-stats lists every partition, also those never used."""
+    fx = await admin_factory({"allowAutoTopicCreation": "false"})
+    assert (await fx.request("PUT", f"{T}/declared/partitions", 3)).status == 204
+    await fx.service.publish("persistent://public/default/declared-partition-2", b"two")
+    with pytest.raises(TopicNotFoundError):
+        await fx.service.publish("persistent://public/default/declared-partition-3", b"x")
+    with pytest.raises(TopicNotFoundError):
+        await fx.service.publish("persistent://public/default/undeclared", b"x")
+    stats = (await fx.request("GET", f"{T}/declared/partitioned-stats")).json()
+    assert sorted(stats["partitions"]) == [
+        f"persistent://public/default/declared-partition-{i}" for i in range(3)
+    ]
+    assert stats["msgInCounter"] == 1
+    assert (
+        stats["partitions"]["persistent://public/default/declared-partition-0"]["msgInCounter"] == 0
+    )
 
 
 @pytest_twisted.ensureDeferred
