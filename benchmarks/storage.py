@@ -46,6 +46,7 @@ def summarize(name: str, count: int, seconds: float, latencies: list[float]) -> 
     """Return entries/s, MB/s and latency percentiles (ms) of one case."""
     return {
         "case": name,
+        "entries": count,
         "entries_per_s": count / seconds,
         "mb_per_s": count * RECORD / seconds / 1e6,
         "p50_ms": percentile(latencies, 50) * 1e3,
@@ -142,6 +143,12 @@ class BookieProcess:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the process used so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -220,12 +227,17 @@ async def _ml_appends(
 
         ml.append(payload).addCallbacks(ok, failed)
 
+    cpu0 = time.process_time()
     for _ in range(OUTSTANDING):
         issue()
     await done
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
     await factory.close()
-    return summarize(f"ml-{len(addresses)}", len(latencies), elapsed, latencies)
+    result = summarize(f"ml-{len(addresses)}", len(latencies), elapsed, latencies)
+    # CPU per entry does not depend on what else the machine runs, unlike entries/s.
+    result["client_cpu_us"] = cpu / len(latencies) * 1e6
+    return result
 
 
 def case_main(args: argparse.Namespace) -> None:
@@ -242,9 +254,13 @@ def case_main(args: argparse.Namespace) -> None:
         try:
             for b in bookies:
                 b.start()
+            cpu0 = sum(b.cpu_s() for b in bookies)
             result = run_on_reactor(
                 lambda r: _ml_appends(r, [b.address for b in bookies], ensemble, args.seconds)
             )
+            assert isinstance(result, dict)
+            cpu = sum(b.cpu_s() for b in bookies) - cpu0
+            result["bookie_cpu_us"] = cpu / result["entries"] * 1e6
             print(json.dumps(result))
         finally:
             for b in bookies:
@@ -355,7 +371,8 @@ def main() -> None:
 
     result: dict[str, object] = {}
     for case in runs:
-        result[case] = {k: med(case, k) for k in ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms")}
+        keys = ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms", "client_cpu_us", "bookie_cpu_us")
+        result[case] = {k: med(case, k) for k in keys if k in runs[case][0]}
     for case in ("ml-1", "ml-3"):
         result[f"{case}_vs_raw_throughput"] = med(case, "entries_per_s") / med(
             "raw", "entries_per_s"

@@ -212,15 +212,44 @@ class FakeBookie(BookieClient):
         return succeed(None)
 
 
-class FakeCluster:
-    """Bookies by address plus a connect function counting how often each is connected."""
+class BatchingBookie:
+    """A ``FakeBookie`` seen through ``add_entry_batched`` (as ``TcpBookieClient`` offers it):
+    each add's outcome goes to the listener instead of a Deferred."""
 
-    def __init__(self, clock: Clock, count: int) -> None:
+    def __init__(self, bookie: FakeBookie) -> None:
+        self._bookie = bookie
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bookie, name)
+
+    def add_entry_batched(
+        self, ledger_id: int, entry_id: int, lac: int, data: bytes, listener: Any
+    ) -> None:
+        address = self._bookie.address
+
+        def acked(_: object) -> None:
+            listener.entries_acked(address, [entry_id])
+
+        def failed(f: Failure) -> None:
+            listener.entries_failed(address, [entry_id], f.value)
+
+        self._bookie.add_entry(ledger_id, entry_id, lac, data).addCallbacks(acked, failed)
+
+
+class FakeCluster:
+    """Bookies by address plus a connect function counting how often each is connected.
+
+    With ``batched`` (default: ``FakeCluster.batched_default``) clients get ``BatchingBookie``s."""
+
+    batched_default = False
+
+    def __init__(self, clock: Clock, count: int, *, batched: bool | None = None) -> None:
         self.clock = clock
         self.bookies = {
             f"10.0.0.{i}:3181": FakeBookie(f"10.0.0.{i}:3181", clock) for i in range(count)
         }
         self.connects: dict[str, int] = {}
+        self.batched = self.batched_default if batched is None else batched
 
     @property
     def addresses(self) -> list[str]:
@@ -228,6 +257,8 @@ class FakeCluster:
 
     def connect(self, address: str) -> BookieClient:
         self.connects[address] = self.connects.get(address, 0) + 1
+        if self.batched:
+            return BatchingBookie(self.bookies[address])  # type: ignore[return-value]
         return self.bookies[address]
 
     def connector(self) -> Callable[[str], BookieClient]:

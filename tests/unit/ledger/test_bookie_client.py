@@ -23,6 +23,7 @@ from polybroker.ledger.api import (
 )
 from polybroker.ledger.bookie_client import TcpBookieClient
 from polybroker.ledger.wire import (
+    LATEST_VERSION,
     AddRequest,
     AddResponse,
     ErrorResponse,
@@ -30,6 +31,8 @@ from polybroker.ledger.wire import (
     HelloRequest,
     HelloResponse,
     Message,
+    MultiAddRequest,
+    MultiAddResponse,
     ReadLacRequest,
     ReadLacResponse,
     ReadRangeResponse,
@@ -58,9 +61,9 @@ class Peer:
     def answer(self, *messages: Message) -> None:
         self.proto.dataReceived(b"".join(m.encode() for m in messages))
 
-    def handshake(self, instance_id: str = "bookie-A") -> None:
+    def handshake(self, instance_id: str = "bookie-A", version: int = 1) -> None:
         (hello,) = [m for m in self.received() if isinstance(m, HelloRequest)][:1]
-        self.answer(HelloResponse(hello.request_id, Status.OK, "", 1, instance_id))
+        self.answer(HelloResponse(hello.request_id, Status.OK, "", version, instance_id))
 
     def drop(self) -> None:
         self.proto.connectionLost(Failure(ConnectionDone()))
@@ -367,3 +370,178 @@ def test_many_requests_time_out_in_one_sweep(
     reactor.advance(5.0)
     reactor.advance(2.0)
     assert all(isinstance(failure_of(d), BookieUnavailableError) for d in ds)
+
+
+# -- batched adds (Rule 5) ------------------------------------------------------------------
+
+
+class Listener:
+    """Records what a batched add's listener is told."""
+
+    def __init__(self) -> None:
+        self.acked: list[tuple[str, list[int]]] = []
+        self.failed: list[tuple[str, list[int], BookieError]] = []
+
+    def entries_acked(self, address: str, entry_ids: Any) -> None:
+        self.acked.append((address, list(entry_ids)))
+
+    def entries_failed(self, address: str, entry_ids: Any, error: BookieError) -> None:
+        self.failed.append((address, list(entry_ids), error))
+
+
+def test_batched_adds_of_one_turn_go_as_one_multi_add_per_ledger(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """Adds staged in one turn leave as one ADD_MULTI per ledger once the bookie chose wire
+    version 2, and each frame's answer acknowledges its entries at once."""
+    listener = Listener()
+    for e in range(3):
+        client.add_entry_batched(1, e, e - 1, f"d{e}".encode(), listener)
+    client.add_entry_batched(2, 0, -1, b"other", listener)
+    assert reactor.tcpClients == []  # nothing happens before the turn ends
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=2)
+    first, second = peer.received()
+    assert isinstance(first, MultiAddRequest)
+    assert isinstance(second, MultiAddRequest)
+    assert (first.ledger_id, second.ledger_id) == (1, 2)
+    assert [(e, lac, bytes(d)) for e, lac, d in first.entries] == [
+        (0, -1, b"d0"),
+        (1, 0, b"d1"),
+        (2, 1, b"d2"),
+    ]
+    assert listener.acked == []
+    peer.answer(MultiAddResponse(second.request_id, Status.OK, "", 2, 1))
+    peer.answer(MultiAddResponse(first.request_id, Status.OK, "", 1, 3))
+    assert listener.acked == [("127.0.0.1:3181", [0]), ("127.0.0.1:3181", [0, 1, 2])]
+    assert listener.failed == []
+    client.add_entry_batched(1, 3, 2, b"d3", listener)
+    reactor.advance(0)
+    (later,) = peer.received()
+    assert isinstance(later, MultiAddRequest)
+    assert [e for e, _, _ in later.entries] == [3]
+
+
+def test_batched_adds_to_a_version_1_bookie_go_as_single_adds(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A bookie that speaks only version 1 gets ADD frames and acknowledges them one by one."""
+    listener = Listener()
+    client.add_entry_batched(1, 0, -1, b"a", listener)
+    client.add_entry_batched(1, 1, 0, b"b", listener)
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=1)
+    a, b = peer.received()
+    assert isinstance(a, AddRequest)
+    assert isinstance(b, AddRequest)
+    assert [(a.entry_id, bytes(a.data)), (b.entry_id, bytes(b.data))] == [(0, b"a"), (1, b"b")]
+    peer.answer(AddResponse(b.request_id, Status.OK, "", 1, 1))
+    peer.answer(AddResponse(a.request_id, Status.FENCED, "", 1, 0))
+    assert listener.acked == [("127.0.0.1:3181", [1])]
+    ((_, ids, error),) = listener.failed
+    assert ids == [0]
+    assert isinstance(error, LedgerFencedError)
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (MultiAddResponse(0, Status.FENCED, "", 1, 2), LedgerFencedError),
+        (MultiAddResponse(0, Status.ERROR, "disk", 1, 2), BookieError),
+        (MultiAddResponse(0, Status.OK, "", 1, 1), BookieProtocolError),
+        (ErrorResponse(0, Status.BAD_REQUEST, "bad"), BookieProtocolError),
+        (AddResponse(0, Status.OK, "", 1, 0), BookieProtocolError),
+    ],
+    ids=["fenced", "error", "wrong-count", "error-frame", "wrong-answer-type"],
+)
+def test_a_multi_add_answer_that_is_not_ok_fails_every_entry(
+    reactor: MemoryReactorClock, client: TcpBookieClient, answer: Any, error: type
+) -> None:
+    """Every entry of the frame fails with the mapped error; none is acknowledged."""
+    listener = Listener()
+    client.add_entry_batched(1, 0, -1, b"a", listener)
+    client.add_entry_batched(1, 1, 0, b"b", listener)
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=2)
+    (frame,) = peer.received()
+    answer.request_id = frame.request_id
+    peer.answer(answer)
+    assert listener.acked == []
+    ((_, ids, got),) = listener.failed
+    assert ids == [0, 1]
+    assert type(got) is error
+
+
+def test_batched_adds_fail_on_timeout_and_on_a_dropped_connection(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """Sent adds time out; a drop fails what was sent and what was still staged."""
+    listener = Listener()
+    client.add_entry_batched(1, 0, -1, b"a", listener)
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=2)
+    peer.received()
+    reactor.advance(6.0)
+    ((_, ids, error),) = listener.failed
+    assert ids == [0]
+    assert isinstance(error, BookieUnavailableError)
+    client.add_entry_batched(1, 1, -1, b"b", listener)
+    reactor.advance(0)  # sent
+    client.add_entry_batched(1, 2, -1, b"c", listener)  # staged
+    peer.drop()
+    assert sorted(ids for _, ids, _ in listener.failed[1:]) == [[1], [2]]
+    assert all(isinstance(e, BookieUnavailableError) for _, _, e in listener.failed)
+    reactor.advance(0)
+    assert len(listener.failed) == 3  # the cancelled flush sends nothing more
+    assert listener.acked == []
+
+
+def test_batched_adds_split_at_the_frame_limit(reactor: MemoryReactorClock) -> None:
+    """No ADD_MULTI exceeds the frame limit: a turn's adds are cut into several frames."""
+    client = TcpBookieClient("127.0.0.1:3181", reactor, timeout_s=5.0, max_frame_size=1000)
+    listener = Listener()
+    for e in range(10):
+        client.add_entry_batched(1, e, e - 1, b"x" * 200, listener)
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=2)
+    raw = peer.transport.value()
+    frames = peer.received()
+    assert len(frames) > 2
+    assert all(isinstance(f, MultiAddRequest) for f in frames)
+    assert [e for f in frames for e, _, _ in f.entries] == list(range(10))  # type: ignore[union-attr]
+    assert len(raw) <= 1000 * len(frames)
+    for f in frames:
+        peer.answer(MultiAddResponse(f.request_id, Status.OK, "", 1, len(f.entries)))  # type: ignore[union-attr]
+    assert sorted(e for _, ids in listener.acked for e in ids) == list(range(10))
+
+
+def test_batched_adds_refused_at_once_are_failed_before_the_call_returns(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """An oversize add, or any add after close, fails synchronously and sends nothing."""
+    small = TcpBookieClient("127.0.0.1:3181", reactor, max_frame_size=1000)
+    listener = Listener()
+    small.add_entry_batched(1, 0, -1, b"x" * 2000, listener)
+    ((_, ids, error),) = listener.failed
+    assert (ids, type(error)) == ([0], BookieProtocolError)
+    client.close()
+    client.add_entry_batched(1, 1, -1, b"y", listener)
+    assert [ids for _, ids, _ in listener.failed] == [[0], [1]]
+    assert isinstance(listener.failed[1][2], BookieUnavailableError)
+    reactor.advance(0)
+    assert reactor.tcpClients == []
+
+
+def test_the_handshake_offers_every_version_the_client_speaks(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """HELLO asks for versions 1..latest, so old bookies can still pick version 1."""
+    client.read_entry(1, 0)
+    (hello,) = Peer(reactor).received()
+    assert isinstance(hello, HelloRequest)
+    assert (hello.min_version, hello.max_version) == (1, LATEST_VERSION)

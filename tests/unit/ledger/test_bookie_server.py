@@ -19,6 +19,7 @@ from polybroker.ledger.bookie.journal import JournalConfig, list_files, read_mar
 from polybroker.ledger.bookie.server import Bookie, BookieProtocol
 from polybroker.ledger.bookie.storage import LedgerStorage
 from polybroker.ledger.wire import (
+    FLAG_RECOVERY,
     HEADER,
     LATEST_VERSION,
     WIRE_VERSION,
@@ -32,6 +33,7 @@ from polybroker.ledger.wire import (
     HelloResponse,
     Message,
     MsgType,
+    MultiAddResponse,
     ReadLacRequest,
     ReadLacResponse,
     ReadRangeRequest,
@@ -42,6 +44,7 @@ from polybroker.ledger.wire import (
     WriteLacRequest,
     decode_all,
     encode_add_request,
+    encode_multi_add,
 )
 
 FRAME = 1 << 20
@@ -516,3 +519,97 @@ def test_bad_entry_ids_are_refused(h: Harness) -> None:
     assert [m.status for m in answers(t)] == [Status.BAD_REQUEST, Status.BAD_REQUEST]  # type: ignore[union-attr]
     assert h.bookie.journal is not None
     assert h.bookie.journal.write_pending() is False
+
+
+# -- ADD_MULTI ------------------------------------------------------------------------------
+
+
+def multi(rid: int, ledger: int, entries: range, *, recovery: bool = False) -> bytes:
+    flags = FLAG_RECOVERY if recovery else 0
+    items = [(e, e - 1, f"m{e}".encode(), flags) for e in entries]
+    return b"".join(bytes(p) for p in encode_multi_add(rid, ledger, items))
+
+
+def test_multi_add_is_one_journal_record_run_answered_once_after_the_sync(h: Harness) -> None:
+    """An ADD_MULTI is answered once, after its group is durable; then every entry is readable
+    and the LAC moved with the highest one it carried."""
+    proto, t = h.connect()
+    send(proto, multi(1, 4, range(0, 5)))
+    assert t.value() == b""
+    assert proto.in_flight == 5
+    h.flush()
+    assert answers(t) == [MultiAddResponse(1, Status.OK, "", 4, 5)]
+    assert proto.in_flight == 0
+    assert [h.storage.read_entry(4, e) for e in range(5)] == [f"m{e}".encode() for e in range(5)]
+    send(proto, ReadLacRequest(2, 4).encode())
+    assert answers(t) == [ReadLacResponse(2, Status.OK, "", 4, 3)]
+
+
+def test_multi_adds_survive_a_crash_through_journal_replay(tmp_path: Path) -> None:
+    """The records of an ADD_MULTI are journal records: a replay restores every entry."""
+    h = Harness(tmp_path)
+    proto, t = h.connect()
+    send(proto, multi(1, 4, range(0, 3)), add(2, 4, 3), multi(3, 4, range(4, 6)))
+    h.flush()
+    assert len(answers(t)) == 3
+    h.crash()
+    again = Harness(tmp_path)
+    assert again.replay.records_read == 6
+    assert again.storage.read_entry(4, 5) == b"m5"
+    assert again.storage.read_entry(4, 3) == b"e3"
+
+
+def test_multi_add_to_a_fenced_ledger_is_refused_whole(h: Harness) -> None:
+    """After a fence an ADD_MULTI answers FENCED and stores nothing; one whose records all
+    carry the recovery flag goes through (I16)."""
+    proto, t = h.connect()
+    send(proto, FenceRequest(1, 4).encode())
+    h.flush()
+    answers(t)
+    send(proto, multi(2, 4, range(0, 3)))
+    assert answers(t) == [MultiAddResponse(2, Status.FENCED, "", 4, 3)]
+    assert h.storage.read_entry(4, 0) is None
+    send(proto, multi(3, 4, range(0, 3), recovery=True))
+    h.flush()
+    assert answers(t) == [MultiAddResponse(3, Status.OK, "", 4, 3)]
+    assert h.storage.read_entry(4, 2) == b"m2"
+
+
+def test_multi_add_with_an_absurd_entry_id_is_refused(h: Harness) -> None:
+    """An entry id above the index's bound makes the whole frame BAD_REQUEST, not journaled."""
+    proto, t = h.connect()
+    send(proto, multi(1, 4, range((1 << 40) - 1, (1 << 40) + 1)))
+    assert answers(t) == [MultiAddResponse(1, Status.BAD_REQUEST, "", 4, 2)]
+    assert h.bookie.journal is not None
+    assert h.bookie.journal.write_pending() is False
+
+
+def test_multi_add_counts_every_entry_in_flight(tmp_path: Path) -> None:
+    """Backpressure counts the entries of an ADD_MULTI, not the frame."""
+    h = Harness(tmp_path, max_in_flight_per_connection=4)
+    proto, t = h.connect()
+    send(proto, multi(1, 1, range(0, 4)))
+    assert t.producerState == "paused"
+    h.flush()
+    assert t.producerState == "producing"
+    assert answers(t) == [MultiAddResponse(1, Status.OK, "", 1, 4)]
+
+
+def test_journal_failure_answers_a_multi_add_with_an_error(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync error answers the ADD_MULTI with ERROR and releases its in-flight count."""
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal_mod.os, "fdatasync", broken)
+    proto, t = h.connect()
+    send(proto, multi(1, 1, range(0, 3)))
+    h.flush()
+    (err,) = answers(t)
+    assert isinstance(err, ErrorResponse)
+    assert (err.request_id, err.status) == (1, Status.ERROR)
+    assert proto.in_flight == 0
+    send(proto, multi(2, 1, range(3, 4)))
+    assert answers(t) == [MultiAddResponse(2, Status.ERROR, "", 1, 1)]

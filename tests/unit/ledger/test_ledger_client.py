@@ -40,6 +40,12 @@ from polybroker.ledger.registry import (
 from polybroker.metadata.memory import MemoryMetadataStore
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["deferred-adds", "batched-adds"])
+def _both_add_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every test over bookies answering adds by Deferred and by a batched-add listener."""
+    monkeypatch.setattr(FakeCluster, "batched_default", request.param)
+
+
 def data(i: int) -> bytes:
     return f"entry-{i}".encode() * (1 + i % 5)
 

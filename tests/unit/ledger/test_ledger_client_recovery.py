@@ -6,9 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_bookie import LedgerRig, failure_of, result_of
+from fake_bookie import FakeCluster, LedgerRig, failure_of, result_of
 
 from polybroker.ledger.api import (
     BookieUnavailableError,
@@ -17,6 +19,12 @@ from polybroker.ledger.api import (
     ReadHandle,
 )
 from polybroker.ledger.client import decode_metadata, encode_metadata, encode_record
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["deferred-adds", "batched-adds"])
+def _both_add_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every test over bookies answering adds by Deferred and by a batched-add listener."""
+    monkeypatch.setattr(FakeCluster, "batched_default", request.param)
 
 
 def data(i: int) -> bytes:

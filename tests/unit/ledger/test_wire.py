@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import struct
 
 import pytest
@@ -10,8 +11,11 @@ from crc32c import crc32c
 
 from polybroker.ledger.api import BookieProtocolError
 from polybroker.ledger.wire import (
+    FLAG_RECOVERY,
     HEADER,
     HEADER_SIZE,
+    MULTI_ADD_VERSION,
+    SUPPORTED_VERSIONS,
     WIRE_VERSION,
     AddRequest,
     AddResponse,
@@ -26,6 +30,8 @@ from polybroker.ledger.wire import (
     HelloResponse,
     Message,
     MsgType,
+    MultiAddRequest,
+    MultiAddResponse,
     ReadLacRequest,
     ReadLacResponse,
     ReadRangeRequest,
@@ -38,6 +44,9 @@ from polybroker.ledger.wire import (
     decode_all,
     encode_add_request,
     encode_add_response,
+    encode_multi_add,
+    encode_multi_add_response,
+    multi_add_size,
 )
 
 MESSAGES: list[Message] = [
@@ -320,3 +329,153 @@ def test_drain_across_random_chunkings_matches_the_stream() -> None:
         assert decoder.error is None
     assert got == list(range(120))
     assert decoder.buffered() == 0
+
+
+# -- ADD_MULTI (wire version 2) -------------------------------------------------------------
+
+
+def _multi(rid: int = 5, ledger: int = 7, entries: int = 3, flags: int = 0) -> bytes:
+    items = [(e, e - 1, f"entry-{e}".encode() * (e + 1), flags) for e in range(entries)]
+    return b"".join(bytes(p) for p in encode_multi_add(rid, ledger, items))
+
+
+def _decode_one(data: bytes, max_frame_size: int = 1 << 20) -> Message:
+    decoder = FrameDecoder(max_frame_size)
+    decoder.receive_data(data)
+    message = decoder.next_frame()
+    assert message is not None
+    return message
+
+
+def _multi_error(data: bytes) -> FrameError:
+    decoder = FrameDecoder()
+    decoder.receive_data(data)
+    with pytest.raises(FrameError) as info:
+        decoder.next_frame()
+    return info.value
+
+
+def test_multi_add_round_trips_with_journal_ready_records() -> None:
+    """An ADD_MULTI decodes to its entries, and its records tail is the journal's record
+    format verbatim: each [length][crc32c(body)][body] with an ADD body of the ledger."""
+    msg = _decode_one(_multi(rid=9, ledger=7, entries=3))
+    assert isinstance(msg, MultiAddRequest)
+    assert (msg.request_id, msg.ledger_id, msg.recovery) == (9, 7, False)
+    assert [(e, lac, bytes(d)) for e, lac, d in msg.entries] == [
+        (e, e - 1, f"entry-{e}".encode() * (e + 1)) for e in range(3)
+    ]
+    records = bytes(msg.records)
+    off = 0
+    for entry_id, lac, data in msg.entries:
+        length, crc = struct.unpack_from(">II", records, off)
+        body = records[off + 8 : off + 8 + length]
+        assert crc32c(body) == crc
+        assert body == struct.pack(">QqqB", 7, entry_id, lac, 0) + bytes(data)
+        off += 8 + length
+    assert off == len(records)
+
+
+def test_multi_add_with_recovery_flags_and_its_answer_round_trip() -> None:
+    """Records all flagged for recovery make a recovery frame; answers carry status and count."""
+    msg = _decode_one(_multi(entries=2, flags=FLAG_RECOVERY))
+    assert isinstance(msg, MultiAddRequest)
+    assert msg.recovery
+    assert decode_all(encode_multi_add_response(4, Status.OK, 7, 2)) == [
+        MultiAddResponse(4, Status.OK, "", 7, 2)
+    ]
+    fenced = MultiAddResponse(5, Status.FENCED, "fenced", 7, 2)
+    assert decode_all(fenced.encode()) == [fenced]
+
+
+def test_multi_add_split_across_reads_decodes() -> None:
+    """An ADD_MULTI arriving byte by byte (with a base frame after it) decodes in order."""
+    data = _multi(rid=3) + FenceRequest(4, 7).encode()
+    decoder = FrameDecoder()
+    out: list[Message] = []
+    for i in range(len(data)):
+        decoder.receive_data(data[i : i + 1])
+        out.extend(decoder.drain())
+    assert decoder.error is None
+    assert [type(m) for m in out] == [MultiAddRequest, FenceRequest]
+    first = out[0]
+    assert isinstance(first, MultiAddRequest)
+    assert [bytes(d) for _, _, d in first.entries][2] == b"entry-2" * 3
+
+
+def test_every_corrupted_byte_of_a_multi_add_body_is_refused() -> None:
+    """Flipping any byte of the body (heads, fields, data) is a FrameError naming the request:
+    record checksums cover the records, the frame checksum the rest."""
+    data = _multi(rid=77)
+    for i in range(HEADER_SIZE, len(data)):
+        corrupt = bytearray(data)
+        corrupt[i] ^= 0x40
+        decoder = FrameDecoder()
+        decoder.receive_data(bytes(corrupt))
+        assert decoder.drain() == [], i
+        assert decoder.error is not None, i
+        assert decoder.error.request_id == 77
+
+
+def _raw_multi(records: list[bytes], ledger: int = 7, count: int | None = None) -> bytes:
+    """An ADD_MULTI with hand-made records and a correct frame checksum."""
+    head = struct.pack(">QI", ledger, len(records) if count is None else count)
+    heads = head + b"".join(r[:8] for r in records)
+    body = head + b"".join(records)
+    return HEADER.pack(HEADER_SIZE - 4 + len(body), 2, MsgType.ADD_MULTI, 6, crc32c(heads)) + body
+
+
+def _record(ledger: int, entry: int, flags: int = 0, data: bytes = b"x") -> bytes:
+    body = struct.pack(">QqqB", ledger, entry, entry - 1, flags) + data
+    return struct.pack(">II", len(body), crc32c(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (_raw_multi([_record(7, 0)], count=10**9), "claims"),
+        (_raw_multi([_record(7, 0)], count=0), "claims"),
+        (_raw_multi([_record(8, 0)]), "not allowed"),
+        (_raw_multi([_record(7, -0x2000)]), "not allowed"),
+        (_raw_multi([_record(7, 0, flags=0x02)]), "not allowed"),
+        (_raw_multi([_record(7, 0) + b"\x00"]), "does not fit|trailing"),
+        (_raw_multi([_record(7, 0)[:-1] + b"y"]), "record checksum"),
+        (_raw_multi([b"\x00\x00\x00\x05" + _record(7, 0)[4:]]), "does not fit"),
+    ],
+    ids=[
+        "huge-count",
+        "zero-count",
+        "other-ledger",
+        "meta-entry-id",
+        "unknown-flag",
+        "trailing-bytes",
+        "record-crc",
+        "short-record",
+    ],
+)
+def test_bad_multi_adds_are_refused_before_any_entry_is_used(frame: bytes, match: str) -> None:
+    """Counts, lengths, checksums, ledgers, entry ids and flags are all bounded and checked;
+    negative (journal meta-record) entry ids never pass."""
+    error = _multi_error(frame)
+    assert error.status == Status.BAD_REQUEST
+    assert error.request_id == 6
+    assert re.search(match, str(error))
+
+
+def test_frame_types_live_in_their_own_wire_version() -> None:
+    """An ADD_MULTI in a version-1 header, or a version-1 type in a version-2 header, is refused."""
+    multi = bytearray(_multi(rid=8))
+    multi[4] = WIRE_VERSION
+    error = _multi_error(bytes(multi))
+    assert (error.status, error.request_id) == (Status.BAD_REQUEST, 8)
+    fence = bytearray(FenceRequest(9, 7).encode())
+    fence[4] = MULTI_ADD_VERSION
+    error = _multi_error(bytes(fence))
+    assert (error.status, error.request_id) == (Status.BAD_REQUEST, 9)
+    assert {WIRE_VERSION, MULTI_ADD_VERSION} == SUPPORTED_VERSIONS
+
+
+def test_multi_add_size_predicts_the_frame_size() -> None:
+    """``multi_add_size`` is exact, so a client can keep frames under the limit."""
+    items = [(e, -1, b"z" * (10 * e), 0) for e in range(5)]
+    frame = b"".join(bytes(p) for p in encode_multi_add(1, 2, items))
+    assert len(frame) == multi_add_size(sum(10 * e for e in range(5)), 5)
