@@ -640,10 +640,15 @@ class AmqpConnection(Protocol):
         d = q.caught_up()
         d.addCallback(lambda _: q.count())
 
-        def purge(count: int) -> None:
-            q.purge()
-            if not m.nowait:
-                self.send(ch.number, c.QueuePurgeOk(count))
+        def purge(count: int) -> Deferred[None]:
+            done = q.purge()
+
+            def reply(_: object) -> None:
+                if not m.nowait and not ch.closing:
+                    self.send(ch.number, c.QueuePurgeOk(count))
+
+            done.addCallback(reply)
+            return done  # type: ignore[return-value]
 
         d.addCallback(purge)
         return d

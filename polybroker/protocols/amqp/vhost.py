@@ -55,7 +55,7 @@ from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 
-from polybroker.broker_core.consumer import Delivery, ServerConsumer, SubType
+from polybroker.broker_core.consumer import Delivery, LastMessageId, ServerConsumer, SubType
 from polybroker.broker_core.messages import (
     Message,
     MessageFormatError,
@@ -800,18 +800,53 @@ class Queue:
         if self.auto_delete and self.had_consumer and not self.consumers and not self.deleted:
             self.vhost.delete_queue(self.name).addErrback(lambda f: None)
 
-    def purge(self) -> int:
-        """Drop every ready message, also those of a durable queue's backlog not yet read
-        into the window; return how many the window held."""
-        count = 0
-        while self.ready:
-            qm = self.ready.popleft()
-            if not qm.settled:
-                count += 1
-                self.settle(qm)
+    def purge(self) -> Deferred[int]:
+        """Drop every ready message, and the backlog not yet read into the window up to the
+        last entry each log holds; fire with how many the window held once those ends are
+        known (messages delivered and not yet acknowledged stay)."""
         for s in self.sources.values():
             if s.last_appended is not None:
                 s.purged_to = s.last_appended
+        count = self._drop_ready(None)
+        ds: list[Deferred[Any]] = []
+        for s in list(self.sources.values()):
+            d = self.vhost.service.last_message_id(s.topic)
+            d.addCallback(self._purge_to, s)
+            ds.append(d)
+        dl = DeferredList(ds, consumeErrors=True)
+        dl.addCallback(lambda _: count)
+        return dl  # type: ignore[return-value]
+
+    def _purge_to(self, last: LastMessageId, s: _Source) -> None:
+        position = last.position
+        if position.entry_id < 0 or (s.purged_to is not None and not s.purged_to < position):
+            return
+        s.purged_to = position
+        self._drop_ready(s)  # what the window read while the end was asked
+
+    def _drop_ready(self, source: _Source | None) -> int:
+        """Settle the ready messages (of ``source`` only, up to its purge point, if given)."""
+        count = 0
+        kept: deque[QueuedMessage] = deque()
+        # Settling frees window room, and the feed it lets in may append to ``ready``.
+        items, self.ready = self.ready, deque()
+        for qm in items:
+            if qm.settled:
+                continue
+            ref = qm.ref
+            if source is not None and (
+                ref.source is not source
+                or qm.redelivered
+                or ref.position is None
+                or source.purged_to is None
+                or source.purged_to < ref.position
+            ):
+                kept.append(qm)
+                continue
+            count += 1
+            self.settle(qm)
+        kept.extend(self.ready)
+        self.ready = kept
         return count
 
     def touch(self) -> None:

@@ -276,3 +276,28 @@ def test_a_restart_removes_what_exclusive_queues_left_on_shared_logs() -> None:
     again.clock.advance(0)
     again.methods()
     assert drain(again, "a") == [b"m"]
+
+
+def test_purge_after_a_restart_reaches_the_shared_backlog_beyond_the_window() -> None:
+    """A purge drops what the exchange's log holds for the queue beyond the window, also
+    messages stored before a restart; the other queue keeps all of them."""
+    from polybroker.protocols.amqp.vhost import WINDOW
+
+    p = Peer()
+    fanout(p, ["a", "b"], confirm=False)
+    for i in range(WINDOW + 300):
+        p.publish(1, "fan", "", str(i).encode(), delivery_mode=2)
+    p.clock.advance(0)
+    p = restart(p)
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.clock.advance(0)
+    p.methods()
+    p.method(1, c.QueuePurge(queue="a"))
+    p.clock.advance(0)
+    (ok,) = p.methods()
+    assert isinstance(ok, c.QueuePurgeOk)
+    p.publish(1, "fan", "", b"after", delivery_mode=2)
+    p.clock.advance(0)
+    assert drain(p, "a") == [b"after"]
+    assert len(drain(p, "b")) == WINDOW + 301
