@@ -13,6 +13,14 @@ Idempotent producers: per (partition, producer id) the last few batches' sequenc
 offsets are remembered; a batch seen again is acknowledged with its first offset and not
 appended twice, a gap is OUT_OF_ORDER_SEQUENCE_NUMBER. This state lives in memory: a broker
 restart forgets it (the producer then starts a new sequence after InitProducerId).
+
+Cluster mode (``cluster`` given: see ``cluster``): Metadata names each partition's owner as its
+leader and lists the live brokers; Produce, Fetch and ListOffsets on a partition another broker
+owns answer NOT_LEADER_OR_FOLLOWER, so the client refreshes its metadata; FindCoordinator names
+the owner of the group's coordinator slot, and the group APIs on any other broker answer
+NOT_COORDINATOR. Groups whose slot this broker lost are forgotten (checked every
+``SWEEP_INTERVAL_S`` and on each request); producer states are kept per loaded topic, so a
+partition that comes back after another broker served it starts afresh.
 """
 
 from __future__ import annotations
@@ -29,11 +37,13 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
 
 from polybroker.broker_core import messages
 from polybroker.broker_core.errors import (
     InvalidTopicNameError,
     NotAllowedError,
+    ServiceNotReadyError,
     TopicAlreadyExistsError,
     TopicNotFoundError,
 )
@@ -41,6 +51,7 @@ from polybroker.broker_core.messages import Message, MessageFormatError
 from polybroker.logs import kv
 from polybroker.protocols.kafka import codec as c
 from polybroker.protocols.kafka import records as rec
+from polybroker.protocols.kafka.cluster import KafkaCluster, KafkaNode
 from polybroker.protocols.kafka.groups import GroupCoordinator
 
 log = logging.getLogger(__name__)
@@ -49,6 +60,8 @@ FORMAT_TAG = "kafka"
 NO_RESPONSE = object()
 _DEDUP_WINDOW = 5
 _MAX_PRODUCER_STATES = 100_000
+#: How often (seconds) a cluster broker drops the groups whose coordinator slot it lost.
+SWEEP_INTERVAL_S = 1.0
 #: Topic ids are derived from the full topic name: stable across restarts with no stored state.
 _TOPIC_ID_NAMESPACE = uuid.UUID("5c0f9d4e-6a55-4b8e-9a43-4b6b2f1d7a01")
 _NO_TOPIC_ID = uuid.UUID(int=0)
@@ -115,6 +128,7 @@ class ProducerState:
     last_sequence: int
     recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=_DEDUP_WINDOW))
     # (base sequence, last sequence, base offset) of the last batches
+    topic: Any = None  # the loaded topic the state belongs to (cluster mode)
 
 
 @dataclass
@@ -146,11 +160,28 @@ class _PartitionRead:
 class KafkaApis:
     """Answers decoded Kafka requests; one instance serves every connection of a handler."""
 
-    def __init__(self, service: Any, clock: IReactorTime, settings: Settings) -> None:
+    def __init__(
+        self,
+        service: Any,
+        clock: IReactorTime,
+        settings: Settings,
+        cluster: KafkaCluster | None = None,
+    ) -> None:
         self.service = service
         self.clock = clock
         self.settings = settings
-        self.groups = GroupCoordinator(clock, service.metadata_store, on_commit=self._committed)
+        self.cluster = cluster
+        self.groups = GroupCoordinator(
+            clock,
+            service.metadata_store,
+            on_commit=self._committed,
+            fresh_offsets=cluster is not None,
+        )
+        self._sweep: LoopingCall | None = None
+        if cluster is not None:
+            self._sweep = LoopingCall(self.sweep_groups)
+            self._sweep.clock = clock
+            self._sweep.start(SWEEP_INTERVAL_S, now=False)
         self.producers: dict[tuple[str, int], ProducerState] = {}
         self._producer_ids = itertools.count(int(time.time() * 1000) << 8)
         self._partitions: dict[str, int] = {}  # Kafka name -> partition count (0: not partitioned)
@@ -163,6 +194,8 @@ class KafkaApis:
 
     def close(self) -> None:
         self._closed = True
+        if self._sweep is not None and self._sweep.running:
+            self._sweep.stop()
         self.groups.close()
 
     # -- names ----------------------------------------------------------------------------
@@ -206,6 +239,14 @@ class KafkaApis:
             return 1
         except TopicNotFoundError:
             pass
+        except ServiceNotReadyError:
+            if self.cluster is None:
+                raise
+            # Another broker serves it, if it exists: ask the store rather than load it here.
+            ref = self.service.topic_ref(name)
+            if ref.persistent and await self.service.ledger_factory.exists(ref.managed_ledger_name):
+                self._partitions[name] = 0
+                return 1
         if not create or not self.settings.auto_create:
             return 0
         with contextlib.suppress(TopicAlreadyExistsError):
@@ -244,10 +285,85 @@ class KafkaApis:
     def handle(self, req: c.Request, client_host: str) -> Deferred[Any] | Any:
         """The response body for ``req`` (a Deferred, a body, or ``NO_RESPONSE``)."""
         method = _DISPATCH[req.api_key]
+        if self.cluster is not None and req.api_key in _GROUP_APIS:
+            return Deferred.fromCoroutine(self._as_coordinator(method, req, client_host))
         return method(self, req, client_host)
 
     def _api_versions(self, req: c.Request, host: str) -> Any:
         return c.api_versions_body(req.api_version, table=self.settings.api_versions)
+
+    # -- coordination in a cluster ---------------------------------------------------------
+
+    async def _coordinates(self, group_id: str) -> bool:
+        """Whether this broker coordinates the group, claiming its slot when unowned."""
+        assert self.cluster is not None
+        slot = self.cluster.coordinator_topic(group_id)
+        if self.cluster.owns(slot):
+            return True
+        # Coordination (re)starts here or is elsewhere: what this broker remembers of the
+        # slot's groups is stale either way.
+        for gid in list(self.groups.groups):
+            if self.cluster.coordinator_topic(gid) == slot:
+                self.groups.forget(gid)
+        return await self.cluster.claim(slot)
+
+    def sweep_groups(self) -> None:
+        """Forget the groups whose coordinator slot this broker no longer owns."""
+        if self.cluster is None:
+            return
+        for gid in list(self.groups.groups):
+            if not self.cluster.owns(self.cluster.coordinator_topic(gid)):
+                self.groups.forget(gid)
+
+    async def _as_coordinator(
+        self, method: Callable[[KafkaApis, c.Request, str], Any], req: c.Request, host: str
+    ) -> Any:
+        """Serve a group request only for the groups this broker coordinates; the others
+        get NOT_COORDINATOR."""
+        b = req.body
+        key = req.api_key
+        if key == c.API_DESCRIBE_GROUPS:
+            ids = list(b.groups)
+        elif key == c.API_DELETE_GROUPS:
+            ids = list(b.groups_names)
+        elif key == c.API_OFFSET_FETCH and req.api_version >= 8:
+            ids = [g.group_id for g in b.groups or []]
+        else:
+            if not await self._coordinates(b.group_id):
+                return _not_coordinator(req)
+            return await _resolved(method(self, req, host))
+        refused = [g for g in dict.fromkeys(ids) if not await self._coordinates(g)]
+        if not refused:
+            return await _resolved(method(self, req, host))
+        cls = c.response_class(key)
+        if key == c.API_DESCRIBE_GROUPS:
+            b.groups = [g for g in b.groups if g not in refused]
+            resp = await _resolved(method(self, req, host))
+            resp.groups.extend(
+                cls.DescribedGroup(
+                    error_code=c.NOT_COORDINATOR,
+                    group_id=g,
+                    group_state="",
+                    protocol_type="",
+                    protocol_data="",
+                    members=[],
+                )
+                for g in refused
+            )
+        elif key == c.API_DELETE_GROUPS:
+            b.groups_names = [g for g in b.groups_names if g not in refused]
+            resp = await _resolved(method(self, req, host))
+            resp.results.extend(
+                cls.DeletableGroupResult(group_id=g, error_code=c.NOT_COORDINATOR) for g in refused
+            )
+        else:
+            b.groups = [g for g in b.groups if g.group_id not in refused]
+            resp = await _resolved(method(self, req, host))
+            resp.groups.extend(
+                cls.OffsetFetchResponseGroup(group_id=g, topics=[], error_code=c.NOT_COORDINATOR)
+                for g in refused
+            )
+        return resp
 
     # -- metadata and admin ---------------------------------------------------------------
 
@@ -256,6 +372,7 @@ class KafkaApis:
 
     async def _metadata_async(self, req: c.Request) -> Any:
         cls = c.response_class(c.API_METADATA)
+        part_cls = cls.MetadataResponseTopic.MetadataResponsePartition
         body = req.body
         auto = bool(getattr(body, "allow_auto_topic_creation", True))
         if body.topics is None or (req.api_version == 0 and not body.topics):
@@ -263,10 +380,27 @@ class KafkaApis:
             auto = False
         else:
             names = [self.topic_name(t.topic_id, t.name) for t in body.topics]
-        topics = []
+        found: list[tuple[str | None, int, int]] = []  # (name, error, partitions)
         for name in names:
             error = c.NONE
             n = 0
+            if name is not None:
+                try:
+                    n = await self.partition_count(name, auto)
+                    if n == 0:
+                        error = c.UNKNOWN_TOPIC_OR_PARTITION
+                except (InvalidTopicNameError, NotAllowedError):
+                    error = c.INVALID_TOPIC_EXCEPTION
+                except ServiceNotReadyError:
+                    if self.cluster is None:
+                        raise
+                    error = c.LEADER_NOT_AVAILABLE
+            found.append((name, error, n if error == c.NONE else 0))
+        nodes, leaders = await self._placement(
+            [self._partition_name(name, i) for name, _, n in found if name for i in range(n)]
+        )
+        topics = []
+        for name, error, n in found:
             if name is None:
                 topics.append(
                     cls.MetadataResponseTopic(
@@ -277,24 +411,21 @@ class KafkaApis:
                     )
                 )
                 continue
-            try:
-                n = await self.partition_count(name, auto)
-                if n == 0:
-                    error = c.UNKNOWN_TOPIC_OR_PARTITION
-            except (InvalidTopicNameError, NotAllowedError):
-                error = c.INVALID_TOPIC_EXCEPTION
-            partitions = [
-                cls.MetadataResponseTopic.MetadataResponsePartition(
-                    error_code=c.NONE,
-                    partition_index=i,
-                    leader_id=self.settings.node_id,
-                    leader_epoch=0,
-                    replica_nodes=[self.settings.node_id],
-                    isr_nodes=[self.settings.node_id],
-                    offline_replicas=[],
+            partitions = []
+            for i in range(n):
+                leader = leaders.get(self._partition_name(name, i), -1)
+                replicas = [leader] if leader >= 0 else []
+                partitions.append(
+                    part_cls(
+                        error_code=c.NONE if leader >= 0 else c.LEADER_NOT_AVAILABLE,
+                        partition_index=i,
+                        leader_id=leader,
+                        leader_epoch=0,
+                        replica_nodes=replicas,
+                        isr_nodes=replicas,
+                        offline_replicas=[],
+                    )
                 )
-                for i in range(n)
-            ]
             topics.append(
                 cls.MetadataResponseTopic(
                     error_code=error,
@@ -306,19 +437,33 @@ class KafkaApis:
             )
         return cls(
             throttle_time_ms=0,
-            brokers=[self._broker(cls.MetadataResponseBroker)],
+            brokers=[
+                cls.MetadataResponseBroker(node_id=n.node_id, host=n.host, port=n.port, rack=None)
+                for n in nodes
+            ],
             cluster_id=self.settings.cluster_id,
-            controller_id=self.settings.node_id,
+            controller_id=nodes[0].node_id if nodes else -1,
             topics=topics,
         )
 
-    def _broker(self, cls: Any) -> Any:
-        return cls(
-            node_id=self.settings.node_id,
-            host=self.settings.host(),
-            port=self.settings.port(),
-            rack=None,
-        )
+    def _partition_name(self, name: str, partition: int) -> str:
+        """The full topic name of a Kafka partition whose count is known."""
+        if self._partitions.get(name, 1) == 0:
+            return self._full(name)
+        return f"{self._full(name)}-partition-{partition}"
+
+    async def _placement(self, topics: list[str]) -> tuple[list[KafkaNode], dict[str, int]]:
+        """The brokers to list (the controller first) and each full topic's leader node id
+        (absent: no leader now)."""
+        if self.cluster is None:
+            node = KafkaNode(self.settings.node_id, self.settings.host(), self.settings.port(), "")
+            return [node], dict.fromkeys(topics, node.node_id)
+        try:
+            nodes = await self.cluster.nodes()
+        except ServiceNotReadyError:
+            return [], {}
+        found = await self.cluster.leaders(topics, nodes)
+        return nodes, {t: n.node_id for t, n in found.items() if n is not None}
 
     async def _all_topics(self) -> list[str]:
         names: set[str] = set()
@@ -486,23 +631,24 @@ class KafkaApis:
             )
         return cls(throttle_time_ms=0, results=results)
 
-    def _describe_cluster(self, req: c.Request, host: str) -> Any:
+    def _describe_cluster(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._describe_cluster_async())
+
+    async def _describe_cluster_async(self) -> Any:
         cls = c.response_class(c.API_DESCRIBE_CLUSTER)
+        nodes, _ = await self._placement([])
         return cls(
             throttle_time_ms=0,
             error_code=c.NONE,
             error_message=None,
             endpoint_type=1,  # brokers
             cluster_id=self.settings.cluster_id,
-            controller_id=self.settings.node_id,
+            controller_id=nodes[0].node_id if nodes else -1,
             brokers=[
                 cls.DescribeClusterBroker(
-                    broker_id=self.settings.node_id,
-                    host=self.settings.host(),
-                    port=self.settings.port(),
-                    rack=None,
-                    is_fenced=False,
+                    broker_id=n.node_id, host=n.host, port=n.port, rack=None, is_fenced=False
                 )
+                for n in nodes
             ],
         )
 
@@ -600,11 +746,21 @@ class KafkaApis:
             topic = await self._partition_topic(name, p.index, True)
         except (InvalidTopicNameError, NotAllowedError):
             return c.INVALID_TOPIC_EXCEPTION, -1, -1
+        except ServiceNotReadyError:
+            if self.cluster is None:
+                raise
+            return c.NOT_LEADER_OR_FOLLOWER, -1, -1
         if topic is None:
             return c.UNKNOWN_TOPIC_OR_PARTITION, -1, -1
         first_base = -1
         for batch, found in zip(batches, decoded, strict=True):
-            error, base = await self._append(topic, batch, found)
+            try:
+                error, base = await self._append(topic, batch, found)
+            except Exception:
+                if self.cluster is None or self.cluster.owns(topic.name):
+                    raise
+                # The partition moved to another broker while this one wrote.
+                return c.NOT_LEADER_OR_FOLLOWER, -1, -1
             if error != c.NONE:
                 return error, -1, -1
             if first_base < 0:
@@ -650,6 +806,8 @@ class KafkaApis:
         state: ProducerState | None = None
         if batch.producer_id >= 0 and batch.base_sequence >= 0:
             state = self.producers.get(key)
+            if state is not None and self.cluster is not None and state.topic is not topic:
+                state = None  # another broker served the partition meanwhile
             last_seq = batch.base_sequence + batch.count - 1
             if state is not None and batch.producer_epoch < state.epoch:
                 return c.INVALID_PRODUCER_EPOCH, -1
@@ -662,7 +820,7 @@ class KafkaApis:
                         return c.DUPLICATE_SEQUENCE_NUMBER, -1
                     return c.OUT_OF_ORDER_SEQUENCE_NUMBER, -1
             if state is None or batch.producer_epoch > state.epoch:
-                state = ProducerState(batch.producer_epoch, last_seq)
+                state = ProducerState(batch.producer_epoch, last_seq, topic=topic)
                 self.producers.pop(key, None)
                 self.producers[key] = state
                 if len(self.producers) > _MAX_PRODUCER_STATES:  # forget the oldest producer
@@ -741,6 +899,11 @@ class KafkaApis:
                     topic = await self._partition_topic(name, p.partition, False)
                 except (InvalidTopicNameError, NotAllowedError):
                     topic = None
+                except ServiceNotReadyError:
+                    if self.cluster is None:
+                        raise
+                    r.error = c.NOT_LEADER_OR_FOLLOWER
+                    continue
                 if topic is None:
                     r.error = c.UNKNOWN_TOPIC_OR_PARTITION
                     continue
@@ -842,8 +1005,12 @@ class KafkaApis:
                     topic = await self._partition_topic(t.name, p.partition_index, False)
                 except (InvalidTopicNameError, NotAllowedError):
                     topic = None
+                except ServiceNotReadyError:
+                    if self.cluster is None:
+                        raise
+                    topic, error = None, c.NOT_LEADER_OR_FOLLOWER
                 if topic is None:
-                    error = c.UNKNOWN_TOPIC_OR_PARTITION
+                    error = error or c.UNKNOWN_TOPIC_OR_PARTITION
                 elif p.timestamp == _EARLIEST:
                     offset = topic.first_index
                 elif p.timestamp in (_LATEST, _MAX_TIMESTAMP):
@@ -869,30 +1036,18 @@ class KafkaApis:
     # -- groups ---------------------------------------------------------------------------
 
     def _find_coordinator(self, req: c.Request, host: str) -> Any:
-        cls = c.response_class(c.API_FIND_COORDINATOR)
+        if self.cluster is not None:
+            return Deferred.fromCoroutine(self._find_coordinator_async(req))
+        local = KafkaNode(self.settings.node_id, self.settings.host(), self.settings.port(), "")
         if req.api_version >= 4:  # a batch of keys
-            return cls(
-                throttle_time_ms=0,
-                coordinators=[
-                    cls.Coordinator(
-                        key=key,
-                        node_id=self.settings.node_id,
-                        host=self.settings.host(),
-                        port=self.settings.port(),
-                        error_code=c.NONE,
-                        error_message=None,
-                    )
-                    for key in req.body.coordinator_keys or []
-                ],
-            )
-        return cls(
-            throttle_time_ms=0,
-            error_code=c.NONE,
-            error_message=None,
-            node_id=self.settings.node_id,
-            host=self.settings.host(),
-            port=self.settings.port(),
-        )
+            return _coordinators(req, [(key, local) for key in req.body.coordinator_keys or []])
+        return _coordinators(req, [("", local)])
+
+    async def _find_coordinator_async(self, req: c.Request) -> Any:
+        assert self.cluster is not None
+        keys = list(req.body.coordinator_keys or []) if req.api_version >= 4 else [req.body.key]
+        found = [(key, await self.cluster.coordinator(key)) for key in keys]
+        return _coordinators(req, found)
 
     def _join_group(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_JOIN_GROUP)
@@ -981,24 +1136,7 @@ class KafkaApis:
         ]
         d = self.groups.commit(b.group_id, b.generation_id_or_member_epoch, b.member_id, offsets)
 
-        def answer(error: int) -> Any:
-            return cls(
-                throttle_time_ms=0,
-                topics=[
-                    cls.OffsetCommitResponseTopic(
-                        name=t.name,
-                        partitions=[
-                            cls.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
-                                partition_index=p.partition_index, error_code=error
-                            )
-                            for p in t.partitions
-                        ],
-                    )
-                    for t in b.topics
-                ],
-            )
-
-        return d.addCallback(answer)
+        return d.addCallback(lambda error: _offset_commit_response(cls, b, error))
 
     def _offset_fetch(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_OFFSET_FETCH)
@@ -1066,6 +1204,12 @@ class KafkaApis:
         group's backlog shows in topic stats (best effort: a failure is only logged)."""
 
         async def mirror() -> None:
+            # Only the partition's owner holds its subscriptions.
+            if self.cluster is not None and (
+                topic not in self._partitions
+                or not self.cluster.owns(self._partition_name(topic, partition))
+            ):
+                return
             found = await self._partition_topic(topic, partition, False)
             if found is not None and offset >= 0:
                 await found.mark_subscription_at_index(group, offset)
@@ -1092,10 +1236,15 @@ class KafkaApis:
                         group_type="classic",
                     )
                     for g in groups
-                    if not states or g.state.lower() in states
+                    if (not states or g.state.lower() in states) and self._coordinated_here(g)
                 ],
             )
         )
+
+    def _coordinated_here(self, g: Any) -> bool:
+        if self.cluster is None:
+            return True
+        return self.cluster.owns(self.cluster.coordinator_topic(g.group_id))
 
     def _describe_groups(self, req: c.Request, host: str) -> Any:
         cls = c.response_class(c.API_DESCRIBE_GROUPS)
@@ -1178,6 +1327,108 @@ def _wanted_offsets(
     ]
 
 
+async def _resolved(value: Any) -> Any:
+    """A handler's answer, waited for when it is a Deferred."""
+    if isinstance(value, Deferred):
+        return await value
+    return value
+
+
+def _coordinators(req: c.Request, found: list[tuple[str, KafkaNode | None]]) -> Any:
+    """A FindCoordinator response naming each key's coordinator (None: none now)."""
+    cls = c.response_class(c.API_FIND_COORDINATOR)
+
+    def fields(node: KafkaNode | None) -> dict[str, Any]:
+        if node is None:
+            return {
+                "error_code": c.COORDINATOR_NOT_AVAILABLE,
+                "error_message": "no coordinator is available now",
+                "node_id": -1,
+                "host": "",
+                "port": -1,
+            }
+        return {
+            "error_code": c.NONE,
+            "error_message": None,
+            "node_id": node.node_id,
+            "host": node.host,
+            "port": node.port,
+        }
+
+    if req.api_version >= 4:  # a batch of keys
+        return cls(
+            throttle_time_ms=0,
+            coordinators=[cls.Coordinator(key=key, **fields(node)) for key, node in found],
+        )
+    return cls(throttle_time_ms=0, **fields(found[0][1]))
+
+
+def _not_coordinator(req: c.Request) -> Any:
+    """The NOT_COORDINATOR answer to a request about one group."""
+    cls = c.response_class(req.api_key)
+    b = req.body
+    e = c.NOT_COORDINATOR
+    if req.api_key == c.API_JOIN_GROUP:
+        return cls(
+            throttle_time_ms=0,
+            error_code=e,
+            generation_id=-1,
+            protocol_type=None,
+            protocol_name="" if req.api_version < 7 else None,
+            leader="",
+            member_id=b.member_id,
+            members=[],
+        )
+    if req.api_key == c.API_SYNC_GROUP:
+        return cls(
+            throttle_time_ms=0, error_code=e, protocol_type=None, protocol_name=None, assignment=b""
+        )
+    if req.api_key == c.API_HEARTBEAT:
+        return cls(throttle_time_ms=0, error_code=e)
+    if req.api_key == c.API_LEAVE_GROUP:
+        return cls(throttle_time_ms=0, error_code=e, members=[])
+    if req.api_key == c.API_OFFSET_COMMIT:
+        return _offset_commit_response(cls, b, e)
+    if req.api_key == c.API_OFFSET_FETCH:
+        part_cls = cls.OffsetFetchResponseTopic.OffsetFetchResponsePartition
+        topics = [
+            cls.OffsetFetchResponseTopic(
+                name=t.name,
+                partitions=[
+                    part_cls(
+                        partition_index=i,
+                        committed_offset=-1,
+                        committed_leader_epoch=-1,
+                        metadata="",
+                        error_code=e,
+                    )
+                    for i in t.partition_indexes
+                ],
+            )
+            for t in b.topics or []
+        ]
+        return cls(throttle_time_ms=0, topics=topics, error_code=e)
+    raise ValueError(f"API {req.api_key} is not about one group")
+
+
+def _offset_commit_response(cls: Any, b: Any, error: int) -> Any:
+    return cls(
+        throttle_time_ms=0,
+        topics=[
+            cls.OffsetCommitResponseTopic(
+                name=t.name,
+                partitions=[
+                    cls.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
+                        partition_index=p.partition_index, error_code=error
+                    )
+                    for p in t.partitions
+                ],
+            )
+            for t in b.topics
+        ],
+    )
+
+
 _DISPATCH: dict[int, Callable[[KafkaApis, c.Request, str], Any]] = {
     c.API_PRODUCE: KafkaApis._produce,
     c.API_FETCH: KafkaApis._fetch,
@@ -1201,3 +1452,17 @@ _DISPATCH: dict[int, Callable[[KafkaApis, c.Request, str], Any]] = {
     c.API_DELETE_GROUPS: KafkaApis._delete_groups,
     c.API_DESCRIBE_CLUSTER: KafkaApis._describe_cluster,
 }
+
+#: The group APIs: served only by the group's coordinator in a cluster.
+_GROUP_APIS = frozenset(
+    {
+        c.API_OFFSET_COMMIT,
+        c.API_OFFSET_FETCH,
+        c.API_JOIN_GROUP,
+        c.API_HEARTBEAT,
+        c.API_LEAVE_GROUP,
+        c.API_SYNC_GROUP,
+        c.API_DESCRIBE_GROUPS,
+        c.API_DELETE_GROUPS,
+    }
+)

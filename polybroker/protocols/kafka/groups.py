@@ -13,6 +13,12 @@ The classic group protocol, as Kafka's coordinator runs it for one broker:
 * Committed offsets are kept per group in the metadata store at ``/kafka/groups/<group>``
   (written before the commit is acknowledged) and cached in memory; ``on_commit`` is told of
   each durable commit (the handler mirrors it on a Pulsar subscription named after the group).
+  A group's commits are written one at a time, in arrival order, by compare-and-set against
+  the version last read or written: a copy cached here never overwrites commits another
+  broker made meanwhile (the document is read again and the commit applied on top). With
+  ``fresh_offsets`` (a cluster, where coordination moves between brokers) OffsetFetch reads
+  the store every time. ``forget`` drops what this broker holds of a group it no longer
+  coordinates; waiting joins and syncs are answered NOT_COORDINATOR.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, DeferredLock, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from polybroker.logs import kv
+from polybroker.metadata.api import BadVersionError
 from polybroker.protocols.kafka import codec as c
 
 log = logging.getLogger(__name__)
@@ -39,6 +46,8 @@ PREPARING = "PreparingRebalance"
 COMPLETING = "CompletingRebalance"
 STABLE = "Stable"
 DEAD = "Dead"
+#: Compare-and-set attempts of one commit before it is refused as NOT_COORDINATOR.
+_COMMIT_ATTEMPTS = 8
 
 
 @dataclass
@@ -78,6 +87,8 @@ class Group:
     pending: set[str] = field(default_factory=set)
     rebalance_timer: IDelayedCall | None = None
     offsets: dict[tuple[str, int], tuple[int, str]] | None = None
+    version: int = -1  # of the stored offsets document when last read or written (-1: none)
+    writes: DeferredLock = field(default_factory=DeferredLock)
 
 
 OnCommit = Callable[[str, str, int, int], None]
@@ -94,9 +105,11 @@ class GroupCoordinator:
         min_session_timeout_ms: int = 6000,
         max_session_timeout_ms: int = 1_800_000,
         on_commit: OnCommit | None = None,
+        fresh_offsets: bool = False,
     ) -> None:
         self.clock = clock
         self.store = store  # a MetadataStore
+        self.fresh_offsets = fresh_offsets
         self.min_session_timeout_ms = min_session_timeout_ms
         self.max_session_timeout_ms = max_session_timeout_ms
         self.on_commit = on_commit
@@ -373,15 +386,18 @@ class GroupCoordinator:
         # The prefix keeps "", "." and ".." valid node names; quoting keeps "/" inside one.
         return f"{GROUPS_ROOT}/g-{quote(group_id, safe='')}"
 
-    async def _load_offsets(self, g: Group) -> dict[tuple[str, int], tuple[int, str]]:
-        if g.offsets is None:
+    async def _load_offsets(
+        self, g: Group, fresh: bool = False
+    ) -> dict[tuple[str, int], tuple[int, str]]:
+        if g.offsets is None or fresh:
             found = await self.store.get(self._path(g.group_id))
             loaded: dict[tuple[str, int], tuple[int, str]] = {}
             if found is not None:
                 for item in json.loads(found.value)["offsets"]:
                     loaded[(item[0], int(item[1]))] = (int(item[2]), str(item[3]))
-            if g.offsets is None:
+            if g.offsets is None or fresh:
                 g.offsets = loaded
+                g.version = -1 if found is None else found.stat.version
         return g.offsets
 
     def commit(
@@ -408,11 +424,13 @@ class GroupCoordinator:
             self.store_path_ok(g.group_id)
         except ValueError:
             return c.INVALID_GROUP_ID
-        current = await self._load_offsets(g)
-        for topic, partition, offset, metadata in offsets:
-            current[(topic, partition)] = (offset, metadata)
-        doc = {"offsets": [[t, p, o, md] for (t, p), (o, md) in sorted(current.items())]}
-        await self.store.put(self._path(g.group_id), json.dumps(doc).encode())
+        await g.writes.acquire()
+        try:
+            written = await self._write(g, offsets)
+        finally:
+            g.writes.release()
+        if not written:
+            return c.NOT_COORDINATOR
         if self.on_commit is not None:
             for topic, partition, offset, _ in offsets:
                 try:
@@ -421,6 +439,26 @@ class GroupCoordinator:
                     log.exception("commit listener failed", extra=kv(group=g.group_id))
         return c.NONE
 
+    async def _write(self, g: Group, offsets: list[tuple[str, int, int, str]]) -> bool:
+        """Apply the commit on top of the stored document by compare-and-set (module doc)."""
+        current = await self._load_offsets(g)
+        for _ in range(_COMMIT_ATTEMPTS):
+            for topic, partition, offset, metadata in offsets:
+                current[(topic, partition)] = (offset, metadata)
+            doc = {"offsets": [[t, p, o, md] for (t, p), (o, md) in sorted(current.items())]}
+            try:
+                stat = await self.store.put(
+                    self._path(g.group_id), json.dumps(doc).encode(), g.version
+                )
+            except BadVersionError:
+                # Someone else wrote the group's offsets: start from what they wrote.
+                log.info("group offsets changed elsewhere", extra=kv(group=g.group_id))
+                current = await self._load_offsets(g, fresh=True)
+                continue
+            g.version = stat.version
+            return True
+        return False
+
     def fetch_offsets(self, group_id: str) -> Deferred[dict[tuple[str, int], tuple[int, str]]]:
         """The group's committed offsets (none for a group id the store cannot name)."""
         try:
@@ -428,25 +466,47 @@ class GroupCoordinator:
         except ValueError:
             return succeed({})
         g = self._group(group_id)
-        return Deferred.fromCoroutine(self._load_offsets(g))
+        if not self.fresh_offsets:
+            return Deferred.fromCoroutine(self._load_offsets(g))
+        return Deferred.fromCoroutine(self._fresh_offsets(g))
+
+    async def _fresh_offsets(self, g: Group) -> dict[tuple[str, int], tuple[int, str]]:
+        await g.writes.acquire()
+        try:
+            return dict(await self._load_offsets(g, fresh=True))
+        finally:
+            g.writes.release()
 
     def store_path_ok(self, group_id: str) -> None:
         """Raise ValueError if the group's offsets cannot be stored (too long a name)."""
         if len(self._path(group_id).encode("utf-8", "surrogatepass")) > 1024 or not group_id:
             raise ValueError(f"group id {group_id[:50]!r}... cannot be stored")
 
+    def forget(self, group_id: str) -> None:
+        """Drop the group's members and cached offsets: this broker no longer coordinates
+        it. Waiting joins and syncs get NOT_COORDINATOR, so their members find the new
+        coordinator."""
+        g = self.groups.pop(group_id, None)
+        if g is not None:
+            log.info("group handed over", extra=kv(group=group_id))
+            self._stop_group(g, c.NOT_COORDINATOR)
+
     def close(self) -> None:
         """Cancel every timer and answer every waiting request."""
         for g in self.groups.values():
-            if g.rebalance_timer is not None and g.rebalance_timer.active():
-                g.rebalance_timer.cancel()
-            for m in g.members.values():
-                if m.expiry is not None and m.expiry.active():
-                    m.expiry.cancel()
-                if m.join is not None:
-                    d, m.join = m.join, None
-                    d.callback(JoinResult(c.COORDINATOR_NOT_AVAILABLE, member_id=m.member_id))
-                if m.sync is not None:
-                    s, m.sync = m.sync, None
-                    s.callback((c.COORDINATOR_NOT_AVAILABLE, b""))
-            g.state = DEAD
+            self._stop_group(g, c.COORDINATOR_NOT_AVAILABLE)
+
+    def _stop_group(self, g: Group, error: int) -> None:
+        if g.rebalance_timer is not None and g.rebalance_timer.active():
+            g.rebalance_timer.cancel()
+        g.rebalance_timer = None
+        for m in g.members.values():
+            if m.expiry is not None and m.expiry.active():
+                m.expiry.cancel()
+            if m.join is not None:
+                d, m.join = m.join, None
+                d.callback(JoinResult(error, member_id=m.member_id))
+            if m.sync is not None:
+                s, m.sync = m.sync, None
+                s.callback((error, b""))
+        g.state = DEAD

@@ -10,6 +10,11 @@ Pulsar message batch on write, which every protocol reads as is), ``kafkaApiVers
 (``modern``, the default: flexible versions and topic ids, as the clients use them with
 Kafka 3.x brokers; ``2.1``: the Kafka 2.1 table with no flexible versions, which every client
 also accepts).
+
+In a cluster (the Broker API's ownership is clustered) each broker's node id is registered in
+the metadata store, partitions are led by their topic's owner and groups coordinated by the
+owner of their coordinator slot (``cluster``: Rules K1-K4); standalone, this broker is node
+``NODE_ID`` and leads and coordinates everything.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from twisted.internet.defer import Deferred
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
 from polybroker.config import Config, ConfigError
 from polybroker.protocols.kafka.apis import KafkaApis, Settings
+from polybroker.protocols.kafka.cluster import KafkaCluster, clustered
 from polybroker.protocols.kafka.codec import TABLES
 from polybroker.protocols.kafka.connection import KafkaFactory
 
@@ -74,6 +80,10 @@ class KafkaProtocolHandler(ProtocolHandler):
 
     def start(self, broker: BrokerContext) -> Deferred[None] | None:
         self.context = broker
+        ownership = getattr(broker.service, "ownership", None)
+        cluster = None
+        if clustered(ownership):
+            cluster = KafkaCluster(ownership, broker.service.metadata_store)
         self.apis = KafkaApis(
             broker.service,
             broker.reactor,
@@ -88,6 +98,7 @@ class KafkaProtocolHandler(ProtocolHandler):
                 entry_format=self.entry_format,
                 api_versions=dict(TABLES[self.api_versions]),
             ),
+            cluster,
         )
         self.factory = KafkaFactory(self.apis, self.max_message_size + FRAME_OVERHEAD)
         return None

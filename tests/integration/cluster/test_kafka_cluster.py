@@ -1,0 +1,263 @@
+"""Kafka clients against a real cluster (ZooKeeper, two bookie processes with E=Qw=Qa=2, two
+``polybroker broker`` processes): metadata names each partition's owner as its leader and the
+owner of the group's slot as coordinator; kill -9 of the coordinator (which also leads some
+partitions) under kafka-python and confluent-kafka clients loses no acknowledged message, the
+clients serve again through metadata refresh, and the group resumes from its committed offsets.
+
+The clients block, so they run on the test's own thread against the broker processes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from broker_harness import Broker, BrokerProcesses, initialize
+from cluster_harness import BookieProcesses
+from confluent_kafka import Consumer as ConfluentConsumer
+from confluent_kafka import Producer as ConfluentProducer
+from confluent_kafka import TopicPartition as ConfluentTopicPartition
+from confluent_kafka.admin import AdminClient
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.admin import KafkaAdminClient, NewTopic
+
+TOPIC = "orders"
+PARTITIONS = 8
+GROUP = "billing"
+#: The bound on every wait for the cluster to serve again after a kill.
+RECOVERY_S = 30.0
+BROKER_CONFIG: dict[str, object] = {
+    "managedLedgerDefaultEnsembleSize": 2,
+    "managedLedgerDefaultWriteQuorum": 2,
+    "managedLedgerDefaultAckQuorum": 2,
+    "defaultNumPartitions": PARTITIONS,
+    # Kafka consumers read by offset: keep what nobody subscribes to.
+    "defaultRetentionTimeInMinutes": -1,
+    "logLevel": "warning",
+}
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KafkaCluster:
+    """The running brokers, by Kafka port."""
+
+    zk_url: str
+    procs: BrokerProcesses
+    brokers: list[Broker]
+
+    def bootstrap(self, broker: Broker) -> str:
+        return f"127.0.0.1:{broker.port('kafkaListenerPort')}"
+
+    def by_kafka_port(self, port: int) -> Broker:
+        [found] = [b for b in self.brokers if b.port("kafkaListenerPort") == port]
+        return found
+
+
+@pytest.fixture
+def kafka_cluster(zk_url: str, bookies: BookieProcesses, tmp_path: Path) -> Iterator[KafkaCluster]:
+    """Two bookies and two brokers over one ZooKeeper chroot; every process is stopped (by
+    PID) at teardown."""
+    for _ in range(2):
+        bookies.start(zk_url, {"metadataStoreSessionTimeoutMillis": 2000})
+    initialize(zk_url, bundles=8)
+    procs = BrokerProcesses(tmp_path)
+    try:
+        brokers = [procs.start(zk_url, BROKER_CONFIG) for _ in range(2)]
+        yield KafkaCluster(zk_url, procs, brokers)
+    finally:
+        procs.close()
+
+
+def wait_for(check: Any, timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll ``check()`` until it is truthy; return the seconds it took, or fail naming
+    ``what``."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s"
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def create_topic(cluster: KafkaCluster, via: Broker) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap(via), request_timeout_ms=15000)
+    try:
+        admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])
+    finally:
+        admin.close()
+
+
+def leaders(cluster: KafkaCluster, via: Broker) -> tuple[dict[int, str], dict[int, int]]:
+    """({node id: host:port}, {partition: leader node id}) as ``via`` describes them."""
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap(via)})
+    md = admin.list_topics(TOPIC, timeout=15)
+    nodes = {b.id: f"{b.host}:{b.port}" for b in md.brokers.values()}
+    parts = {p.id: p.leader for p in md.topics[TOPIC].partitions.values()}
+    return nodes, parts
+
+
+def coordinator_port(cluster: KafkaCluster, via: Broker) -> int:
+    """The Kafka port of the group's coordinator as ``via`` names it."""
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap(via)})
+    found = admin.describe_consumer_groups([GROUP], request_timeout=15)[GROUP].result(timeout=20)
+    return int(found.coordinator.port)
+
+
+def produce(producer: KafkaProducer, values: list[bytes], timeout: float) -> list[bytes]:
+    """Send each value (spread over the partitions by key); return those acknowledged."""
+    futures = [(v, producer.send(TOPIC, key=v[-2:], value=v)) for v in values]
+    producer.flush(timeout=timeout)
+    acked = []
+    for v, f in futures:
+        try:
+            f.get(timeout=max(0.1, timeout))
+            acked.append(v)
+        except Exception as e:
+            log.warning("send failed: %r", e)
+    return acked
+
+
+def consume_until(consumer: KafkaConsumer, wanted: set[bytes], timeout: float) -> list[bytes]:
+    """Poll (committing what was read) until every wanted value was seen; return every value
+    read, repeats included."""
+    seen: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while not wanted <= set(seen) and time.monotonic() < deadline:
+        batch = consumer.poll(timeout_ms=500)
+        for records in batch.values():
+            seen.extend(r.value for r in records)
+        if batch:
+            try:
+                consumer.commit()
+            except Exception as e:  # a rebalance or a moving coordinator: commit again later
+                log.warning("commit failed: %r", e)
+    return seen
+
+
+def test_metadata_names_each_partitions_owner_from_every_broker(
+    kafka_cluster: KafkaCluster,
+) -> None:
+    """Once written, the 8 partitions are led by both brokers; both brokers list both with the
+    same node ids, name the same leaders and the same group coordinator."""
+    a, b = kafka_cluster.brokers
+    create_topic(kafka_cluster, a)
+    producer = KafkaProducer(bootstrap_servers=kafka_cluster.bootstrap(a), acks="all")
+    try:
+        for i in range(PARTITIONS):
+            producer.send(TOPIC, value=b"v%d" % i, partition=i).get(timeout=30)
+    finally:
+        producer.close(timeout=10)
+    nodes_a, leaders_a = leaders(kafka_cluster, a)
+    nodes_b, leaders_b = leaders(kafka_cluster, b)
+    ports = {b.port("kafkaListenerPort") for b in kafka_cluster.brokers}
+    assert nodes_a == nodes_b
+    assert {int(addr.rpartition(":")[2]) for addr in nodes_a.values()} == ports
+    assert leaders_a == leaders_b
+    assert set(leaders_a) == set(range(PARTITIONS))
+    assert set(leaders_a.values()) == set(nodes_a), "both brokers lead some partitions"
+    assert coordinator_port(kafka_cluster, a) == coordinator_port(kafka_cluster, b)
+
+
+def test_kill_9_of_the_coordinator_loses_no_acknowledged_message(
+    kafka_cluster: KafkaCluster,
+) -> None:
+    """kafka-python producer and consumer group through one broker's bootstrap; kill -9 the
+    group's coordinator: sends and the group serve again within the bound, every acknowledged
+    message is consumed, and a confluent-kafka consumer of the group then starts exactly at
+    the committed offsets."""
+    a, b = kafka_cluster.brokers
+    create_topic(kafka_cluster, a)
+    producer = KafkaProducer(
+        bootstrap_servers=kafka_cluster.bootstrap(a),
+        acks="all",
+        retries=1_000_000,
+        retry_backoff_ms=100,
+        reconnect_backoff_ms=100,
+        reconnect_backoff_max_ms=1000,
+        request_timeout_ms=5000,
+        delivery_timeout_ms=int(RECOVERY_S * 1000),
+        metadata_max_age_ms=5000,
+    )
+    consumer = KafkaConsumer(
+        TOPIC,
+        bootstrap_servers=kafka_cluster.bootstrap(a),
+        group_id=GROUP,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        request_timeout_ms=7000,
+        retry_backoff_ms=100,
+        reconnect_backoff_ms=100,
+        reconnect_backoff_max_ms=1000,
+        metadata_max_age_ms=5000,
+    )
+    try:
+        before = [b"before-%04d" % i for i in range(200)]
+        assert produce(producer, before, timeout=30) == before
+        seen = consume_until(consumer, set(before), timeout=30)
+        assert set(seen) == set(before)
+        consumer.commit()
+
+        # Every partition was written, so both brokers own some; the coordinator dies.
+        victim = kafka_cluster.by_kafka_port(coordinator_port(kafka_cluster, a))
+        _, leaders_now = leaders(kafka_cluster, a)
+        assert len(set(leaders_now.values())) == 2
+        survivor = b if victim is a else a
+        killed_at = time.monotonic()
+        kafka_cluster.procs.kill(victim)
+
+        after = [b"after-%04d" % i for i in range(200)]
+        acked = produce(producer, after, timeout=RECOVERY_S)
+        produce_s = time.monotonic() - killed_at
+        assert acked == after, f"only {len(acked)} of {len(after)} sends acknowledged"
+        seen_after = consume_until(consumer, set(after), timeout=RECOVERY_S)
+        consume_s = time.monotonic() - killed_at
+        assert set(after) <= set(seen_after), "an acknowledged message was not consumed"
+        consumer.commit()
+        print(f"\nkill -9 -> every send acknowledged {produce_s:.1f}s, consumed {consume_s:.1f}s")
+        # The survivor leads everything now and coordinates the group.
+        nodes, leaders_after = leaders(kafka_cluster, survivor)
+        assert len(nodes) == 1
+        assert set(leaders_after.values()) == set(nodes)
+        assert coordinator_port(kafka_cluster, survivor) == survivor.port("kafkaListenerPort")
+    finally:
+        consumer.close()
+        producer.close(timeout=10)
+
+    # The group resumes from its committed offsets on a new member, through the survivor.
+    last = [b"last-%04d" % i for i in range(50)]
+    confluent = ConfluentProducer(
+        {"bootstrap.servers": kafka_cluster.bootstrap(survivor), "acks": "all"}
+    )
+    for v in last:
+        confluent.produce(TOPIC, key=v[-2:], value=v)
+    assert confluent.flush(30) == 0
+    member = ConfluentConsumer(
+        {
+            "bootstrap.servers": kafka_cluster.bootstrap(survivor),
+            "group.id": GROUP,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        member.subscribe([TOPIC])
+        got: list[bytes] = []
+        deadline = time.monotonic() + RECOVERY_S
+        while len(got) < len(last) and time.monotonic() < deadline:
+            msg = member.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(msg.value())
+        assert sorted(got) == sorted(last), "the group did not resume at its committed offsets"
+        committed = member.committed(
+            [ConfluentTopicPartition(TOPIC, i) for i in range(PARTITIONS)], timeout=15
+        )
+        assert sum(max(tp.offset, 0) for tp in committed) >= len(before) + len(after)
+    finally:
+        member.close()
