@@ -181,6 +181,7 @@ class ClusterBroker:
             store, cluster, default_bundles=int(config["defaultNumberOfNamespaceBundles"])
         )
         await policies.load()
+        self._stops.append(("policy watches", policies.close))
         service.namespace_exists = policies.namespace_exists
         service.deduplication_policy = policies.deduplication_of
 

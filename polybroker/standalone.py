@@ -217,6 +217,7 @@ class Standalone:
                 "brokerServiceUrl": f"pulsar://{advertised}:{config['brokerServicePort']}",
             }
         )
+        self._stops.append(("policy watches", policies.close))
         service.namespace_exists = policies.namespace_exists
         service.deduplication_policy = policies.deduplication_of
 

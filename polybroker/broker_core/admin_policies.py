@@ -12,8 +12,10 @@ topic's namespace deduplicates (``deduplication_of``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -92,6 +94,7 @@ class PolicyStore:
         self.store = store
         self.cluster = cluster
         self.default_bundles = default_bundles
+        self._watched: dict[str, Callable[[], None]] = {}
         self._namespaces: dict[str, dict[str, Any]] = {}
 
     def load(self) -> Deferred[None]:
@@ -105,7 +108,34 @@ class PolicyStore:
                 found = await self.store.get(f"{POLICIES_ROOT}/{tenant}/{ns}")
                 if found is not None:
                     cache[f"{tenant}/{ns}"] = _load(found.value)
-        self._namespaces = cache
+        self._namespaces = {}
+        for namespace, policies in cache.items():
+            self._cache(namespace, policies)
+
+    def _cache(self, namespace: str, policies: dict[str, Any]) -> None:
+        """Keep ``policies`` and follow later changes made by any broker (a watch)."""
+        self._namespaces[namespace] = policies
+        if namespace in self._watched:
+            return
+        path = f"{POLICIES_ROOT}/{namespace}"
+
+        def refresh(found: Any) -> None:
+            if found is None:
+                self._namespaces.pop(namespace, None)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._namespaces[namespace] = _load(found.value)
+
+        def changed(_: object) -> None:
+            self.store.get(path).addCallbacks(refresh, lambda _f: None)
+
+        self._watched[namespace] = self.store.watch(path, changed)
+
+    def close(self) -> None:
+        """Stop following namespaces' changes."""
+        for unwatch in self._watched.values():
+            unwatch()
+        self._watched.clear()
 
     # -- hooks for the Broker API ---------------------------------------------------------
 
@@ -119,7 +149,7 @@ class PolicyStore:
         found = await self.store.get(f"{POLICIES_ROOT}/{namespace}")
         if found is None or "/" not in namespace:
             return False
-        self._namespaces[namespace] = _load(found.value)
+        self._cache(namespace, _load(found.value))
         return True
 
     def deduplication_of(self, topic: str) -> bool | None:
@@ -227,7 +257,7 @@ class PolicyStore:
         if found is None:
             raise not_found("Namespace does not exist")
         policies = dict(_load(found.value))
-        self._namespaces[namespace] = policies
+        self._cache(namespace, policies)
         return policies
 
     async def create_namespace(self, namespace: str, policies: dict[str, Any] | None) -> None:
@@ -247,7 +277,7 @@ class PolicyStore:
             await self.store.put(f"{POLICIES_ROOT}/{namespace}", _dump(merged), -1)
         except BadVersionError:
             raise conflict("Namespace already exists") from None
-        self._namespaces[namespace] = merged
+        self._cache(namespace, merged)
 
     async def update_policies(self, namespace: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply ``changes`` (None values remove a key) with compare-and-set; retry on races."""
@@ -266,7 +296,7 @@ class PolicyStore:
                 await self.store.put(path, _dump(policies), found.stat.version)
             except BadVersionError:
                 continue
-            self._namespaces[namespace] = policies
+            self._cache(namespace, policies)
             return policies
 
     async def delete_namespace(self, namespace: str) -> None:

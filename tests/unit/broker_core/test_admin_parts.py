@@ -136,3 +136,19 @@ def test_deduplication_policy_is_answered_from_the_cache() -> None:
     reloaded = PolicyStore(policies.store, "standalone")
     result_of(reloaded.load())
     assert reloaded.deduplication_of("persistent://public/default/t") is True
+
+
+def test_policies_changed_by_another_broker_reach_the_cache() -> None:
+    """Two brokers share the configuration store: a change made through one is seen by the
+    other's synchronous hook, and a deleted namespace leaves its cache."""
+    first = _policies()
+    result_of(first.ensure_defaults({}))
+    second = PolicyStore(first.store.new_session(), "standalone")  # type: ignore[attr-defined]
+    result_of(second.load())
+    assert second.deduplication_of("persistent://public/default/t") is None
+    change = first.update_policies("public/default", {"deduplicationEnabled": True})
+    result_of(Deferred.fromCoroutine(change))
+    assert second.deduplication_of("persistent://public/default/t") is True
+    result_of(Deferred.fromCoroutine(first.delete_namespace("public/default")))
+    assert second.deduplication_of("persistent://public/default/t") is None
+    second.close()
