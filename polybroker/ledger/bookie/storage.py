@@ -63,7 +63,7 @@ ENTRY_HEADER = struct.Struct(">IQq")  # data length, ledger, entry
 ENTRY_HEADER_SIZE = ENTRY_HEADER.size  # 20
 _LEDGER_ID = struct.Struct(">Q")
 
-_CHUNK = 4 * 1024 * 1024  # bytes buffered before one write to an entry log
+_CHUNK = 1024 * 1024  # bytes buffered before one write (and sync) of an entry log
 
 
 class StorageCorruptError(StorageError):
@@ -353,13 +353,11 @@ class LedgerStorage:
         """Write a job to disk in the order of Rule 2 (worker thread; blocking)."""
         for ledger_id in job.deletions:
             (self.index_dir / f"{ledger_id}.idx").unlink(missing_ok=True)
-        locations = self._write_entries(job)
+        runs = self._write_entries(job)
         headers = {lid: (fenced, lac, last) for lid, fenced, lac, last in job.states}
         created = False
-        for ledger_id in sorted(set(locations) | set(headers)):
-            created |= self._write_index(
-                ledger_id, locations.get(ledger_id, ()), headers.get(ledger_id)
-            )
+        for ledger_id in sorted(set(runs) | set(headers)):
+            created |= self._write_index(ledger_id, runs.get(ledger_id, ()), headers.get(ledger_id))
         if created or job.deletions:
             fsync_dir(self.index_dir)
 
@@ -377,43 +375,64 @@ class LedgerStorage:
                 if len(self._states) <= self._max_states // 2:
                     break
 
-    def _write_entries(self, job: CheckpointJob) -> dict[int, list[tuple[int, int, int, int]]]:
+    def _write_entries(self, job: CheckpointJob) -> dict[int, list[tuple[int, list[bytes]]]]:
         """Append the snapshot, sorted by (ledger, entry), to entry logs; fsync them; persist
-        their ledger lists. Return per ledger [(entry, log id, offset, length)]."""
-        locations: dict[int, list[tuple[int, int, int, int]]] = {}
+        their ledger lists. Return per ledger its runs of consecutive entries as (first entry,
+        packed index records), ready for ``_write_index``."""
+        runs: dict[int, list[tuple[int, list[bytes]]]] = {}
         if not job.snapshot:
-            return locations
+            return runs
+        pack_header = ENTRY_HEADER.pack
+        pack_index = INDEX_RECORD.pack
+        limit = self.entry_log_size_limit
         chunk: list[Buffer] = []
+        append = chunk.append
         chunk_bytes = 0
+        if self._log_fd < 0:
+            self._roll_log(job)
+        log_id = self._log_id
         for ledger_id in sorted(job.snapshot):
             entries = job.snapshot[ledger_id]
-            placed = locations[ledger_id] = []
+            ledger_runs = runs[ledger_id] = []
+            listed = False  # in the ledger list of the current log
+            job.entries_written += len(entries)
+            records: list[bytes] = []
+            expected = -2
             for entry_id in sorted(entries):
                 data = entries[entry_id]
-                size = ENTRY_HEADER_SIZE + len(data)
-                if self._log_fd < 0 or (
-                    self._log_size + chunk_bytes + size > self.entry_log_size_limit
-                    and self._log_size + chunk_bytes > LOG_HEADER_SIZE
-                ):
+                n = len(data)
+                offset = self._log_size + chunk_bytes
+                if offset + ENTRY_HEADER_SIZE + n > limit and offset > LOG_HEADER_SIZE:
                     self._write_chunk(chunk)
                     chunk, chunk_bytes = [], 0
+                    append = chunk.append
                     self._roll_log(job)
-                offset = self._log_size + chunk_bytes
-                chunk.append(ENTRY_HEADER.pack(len(data), ledger_id, entry_id))
-                chunk.append(data)
-                chunk_bytes += size
-                placed.append((entry_id, self._log_id, offset, len(data)))
-                self._log_ledgers.add(ledger_id)
-                job.entries_written += 1
+                    listed = False
+                    log_id = self._log_id
+                    offset = self._log_size
+                if not listed:
+                    self._log_ledgers.add(ledger_id)
+                    listed = True
+                if entry_id != expected:
+                    records = []
+                    ledger_runs.append((entry_id, records))
+                expected = entry_id + 1
+                append(pack_header(n, ledger_id, entry_id))
+                append(data)
+                records.append(pack_index(log_id, n, offset))
+                chunk_bytes += ENTRY_HEADER_SIZE + n
                 if chunk_bytes >= _CHUNK:
                     self._write_chunk(chunk)
                     chunk, chunk_bytes = [], 0
+                    append = chunk.append
         self._write_chunk(chunk)
         os.fsync(self._log_fd)
         self._write_ledger_list(self._log_id, self._log_ledgers)
-        return locations
+        return runs
 
     def _write_chunk(self, chunk: list[Buffer]) -> None:
+        """Write a chunk and sync it at once: a journal sync that had to flush many megabytes
+        of entry log with it (one file system journal) would stall every add behind it."""
         if not chunk:
             return
         view = memoryview(b"".join(chunk))
@@ -421,6 +440,7 @@ class LedgerStorage:
             n = os.write(self._log_fd, view)
             self._log_size += n
             view = view[n:]
+        os.fdatasync(self._log_fd)
 
     def _roll_log(self, job: CheckpointJob) -> None:
         """Seal the current entry log (fsync'd, ledger list written) and start the next."""
@@ -446,27 +466,17 @@ class LedgerStorage:
     def _write_index(
         self,
         ledger_id: int,
-        placed: Iterable[tuple[int, int, int, int]],
+        runs: Iterable[tuple[int, list[bytes]]],
         header: tuple[bool, int, int] | None,
     ) -> bool:
-        """Write a ledger's new locations (one pwrite per contiguous run) and header, fsync.
-
-        Return whether the file was created."""
+        """Write a ledger's new locations (one pwrite per run of consecutive entries) and its
+        header, fsync. Return whether the file was created."""
         path = self.index_dir / f"{ledger_id}.idx"
         created = not path.exists()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            run_start = -1
-            run: list[bytes] = []
-            for entry_id, log_id, offset, length in placed:
-                if run and entry_id != run_start + len(run):
-                    os.pwrite(fd, b"".join(run), INDEX_HEADER_SIZE + run_start * INDEX_RECORD_SIZE)
-                    run = []
-                if not run:
-                    run_start = entry_id
-                run.append(INDEX_RECORD.pack(log_id, length, offset))
-            if run:
-                os.pwrite(fd, b"".join(run), INDEX_HEADER_SIZE + run_start * INDEX_RECORD_SIZE)
+            for first, records in runs:
+                os.pwrite(fd, b"".join(records), INDEX_HEADER_SIZE + first * INDEX_RECORD_SIZE)
             if header is None and created:
                 header = (False, -1, -1)
             if header is not None:
