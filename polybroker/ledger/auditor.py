@@ -90,6 +90,7 @@ AUDITOR_PATH = f"{LEDGERS_PATH}/auditor"
 UNDERREPLICATED_PATH = f"{LEDGERS_PATH}/underreplication"
 RETRY_S = 5.0
 COPY_WINDOW = 32  # entries copied at once
+METADATA_BATCH = 64  # ledger metadata reads in flight at once
 _CAS_ATTEMPTS = 5
 
 
@@ -432,9 +433,7 @@ class Auditor:
         result = AuditResult(ledgers=len(ids))
         absent_named: set[str] = set()
         waiting: set[int] = set()
-        for ledger_id in ids:
-            got = await store.get(_ledger_path(ledger_id))
-            self._check(term)
+        for ledger_id, got in await self._metadata_of(term, ids):
             if got is None:
                 continue  # deleted meanwhile
             try:
@@ -479,6 +478,18 @@ class Auditor:
                 ),
             )
         return result
+
+    async def _metadata_of(self, term: int, ids: list[int]) -> list[tuple[int, Any]]:
+        """Read the ledgers' metadata nodes, ``METADATA_BATCH`` requests in flight at a time."""
+        out: list[tuple[int, Any]] = []
+        for i in range(0, len(ids), METADATA_BATCH):
+            batch = ids[i : i + METADATA_BATCH]
+            gots = await gatherResults(
+                [self._store.get(_ledger_path(lid)) for lid in batch], consumeErrors=True
+            ).addErrback(lambda f: f.value.subFailure)
+            self._check(term)
+            out.extend(zip(batch, gots, strict=True))
+        return out
 
     async def _repair(
         self,
