@@ -189,3 +189,27 @@ async def test_a_stopped_auditor_host_hands_the_role_over_at_once(
         assert await current_auditor(rig.store) == bookies.running[0].address
     finally:
         await rig.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bookie_with_autorecovery_disabled_never_audits(
+    zk_url: str, bookies: BookieProcesses
+) -> None:
+    """autoRecoveryDaemonEnabled=false: that bookie never contends; the role goes to one that
+    runs an auditor, even one started later."""
+    quiet = await threads.deferToThread(
+        bookies.start, zk_url, {**CONFIG, "autoRecoveryDaemonEnabled": "false"}
+    )
+    rig = await LedgerClientRig.open(zk_url)
+    try:
+        assert quiet.address in await rig.available()
+        assert await current_auditor(rig.store) is None
+        auditing = await threads.deferToThread(bookies.start, zk_url, CONFIG)
+
+        async def elected() -> bool:
+            return await current_auditor(rig.store) is not None
+
+        await poll(elected, 30, "an auditor elected")
+        assert await current_auditor(rig.store) == auditing.address
+    finally:
+        await rig.close()
