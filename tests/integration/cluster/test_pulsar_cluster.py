@@ -5,6 +5,8 @@ admin API, and kill -9 of a broker while producers run."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -239,6 +241,54 @@ def test_kill_a_broker_while_producing_loses_nothing(cluster: Cluster) -> None:
         )
         print(f"every partition serving again {resumed - killed_at:.2f}s after kill -9")
         assert not sender.failed
+        acked = set(sender.acked)
+        assert receive_all(consumer, acked, timeout=90) >= acked
+    finally:
+        client.close()
+
+
+def test_a_broker_whose_session_expires_gives_its_bundles_up(cluster: Cluster) -> None:
+    """SIGSTOP a broker past its ZooKeeper session: the other takes its bundles; once resumed it
+    serves none of them silently (it unloads them), registers again, and nothing acked is lost."""
+    a, b = cluster.members
+    topic = f"persistent://{NS}/paused"
+    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/paused/partitions", 8)
+    client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
+    try:
+        consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
+        sender = Sender(client, topic)
+        wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+        held = {k for k, v in owners(a).items() if v == b.broker_id}
+        assert held
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            # Its session expires: its bundles and its registration go.
+            wait_for(
+                lambda: not held & {k for k, v in owners(a).items() if v == b.broker_id},
+                30,
+                "the paused broker's bundles freed",
+            )
+
+            def taken_over() -> bool:
+                # A new client's lookups, through the broker that is up.
+                for i in range(8):
+                    http(
+                        "GET", f"{a.http_url}/lookup/v2/topic/persistent/{NS}/paused-partition-{i}"
+                    )
+                return any(v == a.broker_id for k, v in owners(a).items() if k in held)
+
+            wait_for(taken_over, 30, "the other broker serving the paused broker's bundles")
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        wait_for(lambda: "bundle lost" in b.log.read_text(), 30, "the resumed broker unloading")
+        wait_for(
+            lambda: b.broker_id in http("GET", f"{a.http_url}/admin/v2/brokers/test-cluster"),
+            30,
+            "the resumed broker registered again",
+        )
+        count = len(sender.acked)
+        wait_for(lambda: len(sender.acked) > count + 200, 60, "producing after the resume")
+        sender.stop()
         acked = set(sender.acked)
         assert receive_all(consumer, acked, timeout=90) >= acked
     finally:
