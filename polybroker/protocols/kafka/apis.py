@@ -521,11 +521,16 @@ class KafkaApis:
         if req.api_version >= 6:
             requested = [self.topic_name(t.topic_id, t.name) or "" for t in body.topics or []]
         for name in requested:
-            error = c.NONE
+            error, message = c.NONE, None
             self._partitions.pop(name, None)
             try:
                 n = await self.service.partitioned_topic_metadata(name)
-                if n > 0:
+                elsewhere = await self._served_elsewhere(name, n)
+                if elsewhere:
+                    # Deleting needs every partition loaded here; none is deleted otherwise.
+                    error = c.UNKNOWN_SERVER_ERROR
+                    message = f"{elsewhere} is served by another broker: delete the topic there"
+                elif n > 0:
                     await self.service.delete_partitioned_topic(name, force=True)
                 else:
                     await self.service.get_topic(name, create=False)
@@ -537,14 +542,31 @@ class KafkaApis:
             except InvalidTopicNameError:
                 if name:
                     error = c.INVALID_TOPIC_EXCEPTION
+            except ServiceNotReadyError as e:
+                if self.cluster is None:
+                    raise
+                error, message = c.UNKNOWN_SERVER_ERROR, str(e)
             results.append(
                 cls.DeletableTopicResult(
                     name=name or None,
                     topic_id=self.topic_id(name) if name else _NO_TOPIC_ID,
                     error_code=error if name else c.UNKNOWN_TOPIC_ID,
+                    error_message=message,
                 )
             )
         return cls(throttle_time_ms=0, responses=results)
+
+    async def _served_elsewhere(self, name: str, partitions: int) -> str | None:
+        """In a cluster, the first of the topic's partitions another broker owns (claiming
+        the unowned ones here), or None."""
+        if self.cluster is None:
+            return None
+        full = self._full(name)
+        names = [f"{full}-partition-{i}" for i in range(partitions)] if partitions else [full]
+        for topic in names:
+            if not self.cluster.owns(topic) and not await self.cluster.claim(topic):
+                return topic
+        return None
 
     def _create_partitions(self, req: c.Request, host: str) -> Deferred[Any]:
         return Deferred.fromCoroutine(self._create_partitions_async(req))

@@ -611,3 +611,23 @@ def test_commits_of_one_group_are_written_in_arrival_order() -> None:
     assert result_of(first) == result_of(second) == c.NONE
     fresh = GroupCoordinator(Clock(), store, fresh_offsets=True)
     assert result_of(fresh.fetch_offsets("g")) == {("t", 0): (2, "")}
+
+
+def test_delete_topics_deletes_nothing_while_another_broker_serves_a_partition() -> None:
+    """DeleteTopics refuses (with a message) a topic with a partition owned elsewhere and
+    keeps every partition; once nothing is owned elsewhere the topic is deleted here."""
+    from kafka.protocol.admin import DeleteTopicsRequest
+
+    node, _, _ = cluster_pair()
+    result_of(node.service.create_partitioned_topic("t", 2))
+    node.call(produce("t", 0))
+    node.ownership.owners[node.full("t", 1)] = THERE
+    request = DeleteTopicsRequest[3](topic_names=["t"], timeout_ms=1000)
+    [refused] = node.call(request).responses
+    assert refused.error_code == c.UNKNOWN_SERVER_ERROR
+    assert result_of(node.service.partitioned_topic_metadata("t")) == 2
+    assert node.full("t", 0) in node.service.topics
+    del node.ownership.owners[node.full("t", 1)]
+    [deleted] = node.call(DeleteTopicsRequest[3](topic_names=["t"], timeout_ms=1000)).responses
+    assert deleted.error_code == c.NONE
+    assert result_of(node.service.partitioned_topic_metadata("t")) == 0
