@@ -32,7 +32,7 @@ from urllib.parse import quote, unquote
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
+from twisted.internet.task import LoopingCall, deferLater
 
 from polybroker.broker_core.consumer import (
     Consumer,
@@ -53,7 +53,12 @@ from polybroker.broker_core.errors import (
     TopicAlreadyExistsError,
     TopicNotFoundError,
 )
-from polybroker.broker_core.ownership import Ownership
+from polybroker.broker_core.forwarding import (
+    FORWARD_RETRY_S,
+    Forwarder,
+    RemoteConsumer,
+)
+from polybroker.broker_core.ownership import NotOwnerError, Ownership
 from polybroker.broker_core.topic import (
     NonPersistentTopic,
     PersistentTopic,
@@ -199,6 +204,13 @@ class BrokerService:
         self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
         # Who serves which topic; None: this broker serves every topic (standalone).
         self.ownership: Ownership | None = None
+        # Reaches a topic's owner for callers that opt in (``forward=True``); None: no
+        # forwarding, a topic another broker owns fails with ``NotOwnerError``.
+        self.forwarder: Forwarder | None = None
+        self.forward_retry_s = FORWARD_RETRY_S
+        # Where the ledger factory names managed ledgers in the metadata store
+        # (``<root>/<managed ledger name>``), for ``watch_namespace_topics``; None: not watched.
+        self.ledger_names_root: str | None = None
         cluster = _cfg(config, "clusterName", "standalone")
         counter = itertools.count()
         instance = secrets.token_hex(3)
@@ -404,9 +416,15 @@ class BrokerService:
         sequence_id: int = -1,
         highest_sequence_id: int = -1,
         publish_time_ms: int | None = None,
+        forward: bool = False,
     ) -> Deferred[Entry | None]:
         """Publish to a topic by name (auto-created); fires with the stored entry once
-        durable, or None for a deduplicated message."""
+        durable, or None for a deduplicated message.
+
+        With ``forward`` (and a ``forwarder``), a topic another broker owns is published there
+        (``broker_core.forwarding``): the entry fired has the owner's position, ``index`` -1
+        and this call's ``publish_time_ms`` (0 when None); failures a new lookup may cure are
+        retried for ``forward_retry_s``."""
         try:
             full = self.topic_ref(topic).full
         except InvalidTopicNameError as e:
@@ -431,6 +449,17 @@ class BrokerService:
                 highest_sequence_id=highest_sequence_id,
                 publish_time_ms=publish_time_ms,
             )
+
+        forwarder = self.forwarder
+        if forward and forwarder is not None:
+
+            def remote(owner: Any) -> Deferred[Entry | None]:
+                d = forwarder.publish(owner, full, data, num_messages)
+                return d.addCallback(  # type: ignore[no-any-return]
+                    lambda pos: Entry(pos, -1, num_messages, publish_time_ms or 0, data)
+                )
+
+            return Deferred.fromCoroutine(self._routed(full, True, loaded_then, remote))
 
         d = self.get_topic(full, create=True)
         d.addCallback(loaded_then)
@@ -481,8 +510,15 @@ class BrokerService:
         deliver_at: DeliverAt | None = None,
         metadata: dict[str, str] | None = None,
         create_topic: bool = True,
-    ) -> Deferred[ServerConsumer]:
-        """Load (or create) the topic and attach ``consumer`` (see ``Topic.subscribe``)."""
+        forward: bool = False,
+    ) -> Deferred[ServerConsumer | RemoteConsumer]:
+        """Load (or create) the topic and attach ``consumer`` (see ``Topic.subscribe``);
+        fire with its ``ServerConsumer``.
+
+        With ``forward`` (and a ``forwarder``), a topic another broker owns is subscribed there
+        and the Deferred fires with a ``RemoteConsumer`` instead (both are ``ConsumerHandle``s;
+        ``broker_core.forwarding``); only the arguments up to ``durable`` and ``create_topic``
+        are forwarded. Failures a new lookup may cure are retried for ``forward_retry_s``."""
 
         def attach(t: Topic) -> Deferred[ServerConsumer]:
             return t.subscribe(
@@ -499,9 +535,123 @@ class BrokerService:
                 metadata=metadata,
             )
 
+        forwarder = self.forwarder
+        if forward and forwarder is not None:
+            try:
+                full = self.topic_ref(topic).full
+            except InvalidTopicNameError as e:
+                return fail(e)
+
+            def remote(owner: Any) -> Deferred[RemoteConsumer]:
+                return forwarder.subscribe(
+                    owner,
+                    full,
+                    subscription,
+                    consumer,
+                    sub_type,
+                    initial_position,
+                    durable=durable,
+                    create_topic=create_topic,
+                )
+
+            return Deferred.fromCoroutine(self._routed(full, create_topic, attach, remote))
+
         d = self.get_topic(topic, create=create_topic)
         d.addCallback(attach)
         return d  # type: ignore[return-value]
+
+    async def _routed(
+        self,
+        full: str,
+        create: bool,
+        local: Callable[[Topic], Deferred[Any]],
+        remote: Callable[[Any], Deferred[Any]],
+    ) -> Any:
+        """Run ``local`` on the topic when this broker serves it, else ``remote`` with its
+        owner; retry what a new lookup may cure (``ServiceNotReadyError``: not owned yet, the
+        owner gone or moving) with backoff, for ``forward_retry_s``."""
+        deadline = self.reactor.seconds() + self.forward_retry_s
+        delay = 0.05
+        while True:
+            try:
+                try:
+                    topic = await self.get_topic(full, create=create)
+                except NotOwnerError as e:
+                    if e.owner is None or not e.owner.pulsar_url:
+                        raise
+                    return await remote(e.owner)
+                return await local(topic)
+            except ServiceNotReadyError as e:
+                if self._closed or self.reactor.seconds() + delay > deadline:
+                    raise
+                log.info("forwarded call retried", extra=kv(topic=full, error=str(e)))
+            await deferLater(self.reactor, delay, lambda: None)
+            delay = min(delay * 2, 1.0)
+
+    def watch_namespace_topics(
+        self, namespace: str, listener: Callable[[str], None]
+    ) -> Callable[[], None]:
+        """Call ``listener(full_name)`` for each persistent topic that appears in
+        ``namespace`` (``tenant/ns``) on any broker of the cluster, as the metadata store
+        records its managed ledger; return a function that stops watching.
+
+        Topics that exist when the watch starts are not reported (list them with
+        ``topics_of_namespace``); without ``ledger_names_root`` nothing is watched."""
+        root = self.ledger_names_root
+        if root is None:
+            return lambda: None
+        tenant, _, ns = namespace.partition("/")
+        path = f"{root.rstrip('/')}/{tenant}/{ns}/persistent"
+        known: set[str] | None = None
+        stopped = False
+        # One listing at a time; changes seen meanwhile make it list once more.
+        scanning = False
+        again = False
+
+        async def scan() -> None:
+            nonlocal known, scanning, again
+            scanning = True
+            try:
+                while True:
+                    again = False
+                    names = set(await self.metadata_store.children(path))
+                    first = known is None
+                    new = names - (known or set())
+                    known = names
+                    if not first and not stopped:
+                        for child in sorted(new):
+                            full = f"persistent://{tenant}/{ns}/{unquote(child)}"
+                            try:
+                                listener(full)
+                            except Exception:
+                                log.exception("topic listener failed", extra=kv(topic=full))
+                    if not again or stopped:
+                        return
+            finally:
+                scanning = False
+
+        def changed(_: object) -> None:
+            nonlocal again
+            if stopped:
+                return
+            if scanning:
+                again = True
+                return
+            Deferred.fromCoroutine(scan()).addErrback(
+                lambda f: log.warning(
+                    "listing new topics failed", extra=kv(path=path, error=str(f.value))
+                )
+            )
+
+        unwatch = self.metadata_store.watch(path, changed)
+        changed(None)
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            unwatch()
+
+        return stop
 
     def last_message_id(self, topic: str) -> Deferred[LastMessageId]:
         """The topic's last message (entry id -1 when empty)."""
