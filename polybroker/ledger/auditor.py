@@ -26,7 +26,9 @@ Rule A6 (when): an audit runs when this auditor starts leading, when ``/bookies/
         changes, when a lost bookie's delay ends, when a ledger whose open last fragment waits
         for its writer changes, and every ``auditorPeriodicCheckInterval`` seconds; audits never
         overlap (a request during one runs once more after it). A failed audit is retried after
-        ``RETRY_S``. Timers run on the injected reactor.
+        ``RETRY_S``, doubling while failures repeat (up to ``MAX_RETRY_S``): two lost bookies
+        of one write set leave nothing to copy from until one comes back. Timers run on the
+        injected reactor.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from typing import Any
 from twisted.internet.defer import (
     CancelledError,
     Deferred,
+    DeferredList,
     DeferredSemaphore,
     TimeoutError,
     gatherResults,
+    succeed,
 )
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
@@ -89,6 +93,7 @@ log = logging.getLogger(__name__)
 AUDITOR_PATH = f"{LEDGERS_PATH}/auditor"
 UNDERREPLICATED_PATH = f"{LEDGERS_PATH}/underreplication"
 RETRY_S = 5.0
+MAX_RETRY_S = 120.0
 COPY_WINDOW = 32  # entries copied at once
 METADATA_BATCH = 64  # ledger metadata reads in flight at once
 _CAS_ATTEMPTS = 5
@@ -298,6 +303,7 @@ class Auditor:
         self._timer: Any = None
         self._running = False
         self._again = False
+        self._failures = 0  # audits in a row that failed or left repairs undone
         self._bookies: dict[str, BookieClient] = {}
         self._stopped = False
         self.audits = 0  # audits completed while leading
@@ -392,20 +398,25 @@ class Auditor:
         self._running = False
         if isinstance(outcome, Failure):
             if not outcome.check(_Deposed) and term == self._term and self._leading:
+                retry = self._retry_delay()
                 log.warning(
                     "audit failed, retrying in %ss: %s",
-                    RETRY_S,
+                    retry,
                     outcome.getErrorMessage(),
                     exc_info=None
                     if outcome.check(StorageError, MetadataError)
                     else (outcome.type, outcome.value, outcome.getTracebackObject()),
                 )
-                self._schedule(self._reactor.seconds() + RETRY_S)
+                self._schedule(self._reactor.seconds() + retry)
         else:
             self.audits += 1
             self.last_result = outcome
         if self._again and self._leading:
             self._request_audit()
+
+    def _retry_delay(self) -> float:
+        self._failures += 1
+        return min(MAX_RETRY_S, RETRY_S * 2 ** (self._failures - 1))
 
     def _schedule(self, when: float) -> None:
         """Audit at ``when`` (or earlier, if already planned earlier)."""
@@ -465,7 +476,9 @@ class Auditor:
         if deadline is not None:
             self._schedule(deadline)
         if result.failed_repairs:
-            self._schedule(now + RETRY_S)
+            self._schedule(now + self._retry_delay())
+        else:
+            self._failures = 0
         if result.repaired_fragments or result.under_replicated:
             log.info(
                 "audit done",
@@ -607,22 +620,23 @@ class Auditor:
         return d.addErrback(timed_out)
 
     async def _copy(self, term: int, ledger_id: int, copies: list[EntryCopy]) -> None:
-        """Make every copy (Rule A4); fail with the first ``StorageError`` if one cannot be."""
+        """Make every copy (Rule A4), ``COPY_WINDOW`` at a time; after a failure the copies not
+        yet started are skipped, and once those in flight are done the first failure is
+        raised."""
         if not copies:
             return
         window = DeferredSemaphore(COPY_WINDOW)
+        failures: list[Failure] = []
 
         def one(c: EntryCopy) -> Deferred[None]:
-            return Deferred.fromCoroutine(self._copy_one(term, ledger_id, c))
+            if failures:
+                return succeed(None)
+            d = Deferred.fromCoroutine(self._copy_one(term, ledger_id, c))
+            return d.addErrback(failures.append)
 
-        ds = [window.run(one, c) for c in copies]
-        try:
-            await gatherResults(ds, consumeErrors=True)
-        except Exception as e:  # FirstError wraps the first failure
-            inner = getattr(e, "subFailure", None)
-            if inner is not None:
-                inner.raiseException()
-            raise
+        await DeferredList([window.run(one, c) for c in copies])
+        if failures:
+            failures[0].raiseException()
 
     async def _copy_one(self, term: int, ledger_id: int, c: EntryCopy) -> None:
         self._check(term)
