@@ -3,6 +3,9 @@
 ``BookieProcesses.start(metadata, config)`` runs ``python -m polybroker bookie`` on a free
 loopback port with a data dir of its own and returns once the process printed its listening
 line (bounded); ``send``/``kill``/``stop`` act on that PID only; ``close`` stops what is left.
+``start(..., data_dir=, port=)`` restarts a bookie where an earlier one ran; ``run_to_exit`` runs
+one expected to refuse to start; ``LedgerClientRig`` is a ledger client in the test process that
+can also read what one bookie itself holds.
 """
 
 from __future__ import annotations
