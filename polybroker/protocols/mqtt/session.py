@@ -41,8 +41,9 @@ from twisted.internet.defer import Deferred, DeferredList, fail, gatherResults, 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
-from polybroker.broker_core.consumer import Delivery, ServerConsumer, SubType
+from polybroker.broker_core.consumer import Delivery, SubType
 from polybroker.broker_core.errors import NotAllowedError
+from polybroker.broker_core.forwarding import ConsumerHandle
 from polybroker.broker_core.messages import (
     Message,
     MessageFormatError,
@@ -249,11 +250,17 @@ class TopicSub:
         self.group = group
         self._consumer_id = consumer_id
         self.not_before_ms = not_before_ms
-        self.server: ServerConsumer | None = None
+        self.server: ConsumerHandle | None = None
         self.closed = False
         self.durable = False
         self.delete = False  # closed for good: its durable subscription is deleted
         self.to_flow = 0
+        # When it attached (epoch ms) and the last position it was handed: where a
+        # non-durable subscription resumes after the broker closed it. Entries at or before
+        # ``after`` are skipped.
+        self.attached_ms = 0
+        self.seen: Position | None = None
+        self.after: Position | None = None
 
     @property
     def subscription(self) -> str:
@@ -276,6 +283,10 @@ class TopicSub:
             return
         session = self.session
         for entry, _count, acked in deliveries:
+            if self.after is not None and not self.after < entry.position:
+                self._done(entry.position, entry.num_messages)
+                continue
+            self.seen = entry.position
             filters = session.matching(self.name, self.group)
             if filters and any(f.no_local for f in filters) and self._own(entry.data):
                 filters = [f for f in filters if not f.no_local]
@@ -368,7 +379,8 @@ class Session:
         self._next_pid = 0
         self._match_cache: dict[tuple[str, str | None], list[FilterSub]] = {}
         # Topics whose consumer the broker closed (unload): attached again from where they were.
-        self._lost: set[tuple[str, str | None]] = set()
+        # Each lost one's resume point: (not_before_ms, after) as ``ensure_sub`` takes them.
+        self._lost: dict[tuple[str, str | None], tuple[int | None, Position | None]] = {}
         self._expiry_call: IDelayedCall | None = None
         # A delayed will: its timer and what publishes it (at the delay or the session's end).
         self.will_call: IDelayedCall | None = None
@@ -462,8 +474,8 @@ class Session:
         for group, f in groups.items():
             key = (full, group)
             if key not in self.subs:
-                not_before = None if key in self._lost else f.subscribed_ms
-                d = self.ensure_sub(full, name, group, not_before, create=False)
+                not_before, after = self._lost.get(key, (f.subscribed_ms, None))
+                d = self.ensure_sub(full, name, group, not_before, create=False, after=after)
                 d.addErrback(lambda _: None)
 
     def ensure_sub(
@@ -473,14 +485,20 @@ class Session:
         group: str | None,
         not_before_ms: int | None,
         create: bool = True,
+        after: Position | None = None,
     ) -> Deferred[None]:
         """Attach the session's subscription on ``full`` unless attached; ``not_before_ms``
-        reads from the earliest entry, skipping older ones (a topic found later). Only an
-        exact filter ``create``s its topic: a wildcard never brings a deleted topic back."""
+        reads from the earliest entry, skipping older ones (a topic found later), and so does
+        ``after``, skipping entries up to that position (a non-durable subscription resumed).
+        Only an exact filter ``create``s its topic: a wildcard never brings a deleted topic
+        back."""
         key = (full, group)
         if key in self.subs or self.ended:
             return succeed(None)
         sub = TopicSub(self, full, name, group, self.broker.next_consumer_id(), not_before_ms or 0)
+        sub.after = after
+        if after is not None and not_before_ms is None:
+            not_before_ms = 0  # read from the earliest entry, skipping up to ``after``
         self.subs[key] = sub
         durable = group is not None or self.persistent
         sub.durable = durable
@@ -492,10 +510,12 @@ class Session:
             InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
             durable=durable,
             create_topic=create,
+            forward=True,
         )
 
-        def attached(server: ServerConsumer) -> None:
+        def attached(server: ConsumerHandle) -> None:
             sub.server = server
+            sub.attached_ms = int(self.broker.clock.seconds() * 1000)
             if sub.closed or self.subs.get(key) is not sub:
                 done = server.unsubscribe() if sub.delete else server.close()
                 done.addErrback(lambda _: None)
@@ -516,19 +536,40 @@ class Session:
 
     def consumer_lost(self, sub: TopicSub) -> None:
         key = (sub.full, sub.group)
-        self._lost.add(key)
         if self.subs.get(key) is sub:
             del self.subs[key]
         self.queue = deque(o for o in self.queue if o.track is None or o.track.sub is not sub)
         if self.ended or not self.matching(sub.name, sub.group):
             return
+        # A durable subscription resumes from its cursor; a non-durable one right after what
+        # it was last handed (or from when it attached), e.g. when its topic moved to another
+        # broker or a forwarded link to the owner went down.
+        resume: tuple[int | None, Position | None] = (None, None)
+        if not sub.durable and sub.seen is not None:
+            resume = (sub.not_before_ms, sub.seen)
+        elif not sub.durable:
+            resume = (sub.attached_ms or None, sub.after)
+        self._lost[key] = resume
+        self._attach_again(sub, *resume, 0.2)
+
+    def _attach_again(
+        self, sub: TopicSub, not_before_ms: int | None, after: Position | None, delay: float
+    ) -> None:
+        """Attach ``sub``'s topic again after ``delay``, retrying (backoff up to 5 s) while a
+        filter still wants it."""
+        key = (sub.full, sub.group)
 
         def again() -> None:
-            if not self.ended and self.matching(sub.name, sub.group):
-                d = self.ensure_sub(sub.full, sub.name, sub.group, None, create=False)
-                d.addErrback(lambda _: None)
+            if self.ended or key in self.subs or not self.matching(sub.name, sub.group):
+                return
+            d = self.ensure_sub(
+                sub.full, sub.name, sub.group, not_before_ms, create=False, after=after
+            )
+            d.addErrback(
+                lambda _: self._attach_again(sub, not_before_ms, after, min(delay * 2, 5.0))
+            )
 
-        self.broker.clock.callLater(0.2, again)
+        self.broker.clock.callLater(delay, again)
 
     def _close_sub(self, sub: TopicSub, delete: bool) -> None:
         """Detach ``sub``; with ``delete`` its durable subscription goes too (never a share
@@ -760,7 +801,15 @@ class MqttBroker:
 
     def start(self) -> Deferred[None]:
         """Load retained messages and the stored sessions' ids; follow topic creation."""
-        self._remove_listener = self.service.add_topic_listener(self._topic_loaded)
+        remove_listener = self.service.add_topic_listener(self._topic_loaded)
+        # In a cluster, topics first used on another broker are reported from metadata.
+        unwatch = self.service.watch_namespace_topics(topics.NAMESPACE, self._topic_loaded)
+
+        def remove() -> None:
+            remove_listener()
+            unwatch()
+
+        self._remove_listener = remove
         return Deferred.fromCoroutine(self._load())
 
     async def _load(self) -> None:
@@ -973,9 +1022,11 @@ class MqttBroker:
         n = len(pubs)
         known = self._partitions.get(full)
         if known:
-            d = self.service.publish(self._partition_of(full, known, client_id), data, n)
+            d = self.service.publish(
+                self._partition_of(full, known, client_id), data, n, forward=True
+            )
         else:
-            d = self.service.publish(full, data, n)
+            d = self.service.publish(full, data, n, forward=True)
             d.addErrback(self._publish_partitioned, full, data, n, client_id)
         retained = [(p, pr) for p, pr in zip(pubs, props, strict=True) if p.retain]
         if retained:
@@ -993,7 +1044,9 @@ class MqttBroker:
         def to_partition(count: int) -> Deferred[Any]:
             if count <= 0:
                 return fail(f)
-            return self.service.publish(self._partition_of(full, count, client_id), data, n)
+            return self.service.publish(
+                self._partition_of(full, count, client_id), data, n, forward=True
+            )
 
         d = self.partitions(full)
         d.addCallback(to_partition)

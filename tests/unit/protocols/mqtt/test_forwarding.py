@@ -1,0 +1,210 @@
+"""Unit tests of MQTT on a broker that does not own its topics: publishes and subscriptions go
+through the Broker API's forwarding to an in-process owner (a second ``BrokerService`` behind a
+``Forwarder``), QoS 1 is acknowledged only after the owner's durable write, and a forwarded
+subscription the owner closes is attached again and reads on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
+from test_connection import Peer
+
+from polybroker.broker_core.consumer import Consumer, SubType
+from polybroker.broker_core.errors import ServiceNotReadyError
+from polybroker.broker_core.forwarding import Forwarder, RemoteConsumer
+from polybroker.broker_core.messages import Message, decode_entry, encode_entry
+from polybroker.broker_core.ownership import BrokerInfo, NotOwnerError, Ownership
+from polybroker.broker_core.service import BrokerService
+from polybroker.config import Config
+from polybroker.ledger.api import InitialPosition, Position
+from polybroker.protocols.mqtt import codec as c
+from polybroker.protocols.mqtt.connection import MqttSettings
+from polybroker.protocols.mqtt.session import MqttBroker
+
+OWNER = BrokerInfo("b:8080", "http://b:8080", "pulsar://b:6650")
+FULL = "persistent://public/default/a%2Fb"
+ML = "public/default/persistent/a%252Fb"
+
+
+class ElsewhereOwnership(Ownership):
+    """This broker owns nothing: every topic is the owner's (or ``refuse`` is raised)."""
+
+    def __init__(self) -> None:
+        self.local = BrokerInfo("a:8080", "http://a:8080", "pulsar://a:6650")
+        self.refuse: Exception | None = None
+
+    @property
+    def clustered(self) -> bool:
+        return True
+
+    def lookup(self, topic: str, *, authoritative: bool = False) -> Deferred[BrokerInfo]:
+        return succeed(OWNER)
+
+    def acquire(self, topic: str) -> Deferred[None]:
+        if self.refuse is not None:
+            return fail(self.refuse)
+        return fail(NotOwnerError(f"{topic} is served by b", OWNER))
+
+    def owns(self, topic: str) -> bool:
+        return False
+
+    def brokers(self) -> Deferred[list[BrokerInfo]]:
+        return succeed([self.local, OWNER])
+
+
+class InProcessForwarder(Forwarder):
+    """Forwards to another ``BrokerService`` in this process (its ``ServerConsumer``s are
+    driven exactly as a remote consumer is)."""
+
+    def __init__(self, owner: BrokerService) -> None:
+        self.owner = owner
+        self.calls: list[str] = []
+
+    def publish(
+        self, owner: BrokerInfo, topic: str, data: bytes, num_messages: int = 1
+    ) -> Deferred[Position]:
+        self.calls.append(f"publish {topic}")
+        d = self.owner.publish(topic, data, num_messages)
+        return d.addCallback(lambda e: e.position)  # type: ignore[no-any-return]
+
+    def subscribe(
+        self,
+        owner: BrokerInfo,
+        topic: str,
+        subscription: str,
+        consumer: Consumer,
+        sub_type: SubType = SubType.EXCLUSIVE,
+        initial_position: InitialPosition = InitialPosition.LATEST,
+        *,
+        durable: bool = True,
+        create_topic: bool = True,
+    ) -> Deferred[RemoteConsumer]:
+        self.calls.append(f"subscribe {topic} {subscription} {initial_position.value}")
+        return self.owner.subscribe(  # type: ignore[return-value]
+            topic,
+            subscription,
+            consumer,
+            sub_type,
+            initial_position,
+            durable=durable,
+            create_topic=create_topic,
+        )
+
+    def close(self) -> Deferred[None]:
+        return succeed(None)
+
+
+class Pair:
+    """Broker A (MQTT, owns nothing) forwarding to broker B (the owner)."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1_000_000)
+        self.store = FakeMetadataStore()
+        config = Config({"statsUpdateFrequencyInSecs": 0})
+        self.owner_factory = FakeLedgerFactory(self.clock.seconds)
+        self.owner = BrokerService(self.owner_factory, self.clock, config, self.store)
+        self.service = BrokerService(
+            FakeLedgerFactory(self.clock.seconds), self.clock, config, self.store
+        )
+        self.ownership = ElsewhereOwnership()
+        self.service.ownership = self.ownership
+        self.forwarder = InProcessForwarder(self.owner)
+        self.service.forwarder = self.forwarder
+        self.broker = MqttBroker(self.service, self.clock)
+        result_of(self.broker.start())
+        self.settings = MqttSettings(broker=self.broker, clock=self.clock)
+
+    def peer(self, client_id: str, **connect: Any) -> Peer:
+        p = Peer(self, c.LEVEL_311)  # type: ignore[arg-type]
+        p.send(c.Connect(client_id, c.LEVEL_311, **connect))
+        assert isinstance(p.packets()[0], c.ConnAck)
+        return p
+
+
+def payloads(p: Peer) -> list[bytes]:
+    return [x.payload for x in p.packets() if isinstance(x, c.Publish)]
+
+
+def test_qos1_publish_is_stored_at_the_owner_and_acked_after_its_durable_write() -> None:
+    """A QoS 1 PUBLISH of a topic the broker does not own is stored at the owner (not here),
+    and PUBACK leaves only once the owner's append completed."""
+    env = Pair()
+    p = env.peer("pub")
+    p.send(c.Publish("a/b", b"first", 0))
+    ml = env.owner_factory.ledger(ML)
+    ml.hold_appends = True
+    p.send(c.Publish("a/b", b"one", 1, packet_id=1))
+    assert p.packets() == []
+    ml.release_appends()
+    assert p.packets() == [c.PubAck(1)]
+    assert [decode_entry(e.data)[0].payload for e in ml.data.entries] == [b"first", b"one"]
+    assert FULL not in env.service.topics
+    assert env.forwarder.calls == [f"publish {FULL}", f"publish {FULL}"]
+
+
+def test_subscriptions_are_attached_at_the_owner_and_acks_reach_it() -> None:
+    """SUBSCRIBE attaches the session's subscription at the owner; messages published there
+    (by anyone) reach the client, and its PUBACKs acknowledge them at the owner."""
+    env = Pair()
+    sub = env.peer("sub", clean_start=False)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    assert sub.packets() == [c.SubAck(1, [1])]
+    topic = result_of(env.owner.get_topic(FULL))
+    assert "mqtt-sub" in topic.subscriptions
+    pub = env.peer("pub")
+    pub.send(c.Publish("a/b", b"hello", 1, packet_id=7))
+    env.clock.advance(0)
+    [delivered] = [x for x in sub.packets() if isinstance(x, c.Publish)]
+    assert delivered.payload == b"hello"
+    [server] = topic.subscriptions["mqtt-sub"].consumers
+    assert len(server.pending) == 1
+    assert delivered.packet_id is not None
+    sub.send(c.PubAck(delivered.packet_id))
+    assert server.pending == {}
+
+
+def test_a_forwarded_subscription_closed_by_the_owner_is_attached_again() -> None:
+    """When the owner closes the forwarded consumer (topic moved, owner gone), the session
+    subscribes again, retrying while no broker serves the topic, and reads on from where it
+    was: nothing skipped, nothing repeated (a clean session's non-durable subscription)."""
+    env = Pair()
+    sub = env.peer("sub")
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 0)]))
+    sub.packets()
+    pub = env.peer("pub")
+    pub.send(c.Publish("a/b", b"1", 1, packet_id=1))
+    env.clock.advance(0)
+    assert payloads(sub) == [b"1"]
+    env.ownership.refuse = ServiceNotReadyError("bundle not available now")
+    env.service.forward_retry_s = 1.0
+    result_of(env.owner.unload_topic(FULL))
+    # Published while the subscription is gone: it must still arrive.
+    result_of(env.owner.publish(FULL, _entry_like(env, b"2")))
+    env.clock.pump([0.25] * 20)
+    assert payloads(sub) == []
+    env.ownership.refuse = None
+    env.clock.pump([1.0] * 8)
+    assert payloads(sub) == [b"2"]
+    pub.send(c.Publish("a/b", b"3", 1, packet_id=2))
+    env.clock.advance(0)
+    assert payloads(sub) == [b"3"]
+
+
+def _entry_like(env: Pair, payload: bytes) -> bytes:
+    """A stored MQTT message, as another broker's MQTT handler would write it."""
+    return encode_entry(
+        [Message(payload, properties=[("mqtt.qos", "1")])],
+        producer_name="mqtt-elsewhere",
+        sequence_id=0,
+        publish_time_ms=int(env.clock.seconds() * 1000),
+    )
