@@ -213,3 +213,54 @@ async def test_a_bookie_with_autorecovery_disabled_never_audits(
         assert await current_auditor(rig.store) == auditing.address
     finally:
         await rig.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_auditor_killed_mid_repair_is_finished_by_its_successor(
+    zk_url: str, bookies: BookieProcesses
+) -> None:
+    """kill -9 of the auditor's host as soon as it marked a ledger under-replicated (its copies
+    under way): whatever it had switched or not, the successor completes the repair; no ledger
+    names either dead bookie and every entry has its Qw copies."""
+    from twisted.internet.defer import gatherResults
+
+    from polybroker.ledger.client import BookKeeperClient
+    from polybroker.ledger.registry import StaticBookieRegistry, tcp_connector
+
+    rig = await start_cluster(zk_url, bookies, n=5)
+    host = await current_auditor(rig.store)
+    assert host is not None
+    # Ledgers only on the four other bookies: losing the host too loses no write set.
+    others = [b.address for b in bookies.running if b.address != host]
+    writer = BookKeeperClient(
+        rig.store, StaticBookieRegistry(others), tcp_connector(reactor), reactor
+    )
+    try:
+        ledgers = []
+        for _ in range(4):
+            w = await writer.create(LedgerConfig(3, 2, 2))
+            await gatherResults([w.append(payload(w.ledger_id, i)) for i in range(ENTRIES * 20)])
+            await w.close_ledger()
+            ledgers.append(int(w.ledger_id))
+        counts = {a: 0 for a in others}
+        for ledger_id in ledgers:
+            for address in names(await rig.metadata(ledger_id)):
+                counts[address] += 1
+        victim = max(others, key=lambda a: counts[a])
+        affected = [lid for lid in ledgers if victim in names(await rig.metadata(lid))]
+        bookies.kill(by_address(bookies, victim))
+
+        async def marked() -> bool:
+            return bool(await rig.store.children(UNDERREPLICATED_PATH))
+
+        await poll(marked, SESSION_MS / 1000 + 15, "a ledger marked under-replicated")
+        bookies.kill(by_address(bookies, host))
+        switched = [lid for lid in affected if victim not in names(await rig.metadata(lid))]
+        print(f"\nauditor killed with {len(switched)}/{len(affected)} ledgers switched")
+        await wait_restored(rig, affected, victim)
+        await wait_restored(rig, ledgers, host)
+        for dead in (victim, host):
+            await assert_fully_replicated(rig, ledgers, dead)
+    finally:
+        await writer.close()
+        await rig.close()
