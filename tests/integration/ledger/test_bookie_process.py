@@ -35,6 +35,7 @@ from polybroker.ledger.wire import (
     Status,
     decode_all,
     encode_add_request,
+    encode_multi_add,
 )
 
 # The fixture types live in this folder's conftest.py, which tests cannot import by name.
@@ -235,12 +236,22 @@ def _frame(
     return HEADER.pack(14 + len(body), version, mtype, rid, crc) + body
 
 
+def _multi(rid: int, ledger: int, items: list[tuple[int, int, bytes]]) -> bytes:
+    parts = encode_multi_add(rid, ledger, [(e, lac, data, 0) for e, lac, data in items])
+    return b"".join(bytes(p) for p in parts)
+
+
+def _corrupt_last_byte(frame: bytes) -> bytes:
+    return frame[:-1] + bytes([frame[-1] ^ 0xFF])
+
+
 @pytest_twisted.ensureDeferred
 async def test_bad_input_closes_that_connection_only(
     bookie_process_factory: BookieProcessFactory,
 ) -> None:
-    """Random bytes, a truncated frame, an oversize length, a wrong version and a bad checksum
-    each get an error frame and a close; a second client keeps working; data stays intact."""
+    """Random bytes, a truncated frame, an oversize length, a wrong version, a bad checksum and
+    bad ADD_MULTI frames each get an error frame and a close; a second client keeps working
+    (so the ledger was not fenced); data stays intact."""
     bookie = bookie_process_factory(config=NO_CHECKPOINT)
     client = TcpBookieClient(bookie.address, reactor, timeout_s=20)
     await add_range(client, 4, 0, 49)
@@ -275,6 +286,21 @@ async def test_bad_input_closes_that_connection_only(
             80,
             {Status.BAD_REQUEST},
         ),
+        (
+            "multi-add-record-checksum",
+            _corrupt_last_byte(_multi(81, 4, [(1001, 0, b"never stored either")])),
+            False,
+            81,
+            {Status.BAD_REQUEST},
+        ),
+        (
+            # A record with a journal meta-record's entry id (a fence) must never be journaled.
+            "multi-add-meta-entry-id",
+            _multi(82, 4, [(1002, 0, b"x"), (-0x2000, 0, b"")]),
+            False,
+            82,
+            {Status.BAD_REQUEST},
+        ),
     ]
     for i, (name, data, half_close, rid, statuses) in enumerate(cases):
         answer = _exchange(bookie.address, data, half_close=half_close)
@@ -286,8 +312,9 @@ async def test_bad_input_closes_that_connection_only(
         # Meanwhile the well-behaved client goes on as if nothing happened.
         await client.add_entry(4, 50 + i, 49 + i, payload(4, 50 + i))
     await read_all(client, 4, set(range(50 + len(cases))))
-    with pytest.raises(Exception, match="no entry"):
-        await client.read_entry(4, 1000)
+    for never in (1000, 1001, 1002):
+        with pytest.raises(Exception, match="no entry"):
+            await client.read_entry(4, never)
     await client.close()
     assert bookie_process_factory.stop(bookie.pid) == 0
 
