@@ -268,7 +268,7 @@ class Auditor:
     """One contender for the auditor role (see the module rules).
 
     ``connect`` makes a ``BookieClient`` for an address (as the ledger client's); the clients
-    are cached while leading and closed when it stops leading."""
+    are kept for one audit and closed after it (or when it stops leading)."""
 
     def __init__(
         self,
@@ -365,11 +365,15 @@ class Auditor:
                 self._periodic.stop()
             self._periodic = None
         self._cancel_timer()
+        self._close_bookies()
+        if was_leading:
+            log.info("auditor no longer leads", extra=logs.kv(address=self.address))
+
+    def _close_bookies(self) -> None:
+        # Connections live for one audit: a bookie restarted (or replaced) since is met afresh.
         bookies, self._bookies = list(self._bookies.values()), {}
         for b in bookies:
             b.close()
-        if was_leading:
-            log.info("auditor no longer leads", extra=logs.kv(address=self.address))
 
     def _cancel_timer(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -396,6 +400,7 @@ class Auditor:
 
     def _audit_done(self, outcome: Any, term: int) -> None:
         self._running = False
+        self._close_bookies()
         if isinstance(outcome, Failure):
             if not outcome.check(_Deposed) and term == self._term and self._leading:
                 retry = self._retry_delay()
