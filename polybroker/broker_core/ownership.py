@@ -9,9 +9,10 @@ Rule O2 (owner): a broker owns a bundle while it holds the ephemeral node
         ``/namespace/<tenant>/<ns>/<bundle>`` (an ``EphemeralClaim`` whose value names the broker
         and its process instance). The Broker API loads a topic only through ``acquire``: an
         unowned bundle is claimed then, one owned by another broker refuses with
-        ``NotOwnerError``. A claim that stops being held (session or connection lost, the node
-        deleted by an unload) unloads every topic of the bundle at once: ownership is never kept
-        silently, and fencing stops a writer that is too slow to notice.
+        ``NotOwnerError``. A claim lost with the session, or whose node an unload deleted,
+        unloads every topic of the bundle at once: ownership is never kept silently. While only
+        the connection is down (the session may live on) the bundle is still served; a new
+        owner fences each topic's ledger before writing, so two brokers never both append.
 Rule O3 (lookup): the owner when there is one; otherwise a candidate, which claims the bundle
         when the lookup reaches it (an authoritative lookup, or a topic's first use). The candidate
         is the bundle's transfer hint if that broker is live, else the least-loaded live broker:
@@ -519,10 +520,10 @@ class ClusterOwnership(Ownership):
         return f"{namespace}/{bundle_of(topic, await self.boundaries(namespace))}"
 
     def owned_bundles(self) -> list[str]:
-        return sorted(k for k, b in self._bundles.items() if b.claim.held)
+        return sorted(k for k, b in self._bundles.items() if _serving(b))
 
     def owns(self, topic: str) -> bool:
-        return any(topic in b.topics and b.claim.held for b in self._bundles.values())
+        return any(topic in b.topics and _serving(b) for b in self._bundles.values())
 
     def acquire(self, topic: str) -> Deferred[None]:
         return Deferred.fromCoroutine(self._acquire(topic))
@@ -531,7 +532,7 @@ class ClusterOwnership(Ownership):
         self._check_started()
         key = await self.bundle_key(topic)
         held = self._bundles.get(key)
-        if held is None or not held.claim.held:
+        if held is None or not _serving(held):
             # A bundle being transferred goes to its destination only (Rule O5).
             hint = await self.store.get(f"{HINTS_PATH}/{key}")
             wanted = None if hint is None else hint.value.decode(errors="replace")
@@ -553,7 +554,7 @@ class ClusterOwnership(Ownership):
         if bundle is not None:
             if bundle.ready is not None:
                 return await _wait(bundle.ready)
-            if bundle.claim.held:
+            if _serving(bundle):
                 return ClaimState.HELD
         namespace, _, name = key.rpartition("/")
         claim = EphemeralClaim(
@@ -589,7 +590,12 @@ class ClusterOwnership(Ownership):
             return
         if state is ClaimState.HELD:
             return
-        # Lost, suspended or deleted by an unload: serve nothing of it any more (Rule O2).
+        if state is ClaimState.SUSPENDED:
+            # The connection is down, the session may live on: keep serving (a new owner
+            # would fence our ledgers first) until the store says the session is gone.
+            log.warning("bundle suspended", extra=kv(bundle=key))
+            return
+        # Lost with the session, or deleted by an unload: serve nothing of it any more.
         log.warning("bundle lost", extra=kv(bundle=key, state=state.value))
         del self._bundles[key]
         Deferred.fromCoroutine(self._drop(bundle))
@@ -615,7 +621,7 @@ class ClusterOwnership(Ownership):
         self._check_started()
         key = await self.bundle_key(topic)
         bundle = self._bundles.get(key)
-        if bundle is not None and bundle.claim.held:
+        if bundle is not None and _serving(bundle):
             return self.local
         owner = await self._owner(key)
         if owner is not None:
@@ -678,7 +684,7 @@ class ClusterOwnership(Ownership):
         self._live = None
 
     def local_report(self) -> LoadReport:
-        report = LoadReport({k: BundleLoad() for k, b in self._bundles.items() if b.claim.held})
+        report = LoadReport({k: BundleLoad() for k, b in self._bundles.items() if _serving(b)})
         by_topic: dict[str, str] = {}
         for key, b in self._bundles.items():
             for t in b.topics:
@@ -750,7 +756,7 @@ class ClusterOwnership(Ownership):
                 raise ValueError(f"broker {destination} is not live")
             await self.store.put(f"{HINTS_PATH}/{key}", destination.encode())
         mine = self._bundles.pop(key, None)
-        if mine is not None and mine.claim.held:
+        if mine is not None and _serving(mine):
             await self._drop(mine)
             return True
         found = await self.store.get(f"{OWNERS_ROOT}/{key}")
@@ -796,6 +802,11 @@ class ClusterOwnership(Ownership):
             b: await self._owner(f"{namespace}/{b}")
             for b in bundle_names(await self.boundaries(namespace))
         }
+
+
+def _serving(bundle: _Bundle) -> bool:
+    """Whether this broker serves the bundle: held, or held with the connection down."""
+    return bundle.claim.state in (ClaimState.HELD, ClaimState.SUSPENDED)
 
 
 async def _wait(d: Deferred[ClaimState]) -> ClaimState:

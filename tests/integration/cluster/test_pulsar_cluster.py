@@ -19,6 +19,7 @@ import pulsar
 import pytest
 from broker_harness import Broker, BrokerProcesses, initialize
 from cluster_harness import BookieProcesses
+from zk_server import ZooKeeperServer
 
 NS = "public/default"
 REPLICATION = {
@@ -293,3 +294,49 @@ def test_a_broker_whose_session_expires_gives_its_bundles_up(cluster: Cluster) -
         assert receive_all(consumer, acked, timeout=90) >= acked
     finally:
         client.close()
+
+
+def test_kill_zookeeper_while_producing_loses_nothing(tmp_path: Path) -> None:
+    """kill -9 of ZooKeeper (its own server here) while a producer runs: brokers keep serving
+    the topics they own through the outage, and once it is back nothing acked is lost."""
+    zk = ZooKeeperServer.start(tmp_path / "zk")
+    bookies = BookieProcesses(tmp_path)
+    procs = BrokerProcesses(tmp_path)
+    try:
+        url = zk.url("/c")
+        initialize(url)
+        for _ in range(3):
+            bookies.start(url)
+        # Sessions outlive the restart, so ownership is kept across it.
+        a, _b = (
+            procs.start(url, {**REPLICATION, "metadataStoreSessionTimeoutMillis": 15000})
+            for _ in range(2)
+        )
+        topic = f"persistent://{NS}/zk-outage"
+        http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/zk-outage/partitions", 8)
+        client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
+        try:
+            consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
+            sender = Sender(client, topic)
+            wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+            os.kill(zk.process.pid, signal.SIGKILL)
+            zk.process.wait(30)
+            down = time.monotonic()
+            wait_for(
+                lambda: sum(1 for t in sender.acked.values() if t > down) > 200,
+                30,
+                "acknowledgements while ZooKeeper is down",
+            )
+            zk.restart()
+            count = len(sender.acked)
+            wait_for(lambda: len(sender.acked) > count + 200, 60, "producing after the restart")
+            sender.stop()
+            assert not sender.failed
+            acked = set(sender.acked)
+            assert receive_all(consumer, acked, timeout=90) >= acked
+        finally:
+            client.close()
+    finally:
+        procs.close()
+        bookies.close()
+        zk.stop()

@@ -233,3 +233,20 @@ def test_stop_gives_everything_up() -> None:
     assert [i.broker_id for i in result(b.own.brokers())] == ["b1:8080"]
     result(b.own.acquire(topic(1)))
     assert b.own.owns(topic(1))
+
+
+def test_a_lost_connection_keeps_serving_until_the_session_is_gone() -> None:
+    from polybroker.metadata.api import SessionEvent
+
+    _, (a, b) = cluster()
+    result(a.own.acquire(topic(1)))
+    a.store._emit(SessionEvent.CONNECTION_LOST)
+    assert a.own.owns(topic(1))
+    assert not a.unloaded
+    a.store._emit(SessionEvent.RECONNECTED)
+    assert a.own.owns(topic(1))
+    a.store._emit(SessionEvent.CONNECTION_LOST)
+    a.store.expire_session(reestablish=False)
+    assert topic(1) in a.unloaded
+    assert not a.own.owns(topic(1))
+    assert result(b.own.lookup(topic(1))).broker_id == "b1:8080"
