@@ -161,6 +161,14 @@ class ClusterBroker:
         )
         service = BrokerService(factory, reactor, config, store)
         self.service = service
+        # Handlers that opt in (MQTT) serve topics other brokers own by forwarding to the owner
+        # over its Pulsar port, and follow topics created anywhere through the ledger names.
+        from polybroker.ledger.cursor import ROOT as LEDGER_NAMES_ROOT
+        from polybroker.protocols.pulsar.forwarder import PulsarForwarder
+
+        forwarder = PulsarForwarder(reactor, max_message_size=int(config["maxMessageSize"]))
+        service.forwarder = forwarder
+        service.ledger_names_root = LEDGER_NAMES_ROOT
         advertised = _advertised(config)
         # Named once the listeners are bound; until it starts it refuses every topic.
         ownership = ClusterOwnership(
@@ -176,6 +184,7 @@ class ClusterBroker:
         self._stops.append(("ownership", ownership.stop))
         # Closing the service closes the ledger factory too; it goes before ownership does.
         self._stops.append(("broker", service.close))
+        self._stops.append(("forwarder", forwarder.close))
 
         policies = PolicyStore(
             store, cluster, default_bundles=int(config["defaultNumberOfNamespaceBundles"])
