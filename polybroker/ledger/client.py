@@ -442,7 +442,11 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             del pending[self._lac + 1]
             self._lac += 1
             self._length = p.length
-            p.on_done(self._lac, p.token, self)
+            try:
+                p.on_done(self._lac, p.token, self)
+            except Exception:
+                # One caller's bug must not stop the completions of the others.
+                log.exception("ledger %d: add callback failed", self.ledger_id)
         if not pending and self._closing:
             self._seal()
 
@@ -500,7 +504,10 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         pending = sorted(self._pending.items())
         self._pending.clear()
         for _, p in pending:
-            p.on_failed(self._error, p.token, self)
+            try:
+                p.on_failed(self._error, p.token, self)
+            except Exception:
+                log.exception("ledger %d: add callback failed", self.ledger_id)
         if self._sweep_call is not None and self._sweep_call.active():
             self._sweep_call.cancel()
         self._sweep_call = None

@@ -126,6 +126,34 @@ def test_adds_complete_in_order() -> None:
     assert w.length == len(b"zero") + len(b"one")
 
 
+def test_append_then_reports_in_order_and_a_failing_callback_stops_nothing() -> None:
+    """The Deferred-free append calls back in entry order; a callback that raises is logged
+    and the completions after it still happen."""
+    rig = LedgerRig(2)
+    w = rig.create(2, 2, 2)
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    seen: list[tuple[str, int]] = []
+
+    def done(entry_id: int, token: str, handle: object) -> None:
+        assert handle is w
+        seen.append((token, entry_id))
+        if token == "boom":
+            raise RuntimeError("a caller's bug")
+
+    def failed(error: Exception, token: str, handle: object) -> None:
+        seen.append((f"failed {token}", -1))
+
+    w.append_then(b"zero", done, failed, "boom")
+    w.append_then(b"one", done, failed, "fine")
+    later = w.append(b"two")
+    for b in rig.cluster.bookies.values():
+        b.release()
+    assert seen == [("boom", 0), ("fine", 1)]
+    assert result_of(later) == 2
+    assert w.last_add_confirmed == 2
+
+
 def test_ack_quorum_smaller_than_write_quorum() -> None:
     """With Qw=3, Qa=2 an add completes on two acks while the third bookie is still silent."""
     rig = LedgerRig(3)
