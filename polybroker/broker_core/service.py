@@ -584,7 +584,8 @@ class BrokerService:
             except ServiceNotReadyError as e:
                 if self._closed or self.reactor.seconds() + delay > deadline:
                     raise
-                log.info("forwarded call retried", extra=kv(topic=full, error=str(e)))
+                if delay == 0.05:  # once per call: a failover retries many times
+                    log.info("forwarded call retried", extra=kv(topic=full, error=str(e)))
             await deferLater(self.reactor, delay, lambda: None)
             delay = min(delay * 2, 1.0)
 

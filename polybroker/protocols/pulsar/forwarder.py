@@ -18,7 +18,9 @@ opens a new one). On the connection:
   lookup says). CLOSE_CONSUMER from the owner, or the connection lost: the handler's consumer
   gets ``disconnect()`` and may subscribe again.
 - PING is answered with PONG; every request times out after ``request_timeout_s``, which also
-  bounds how long a dead owner can hold a caller.
+  bounds how long a dead owner can hold a caller. Every ``keep_alive_s`` the forwarder sends
+  PING; an owner silent for a whole interval after one is dropped as dead (a host that vanished
+  without closing its sockets), which fails and disconnects everything on it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
 from polybroker.broker_core import errors
@@ -65,6 +68,7 @@ log = logging.getLogger(__name__)
 T = pb.BaseCommand
 CLIENT_VERSION = "polybroker-forwarder"
 REQUEST_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 30.0
 
 _SUB_TYPES = {
     SubType.EXCLUSIVE: pb.CommandSubscribe.Exclusive,
@@ -268,9 +272,13 @@ class OwnerConnection(Protocol):
         clock: IReactorTime,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_frame_size: int = DEFAULT_MAX_MESSAGE_SIZE + FRAME_OVERHEAD,
+        keep_alive_s: float = KEEP_ALIVE_S,
     ) -> None:
         self.clock = clock
         self.request_timeout_s = request_timeout_s
+        self.keep_alive_s = keep_alive_s
+        self._keep_alive: LoopingCall | None = None
+        self._heard = True
         self.decoder = FrameDecoder(max_frame_size)
         self.handshaken = False
         self.lost = False
@@ -287,6 +295,10 @@ class OwnerConnection(Protocol):
 
     def connectionMade(self) -> None:
         set_no_delay(self.transport)
+        if self.keep_alive_s > 0:
+            self._keep_alive = LoopingCall(self._keep_alive_tick)
+            self._keep_alive.clock = self.clock
+            self._keep_alive.start(self.keep_alive_s, now=False)
         self.send(
             command(
                 T.CONNECT,
@@ -299,6 +311,7 @@ class OwnerConnection(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.lost:
             return
+        self._heard = True
         try:
             for frame in self.decoder.feed(data):
                 self._dispatch(frame)
@@ -316,6 +329,8 @@ class OwnerConnection(Protocol):
             return
         self.lost = True
         self.handshaken = False
+        if self._keep_alive is not None and self._keep_alive.running:
+            self._keep_alive.stop()
         why = ForwardingError("connection to the owner lost")
         for d in self._waiting_connected:
             d.errback(why)
@@ -338,6 +353,14 @@ class OwnerConnection(Protocol):
             consumer.gone()
         if self.on_lost is not None:
             self.on_lost(self)
+
+    def _keep_alive_tick(self) -> None:
+        if not self._heard:
+            log.warning("owner connection: keep-alive timed out")
+            self.abort()
+            return
+        self._heard = False
+        self.send(command(T.PING, "ping"))
 
     def abort(self) -> None:
         """Drop the connection now (everything pending fails with ``ForwardingError``)."""
@@ -606,9 +629,11 @@ class PulsarForwarder(Forwarder):
         connect: Connect | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        keep_alive_s: float = KEEP_ALIVE_S,
     ) -> None:
         self.clock = clock
         self.request_timeout_s = request_timeout_s
+        self.keep_alive_s = keep_alive_s
         self.max_frame_size = max_message_size + FRAME_OVERHEAD
         self._connect = connect or self._tcp_connect
         self.connections: dict[str, OwnerConnection] = {}
@@ -620,7 +645,9 @@ class PulsarForwarder(Forwarder):
         return endpoint.connect(factory)  # type: ignore[no-any-return]
 
     def _build(self) -> OwnerConnection:
-        return OwnerConnection(self.clock, self.request_timeout_s, self.max_frame_size)
+        return OwnerConnection(
+            self.clock, self.request_timeout_s, self.max_frame_size, self.keep_alive_s
+        )
 
     def connection(self, owner: BrokerInfo) -> Deferred[OwnerConnection]:
         """The ready connection to ``owner`` (opened, and CONNECT answered, when needed)."""

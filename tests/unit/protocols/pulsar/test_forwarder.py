@@ -370,3 +370,23 @@ def test_an_owner_without_a_pulsar_url_is_a_forwarding_error(url: str) -> None:
     fwd = PulsarForwarder(Clock(), connect=lambda *a: succeed(None))  # type: ignore[arg-type,return-value]
     d = fwd.publish(BrokerInfo("x", "", url), TOPIC, entry(b"x"))
     assert isinstance(failure_of(d), ForwardingError)
+
+
+def test_keep_alive_pings_and_drops_a_silent_owner() -> None:
+    """The forwarder pings the owner every keep-alive interval; an owner that answers stays,
+    one silent for a whole interval after a PING is dropped and its consumers disconnected."""
+    o = Owner()
+    o.forwarder.keep_alive_s = 10
+    rec = Recorder()
+    fired(o.forwarder.subscribe(OWNER, TOPIC, "s", rec), o)
+    client = o.client
+    assert client is not None
+    for _ in range(3):
+        o.clock.advance(10)
+        o.pump()  # the owner's PONG arrives
+    assert not client.lost
+    o.clock.advance(10)  # PING sent, never answered
+    o.clock.advance(10)
+    assert client.lost
+    assert rec.disconnected == 1
+    assert o.forwarder.connections == {}
