@@ -11,8 +11,11 @@ protocol-neutral and imports no Twisted.
 
 Foreign formats: a handler that stores its own native batches verbatim (cheaper than converting
 each record on the write path) registers a decoder for a tag with ``register_format``; such an
-entry carries the property ``entry.format=<tag>`` in its Metadata and the native bytes as payload,
-and ``decode_entry`` converts it lazily for whoever reads it through another protocol.
+entry carries the property ``entry.format=<tag>`` and the marker ``FOREIGN_ENTRY_MARKER`` (in
+Pulsar's ``marker_type`` field, which clients never set on their messages) in its Metadata and the
+native bytes as payload, and ``decode_entry`` converts it lazily for whoever reads it through
+another protocol. A Pulsar message whose properties merely name ``entry.format`` stays a Pulsar
+message.
 
 Rule 1: decoders never read past the buffer they are given, bound every size they trust by
         ``max_size``, and raise ``MessageFormatError`` for anything malformed.
@@ -42,6 +45,8 @@ MAGIC_CRC32C = 0x0E01
 FORMAT_PROPERTY = "entry.format"
 _FORMAT_KEY = FORMAT_PROPERTY.encode()
 PULSAR_FORMAT = "pulsar"
+#: ``marker_type`` of a foreign-format entry (beyond the values Pulsar uses for its markers).
+FOREIGN_ENTRY_MARKER = 1000
 DEFAULT_MAX_SIZE = 64 * 1024 * 1024
 
 _U16 = struct.Struct(">H")
@@ -205,6 +210,7 @@ def encode_native_entry(
         sequence_id=max(sequence_id, 0),
         publish_time=max(publish_time_ms, 0),
         num_messages_in_batch=num_messages,
+        marker_type=FOREIGN_ENTRY_MARKER,
     )
     md.properties.add(key=FORMAT_PROPERTY, value=tag)
     return _frame(md, native)
@@ -242,10 +248,13 @@ def verify_checksum(data: bytes) -> bool:
 def entry_format(data: bytes) -> str:
     """The entry's format tag: ``"pulsar"`` or a ``register_format`` tag."""
     md, _ = split_entry(data)
-    return _format_of(md)
+    return metadata_format(md)
 
 
-def _format_of(md: pb.Metadata) -> str:
+def metadata_format(md: pb.Metadata) -> str:
+    """The format tag of an entry's parsed Metadata (``split_entry``)."""
+    if md.marker_type != FOREIGN_ENTRY_MARKER:
+        return PULSAR_FORMAT
     for p in md.properties:
         if p.key == FORMAT_PROPERTY:
             return p.value
@@ -305,7 +314,7 @@ def _key_of(md: pb.Metadata | pb.SingleMetadata) -> bytes | None:
 def decode_entry(data: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> list[Message]:
     """Decode any stored entry (lone, batch, compressed, or a registered foreign format)."""
     md, payload = split_entry(data)
-    fmt = _format_of(md)
+    fmt = metadata_format(md)
     publish = int(md.publish_time)
     if fmt != PULSAR_FORMAT:
         decoder = _FORMATS.get(fmt)
@@ -379,7 +388,7 @@ def to_pulsar_entry(data: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> bytes:
         if magic == MAGIC_CRC32C and _FORMAT_KEY not in data[_HEAD.size : _HEAD.size + md_size]:
             return data
     md, _ = split_entry(data)
-    if _format_of(md) == PULSAR_FORMAT:
+    if metadata_format(md) == PULSAR_FORMAT:
         return data
     messages = decode_entry(data, max_size=max_size)
     return encode_entry(

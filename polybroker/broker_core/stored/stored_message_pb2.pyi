@@ -29,7 +29,7 @@ class Property(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Metadata(_message.Message):
-    __slots__ = ("producer_name", "sequence_id", "publish_time", "properties", "partition_key", "compression", "uncompressed_size", "num_messages_in_batch", "event_time", "schema_version", "partition_key_b64_encoded", "ordering_key", "deliver_at_time", "highest_sequence_id", "null_value", "uuid", "num_chunks_from_msg", "total_chunk_msg_size", "chunk_id")
+    __slots__ = ("producer_name", "sequence_id", "publish_time", "properties", "partition_key", "compression", "uncompressed_size", "num_messages_in_batch", "event_time", "schema_version", "partition_key_b64_encoded", "ordering_key", "deliver_at_time", "marker_type", "highest_sequence_id", "null_value", "uuid", "num_chunks_from_msg", "total_chunk_msg_size", "chunk_id")
     PRODUCER_NAME_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Metadata(_message.Message):
     PARTITION_KEY_B64_ENCODED_FIELD_NUMBER: _ClassVar[int]
     ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
     DELIVER_AT_TIME_FIELD_NUMBER: _ClassVar[int]
+    MARKER_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIGHEST_SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NULL_VALUE_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -62,13 +63,14 @@ class Metadata(_message.Message):
     partition_key_b64_encoded: bool
     ordering_key: bytes
     deliver_at_time: int
+    marker_type: int
     highest_sequence_id: int
     null_value: bool
     uuid: str
     num_chunks_from_msg: int
     total_chunk_msg_size: int
     chunk_id: int
-    def __init__(self, producer_name: _Optional[str] = ..., sequence_id: _Optional[int] = ..., publish_time: _Optional[int] = ..., properties: _Optional[_Iterable[_Union[Property, _Mapping]]] = ..., partition_key: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., uncompressed_size: _Optional[int] = ..., num_messages_in_batch: _Optional[int] = ..., event_time: _Optional[int] = ..., schema_version: _Optional[bytes] = ..., partition_key_b64_encoded: _Optional[bool] = ..., ordering_key: _Optional[bytes] = ..., deliver_at_time: _Optional[int] = ..., highest_sequence_id: _Optional[int] = ..., null_value: _Optional[bool] = ..., uuid: _Optional[str] = ..., num_chunks_from_msg: _Optional[int] = ..., total_chunk_msg_size: _Optional[int] = ..., chunk_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, producer_name: _Optional[str] = ..., sequence_id: _Optional[int] = ..., publish_time: _Optional[int] = ..., properties: _Optional[_Iterable[_Union[Property, _Mapping]]] = ..., partition_key: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., uncompressed_size: _Optional[int] = ..., num_messages_in_batch: _Optional[int] = ..., event_time: _Optional[int] = ..., schema_version: _Optional[bytes] = ..., partition_key_b64_encoded: _Optional[bool] = ..., ordering_key: _Optional[bytes] = ..., deliver_at_time: _Optional[int] = ..., marker_type: _Optional[int] = ..., highest_sequence_id: _Optional[int] = ..., null_value: _Optional[bool] = ..., uuid: _Optional[str] = ..., num_chunks_from_msg: _Optional[int] = ..., total_chunk_msg_size: _Optional[int] = ..., chunk_id: _Optional[int] = ...) -> None: ...
 
 class SingleMetadata(_message.Message):
     __slots__ = ("properties", "partition_key", "payload_size", "compacted_out", "event_time", "partition_key_b64_encoded", "ordering_key", "sequence_id", "null_value")

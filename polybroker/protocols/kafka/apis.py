@@ -108,9 +108,8 @@ messages.register_format(FORMAT_TAG, decode_native)
 def entry_as_batch(index: int, data: bytes) -> bytes:
     """A stored entry as one Kafka record batch whose base offset is ``index``."""
     md, payload = messages.split_entry(data)
-    for p in md.properties:
-        if p.key == messages.FORMAT_PROPERTY and p.value == FORMAT_TAG:
-            return rec.with_base_offset(payload, index)
+    if messages.metadata_format(md) == FORMAT_TAG:
+        return rec.with_base_offset(payload, index)
     records = []
     for i, m in enumerate(messages.decode_entry(data)):
         headers: list[tuple[str, bytes | None]] = [(k, v.encode()) for k, v in m.properties]

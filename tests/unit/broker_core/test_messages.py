@@ -103,6 +103,17 @@ def test_foreign_format_converts_lazily() -> None:
     assert fmt.to_pulsar_entry(plain) is plain
 
 
+def test_a_pulsar_property_naming_the_format_does_not_make_an_entry_foreign() -> None:
+    """Only the writer of a foreign entry marks it; a producer's property is just a property."""
+    fmt.register_format("test-csv", lambda native, template: [Message(b"never")])
+    data = _entry([Message(b"hello", properties=[(fmt.FORMAT_PROPERTY, "test-csv")])])
+    assert fmt.entry_format(data) == "pulsar"
+    assert fmt.to_pulsar_entry(data) is data
+    (got,) = fmt.decode_entry(data)
+    assert got.payload == b"hello"
+    assert got.properties == [(fmt.FORMAT_PROPERTY, "test-csv")]
+
+
 @pytest.mark.parametrize(
     "data",
     [
