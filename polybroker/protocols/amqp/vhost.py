@@ -998,6 +998,7 @@ class VirtualHost:
         self._seq = 0
         self._pending: dict[str, _Batch] = {}
         self._flush_scheduled = False
+        self._exchange_logs: dict[str, str] = {}
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -1080,7 +1081,14 @@ class VirtualHost:
 
     def exchange_log(self, exchange: str) -> str:
         """The topic that holds what is published to ``exchange`` for several queues."""
-        return f"persistent://{self.namespace}/amqp.exchange.{quote(exchange, safe='') or '%'}"
+        topic = self._exchange_logs.get(exchange)
+        if topic is None:
+            local = f"amqp.exchange.{quote(exchange, safe='') or '%'}"
+            topic = f"persistent://{self.namespace}/{local}"
+            if len(self._exchange_logs) > 10_000:
+                self._exchange_logs.clear()
+            self._exchange_logs[exchange] = topic
+        return topic
 
     @staticmethod
     def _binding_id(b: routing.Binding) -> str:
