@@ -415,6 +415,9 @@ class Session:
         self.filters[f.topic_filter] = f
         self._match_cache.clear()
         d = self._cover(f, initial=not existed)
+        if self.broker.clustered and f.group is None:
+            # Other brokers store retained messages too: read the ones this filter matches.
+            d.addCallback(lambda _: self.broker.refresh_retained(f.pattern))
         d.addCallback(lambda _: existed)
         return d
 
@@ -798,6 +801,10 @@ class MqttBroker:
         # Timers ending stored sessions of absent clients (found at start).
         self._stored_expiry: dict[str, IDelayedCall] = {}
         self._remove_listener: Callable[[], None] | None = None
+        #: Whether other brokers serve MQTT clients too (sessions and retained messages are
+        #: then read from the metadata store, not only from what this broker remembers).
+        ownership = getattr(service, "ownership", None)
+        self.clustered = bool(ownership is not None and ownership.clustered)
 
     def start(self) -> Deferred[None]:
         """Load retained messages and the stored sessions' ids; follow topic creation."""
@@ -952,7 +959,8 @@ class MqttBroker:
         return session, False
 
     async def _restore(self, client_id: str) -> Session | None:
-        if client_id not in self.stored_ids:
+        # In a cluster a session may have been stored by another broker since this one started.
+        if client_id not in self.stored_ids and not self.clustered:
             return None
         got = await self.store.get(f"{SESSIONS_ROOT}/{quote(client_id, safe='')}")
         if got is None:
@@ -1084,6 +1092,35 @@ class MqttBroker:
         r = Retained(pub.topic, pub.payload, pub.qos, properties, self.clock.seconds())
         self.retained[pub.topic] = r
         return self.store.put(path, r.encode())
+
+    def refresh_retained(self, pattern: str) -> Deferred[None]:
+        """Read the stored retained messages whose topic ``pattern`` matches into the cache
+        (a cluster's other brokers store them too); a failure is logged, not raised."""
+        d = Deferred.fromCoroutine(self._refresh_retained(pattern))
+        d.addErrback(
+            lambda f: log.warning(
+                "reading retained messages failed", extra=kv(filter=pattern, error=str(f.value))
+            )
+        )
+        return d
+
+    async def _refresh_retained(self, pattern: str) -> None:
+        names = {unquote(n) for n in await self.store.children(RETAINED_ROOT)}
+        wanted = sorted(n for n in names if topics.matches(pattern, n))
+        for name in [n for n in self.retained if n not in names and topics.matches(pattern, n)]:
+            del self.retained[name]
+        got = await gatherResults(
+            [self.store.get(f"{RETAINED_ROOT}/{quote(n, safe='')}") for n in wanted],
+            consumeErrors=True,
+        )
+        for name, found in zip(wanted, got, strict=True):
+            if found is None:
+                self.retained.pop(name, None)
+                continue
+            try:
+                self.retained[name] = Retained.decode(name, found.value)
+            except (ValueError, KeyError, TypeError):
+                log.warning("bad retained message skipped", extra=kv(topic=name))
 
     def retained_for(self, f: FilterSub) -> list[Outgoing]:
         """The retained messages a new subscription of ``f`` receives."""

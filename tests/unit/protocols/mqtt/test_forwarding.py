@@ -208,3 +208,69 @@ def _entry_like(env: Pair, payload: bytes) -> bytes:
         sequence_id=0,
         publish_time_ms=int(env.clock.seconds() * 1000),
     )
+
+
+def owner_side(env: Pair) -> MqttSettings:
+    """MQTT served by the owner broker too (same metadata store), started after A."""
+    broker = MqttBroker(env.owner, env.clock)
+    result_of(broker.start())
+    return MqttSettings(broker=broker, clock=env.clock)
+
+
+def peer_on(settings: MqttSettings, client_id: str, **connect: Any) -> tuple[Peer, Any]:
+    holder = type("Holder", (), {"settings": settings})()
+    p = Peer(holder, c.LEVEL_311)  # type: ignore[arg-type]
+    p.send(c.Connect(client_id, c.LEVEL_311, **connect))
+    ack = p.packets()[0]
+    assert isinstance(ack, c.ConnAck)
+    return p, ack
+
+
+def test_retained_messages_stored_by_another_broker_are_delivered() -> None:
+    """A retained message published through the other broker (after this one started) is
+    delivered on SUBSCRIBE here; clearing it there clears it here too."""
+    env = Pair()
+    other = owner_side(env)
+    pub, _ = peer_on(other, "pub")
+    pub.send(c.Publish("a/b", b"kept", 1, retain=True, packet_id=1))
+    env.clock.advance(0)
+    assert pub.packets() == [c.PubAck(1)]
+    sub = env.peer("sub")
+    sub.send(c.Subscribe(1, [c.Subscription("a/#", 1)]))
+    env.clock.advance(0)
+    got = [x for x in sub.packets() if isinstance(x, c.Publish)]
+    assert [(x.topic, x.payload, x.retain) for x in got] == [("a/b", b"kept", True)]
+    pub.send(c.Publish("a/b", b"", 1, retain=True, packet_id=2))
+    env.clock.advance(0)
+    again = env.peer("sub2")
+    again.send(c.Subscribe(1, [c.Subscription("a/#", 1)]))
+    env.clock.advance(0)
+    assert [x for x in again.packets() if isinstance(x, c.Publish)] == []
+
+
+def test_a_persistent_session_stored_by_another_broker_is_resumed_here() -> None:
+    """A device whose persistent session another broker stored (after this one started)
+    connects here: the session is present, its filters are back, and what was published
+    meanwhile is delivered."""
+    env = Pair()
+    other = owner_side(env)
+    dev, ack = peer_on(other, "dev", clean_start=False)
+    assert ack == c.ConnAck(False, 0)
+    dev.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    env.clock.advance(0)
+    dev.packets()
+    dev.send(c.Disconnect())
+    # Its broker goes away, and the session's consumers with it.
+    other.broker.stop()
+    for session in list(other.broker.sessions.values()):
+        for sub in list(session.subs.values()):
+            session._close_sub(sub, delete=False)
+    env.clock.advance(0)
+    result_of(env.owner.publish(FULL, _entry_like(env, b"meanwhile")))
+    back = Peer(env, c.LEVEL_311)  # type: ignore[arg-type]
+    back.send(c.Connect("dev", c.LEVEL_311, clean_start=False))
+    env.clock.advance(0)
+    got = back.packets()
+    assert got[0] == c.ConnAck(True, 0)
+    assert list(env.broker.sessions["dev"].filters) == ["a/b"]
+    assert [x.payload for x in got[1:] if isinstance(x, c.Publish)] == [b"meanwhile"]
