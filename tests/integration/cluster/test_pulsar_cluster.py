@@ -340,3 +340,33 @@ def test_kill_zookeeper_while_producing_loses_nothing(tmp_path: Path) -> None:
         procs.close()
         bookies.close()
         zk.stop()
+
+
+def test_kill_a_bookie_while_producing_loses_nothing(cluster: Cluster) -> None:
+    """E=Qw=Qa=2 over 3 bookies plus a spare: kill -9 one bookie while a producer runs; writes
+    go on (ensemble change) and every acknowledged message is consumed."""
+    a = cluster.members[0]
+    cluster.bookies.start(cluster.zk_url)  # the spare an ensemble change can take
+    topic = f"persistent://{NS}/bookie-loss"
+    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/bookie-loss/partitions", 8)
+    client = pulsar.Client(cluster.service_url, operation_timeout_seconds=30)
+    try:
+        consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
+        sender = Sender(client, topic)
+        wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+        killed_at = time.monotonic()
+        cluster.bookies.kill(cluster.bookies.running[0])
+        wait_for(
+            lambda: (
+                all(any(t > killed_at for t in times) for times in sender.partition_acks.values())
+                and sum(1 for t in sender.acked.values() if t > killed_at) > 200
+            ),
+            60,
+            "every partition writing after the bookie kill",
+        )
+        sender.stop()
+        assert not sender.failed
+        acked = set(sender.acked)
+        assert receive_all(consumer, acked, timeout=90) >= acked
+    finally:
+        client.close()
