@@ -198,6 +198,13 @@ class _Source:
         self.barrier_ticket: int | None = None
         self.barrier_pos: Position | None = None
         self.held: list[Delivery] = []
+        #: A shared log's exchange; once that no longer routes to the queue, the source is
+        #: retired when the queue has read (``retire_at``: the log's end then, None if empty)
+        #: and settled all of it.
+        self.exchange: str | None = None
+        self.retiring = False
+        self.retire_known = False
+        self.retire_at: Position | None = None
         self._id = next(self._ids)
 
     # -- Consumer ----------------------------------------------------------------------------
@@ -379,7 +386,11 @@ class Queue:
         return own.attach()
 
     def ensure_source(
-        self, topic: str, kind: str, subscription: str | None = None
+        self,
+        topic: str,
+        kind: str,
+        subscription: str | None = None,
+        exchange: str | None = None,
     ) -> Deferred[None] | None:
         """Make sure the queue reads ``topic``: None when it does already, else a Deferred
         that fires once its subscription exists (recorded first, so a restart finds it).
@@ -395,6 +406,7 @@ class Queue:
         if subscription is None:
             subscription = f"amqp.q.{quote(self.name, safe='')}.{self.vhost.unique()}"
         s = _Source(self, topic, kind, subscription)
+        s.exchange = exchange
         own = self.sources.get(self.topic)
         if kind == SHARED and own is not None and own.issued:
             s.barrier_ticket = own.issued
@@ -413,6 +425,36 @@ class Queue:
 
         d.addCallbacks(lambda _: s.settled_attach(), failed)
         return s.ready()
+
+    def retire_from(self, last: LastMessageId | None, s: _Source) -> None:
+        """The end of a log being retired is known (None: it could not be asked)."""
+        if not s.retiring:
+            return
+        if last is None:
+            s.retiring = False  # try again at the next binding change
+            return
+        s.retire_known = True
+        s.retire_at = last.position if last.position.entry_id >= 0 else None
+        self.maybe_retire(s)
+
+    def maybe_retire(self, s: _Source) -> None:
+        """Drop a retiring source once everything it held for the queue is read and settled."""
+        if not s.retire_known or not s.retiring or s.closed or self.deleted:
+            return
+        if s.in_memory or s.held or s.issued != s.done:
+            return
+        # Read up to the log's end when the exchange stopped routing here, and up to the
+        # last append routed here (one still in flight then ends after that end).
+        for end in (s.retire_at, s.last_appended):
+            if end is not None and (s.last_fed is None or s.last_fed < end):
+                return
+        if self.sources.get(s.topic) is not s:
+            return
+        del self.sources[s.topic]
+        s.close(unsubscribe=True)
+        if self.recorded:
+            self.vhost._forget_source(self, s.topic)
+        self._flow()
 
     def source_lost(self, s: _Source) -> None:
         """The broker closed a source's subscription (topic unloaded): drop what the window
@@ -514,6 +556,8 @@ class Queue:
         self._flow()
         if source.kind == OWN:
             self._release_held()
+        elif source.retiring:
+            self.maybe_retire(source)
 
     def _schedule_expiry(self) -> None:
         """Expire messages at the head when their time comes, not only when read."""
@@ -589,6 +633,8 @@ class Queue:
         if ref.remaining == 0:
             source.ack(ref.position)
         self._flow()
+        if source.retiring:
+            self.maybe_retire(source)
 
     def requeue(self, messages: list[QueuedMessage]) -> None:
         """Put unacknowledged messages back at the head, in their order, marked redelivered."""
@@ -1022,7 +1068,9 @@ class VirtualHost:
 
     def record_source(self, q: Queue, s: _Source) -> Deferred[Any]:
         """Remember that queue ``q`` reads ``s`` (so a restart reads it again)."""
-        body = json.dumps({"kind": s.kind, "subscription": s.subscription}).encode()
+        body = json.dumps(
+            {"kind": s.kind, "subscription": s.subscription, "exchange": s.exchange}
+        ).encode()
         return self.service.metadata_store.put(self._source_path(q, s.topic), body)
 
     def _forget_source(self, q: Queue, topic: str) -> Deferred[Any]:
@@ -1039,8 +1087,14 @@ class VirtualHost:
                 continue
             body = json.loads(got.value)
             kind, subscription = body.get("kind"), body.get("subscription")
+            exchange = body.get("exchange")
             if kind in (SHARED, BRIDGE) and isinstance(subscription, str):
-                d = q.ensure_source(unquote(child), kind, subscription)
+                d = q.ensure_source(
+                    unquote(child),
+                    kind,
+                    subscription,
+                    exchange if isinstance(exchange, str) else None,
+                )
                 if d is not None:
                     await d
 
@@ -1078,6 +1132,40 @@ class VirtualHost:
             and routing.topic_matches(b.routing_key, local)
             for b in ex.bindings
         )
+
+    def reaches(self, exchange: str, queue: str) -> bool:
+        """Whether any binding path leads from ``exchange`` to ``queue``."""
+        seen: set[str] = set()
+        todo = [exchange]
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            ex = self.exchanges.get(name)
+            if ex is None:
+                continue
+            for b in ex.bindings:
+                if b.kind != routing.QUEUE:
+                    todo.append(b.destination)
+                elif b.destination == queue:
+                    return True
+        return False
+
+    def bindings_changed(self) -> None:
+        """Retire the shared logs whose exchange no longer routes to their queue (once read),
+        and keep those it routes to again."""
+        for q in list(self.queues.values()):
+            for s in list(q.sources.values()):
+                if s.kind != SHARED or s.exchange is None:
+                    continue
+                if self.reaches(s.exchange, q.name):
+                    s.retiring = s.retire_known = False
+                elif not s.retiring:
+                    s.retiring = True
+                    d = self.service.last_message_id(s.topic)
+                    d.addCallback(q.retire_from, s)
+                    d.addErrback(lambda f, q=q, s=s: q.retire_from(None, s))
 
     def exchange_log(self, exchange: str) -> str:
         """The topic that holds what is published to ``exchange`` for several queues."""
@@ -1139,6 +1227,7 @@ class VirtualHost:
                     if ex is not None and b not in ex.bindings:
                         ex.bindings.append(b)
                         await self._bound(b)
+        self.bindings_changed()
         Deferred.fromCoroutine(self._drop_orphan_sources()).addErrback(
             lambda f: log.warning("AMQP orphan sweep failed", extra=kv(error=str(f.value)))
         )
@@ -1242,6 +1331,7 @@ class VirtualHost:
         if b in ex.bindings:
             return succeed(None)
         ex.bindings.append(b)
+        self.bindings_changed()
         forwarding = self._bound(b)
         if ex.durable and dest_durable:
             forwarding.addCallback(
@@ -1297,6 +1387,7 @@ class VirtualHost:
                 fwd = q.forwarders.pop(b.routing_key, None)
                 if fwd is not None:
                     fwd.close()
+        self.bindings_changed()
         return self._forget("bindings", self._binding_id(b))
 
     # -- queues ------------------------------------------------------------------------------
@@ -1483,7 +1574,7 @@ class VirtualHost:
             target = log_topic
             stored_message.properties.append((P_TO, encode_to([q.name for q in stored])))
             for q in stored:
-                w = q.ensure_source(target, SHARED)
+                w = q.ensure_source(target, SHARED, exchange=msg.exchange)
                 if w is not None:
                     waits.append(w)
         else:

@@ -301,3 +301,74 @@ def test_purge_after_a_restart_reaches_the_shared_backlog_beyond_the_window() ->
     p.clock.advance(0)
     assert drain(p, "a") == [b"after"]
     assert len(drain(p, "b")) == WINDOW + 301
+
+
+def cursors_of(p: Peer) -> list[str]:
+    """The queues with a subscription on the exchange's log."""
+    return sorted(n.split(".")[2] for n in p.ledgers.logs[EXCHANGE_LOG].cursors)
+
+
+def test_an_unbound_queue_stops_reading_the_log_once_it_has_its_messages() -> None:
+    """After an unbind a queue keeps its subscription on the exchange's log until it has
+    read and settled what was routed to it (a delivered message holds it until acked); then
+    the subscription and its record go, and the other queues go on."""
+    p = Peer()
+    fanout(p, ["a", "b"], confirm=False)
+    p.publish(1, "fan", "", b"m1", delivery_mode=2)
+    p.publish(1, "fan", "", b"m2", delivery_mode=2)
+    p.clock.advance(0)
+    assert get(p, "b", no_ack=False) == b"m1"
+    p.method(1, c.QueueUnbind(queue="b", exchange="fan"))
+    p.clock.advance(0)
+    p.methods()
+    p.publish(1, "fan", "", b"m3", delivery_mode=2)
+    p.clock.advance(0)
+    assert cursors_of(p) == ["a", "b"]
+    assert drain(p, "b") == [b"m2"]
+    assert cursors_of(p) == ["a", "b"]  # m1 is delivered, not yet acknowledged
+    p.method(1, c.BasicAck(1))
+    p.clock.advance(0)
+    assert cursors_of(p) == ["a"]
+    assert not any("/sources/b/" in path for path in p.store.nodes)
+    p.publish(1, "fan", "", b"m4", delivery_mode=2)
+    p.clock.advance(0)
+    assert drain(p, "a") == [b"m1", b"m2", b"m3", b"m4"]
+    assert drain(p, "b") == []
+
+
+def test_a_queue_bound_again_before_it_drained_keeps_reading_the_log() -> None:
+    """Unbind then bind again while messages for the queue are still unread: nothing is
+    lost, nothing retires, and the queue gets what is routed after the new bind."""
+    p = Peer()
+    fanout(p, ["a", "b"], confirm=False)
+    p.publish(1, "fan", "", b"m1", delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.QueueUnbind(queue="b", exchange="fan"))
+    p.method(1, c.QueueBind(queue="b", exchange="fan"))
+    p.clock.advance(0)
+    p.methods()
+    p.publish(1, "fan", "", b"m2", delivery_mode=2)
+    p.clock.advance(0)
+    assert drain(p, "b") == [b"m1", b"m2"]
+    assert cursors_of(p) == ["a", "b"]
+
+
+def test_a_restarted_broker_retires_what_an_exchange_deleted_before_left() -> None:
+    """A queue whose exchange was deleted reads what was routed to it before, also across a
+    restart, and then leaves the exchange's log."""
+    p = Peer()
+    fanout(p, ["a", "b"], confirm=False)
+    p.publish(1, "fan", "", b"m1", delivery_mode=2)
+    p.clock.advance(0)
+    p.method(1, c.ExchangeDelete(exchange="fan"))
+    p.clock.advance(0)
+    p.methods()
+    p = restart(p)
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.clock.advance(0)
+    p.methods()
+    assert cursors_of(p) == ["a", "b"]
+    assert drain(p, "a") == [b"m1"]
+    assert drain(p, "b") == [b"m1"]
+    assert cursors_of(p) == []
