@@ -9,15 +9,19 @@ own topic, ``amqp.q.<name>.<unique>`` on a shared one), created and recorded in 
 store before the first append that needs it, so a confirmed message is in every queue it was
 routed to and a restart reads the same logs from the same positions. A queue keeps its own
 messages of a shared log and acknowledges the others at once, so the log is trimmed once every
-queue has passed an entry; an unbind leaves what was routed before it; a deleted queue drops its
-subscriptions (a restart drops those of exclusive queues that did not come back). Every queue is
-read from ordinary topics that any broker can own (no one-bundle rule), and durability is the
-topics' durability.
+queue has passed an entry; an unbind leaves what was routed before it, and a queue an exchange no
+longer routes to leaves that exchange's log once it has read and settled what it had there; a
+deleted queue drops its subscriptions (a restart drops those of exclusive queues that did not
+come back). Every queue is read from ordinary topics that any broker can own (no one-bundle
+rule), and durability is the topics' durability. A shared log's backlog beyond the window is
+not counted in a queue's message count (only its own topic's is): telling it would mean reading it.
 
 Order: what one exchange routes to one queue keeps its publish order. Once a queue reads an
 exchange's log, everything that exchange routes to it goes there; when it starts to, the log's
-entries wait until the queue's own topic is read up to the last append issued before. Messages
-that reach a queue through different exchanges may interleave (as RabbitMQ allows).
+entries wait until the queue's own topic is read up to the last append issued before (by this
+broker: at the first such switch after a restart, an older backlog of the own topic may
+interleave). Messages that reach a queue through different exchanges may interleave (as
+RabbitMQ allows).
 
 A queue keeps a bounded window of what it read in memory; AMQP consumers, ``basic.get``,
 prefetch, requeue and redelivered flags work on that window, and an entry is acknowledged on its
