@@ -734,7 +734,38 @@ class AdminServer:
                     entry["persistedMarkDeletePosition"] = str(
                         cursor.persisted_mark_delete_position
                     )
+        if call.flag("metadata"):
+            await self._add_ledger_metadata(stats)
         return Response.json(stats)
+
+    async def _add_ledger_metadata(self, stats: dict[str, Any]) -> None:
+        """``internalStats?metadata=true``: each ledger's storage layout, for readers that go to
+        the bookies themselves (Spark): ``sealed``, ``lastEntryId``, ``ensembleSize``,
+        ``writeQuorumSize``, ``ackQuorumSize`` and ``fragments`` (``firstEntryId``,
+        ``bookies``). A ledger whose metadata cannot be read gets ``sealed: false`` only."""
+        client = getattr(self.service.ledger_factory, "client", None)
+        for info in stats.get("ledgers", []):
+            if not isinstance(info, dict):
+                continue
+            info["sealed"] = False
+            if client is None:
+                continue
+            try:
+                meta = await client.get_metadata(int(info["ledgerId"]))
+            except Exception as e:
+                log.warning("ledger metadata unreadable", extra=kv(error=str(e)))
+                continue
+            info.update(
+                sealed=meta.state.value == "closed",
+                lastEntryId=meta.last_entry_id,
+                ensembleSize=meta.ensemble_size,
+                writeQuorumSize=meta.write_quorum,
+                ackQuorumSize=meta.ack_quorum,
+                fragments=[
+                    {"firstEntryId": first, "bookies": list(ensemble)}
+                    for first, ensemble in meta.fragments
+                ],
+            )
 
     async def _last_message_id(self, call: Call) -> Response:
         ref = self._topic(call)
