@@ -30,6 +30,7 @@ import base64
 import contextlib
 import json
 import logging
+import secrets
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -42,7 +43,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
 from polybroker.broker_core.consumer import Delivery, SubType
-from polybroker.broker_core.errors import NotAllowedError
+from polybroker.broker_core.errors import ConsumerBusyError, NotAllowedError
 from polybroker.broker_core.forwarding import ConsumerHandle
 from polybroker.broker_core.messages import (
     Message,
@@ -385,6 +386,8 @@ class Session:
         # A delayed will: its timer and what publishes it (at the delay or the session's end).
         self.will_call: IDelayedCall | None = None
         self.will_fire: Callable[[], None] | None = None
+        #: Another broker took the session over: this copy is inert (never saved or ended).
+        self.released = False
 
     @property
     def persistent(self) -> bool:
@@ -532,6 +535,10 @@ class Session:
                 "mqtt subscription failed",
                 extra=kv(client=self.client_id, topic=full, error=str(f.value)),
             )
+            if f.check(ConsumerBusyError) and not self.ended:
+                # The broker this session just left still holds the subscription: it lets go
+                # once it sees the session taken over (``MqttBroker``), then this attaches.
+                self._attach_again(sub, not_before_ms, after, 0.2)
             return f
 
         d.addCallbacks(attached, failed)
@@ -712,6 +719,8 @@ class Session:
         if self.link is not link:
             return
         self.link = None
+        if self.released:
+            return
         if not self.persistent:
             self.broker.end_session(self)
             return
@@ -767,6 +776,7 @@ class Session:
         return json.dumps(
             {
                 "expiry": self.expiry_s,
+                "holder": self.broker.instance,
                 "expires_at_ms": self.expires_at_ms,
                 "filters": [f.as_json() for f in self.filters.values()],
             }
@@ -805,6 +815,10 @@ class MqttBroker:
         #: then read from the metadata store, not only from what this broker remembers).
         ownership = getattr(service, "ownership", None)
         self.clustered = bool(ownership is not None and ownership.clustered)
+        #: Names this broker in the sessions it stores (``holder``).
+        self.instance = secrets.token_hex(8)
+        # Sessions held here whose stored record is watched (client id -> unwatch).
+        self._held: dict[str, Callable[[], None]] = {}
 
     def start(self) -> Deferred[None]:
         """Load retained messages and the stored sessions' ids; follow topic creation."""
@@ -862,6 +876,9 @@ class MqttBroker:
     def stop(self) -> None:
         if self._remove_listener is not None:
             self._remove_listener()
+        for unwatch in self._held.values():
+            unwatch()
+        self._held.clear()
         for call in self._stored_expiry.values():
             if call.active():
                 call.cancel()
@@ -996,13 +1013,71 @@ class MqttBroker:
             self._forget(session.client_id)
 
     def save(self, session: Session) -> Deferred[Any]:
-        """Store a persistent session's filters."""
+        """Store a persistent session's filters (naming this broker as its holder)."""
+        if session.released:
+            return succeed(None)
         self.stored_ids.add(session.client_id)
         path = f"{SESSIONS_ROOT}/{quote(session.client_id, safe='')}"
+        self._hold(session.client_id, path)
         return self.store.put(path, session.snapshot())
+
+    def _hold(self, client_id: str, path: str) -> None:
+        """In a cluster, watch a session this broker holds: when another broker stores it as
+        its own (the device connected there) or it is ended there, let it go here."""
+        if not self.clustered or client_id in self._held:
+            return
+
+        def changed(_: object) -> None:
+            d = Deferred.fromCoroutine(self._check_holder(client_id, path))
+            d.addErrback(
+                lambda f: log.warning(
+                    "checking an mqtt session's holder failed",
+                    extra=kv(client=client_id, error=str(f.value)),
+                )
+            )
+
+        self._held[client_id] = self.store.watch(path, changed)
+
+    async def _check_holder(self, client_id: str, path: str) -> None:
+        if client_id not in self._held:
+            return
+        got = await self.store.get(path)
+        holder = None
+        if got is not None:
+            with contextlib.suppress(ValueError, AttributeError):
+                holder = json.loads(got.value).get("holder")
+        if got is None or (holder is not None and holder != self.instance):
+            self.release(client_id)
+
+    def release(self, client_id: str) -> None:
+        """Another broker holds the session now: kick its connection here and let its
+        subscriptions go (not deleted: the new holder reads them on)."""
+        unwatch = self._held.pop(client_id, None)
+        if unwatch is not None:
+            unwatch()
+        session = self.sessions.get(client_id)
+        if session is None:
+            return
+        log.info("mqtt session taken over by another broker", extra=kv(client=client_id))
+        del self.sessions[client_id]
+        session.released = True
+        session.ended = True
+        for call in (session._expiry_call, session.will_call):
+            if call is not None and call.active():
+                call.cancel()
+        if session.link is not None:
+            session.link.kick(c.SESSION_TAKEN_OVER)
+        for sub in session.subs.values():
+            session._close_sub(sub, delete=False)
+        session.subs.clear()
+        session.queue.clear()
+        session.inflight.clear()
 
     def _forget(self, client_id: str) -> Deferred[None]:
         self.stored_ids.discard(client_id)
+        unwatch = self._held.pop(client_id, None)
+        if unwatch is not None:
+            unwatch()
         path = f"{SESSIONS_ROOT}/{quote(client_id, safe='')}"
         d = self.store.delete(path)
         d.addErrback(lambda _: None)

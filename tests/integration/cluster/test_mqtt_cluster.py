@@ -82,12 +82,17 @@ class Device:
         self._acks: dict[int, Any] = {}
         self._cv = threading.Condition()
         self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean)
-        self.c.on_connect = lambda *_a: self._connected.set()
+        self.session_present = False
+        self.c.on_connect = self._on_connect
         self.c.on_message = lambda _c, _u, m: self.messages.put((m.topic, m.payload, m.qos))
         self.c.on_subscribe = self._on_sub
         self.c.connect("127.0.0.1", broker.port("mqttListenerPort"), keepalive=60)
         self.c.loop_start()
         assert self._connected.wait(WAIT_S), "no CONNACK"
+
+    def _on_connect(self, _c: Any, _u: Any, flags: Any, _reason: Any, _p: Any) -> None:
+        self.session_present = bool(flags.session_present)
+        self._connected.set()
 
     def _on_sub(self, _c: Any, _u: Any, mid: int, reasons: Any, _p: Any) -> None:
         with self._cv:
@@ -254,3 +259,27 @@ def test_clients_of_the_survivor_go_on_after_kill_9_of_the_owner(cluster: Cluste
     assert {held[bundle_of(c.a, t)] for t in on_b} == {c.a.broker_id}
     for d in (exact, durable, wild, pub):
         d.close()
+
+
+def test_a_persistent_session_moves_with_its_device_to_the_other_broker(cluster: Cluster) -> None:
+    """A device with a persistent session leaves broker A and connects to broker B: its session
+    is present there, what was published while it was away is delivered, and so is what comes
+    next (A let the session's subscriptions go)."""
+    c = cluster
+    dev = Device(c.a, "roaming", clean=False)
+    dev.subscribe("move-0", 1)
+    dev.subscribe("move-1", 1)
+    dev.close()
+    pub = Device(c.b, "pub-on-b")
+    away = {("move-0", payload("away-0")), ("move-1", payload("away-1"))}
+    for topic, m in sorted(away):
+        pub.publish(topic, m, 1)
+    dev = Device(c.b, "roaming", clean=False)
+    assert dev.session_present
+    dev.collect(away, WAIT_S)
+    later = {("move-0", payload("later-0")), ("move-1", payload("later-1"))}
+    for topic, m in sorted(later):
+        pub.publish(topic, m, 1)
+    dev.collect(later, WAIT_S)
+    dev.close()
+    pub.close()

@@ -26,6 +26,7 @@ from polybroker.broker_core.ownership import BrokerInfo, NotOwnerError, Ownershi
 from polybroker.broker_core.service import BrokerService
 from polybroker.config import Config
 from polybroker.ledger.api import InitialPosition, Position
+from polybroker.metadata.memory import MemoryMetadataStore
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt.connection import MqttSettings
 from polybroker.protocols.mqtt.session import MqttBroker
@@ -106,10 +107,10 @@ class InProcessForwarder(Forwarder):
 class Pair:
     """Broker A (MQTT, owns nothing) forwarding to broker B (the owner)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watching: bool = False) -> None:
         self.clock = Clock()
         self.clock.advance(1_000_000)
-        self.store = FakeMetadataStore()
+        self.store: Any = MemoryMetadataStore(self.clock) if watching else FakeMetadataStore()
         config = Config({"statsUpdateFrequencyInSecs": 0})
         self.owner_factory = FakeLedgerFactory(self.clock.seconds)
         self.owner = BrokerService(self.owner_factory, self.clock, config, self.store)
@@ -274,3 +275,29 @@ def test_a_persistent_session_stored_by_another_broker_is_resumed_here() -> None
     assert got[0] == c.ConnAck(True, 0)
     assert list(env.broker.sessions["dev"].filters) == ["a/b"]
     assert [x.payload for x in got[1:] if isinstance(x, c.Publish)] == [b"meanwhile"]
+
+
+def test_a_session_taken_over_on_another_broker_is_let_go_here() -> None:
+    """A device that left this broker with a persistent session connects to another broker:
+    the other broker stores the session as its own, this broker lets its subscriptions go, and
+    the device gets, there, what was published meanwhile (no subscription stays busy)."""
+    env = Pair(watching=True)
+    dev = env.peer("dev", clean_start=False)
+    dev.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    env.clock.advance(0)
+    dev.packets()
+    dev.send(c.Disconnect())
+    env.clock.advance(0)
+    assert "dev" in env.broker.sessions  # kept, its consumer still attached at the owner
+    result_of(env.owner.publish(FULL, _entry_like(env, b"meanwhile")))
+    env.clock.advance(0)
+    other = owner_side(env)
+    moved = Peer(type("Holder", (), {"settings": other})(), c.LEVEL_311)  # type: ignore[arg-type]
+    moved.send(c.Connect("dev", c.LEVEL_311, clean_start=False))
+    env.clock.pump([0.1] * 20)
+    got = moved.packets()
+    assert got[0] == c.ConnAck(True, 0)
+    assert "dev" not in env.broker.sessions
+    assert [x.payload for x in got[1:] if isinstance(x, c.Publish)] == [b"meanwhile"]
+    topic = result_of(env.owner.get_topic(FULL))
+    assert len(topic.subscriptions["mqtt-dev"].consumers) == 1
