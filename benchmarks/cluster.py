@@ -54,7 +54,6 @@ REPLICATION = {
     "managedLedgerDefaultWriteQuorum": 2,
     "managedLedgerDefaultAckQuorum": 2,
 }
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -65,10 +64,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    """CPU time every thread of a process has run so far (scheduler statistics, in ns; the
+    clock-tick counters of /proc/<pid>/stat are too coarse for short runs)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return total / 1e9
 
 
 @dataclass
@@ -316,7 +320,7 @@ class PacedSender:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate", type=int, default=500, help="paced rate of the kill cases")
     parser.add_argument("--session-ms", type=int, default=2000)
