@@ -13,8 +13,8 @@ queue has passed an entry; an unbind leaves what was routed before it, and a que
 longer routes to leaves that exchange's log once it has read and settled what it had there; a
 deleted queue drops its subscriptions (a restart drops those of exclusive queues that did not
 come back). Every queue is read from ordinary topics that any broker can own (no one-bundle
-rule), and durability is the topics' durability. A shared log's backlog beyond the window is
-not counted in a queue's message count (only its own topic's is): telling it would mean reading it.
+rule), and durability is the topics' durability. A queue's message count takes a shared log's
+unread part at the share of the queue's messages in what it read there (exact for a fanout).
 
 Order: what one exchange routes to one queue keeps its publish order. Once a queue reads an
 exchange's log, everything that exchange routes to it goes there; when it starts to, the log's
@@ -202,6 +202,9 @@ class _Source:
         self.barrier_ticket: int | None = None
         self.barrier_pos: Position | None = None
         self.held: list[Delivery] = []
+        #: Messages read from this log, and those of them that were the queue's.
+        self.read = 0
+        self.accepted = 0
         #: A shared log's exchange; once that no longer routes to the queue, the source is
         #: retired when the queue has read (``retire_at``: the log's end then, None if empty)
         #: and settled all of it.
@@ -536,7 +539,9 @@ class Queue:
                 source.ack(entry.position)
                 continue
             if source.kind != OWN:
+                source.read += len(messages)
                 messages = [m for m in messages if source.accepts(m)]
+                source.accepted += len(messages)
             if not messages:
                 source.ack(entry.position)
                 continue
@@ -807,25 +812,35 @@ class Queue:
         return sum(1 for qm in self.ready if not qm.settled)
 
     def count(self) -> Deferred[int]:
-        """Ready messages, including a durable queue's backlog beyond the window."""
+        """Ready messages, with the backlog beyond the window: exact for the queue's own
+        topic; for a shared log, its unread part times the share of the queue's messages in
+        what it read there (exact for a fanout's log)."""
         ready = self.message_count
-        own = self.sources.get(self.topic)
-        if own is None or own.in_memory < self._cap() // 2:
+        cap = self._cap()
+        full = [s for s in self.sources.values() if s.in_memory >= cap // 2]
+        if not full:
             return succeed(ready)
-        d = self.vhost.service.stats(self.topic)
+        ds = [self.vhost.service.stats(s.topic) for s in full]
+        dl = DeferredList(ds, consumeErrors=True)
 
-        def backlog(stats: dict[str, Any]) -> int:
-            # The own topic's backlog counts what the window has not read yet; a shared
-            # log's backlog holds other queues' messages too, so only its window part counts.
-            sub = stats.get("subscriptions", {}).get(SUBSCRIPTION, {})
-            own_ready = sum(1 for qm in self.ready if qm.ref.source is own and not qm.settled)
-            unacked = own.in_memory - own_ready  # delivered to clients, not yet acknowledged
-            beyond = int(sub.get("backlogMessages", 0)) - unacked
-            return ready - own_ready + max(own_ready, beyond)
+        def total(results: list[tuple[bool, Any]]) -> int:
+            n = ready
+            for s, (ok, stats) in zip(full, results, strict=True):
+                if not ok:
+                    continue
+                sub = stats.get("subscriptions", {}).get(s.subscription, {})
+                backlog = int(sub.get("backlogMessages", 0))
+                in_window = sum(1 for qm in self.ready if qm.ref.source is s and not qm.settled)
+                unacked = s.in_memory - in_window  # delivered to clients, not yet acknowledged
+                if s.kind == OWN:
+                    n += max(in_window, backlog - unacked) - in_window
+                else:
+                    share = s.accepted / s.read if s.read else 1.0
+                    n += round(max(0, backlog - s.in_memory) * share)
+            return n
 
-        d.addCallback(backlog)
-        d.addErrback(lambda f: ready)
-        return d
+        dl.addCallback(total)
+        return dl  # type: ignore[return-value]
 
     def add_consumer(self, c: QueueConsumer) -> None:
         if c.exclusive and self.consumers:
