@@ -672,7 +672,24 @@ class AdminServer:
 
     async def _delete_partitioned(self, call: Call) -> Response:
         ref = self._topic(call)
-        await self.service.delete_partitioned_topic(ref.full, force=call.flag("force"))
+
+        async def delete_partition(name: str, force: bool) -> None:
+            try:
+                await self.service.delete_topic(name, force)
+            except NotOwnerError as e:
+                if e.owner is None:
+                    raise
+                # Served by another broker of the cluster: it deletes it.
+                part = self.service.topic_ref(name)
+                url = (
+                    f"{e.owner.web_url}/admin/v2/{part.domain}/{part.tenant}/{part.namespace}/"
+                    f"{quote(part.local, safe='')}" + ("?force=true" if force else "")
+                )
+                await self._remote_call(b"DELETE", url)
+
+        await self.service.delete_partitioned_topic(
+            ref.full, force=call.flag("force"), delete_partition=delete_partition
+        )
         return Response()
 
     async def _stats(self, call: Call) -> Response:
@@ -712,13 +729,19 @@ class AdminServer:
             return await self.service.stats(name)
 
     async def _remote_json(self, url: str) -> Any:
+        return json.loads(await self._remote_call(b"GET", url))
+
+    async def _remote_call(self, method: bytes, url: str) -> bytes:
+        """Ask another broker's admin API; its refusal is ours (a missing topic is 404)."""
         from twisted.web.client import Agent, readBody
 
-        response = await Agent(self.service.reactor).request(b"GET", url.encode())
-        body = await readBody(response)
-        if response.code != 200:
+        response = await Agent(self.service.reactor).request(method, url.encode())
+        body: bytes = await readBody(response)
+        if response.code == 404:
+            raise TopicNotFoundError(body.decode(errors="replace")[:200])
+        if response.code >= 300:
             raise AdminError(response.code, body.decode(errors="replace")[:200])
-        return json.loads(body)
+        return body
 
     async def _internal_stats(self, call: Call) -> Response:
         ref = self._topic(call)

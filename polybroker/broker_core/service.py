@@ -783,19 +783,31 @@ class BrokerService:
             )
         await self._put_partitions(ref, partitions, found.stat.version)
 
-    def delete_partitioned_topic(self, topic: str, force: bool = False) -> Deferred[None]:
-        """Delete every partition that exists, then the partitioned metadata."""
-        return Deferred.fromCoroutine(self._delete_partitioned(topic, force))
+    def delete_partitioned_topic(
+        self,
+        topic: str,
+        force: bool = False,
+        *,
+        delete_partition: Callable[[str, bool], Any] | None = None,
+    ) -> Deferred[None]:
+        """Delete every partition that exists, then the partitioned metadata.
 
-    async def _delete_partitioned(self, name: str, force: bool) -> None:
+        ``delete_partition(name, force)`` (awaitable) deletes one partition instead of this
+        broker, e.g. asking its owner in a cluster; missing partitions are skipped."""
+        return Deferred.fromCoroutine(self._delete_partitioned(topic, force, delete_partition))
+
+    async def _delete_partitioned(
+        self, name: str, force: bool, delete_partition: Callable[[str, bool], Any] | None
+    ) -> None:
         ref = self.topic_ref(name)
         found = await self.metadata_store.get(ref.partitioned_path)
         if found is None:
             raise TopicNotFoundError(f"partitioned topic {ref.full} does not exist")
         partitions = int(json.loads(found.value)["partitions"])
+        delete = delete_partition or self._delete_topic
         for i in range(partitions):
             with contextlib.suppress(TopicNotFoundError):
-                await self._delete_topic(ref.partition(i).full, force)
+                await delete(ref.partition(i).full, force)
         with contextlib.suppress(NotFoundError):
             await self.metadata_store.delete(ref.partitioned_path)
 

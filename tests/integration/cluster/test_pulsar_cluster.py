@@ -131,6 +131,15 @@ def test_partitions_spread_over_brokers_and_any_broker_answers(cluster: Cluster)
         for asked in (a, b):
             stats = http("GET", f"{asked.http_url}/admin/v2/persistent/{NS}/{name}/stats")
             assert stats["msgInCounter"] > 0
+    stats = http("GET", f"{b.http_url}/admin/v2/persistent/{NS}/spread/partitioned-stats")
+    assert stats["msgInCounter"] == 200
+    assert len(stats["partitions"]) == 8
+    # Deleting the partitioned topic from one broker deletes the partitions the other serves.
+    http("DELETE", f"{a.http_url}/admin/v2/persistent/{NS}/spread/partitions?force=true")
+    assert http("GET", f"{b.http_url}/admin/v2/persistent/{NS}/spread/partitions") == {
+        "partitions": 0
+    }
+    assert not [t for t in http("GET", f"{b.http_url}/admin/v2/persistent/{NS}") if "spread" in t]
 
 
 def test_bundle_unload_transfer_and_split_through_admin(cluster: Cluster) -> None:
