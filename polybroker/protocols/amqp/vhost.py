@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 
@@ -139,7 +139,6 @@ class QueueConsumer:
 OWN = "own"
 SHARED = "shared"
 BRIDGE = "bridge"
-SOURCE_KINDS = frozenset({OWN, SHARED, BRIDGE})
 
 
 @dataclass(slots=True)
@@ -165,9 +164,9 @@ class _Source:
 
     The queue's own topic (subscription ``amqp``) holds what was routed to it alone. A log that
     several queues read (an exchange's log, or a topic bridged through ``amq.topic``; the
-    subscription is ``amqp.q.<queue>``) holds each message once, with the queues it was routed
-    to in ``P_TO``; the queue keeps its own messages and acknowledges the others unread by any
-    client. A bridged topic's messages from other protocols (no ``P_TO``) are routed on read.
+    subscription is ``amqp.q.<queue>.<unique>``) holds each message once, with the queues it was
+    routed to in ``P_TO``; the queue keeps its own messages and acknowledges the others unread by
+    any client. A bridged topic's messages from other protocols (no ``P_TO``) are routed on read.
     """
 
     _ids = itertools.count(1)
@@ -184,6 +183,7 @@ class _Source:
         self.closed = False
         self.dropped = False
         self.waiters: list[Deferred[None]] = []
+        self.failure: Any = None
         self.granted = 0
         self.received = 0
         #: Messages of this source in the queue's window.
@@ -271,11 +271,15 @@ class _Source:
         """Fires once the subscription exists (at once if it does)."""
         if self.created:
             return succeed(None)
+        if self.failure is not None:
+            return fail(self.failure)
         d: Deferred[None] = Deferred()
         self.waiters.append(d)
         return d
 
     def settled_attach(self, failure: Any = None) -> None:
+        """The subscription exists, or could not be made (``failure``): tell the waiters."""
+        self.failure = failure
         waiters, self.waiters = self.waiters, []
         for w in waiters:
             if failure is None:

@@ -391,3 +391,30 @@ def test_declare_ok_counts_a_fanout_backlog_beyond_the_window() -> None:
     p.method(1, c.QueueDeclare(queue="a", durable=True, passive=True))
     p.clock.advance(0)
     assert p.methods() == [c.QueueDeclareOk("a", WINDOW + 490, 0)]
+
+
+def test_a_publish_whose_queue_cannot_read_the_log_is_nacked() -> None:
+    """When a queue's subscription on the exchange's log cannot be recorded, the publish
+    that needed it is nacked (not left unanswered) and stored nowhere; the next one works."""
+    from twisted.internet.defer import fail
+
+    p = Peer()
+    fanout(p, ["a", "b"])
+    put = p.store.put
+    broken = {"on": True}
+
+    def flaky_put(path: str, value: bytes, *args: object, **kwargs: object) -> object:
+        if broken["on"] and "/sources/" in path:
+            return fail(RuntimeError("metadata store down"))
+        return put(path, value, *args, **kwargs)  # type: ignore[arg-type]
+
+    p.store.put = flaky_put  # type: ignore[method-assign]
+    p.publish(1, "fan", "", b"lost", delivery_mode=2)
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicNack(1, False, False)]
+    broken["on"] = False
+    p.publish(1, "fan", "", b"kept", delivery_mode=2)
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicAck(2, True)]
+    assert drain(p, "a") == [b"kept"]
+    assert drain(p, "b") == [b"kept"]
