@@ -834,7 +834,18 @@ class AdminServer:
 
     async def _unload(self, call: Call) -> Response:
         ref = self._topic(call)
+        ownership = self.service.ownership
         for name in await self._targets(ref):
+            if ownership is not None and ownership.clustered and not ownership.owns(name):
+                owner = await ownership.lookup(name)
+                if owner.broker_id != ownership.local.broker_id:
+                    part = self.service.topic_ref(name)
+                    await self._remote_call(
+                        b"PUT",
+                        f"{owner.web_url}/admin/v2/{part.domain}/{part.tenant}/"
+                        f"{part.namespace}/{quote(part.local, safe='')}/unload",
+                    )
+                    continue
             await self.service.unload_topic(name)
         return Response()
 

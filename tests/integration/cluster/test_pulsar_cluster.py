@@ -134,6 +134,11 @@ def test_partitions_spread_over_brokers_and_any_broker_answers(cluster: Cluster)
     stats = http("GET", f"{b.http_url}/admin/v2/persistent/{NS}/spread/partitioned-stats")
     assert stats["msgInCounter"] == 200
     assert len(stats["partitions"]) == 8
+    # Unloading the topic through one broker unloads the partitions the other serves too.
+    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/spread/unload")
+    for i in range(8):
+        stats = http("GET", f"{b.http_url}/admin/v2/persistent/{NS}/spread-partition-{i}/stats")
+        assert stats["msgInCounter"] == 0  # counters start again in a freshly loaded topic
     # Deleting the partitioned topic from one broker deletes the partitions the other serves.
     http("DELETE", f"{a.http_url}/admin/v2/persistent/{NS}/spread/partitions?force=true")
     assert http("GET", f"{b.http_url}/admin/v2/persistent/{NS}/spread/partitions") == {
