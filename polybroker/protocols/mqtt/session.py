@@ -1047,11 +1047,12 @@ class MqttBroker:
             with contextlib.suppress(ValueError, AttributeError):
                 holder = json.loads(got.value).get("holder")
         if got is None or (holder is not None and holder != self.instance):
-            self.release(client_id)
+            self.release(client_id, ended=got is None)
 
-    def release(self, client_id: str) -> None:
+    def release(self, client_id: str, ended: bool = False) -> None:
         """Another broker holds the session now: kick its connection here and let its
-        subscriptions go (not deleted: the new holder reads them on)."""
+        subscriptions go (not deleted: the new holder reads them on). ``ended``: the session
+        was ended there (its record deleted), so its durable subscriptions are deleted too."""
         unwatch = self._held.pop(client_id, None)
         if unwatch is not None:
             unwatch()
@@ -1068,7 +1069,7 @@ class MqttBroker:
         if session.link is not None:
             session.link.kick(c.SESSION_TAKEN_OVER)
         for sub in session.subs.values():
-            session._close_sub(sub, delete=False)
+            session._close_sub(sub, delete=ended)
         session.subs.clear()
         session.queue.clear()
         session.inflight.clear()

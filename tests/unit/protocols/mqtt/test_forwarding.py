@@ -301,3 +301,23 @@ def test_a_session_taken_over_on_another_broker_is_let_go_here() -> None:
     assert [x.payload for x in got[1:] if isinstance(x, c.Publish)] == [b"meanwhile"]
     topic = result_of(env.owner.get_topic(FULL))
     assert len(topic.subscriptions["mqtt-dev"].consumers) == 1
+
+
+def test_a_session_ended_on_another_broker_is_ended_here_too() -> None:
+    """The device comes back with a clean start on another broker: its old session ends there
+    (record deleted), and this broker, which still held its subscriptions, deletes them."""
+    env = Pair(watching=True)
+    dev = env.peer("dev", clean_start=False)
+    dev.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    env.clock.advance(0)
+    dev.send(c.Disconnect())
+    env.clock.advance(0)
+    topic = result_of(env.owner.get_topic(FULL))
+    assert "mqtt-dev" in topic.subscriptions
+    other = owner_side(env)
+    fresh = Peer(type("Holder", (), {"settings": other})(), c.LEVEL_311)  # type: ignore[arg-type]
+    fresh.send(c.Connect("dev", c.LEVEL_311, clean_start=True))
+    env.clock.pump([0.1] * 20)
+    assert fresh.packets()[0] == c.ConnAck(False, 0)
+    assert "dev" not in env.broker.sessions
+    assert "mqtt-dev" not in topic.subscriptions
