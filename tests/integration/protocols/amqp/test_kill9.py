@@ -3,6 +3,7 @@ embedded metadata store) is killed and restarted on the same data directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import selectors
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pika
@@ -19,10 +21,14 @@ import pytest
 READY = "polybroker standalone ready "
 
 
+WEB_PORTS: dict[int, int] = {}  # AMQP port -> admin HTTP port of the same standalone
+
+
 def start(
     data_dir: Path, log: Path, timeout_s: float = 60.0
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Start a standalone with AMQP on a free port; return it and its AMQP port."""
+    """Start a standalone with AMQP on a free port; return it and its AMQP port (its admin
+    HTTP port is in ``WEB_PORTS``)."""
     conf = data_dir.parent / "broker.conf"
     conf.write_text("messagingProtocols=amqp\n")
     cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
@@ -45,7 +51,9 @@ def start(
             seen += chunk
             for line in seen.decode(errors="replace").splitlines():
                 if line.startswith(READY):
-                    return proc, int(re.findall(r"amqpListenerPort=(\d+)", line)[0])
+                    port = int(re.findall(r"amqpListenerPort=(\d+)", line)[0])
+                    WEB_PORTS[port] = int(re.findall(r"webServicePort=(\d+)", line)[0])
+                    return proc, port
     stop(proc, signal.SIGKILL)
     raise RuntimeError(f"standalone not ready: {log.read_text()[-2000:]}")
 
@@ -60,6 +68,26 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
             proc.wait(10)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def admin(port: int, path: str) -> object:
+    """GET an admin REST path of the standalone serving AMQP on ``port``."""
+    url = f"http://127.0.0.1:{WEB_PORTS[port]}{path}"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def stored_messages(port: int) -> dict[str, int]:
+    """Messages ever written to each topic of public/default (the topics' stats)."""
+    out: dict[str, int] = {}
+    topics = admin(port, "/admin/v2/persistent/public/default")
+    assert isinstance(topics, list)
+    for full in topics:
+        local = full.rsplit("/", 1)[-1]
+        stats = admin(port, f"/admin/v2/persistent/public/default/{local}/stats")
+        assert isinstance(stats, dict)
+        out[local] = int(stats["msgInCounter"])
+    return out
 
 
 def connect(port: int) -> pika.BlockingConnection:
@@ -146,6 +174,7 @@ def test_kill_9_keeps_every_queue_bound_to_one_exchange(tmp_path: Path) -> None:
             ch.queue_bind(q, "fan")
         for i in range(30):
             ch.basic_publish("fan", "", f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        stored = stored_messages(port)
         for _ in range(10):  # a acknowledges ten
             method, _, _ = ch.basic_get("a")
             ch.basic_ack(method.delivery_tag)
@@ -181,3 +210,6 @@ def test_kill_9_keeps_every_queue_bound_to_one_exchange(tmp_path: Path) -> None:
     assert got["b"] == published
     assert got["c"] == published
     assert after == {q: b"after" for q in queues}
+    # Stored once: the exchange's log holds the 30 messages, the queues' own topics none.
+    assert stored["amqp.exchange.fan"] == 30
+    assert sum(stored.values()) == 30
