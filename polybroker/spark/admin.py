@@ -9,6 +9,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote
 
+from polybroker.ledger.direct import LedgerLayout, layouts_from_stats
 from polybroker.spark.offsets import EARLIEST, Boundary, after_last, base_topic, full_topic
 
 
@@ -76,7 +77,21 @@ class PulsarAdmin:
 
     def ledgers(self, topic: str) -> list[tuple[int, int]]:
         """``(ledgerId, entries)`` of the topic partition's ledgers, oldest first."""
-        stats = self._get(self._path(topic) + "/internalStats")
+        return self._ledgers(self._get(self._path(topic) + "/internalStats"))
+
+    def storage(self, topic: str) -> tuple[list[tuple[int, int]], dict[int, LedgerLayout]]:
+        """``ledgers()`` and the storage layout of each sealed ledger (empty if not told)."""
+        stats = self._get(self._path(topic) + "/internalStats?metadata=true")
+        layouts: dict[int, LedgerLayout] = {}
+        if isinstance(stats, dict):
+            try:
+                layouts = layouts_from_stats(stats.get("ledgers", []))
+            except (KeyError, TypeError, ValueError) as e:
+                raise AdminError(f"{topic}: unusable ledger metadata: {e}") from None
+        return self._ledgers(stats), layouts
+
+    @staticmethod
+    def _ledgers(stats: Any) -> list[tuple[int, int]]:
         if not isinstance(stats, dict):
             return []
         out = [(int(x["ledgerId"]), int(x.get("entries", 0))) for x in stats.get("ledgers", [])]

@@ -13,7 +13,7 @@ topic partition, written ``"ledger:entry:batch"``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +213,18 @@ def advance(
             return min(cut, end)
         budget -= stop - first
     return end
+
+
+def sealed_end(ledgers: Sequence[tuple[int, int]], sealed: Collection[int]) -> Boundary:
+    """The boundary before the first ledger not in ``sealed``: every stored entry before it
+    lies in a sealed ledger (``EARLIEST`` when the first ledger is open or there is none)."""
+    ids = sorted(ledger for ledger, _ in ledgers)
+    if not ids:
+        return EARLIEST
+    for ledger in ids:
+        if ledger not in sealed:
+            return (ledger, 0, -1) if ledger != ids[0] else EARLIEST
+    return (ids[-1] + 1, 0, -1)
 
 
 def first_lost(ledgers: Sequence[tuple[int, int]], start: Boundary) -> bool:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
-from polybroker.spark.offsets import Boundary, ReadRange
+from polybroker.ledger.direct import DirectLedgerReader, LedgerLayout
+from polybroker.spark.offsets import Boundary, ReadRange, format_boundary
+from polybroker.spark.storage import Row, Stop, read_rows
+
+log = logging.getLogger(__name__)
 
 #: Rows per Arrow record batch handed to Spark.
 BATCH_ROWS = 10_000
@@ -116,6 +122,67 @@ def read_messages(
         c.close()
 
 
+class _Batches:
+    """Collects rows column by column and cuts them into Arrow record batches."""
+
+    def __init__(self, topic: str, typed: Sequence[Any], batch_rows: int) -> None:
+        self.topic = topic
+        self.schema = arrow_schema(typed)
+        self.fields = list(typed)
+        self.batch_rows = batch_rows
+        self.extra: list[list[Any]] = [[] for _ in self.fields]
+        self.keys: list[bytes | None] = []
+        self.values: list[bytes] = []
+        self.ids: list[bytes] = []
+        self.pubs: list[int] = []
+        self.events: list[int | None] = []
+        self.props: list[list[tuple[str, str]]] = []
+
+    def add_rows(self, rows: Sequence[Row]) -> Any:
+        """Add rows ``(key, value, id, publish us, event us, properties)``; a full batch or None."""
+        for key, value, mid, pub, event, props in rows:
+            self.keys.append(key)
+            self.values.append(value)
+            self.ids.append(mid)
+            self.pubs.append(pub)
+            self.events.append(event)
+            self.props.append(props)
+        if self.fields:
+            from polybroker.spark.typed import extract
+
+            for row in rows:
+                for column, v in zip(self.extra, extract(row[1], self.fields), strict=True):
+                    column.append(v)
+        return self.flush() if len(self.values) >= self.batch_rows else None
+
+    def flush(self) -> Any:
+        """The rows collected so far as one record batch (None if there are none)."""
+        import pyarrow as pa
+
+        n = len(self.values)
+        if not n:
+            return None
+        arrays = [
+            self.keys,
+            self.values,
+            [self.topic] * n,
+            self.ids,
+            self.pubs,
+            self.events,
+            self.props,
+            *self.extra,
+        ]
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(c, type=f.type) for c, f in zip(arrays, self.schema, strict=True)],
+            schema=self.schema,
+        )
+        for c in (self.keys, self.values, self.ids, self.pubs, self.events, self.props):
+            c.clear()
+        for c in self.extra:
+            c.clear()
+        return batch
+
+
 def read_batches(
     service_url: str,
     rng: ReadRange,
@@ -124,51 +191,53 @@ def read_batches(
     batch_rows: int = BATCH_ROWS,
     timeout_ms: int = 30_000,
     typed: Sequence[Any] = (),
+    layouts: Sequence[LedgerLayout] = (),
+    ledgers: Sequence[tuple[int, int]] = (),
 ) -> Iterator[Any]:
     """Yield ``rng``'s rows as Arrow record batches: the fixed columns, then the ``typed``
-    fields (Spark StructFields) taken from each JSON value (``polybroker.spark.typed``)."""
-    import pyarrow as pa
+    fields (Spark StructFields) taken from each JSON value (``polybroker.spark.typed``).
 
-    from polybroker.spark.typed import extract
-
-    schema = arrow_schema(typed)
-    fields = list(typed)
-    extra: list[list[Any]] = [[] for _ in fields]
-    topic = rng.topic
-    keys: list[bytes | None] = []
-    values: list[bytes] = []
-    ids: list[bytes] = []
-    pubs: list[int] = []
-    events: list[int | None] = []
-    props: list[list[tuple[str, str]]] = []
-
-    def flush() -> Any:
-        n = len(values)
-        arrays = [keys, values, [topic] * n, ids, pubs, events, props, *extra]
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(c, type=f.type) for c, f in zip(arrays, schema, strict=True)],
-            schema=schema,
+    With ``layouts`` (of the sealed ledgers ``ledgers`` the range lies in) the rows are read
+    from the bookies (``polybroker.spark.storage``); where that stops, the rest comes through
+    the broker."""
+    out = _Batches(rng.topic, typed, batch_rows)
+    if layouts:
+        stops: list[Stop] = []
+        with DirectLedgerReader(timeout=timeout_ms / 1000) as reader:
+            for rows in read_rows(rng, layouts, ledgers, reader, stops):
+                batch = out.add_rows(rows)
+                if batch is not None:
+                    yield batch
+        if not stops:
+            batch = out.flush()
+            if batch is not None:
+                yield batch
+            return
+        log.warning(
+            "%s: reading on through the broker from %s: %s",
+            rng.topic,
+            format_boundary(stops[0].resume),
+            stops[0].reason,
         )
-        for c in (keys, values, ids, pubs, events, props, *extra):
-            c.clear()
-        return batch
-
+        rng = replace(rng, start=stops[0].resume)
+    row: list[Row] = [None]  # type: ignore[list-item]
     for msg, mid in read_messages(
         service_url, rng, fail_on_data_loss=fail_on_data_loss, timeout_ms=timeout_ms
     ):
         key = msg.partition_key()
-        keys.append(key.encode() if key else None)
-        values.append(msg.data())
-        ids.append(mid.serialize())
-        pubs.append(msg.publish_timestamp() * 1000)
         event = msg.event_timestamp()
-        events.append(event * 1000 if event else None)
         p = msg.properties()
-        props.append(list(p.items()) if p else [])
-        if fields:
-            for column, v in zip(extra, extract(values[-1], fields), strict=True):
-                column.append(v)
-        if len(values) >= batch_rows:
-            yield flush()
-    if values:
-        yield flush()
+        row[0] = (
+            key.encode() if key else None,
+            msg.data(),
+            mid.serialize(),
+            msg.publish_timestamp() * 1000,
+            event * 1000 if event else None,
+            list(p.items()) if p else [],
+        )
+        batch = out.add_rows(row)
+        if batch is not None:
+            yield batch
+    batch = out.flush()
+    if batch is not None:
+        yield batch

@@ -3,7 +3,8 @@
 Option names follow the StreamNative pulsar-spark connector: ``service.url``, ``admin.url``,
 ``topic`` / ``topics`` / ``topicsPattern``, ``startingOffsets``, ``endingOffsets``,
 ``failOnDataLoss``, ``maxEntriesPerTrigger``; plus ``maxEntriesPerPartition`` (how large backlogs
-are split) and, for writers, ``batchingMaxMessages``.
+are split), ``readFromStorage`` (default true: the sealed ledgers of a backlog are read straight
+from the bookies, ``polybroker.spark.storage``) and, for writers, ``batchingMaxMessages``.
 
 Where code runs: planning (topics, last ids, ledgers) on the driver through the admin REST API;
 ``read``/``write`` in executor workers through the Pulsar client. Everything a worker needs travels
@@ -40,6 +41,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from polybroker.ledger.direct import LedgerLayout
 from polybroker.spark import offsets as off
 from polybroker.spark.admin import AdminError, PulsarAdmin
 from polybroker.spark.reading import read_batches
@@ -99,9 +101,14 @@ def _deserialize(data: bytes) -> off.Boundary:
 
 @dataclass
 class PulsarPartition(InputPartition):
-    """One range of one topic partition to read (pickled to the executor)."""
+    """One range of one topic partition to read (pickled to the executor).
+
+    With ``layouts`` the range lies in the sealed ledgers ``ledgers`` and is read from the
+    bookies; without, through the broker."""
 
     rng: off.ReadRange
+    layouts: tuple[LedgerLayout, ...] = ()
+    ledgers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class ReadConfig:
     max_entries_per_partition: int
     max_entries_per_trigger: int | None
     typed: tuple[StructField, ...] = ()
+    read_from_storage: bool = True
 
     @classmethod
     def of(cls, options: dict[str, str], schema: StructType | None = None) -> ReadConfig:
@@ -142,6 +150,7 @@ class ReadConfig:
             or DEFAULT_MAX_ENTRIES_PER_PARTITION,
             max_entries_per_trigger=_positive(options, "maxEntriesPerTrigger", None),
             typed=tuple(schema.fields[len(READ_SCHEMA.fields) :]) if schema else (),
+            read_from_storage=_flag(options, "readFromStorage", True),
         )
 
     def admin(self) -> PulsarAdmin:
@@ -167,7 +176,10 @@ def plan(
         start, end = starts.get(topic, off.EARLIEST), ends[topic]
         if start >= end:
             continue
-        ledgers = admin.ledgers(topic)
+        if cfg.read_from_storage:
+            ledgers, layouts = admin.storage(topic)
+        else:
+            ledgers, layouts = admin.ledgers(topic), {}
         if off.first_lost(ledgers, start):
             if cfg.fail_on_data_loss:
                 raise off.OffsetError(
@@ -175,8 +187,24 @@ def plan(
                     "(set failOnDataLoss=false to skip them)"
                 )
             start = off.EARLIEST
-        for rng in off.split_range(topic, ledgers, start, end, cfg.max_entries_per_partition):
-            parts.append(PulsarPartition(rng))
+        # The sealed ledgers first, straight from the bookies; the rest through the broker.
+        cut = off.sealed_end(ledgers, layouts)
+        if start < cut:
+            for rng in off.split_range(
+                topic, ledgers, start, min(end, cut), cfg.max_entries_per_partition
+            ):
+                ids = [seg[0] for seg in off.entries_between(ledgers, rng.start, rng.end)]
+                parts.append(
+                    PulsarPartition(
+                        rng,
+                        tuple(layouts[i] for i in ids),
+                        tuple(x for x in ledgers if x[0] in ids),
+                    )
+                )
+            start = max(start, cut)
+        if start < end:
+            for rng in off.split_range(topic, ledgers, start, end, cfg.max_entries_per_partition):
+                parts.append(PulsarPartition(rng))
     return parts
 
 
@@ -212,6 +240,8 @@ class PulsarBatchReader(DataSourceReader):
             partition.rng,
             fail_on_data_loss=self.cfg.fail_on_data_loss,
             typed=self.cfg.typed,
+            layouts=partition.layouts,
+            ledgers=partition.ledgers,
         )
 
 
@@ -283,6 +313,8 @@ class PulsarStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             partition.rng,
             fail_on_data_loss=self.cfg.fail_on_data_loss,
             typed=self.cfg.typed,
+            layouts=partition.layouts,
+            ledgers=partition.ledgers,
         )
 
     def commit(self, end: dict) -> None:

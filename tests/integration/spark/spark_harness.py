@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import selectors
@@ -27,14 +28,22 @@ class Broker:
     service_url: str
     admin_url: str
     log: Path
+    kafka_port: int = 0
 
     def options(self, **extra: str) -> dict[str, str]:
         """The data source options that reach this broker, plus ``extra``."""
         return {"service.url": self.service_url, "admin.url": self.admin_url, **extra}
 
 
-def start_broker(data_dir: Path, log: Path, timeout: float = 60) -> Broker:
+def start_broker(
+    data_dir: Path, log: Path, timeout: float = 60, config: dict[str, str] | None = None
+) -> Broker:
+    """Start ``polybroker standalone`` on free ports (with ``config`` keys, if given)."""
     cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
+    if config:
+        conf = log.with_suffix(".conf")
+        conf.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+        cmd += ["--config", str(conf)]
     for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
         cmd += [flag, "0"]
     with open(log, "wb") as err:
@@ -59,6 +68,7 @@ def start_broker(data_dir: Path, log: Path, timeout: float = 60) -> Broker:
                         f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
                         f"http://127.0.0.1:{ports['webServicePort']}",
                         log,
+                        ports.get("kafkaListenerPort", 0),
                     )
     proc.kill()
     proc.wait(10)
@@ -110,6 +120,19 @@ def produce(
     producer.flush()
     producer.close()
     assert failures == []
+
+
+def admin_put(broker: Broker, path: str) -> None:
+    """PUT an admin path (``/admin/v2/...``) with no body; it must answer 204."""
+    req = urllib.request.Request(broker.admin_url + path, method="PUT")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 204
+
+
+def admin_get(broker: Broker, path: str) -> Any:
+    """GET an admin path; its JSON."""
+    with urllib.request.urlopen(broker.admin_url + path, timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 def create_partitioned(broker: Broker, topic: str, partitions: int) -> None:

@@ -10,6 +10,7 @@ import pulsar
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
+from polybroker.ledger.direct import LedgerLayout
 from polybroker.spark import offsets as off
 from polybroker.spark import source, writing
 from polybroker.spark.source import OptionError, PulsarBatchReader, PulsarStreamReader, ReadConfig
@@ -39,6 +40,15 @@ class FakeAdmin:
     def ledgers(self, topic: str) -> list[tuple[int, int]]:
         return list(self.stored.get(topic, []))
 
+    #: Ledger ids told as sealed, with one bookie each.
+    sealed: frozenset[int] = frozenset()
+
+    def storage(self, topic: str) -> tuple[list[tuple[int, int]], dict[int, LedgerLayout]]:
+        ledgers = self.ledgers(topic)
+        return ledgers, {
+            i: LedgerLayout(i, 1, 1, ((0, ("b:1",)),)) for i, _ in ledgers if i in self.sealed
+        }
+
 
 @pytest.fixture
 def admin(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Any]], FakeAdmin]:
@@ -64,6 +74,39 @@ def test_batch_plan_splits_each_partition(admin: Callable[..., FakeAdmin]) -> No
     ranges = [p.rng for p in parts]  # type: ignore[attr-defined]
     assert [(r.topic[-1], r.entries) for r in ranges] == [("0", 2), ("0", 2), ("0", 1), ("1", 1)]
     assert ranges[2].end == (1, 5, -1)
+
+
+def test_sealed_ledgers_are_planned_for_storage_reads_and_the_open_one_for_the_broker(
+    admin: Callable[..., FakeAdmin],
+) -> None:
+    """Ranges end at the first open ledger; those before it carry their ledgers' layouts."""
+    fake = admin({T: [(1, 3), (2, 2), (4, 3)]})
+    fake.sealed = frozenset({1, 2})
+    parts = PulsarBatchReader(_options(maxEntriesPerPartition="2")).partitions()
+    got = [
+        (p.rng.start, p.rng.end, [x.ledger_id for x in p.layouts], list(p.ledgers))  # type: ignore[attr-defined]
+        for p in parts
+    ]
+    assert got == [
+        (off.EARLIEST, (1, 2, -1), [1], [(1, 3)]),
+        ((1, 2, -1), (2, 1, -1), [1, 2], [(1, 3), (2, 2)]),
+        ((2, 1, -1), (4, 0, -1), [2], [(2, 2)]),
+        ((4, 0, -1), (4, 2, -1), [], []),
+        ((4, 2, -1), (4, 3, -1), [], []),
+    ]
+    # readFromStorage=false: the broker reads everything; a start past the sealed part too.
+    off_parts = PulsarBatchReader(_options(readFromStorage="false")).partitions()
+    assert [p.layouts for p in off_parts] == [()]  # type: ignore[attr-defined]
+    late = PulsarBatchReader(_options(startingOffsets=json.dumps({T: "4:1"}))).partitions()
+    assert [(p.rng.start, p.layouts) for p in late] == [((4, 1, -1), ())]  # type: ignore[attr-defined]
+    # Every ledger sealed (an unloaded topic): all of it from storage.
+    fake.sealed = frozenset({1, 2, 4})
+    whole = PulsarBatchReader(_options()).partitions()
+    assert [len(p.layouts) for p in whole] == [3]  # type: ignore[attr-defined]
+    # An open ledger first (its predecessors trimmed): nothing from storage.
+    fake.sealed = frozenset({2})
+    assert off.sealed_end([(1, 3), (2, 2)], fake.sealed) == off.EARLIEST
+    assert all(not p.layouts for p in PulsarBatchReader(_options()).partitions())  # type: ignore[attr-defined]
 
 
 def test_fail_on_data_loss_refuses_or_skips_a_trimmed_start(
