@@ -48,6 +48,7 @@ from polybroker.broker_core.errors import (
     TopicNotFoundError,
 )
 from polybroker.broker_core.messages import Message, MessageFormatError
+from polybroker.broker_core.ownership import NotOwnerError
 from polybroker.logs import kv
 from polybroker.protocols.kafka import codec as c
 from polybroker.protocols.kafka import records as rec
@@ -271,6 +272,8 @@ class KafkaApis:
                 if not 0 <= partition < count:
                     return None
             full = f"{self._full(name)}-partition-{partition}"
+        if self.cluster is not None and not await self.cluster.serves_here(full):
+            raise NotOwnerError(f"{full} is served by another broker")
         try:
             topic = await self.service.get_topic(full, create=create)
         except TopicNotFoundError:
@@ -304,6 +307,8 @@ class KafkaApis:
         for gid in list(self.groups.groups):
             if self.cluster.coordinator_topic(gid) == slot:
                 self.groups.forget(gid)
+        if not await self.cluster.serves_here(slot):
+            return False
         return await self.cluster.claim(slot)
 
     def sweep_groups(self) -> None:
@@ -329,6 +334,7 @@ class KafkaApis:
             ids = [g.group_id for g in b.groups or []]
         else:
             if not await self._coordinates(b.group_id):
+                log.info("not the group's coordinator", extra=kv(group=b.group_id, api=req.api_key))
                 return _not_coordinator(req)
             return await _resolved(method(self, req, host))
         refused = [g for g in dict.fromkeys(ids) if not await self._coordinates(g)]

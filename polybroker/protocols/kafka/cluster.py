@@ -12,22 +12,31 @@ Rule K3 (leaders): a partition's leader (and its only replica) is the broker ``l
         names as the owner of the partition's topic (or the candidate that will claim it);
         lookups run concurrently, at most ``max_lookups`` at a time. A partition whose owner
         is not a listed broker has no leader (LEADER_NOT_AVAILABLE).
-Rule K4 (coordinators): group ``g`` is coordinated by the owner of the pseudo-topic
+Rule K4 (settling): brokers may disagree on the candidate for an unowned bundle, and a Kafka
+        client goes wherever the last metadata it read points. So when a lookup names another
+        broker, that broker is asked to claim the topic now (``claim_at``: an authoritative
+        lookup on it, as a Pulsar client's redirect does) and the lookup is repeated: every
+        broker then names the same owner. A request for a topic this broker does not own is
+        served here only when the broker the lookup names cannot be asked (then this broker
+        claims the bundle if it is free); otherwise it is refused so the client looks again.
+        A broker that answered is not asked again about the topic for ``SETTLED_S``.
+Rule K5 (coordinators): group ``g`` is coordinated by the owner of the pseudo-topic
         ``persistent://public/default/__kafka_coordinator-<k>``, ``k`` the murmur3 hash of the
         group id modulo ``coordinator_slots``. A broker serves a group's requests only while it
-        owns that slot (claiming it when unowned); a slot it (re)claims starts from what the
-        metadata store holds, never from what it remembered before.
+        owns that slot (claiming it when unowned, as in Rule K4); a slot it (re)claims starts
+        from what the metadata store holds, never from what it remembered before.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from twisted.internet.defer import Deferred, DeferredList, DeferredSemaphore, succeed
+from twisted.internet.interfaces import IReactorTime
 
 from polybroker.broker_core.errors import ServiceNotReadyError
 from polybroker.broker_core.murmur import murmur3_32
@@ -40,6 +49,12 @@ COORDINATOR_PREFIX = "persistent://public/default/__kafka_coordinator-"
 DEFAULT_COORDINATOR_SLOTS = 16
 DEFAULT_MAX_LOOKUPS = 32
 _MAX_NODE_ID = (1 << 31) - 1
+#: How long (seconds) a broker that answered a claim request is not asked again (Rule K4).
+SETTLED_S = 10.0
+_MAX_SETTLED = 100_000
+
+#: Ask a broker to claim a full topic name; fires with whether it answered.
+ClaimAt = Callable[[BrokerInfo, str], Deferred[bool]]
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,9 @@ class KafkaCluster:
         self,
         ownership: Ownership,
         store: MetadataStore,
+        clock: IReactorTime,
         *,
+        claim_at: ClaimAt | None = None,
         coordinator_slots: int = DEFAULT_COORDINATOR_SLOTS,
         max_lookups: int = DEFAULT_MAX_LOOKUPS,
     ) -> None:
@@ -87,6 +104,9 @@ class KafkaCluster:
             raise ValueError("at least one coordinator slot")
         self.ownership = ownership
         self.store = store
+        self.clock = clock
+        self._claim_at = claim_at
+        self._settled: dict[str, tuple[str, float]] = {}  # topic -> (broker id, when)
         self.coordinator_slots = coordinator_slots
         self._lookups = DeferredSemaphore(max(1, max_lookups))
         self._node_ids: dict[str, int] = {}
@@ -171,14 +191,59 @@ class KafkaCluster:
         by_id = {n.broker_id: n for n in nodes}
         unique = list(dict.fromkeys(topics))
         results = await DeferredList(
-            [self._lookups.run(self.ownership.lookup, t) for t in unique], consumeErrors=True
+            [self._lookups.run(self._settled_lookup, t) for t in unique], consumeErrors=True
         )
         out: dict[str, KafkaNode | None] = {}
         for topic, (ok, info) in zip(unique, results, strict=True):
             out[topic] = by_id.get(info.broker_id) if ok else None
         return out
 
-    # -- coordinators (Rule K4) ---------------------------------------------------------------
+    def _settled_lookup(self, topic: str) -> Deferred[BrokerInfo]:
+        return Deferred.fromCoroutine(self.settled_lookup(topic))
+
+    async def settled_lookup(self, topic: str) -> BrokerInfo:
+        """The broker that serves the topic, made its owner when it was only the candidate
+        (Rule K4)."""
+        info = await self.ownership.lookup(topic)
+        if info.broker_id != self.ownership.local.broker_id and await self.settle(info, topic):
+            info = await self.ownership.lookup(topic)
+        return info
+
+    async def settle(self, info: BrokerInfo, topic: str) -> bool:
+        """Ask ``info``'s broker to claim the topic (Rule K4); whether it answered (a broker
+        that answered recently is not asked again)."""
+        if self._claim_at is None:
+            return False
+        now = self.clock.seconds()
+        last = self._settled.get(topic)
+        if last is not None and last[0] == info.broker_id and now - last[1] < SETTLED_S:
+            return True
+        try:
+            answered = await self._claim_at(info, topic)
+        except Exception:
+            answered = False
+        if answered:
+            if len(self._settled) >= _MAX_SETTLED:
+                self._settled.clear()
+            self._settled[topic] = (info.broker_id, now)
+        else:
+            self._settled.pop(topic, None)
+        return answered
+
+    async def serves_here(self, topic: str) -> bool:
+        """Whether a request for the topic should be served by this broker (Rule K4): it
+        owns the topic, the lookup names it, or the broker named cannot be asked."""
+        if self.owns(topic):
+            return True
+        try:
+            info = await self.ownership.lookup(topic)
+        except ServiceNotReadyError:
+            return True  # loading the topic decides (and says why not)
+        if info.broker_id == self.ownership.local.broker_id:
+            return True
+        return not await self.settle(info, topic)
+
+    # -- coordinators (Rule K5) ---------------------------------------------------------------
 
     def coordinator_topic(self, group_id: str) -> str:
         """The pseudo-topic whose owner coordinates the group."""
@@ -187,7 +252,7 @@ class KafkaCluster:
     async def coordinator(self, group_id: str) -> KafkaNode | None:
         """The broker that coordinates the group (None: none now)."""
         try:
-            info = await self.ownership.lookup(self.coordinator_topic(group_id))
+            info = await self.settled_lookup(self.coordinator_topic(group_id))
         except ServiceNotReadyError:
             return None
         return await self._node(info)
@@ -204,6 +269,39 @@ class KafkaCluster:
         except ServiceNotReadyError:
             return False
         return True
+
+
+def lookup_url(web_url: str, topic: str) -> str | None:
+    """The authoritative HTTP lookup of a full topic name on a broker (None: no such URL)."""
+    domain, sep, rest = topic.partition("://")
+    parts = rest.split("/", 2)
+    if not web_url or not sep or len(parts) != 3 or not all(parts):
+        return None
+    tenant, namespace, local = parts
+    path = "/".join(quote(p, safe="") for p in (domain, tenant, namespace, local))
+    return f"{web_url.rstrip('/')}/lookup/v2/topic/{path}?authoritative=true"
+
+
+def http_claim_at(reactor: Any, timeout_s: float = 3.0) -> ClaimAt:
+    """Ask brokers to claim topics through their HTTP lookup (Rule K4), bounded by
+    ``timeout_s``; a broker that does not answer with a success counts as not asked."""
+    from twisted.web.client import Agent, readBody
+
+    agent = Agent(reactor, connectTimeout=timeout_s)
+
+    async def ask(info: BrokerInfo, topic: str) -> bool:
+        url = lookup_url(info.web_url, topic)
+        if url is None:
+            return False
+        request = agent.request(b"GET", url.encode())
+        request.addTimeout(timeout_s, reactor)
+        response = await request
+        body = readBody(response)
+        body.addTimeout(timeout_s, reactor)
+        await body
+        return 200 <= int(response.code) < 300
+
+    return lambda info, topic: Deferred.fromCoroutine(ask(info, topic))
 
 
 def clustered(ownership: Any) -> bool:

@@ -239,6 +239,10 @@ class GroupCoordinator:
         if g.leader not in g.members:
             g.leader = first.member_id
         g.state = COMPLETING
+        log.info(
+            "group rebalanced",
+            extra=kv(group=g.group_id, generation=g.generation, members=len(g.members)),
+        )
         everyone = [(mid, dict(m.protocols).get(g.protocol, b"")) for mid, m in g.members.items()]
         for mid, m in list(g.members.items()):
             m.assignment = b""
@@ -277,6 +281,7 @@ class GroupCoordinator:
             for mid, other in g.members.items():
                 other.assignment = assignments.get(mid, b"")
             g.state = STABLE
+            log.info("group stable", extra=kv(group=g.group_id, generation=g.generation))
             for other in g.members.values():
                 if other.sync is not None:
                     s, other.sync = other.sync, None

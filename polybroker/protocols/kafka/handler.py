@@ -24,7 +24,7 @@ from twisted.internet.defer import Deferred
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
 from polybroker.config import Config, ConfigError
 from polybroker.protocols.kafka.apis import KafkaApis, Settings
-from polybroker.protocols.kafka.cluster import KafkaCluster, clustered
+from polybroker.protocols.kafka.cluster import KafkaCluster, clustered, http_claim_at
 from polybroker.protocols.kafka.codec import TABLES
 from polybroker.protocols.kafka.connection import KafkaFactory
 
@@ -83,7 +83,12 @@ class KafkaProtocolHandler(ProtocolHandler):
         ownership = getattr(broker.service, "ownership", None)
         cluster = None
         if clustered(ownership):
-            cluster = KafkaCluster(ownership, broker.service.metadata_store)
+            cluster = KafkaCluster(
+                ownership,
+                broker.service.metadata_store,
+                broker.reactor,
+                claim_at=http_claim_at(broker.reactor),
+            )
         self.apis = KafkaApis(
             broker.service,
             broker.reactor,

@@ -37,7 +37,7 @@ BROKER_CONFIG: dict[str, object] = {
     "defaultNumPartitions": PARTITIONS,
     # Kafka consumers read by offset: keep what nobody subscribes to.
     "defaultRetentionTimeInMinutes": -1,
-    "logLevel": "warning",
+    "logLevel": "info",
 }
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,29 @@ def consume_until(consumer: KafkaConsumer, wanted: set[bytes], timeout: float) -
     return seen
 
 
+def commit_all(consumer: KafkaConsumer, timeout: float) -> dict[int, int]:
+    """Poll until the member holds every partition at its end with nothing left to read, then
+    commit (a rebalance may rewind positions to the last commit: those records are read
+    again first); return the committed offsets."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"the group did not settle within {timeout}s"
+        if consumer.poll(timeout_ms=300):
+            continue
+        assignment = consumer.assignment()
+        if len(assignment) != PARTITIONS:
+            continue
+        ends = consumer.end_offsets(list(assignment))
+        if any(consumer.position(tp) != ends[tp] for tp in assignment):
+            continue
+        try:
+            consumer.commit()
+        except Exception as e:
+            log.warning("commit failed: %r", e)
+            continue
+        return {tp.partition: ends[tp] for tp in assignment}
+
+
 def test_metadata_names_each_partitions_owner_from_every_broker(
     kafka_cluster: KafkaCluster,
 ) -> None:
@@ -219,7 +242,7 @@ def test_kill_9_of_the_coordinator_loses_no_acknowledged_message(
         seen_after = consume_until(consumer, set(after), timeout=RECOVERY_S)
         consume_s = time.monotonic() - killed_at
         assert set(after) <= set(seen_after), "an acknowledged message was not consumed"
-        consumer.commit()
+        commit_all(consumer, RECOVERY_S)
         print(f"\nkill -9 -> every send acknowledged {produce_s:.1f}s, consumed {consume_s:.1f}s")
         # The survivor leads everything now and coordinates the group.
         nodes, leaders_after = leaders(kafka_cluster, survivor)
@@ -361,3 +384,94 @@ def test_kill_9_of_a_partition_leader_under_confluent_kafka_clients(
     finally:
         consumer.close()
         producer.flush(5)
+
+
+def http(method: str, url: str) -> Any:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=15) as r:
+        body = r.read()
+    return json.loads(body) if body else None
+
+
+def test_bundles_swapping_brokers_under_kafka_python_clients(kafka_cluster: KafkaCluster) -> None:
+    """Every bundle of public/default is transferred to the other broker while sends are in
+    flight and the group is stable: partitions and the coordinator move, every acknowledged
+    message is consumed, and the group's commits survive the move."""
+    a, b = kafka_cluster.brokers
+    create_topic(kafka_cluster, a)
+    producer = KafkaProducer(
+        bootstrap_servers=kafka_cluster.bootstrap(a),
+        acks="all",
+        retries=1_000_000,
+        retry_backoff_ms=100,
+        request_timeout_ms=5000,
+        delivery_timeout_ms=int(RECOVERY_S * 1000),
+    )
+    consumer = KafkaConsumer(
+        TOPIC,
+        bootstrap_servers=kafka_cluster.bootstrap(a),
+        group_id=GROUP,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        retry_backoff_ms=100,
+    )
+    try:
+        before = [b"before-%04d" % i for i in range(100)]
+        assert produce(producer, before, timeout=30) == before
+        assert set(before) <= set(consume_until(consumer, set(before), timeout=30))
+        consumer.commit()
+        coordinator_before = coordinator_port(kafka_cluster, a)
+        owners = http("GET", f"{a.http_url}/admin/v2/namespaces/public/default/owners")
+        other = {a.broker_id: b.broker_id, b.broker_id: a.broker_id}
+        moving = [(bundle, owner) for bundle, owner in owners.items() if owner is not None]
+        assert {owner for _, owner in moving} == {a.broker_id, b.broker_id}
+
+        after = [b"after-%04d" % i for i in range(200)]
+        futures = [producer.send(TOPIC, key=v[-2:], value=v) for v in after[:100]]
+        for bundle, owner in moving:
+            http(
+                "PUT",
+                f"{a.http_url}/admin/v2/namespaces/public/default/{bundle}/unload"
+                f"?destinationBroker={other[owner]}",
+            )
+        futures += [producer.send(TOPIC, key=v[-2:], value=v) for v in after[100:]]
+        producer.flush(timeout=RECOVERY_S)
+        assert all(f.succeeded() for f in futures), "a send was not acknowledged"
+        seen = consume_until(consumer, set(after), timeout=RECOVERY_S)
+        assert set(after) <= set(seen), "an acknowledged message was not consumed"
+        committed = commit_all(consumer, RECOVERY_S)
+        assert sum(committed.values()) >= len(before) + len(after)
+        moved = http("GET", f"{a.http_url}/admin/v2/namespaces/public/default/owners")
+        for bundle, owner in moving:
+            assert moved[bundle] in (None, other[owner]), f"{bundle} did not move"
+        assert coordinator_port(kafka_cluster, b) != coordinator_before
+    finally:
+        consumer.close()
+        producer.close(timeout=10)
+    # A new member of the group starts where the commits left it: nothing is read again.
+    member = KafkaConsumer(
+        TOPIC,
+        bootstrap_servers=kafka_cluster.bootstrap(b),
+        group_id=GROUP,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    try:
+        again: list[bytes] = []
+
+        def assigned() -> bool:
+            for records in member.poll(timeout_ms=200).values():
+                again.extend(r.value for r in records)
+            return len(member.assignment()) == PARTITIONS
+
+        wait_for(assigned, RECOVERY_S, "the member was not assigned every partition")
+        assert again == []
+        assignment = member.assignment()
+        positions = {tp.partition: member.position(tp) for tp in assignment}
+        assert positions == committed
+    finally:
+        member.close()

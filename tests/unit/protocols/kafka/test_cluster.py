@@ -36,7 +36,7 @@ from polybroker.config import Config
 from polybroker.metadata.memory import MemoryMetadataStore
 from polybroker.protocols.kafka import codec as c
 from polybroker.protocols.kafka.apis import SWEEP_INTERVAL_S, KafkaApis, Settings
-from polybroker.protocols.kafka.cluster import KafkaCluster, coordinator_slot
+from polybroker.protocols.kafka.cluster import SETTLED_S, KafkaCluster, coordinator_slot, lookup_url
 from polybroker.protocols.kafka.connection import KafkaConnection
 from polybroker.protocols.kafka.groups import GroupCoordinator
 
@@ -107,7 +107,7 @@ class Node:
             store,
         )
         self.service.ownership = self.ownership
-        self.cluster = KafkaCluster(self.ownership, store, coordinator_slots=4)
+        self.cluster = KafkaCluster(self.ownership, store, clock, coordinator_slots=4)
         self.apis = KafkaApis(
             self.service,
             clock,
@@ -283,13 +283,13 @@ def test_node_ids_are_registered_once_unique_and_shared_by_every_broker() -> Non
     clock = Clock()
     store = MemoryMetadataStore(clock)
     own = FakeOwnership(info(HERE, "h:1"), {HERE: info(HERE, "h:1")})
-    first = KafkaCluster(own, store)
-    other = KafkaCluster(own, store.new_session())
+    first = KafkaCluster(own, store, clock)
+    other = KafkaCluster(own, store.new_session(), clock)
     a = result_of(first.node_id(HERE))
     b = result_of(other.node_id(THERE))
     assert a != b
     assert result_of(other.node_id(HERE)) == a
-    assert result_of(KafkaCluster(own, store).node_id(THERE)) == b
+    assert result_of(KafkaCluster(own, store, clock).node_id(THERE)) == b
     assert 0 <= a < 2**31
     assert 0 <= b < 2**31
 
@@ -328,7 +328,7 @@ def test_concurrent_registrations_of_one_broker_agree() -> None:
 
     store = SlowCreate()
     own = FakeOwnership(info(HERE, "h:1"), {HERE: info(HERE, "h:1")})
-    x, y = KafkaCluster(own, store), KafkaCluster(own, store)
+    x, y = KafkaCluster(own, store, Clock()), KafkaCluster(own, store, Clock())
     dx, dy = x.node_id(THERE), y.node_id(THERE)
     again = x.node_id(THERE)  # waits for the registration in flight
     store.release()
@@ -394,7 +394,9 @@ def test_metadata_lookups_run_at_most_max_lookups_at_a_time() -> None:
         return d
 
     node.ownership.lookup = slow  # type: ignore[method-assign]
-    node.cluster = KafkaCluster(node.ownership, node.service.metadata_store, max_lookups=8)
+    node.cluster = KafkaCluster(
+        node.ownership, node.service.metadata_store, node.clock, max_lookups=8
+    )
     node.apis.cluster = node.cluster
     node.send(metadata("big"))
     assert len(pending) == 8  # the rest wait for a slot
@@ -631,3 +633,91 @@ def test_delete_topics_deletes_nothing_while_another_broker_serves_a_partition()
     [deleted] = node.call(DeleteTopicsRequest[3](topic_names=["t"], timeout_ms=1000)).responses
     assert deleted.error_code == c.NONE
     assert result_of(node.service.partitioned_topic_metadata("t")) == 0
+
+
+# -- settling candidates ---------------------------------------------------------------------
+
+
+class Asked:
+    """A ``claim_at`` that records each request and, when ``answer``, makes the asked broker
+    the owner (what an authoritative lookup there does)."""
+
+    def __init__(self, node: Node, answer: bool = True) -> None:
+        self.node = node
+        self.answer = answer
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, broker: BrokerInfo, topic: str) -> Deferred[bool]:
+        self.calls.append((broker.broker_id, topic))
+        if self.answer:
+            self.node.ownership.owners.setdefault(topic, broker.broker_id)
+        return succeed(self.answer)
+
+
+def settling(answer: bool = True) -> tuple[Node, Asked]:
+    node, clock, store = cluster_pair()
+    asked = Asked(node, answer)
+    node.cluster = KafkaCluster(node.ownership, store, clock, claim_at=asked, coordinator_slots=4)
+    node.apis.cluster = node.cluster
+    node.ownership.candidate = THERE
+    return node, asked
+
+
+def test_metadata_has_the_candidate_claim_before_naming_it_and_asks_once() -> None:
+    """An unowned partition whose candidate is another broker: that broker is asked to claim
+    it, then named leader; a second Metadata within SETTLED_S asks nothing again."""
+    node, asked = settling()
+    there = result_of(node.cluster.node_id(THERE))
+    result_of(node.service.create_partitioned_topic("t", 2))
+    [topic] = node.call(metadata("t")).topics
+    assert [p.leader_id for p in topic.partitions] == [there, there]
+    assert sorted(asked.calls) == [(THERE, node.full("t", 0)), (THERE, node.full("t", 1))]
+    assert node.ownership.owners[node.full("t", 0)] == THERE
+    node.call(metadata("t"))
+    assert len(asked.calls) == 2
+    node.clock.advance(SETTLED_S + 1)
+    node.call(metadata("t"))
+    assert len(asked.calls) == 4
+
+
+def test_a_request_for_another_brokers_candidate_topic_is_refused_not_claimed() -> None:
+    """Produce for an unowned partition whose candidate is another broker: that broker claims
+    it and this one answers NOT_LEADER_OR_FOLLOWER, keeping the load manager's choice."""
+    node, asked = settling()
+    result_of(node.service.create_partitioned_topic("t", 1))
+    answer = node.call(produce("t", 0)).responses[0].partition_responses[0]
+    assert answer.error_code == c.NOT_LEADER_OR_FOLLOWER
+    assert asked.calls == [(THERE, node.full("t", 0))]
+    assert not node.ownership.owns(node.full("t", 0))
+
+
+def test_a_candidate_that_cannot_be_asked_leaves_the_topic_to_this_broker() -> None:
+    """When the named broker does not answer, this broker claims the free bundle and serves
+    the request."""
+    node, asked = settling(answer=False)
+    result_of(node.service.create_partitioned_topic("t", 1))
+    answer = node.call(produce("t", 0)).responses[0].partition_responses[0]
+    assert (answer.error_code, answer.base_offset) == (c.NONE, 0)
+    assert asked.calls == [(THERE, node.full("t", 0))]
+    assert node.ownership.owns(node.full("t", 0))
+
+
+def test_find_coordinator_has_the_candidate_claim_the_slot() -> None:
+    """FindCoordinator for a group whose slot is unowned asks the candidate to claim it, and
+    the group APIs here then answer NOT_COORDINATOR."""
+    node, asked = settling()
+    there = result_of(node.cluster.node_id(THERE))
+    found = node.call(FindCoordinatorRequest[2](key="g", key_type=0))
+    assert (found.error_code, found.node_id) == (c.NONE, there)
+    slot = node.cluster.coordinator_topic("g")
+    assert asked.calls == [(THERE, slot)]
+    assert node.call(join("g")).error_code == c.NOT_COORDINATOR
+
+
+def test_lookup_urls_are_authoritative_http_lookups() -> None:
+    """The claim request is the broker's HTTP lookup of the topic, authoritative."""
+    assert lookup_url("http://h:8080", "persistent://public/default/t-partition-3") == (
+        "http://h:8080/lookup/v2/topic/persistent/public/default/t-partition-3?authoritative=true"
+    )
+    assert lookup_url("", "persistent://public/default/t") is None
+    assert lookup_url("http://h:8080", "t") is None
