@@ -721,3 +721,17 @@ def test_lookup_urls_are_authoritative_http_lookups() -> None:
     )
     assert lookup_url("", "persistent://public/default/t") is None
     assert lookup_url("http://h:8080", "t") is None
+
+
+def test_describe_cluster_lists_the_kafka_brokers_and_the_controller() -> None:
+    """DescribeCluster answers the same brokers as Metadata, the smallest node id controls."""
+    from kafka.protocol.admin import DescribeClusterRequest
+
+    node, _, _ = cluster_pair()
+    here, there = result_of(node.cluster.node_id(HERE)), result_of(node.cluster.node_id(THERE))
+    answer = node.call(DescribeClusterRequest[0](include_cluster_authorized_operations=False))
+    assert answer.error_code == c.NONE
+    assert sorted((b.broker_id, b.host, b.port) for b in answer.brokers) == sorted(
+        [(here, "10.0.0.1", 9092), (there, "10.0.0.2", 9093)]
+    )
+    assert answer.controller_id == min(here, there)
