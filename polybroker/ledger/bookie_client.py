@@ -15,8 +15,9 @@ Rule 4: answers map to the api's errors: FENCED -> ``LedgerFencedError``, NO_SUC
         TOO_LARGE -> ``BookieProtocolError``, ERROR -> ``BookieError``. A frame the client cannot
         decode drops the connection (pending requests fail as in Rule 3).
 Rule 5: ``add_entry_batched`` stages adds and sends those of one ledger made in one reactor turn
-        as one ADD_MULTI frame (split at the frame limit) to a bookie that negotiated wire
-        version 2, as single ADD frames to an older one; the listener hears once per frame
+        as one ADD_MULTI frame (sent early once it holds ``batch_bytes``, so the bookie journals
+        it while the turn goes on; never above the frame limit) to a bookie that negotiated
+        wire version 2, as single ADD frames to an older one; the listener hears once per frame
         which entries were acknowledged or failed, with no Deferred per entry. Staged adds that
         cannot be sent (the connection failed, the client closed) fail like pending ones.
 """

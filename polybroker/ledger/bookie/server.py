@@ -1,10 +1,12 @@
 """The bookie server: request logic (``Bookie``), Twisted glue and the embeddable ``BookieServer``.
 
 Rule 1 (I1): an ADD is answered OK only when the journal delivered its group (written and
-        fdatasync'd); then, and in journal order, the entry enters the write cache.
+        fdatasync'd); then, and in journal order, the entry enters the write cache. An ADD_MULTI
+        is one journal submission of its records, answered once, the same way.
 Rule 2 (I16): a FENCE (and a READ with the fence flag) marks the ledger fenced at once, so later
         adds are refused, but is answered only after its journal meta-record is durable. Adds to a
-        fenced ledger answer FENCED unless they carry the recovery flag.
+        fenced ledger answer FENCED unless they carry the recovery flag (an ADD_MULTI: unless
+        every record does).
 Rule 3: journaled requests (fence, explicit LAC, delete) take effect in journal order, so an add
         accepted before a delete can never resurrect the ledger after it.
 Rule 4: bad input gets an error frame (with the request id when the header held one) and the
