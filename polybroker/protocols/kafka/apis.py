@@ -272,10 +272,14 @@ class KafkaApis:
                 if not 0 <= partition < count:
                     return None
             full = f"{self._full(name)}-partition-{partition}"
-        if self.cluster is not None and not await self.cluster.serves_here(full):
-            raise NotOwnerError(f"{full} is served by another broker")
+        if self.cluster is not None:
+            if not await self.cluster.serves_here(full):
+                raise NotOwnerError(f"{full} is served by another broker")
+            loading = self.cluster.bounded(self.service.get_topic(full, create=create))
+        else:
+            loading = self.service.get_topic(full, create=create)
         try:
-            topic = await self.service.get_topic(full, create=create)
+            topic = await loading
         except TopicNotFoundError:
             return None
         if not getattr(topic, "persistent", False):

@@ -37,6 +37,7 @@ from urllib.parse import quote
 
 from twisted.internet.defer import Deferred, DeferredList, DeferredSemaphore, succeed
 from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
 
 from polybroker.broker_core.errors import ServiceNotReadyError
 from polybroker.broker_core.murmur import murmur3_32
@@ -52,9 +53,16 @@ _MAX_NODE_ID = (1 << 31) - 1
 #: How long (seconds) a broker that answered a claim request is not asked again (Rule K4).
 SETTLED_S = 10.0
 _MAX_SETTLED = 100_000
+#: How long (seconds) a request waits for an ownership answer before it is refused as
+#: retriable (LEADER_NOT_AVAILABLE, NOT_LEADER_OR_FOLLOWER, NOT_COORDINATOR).
+OWNERSHIP_TIMEOUT_S = 10.0
 
 #: Ask a broker to claim a full topic name; fires with whether it answered.
 ClaimAt = Callable[[BrokerInfo, str], Deferred[bool]]
+
+
+class OwnershipTimeoutError(ServiceNotReadyError):
+    """Ownership did not answer in time (the request is refused as retriable)."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +115,15 @@ class KafkaCluster:
         self.clock = clock
         self._claim_at = claim_at
         self._settled: dict[str, tuple[str, float]] = {}  # topic -> (broker id, when)
+        self.ownership_timeout_s = OWNERSHIP_TIMEOUT_S
         self.coordinator_slots = coordinator_slots
         self._lookups = DeferredSemaphore(max(1, max_lookups))
         self._node_ids: dict[str, int] = {}
         self._allocating: dict[str, list[Deferred[int]]] = {}
+
+    def bounded(self, d: Deferred[Any]) -> Deferred[Any]:
+        """``d``'s result, or ``OwnershipTimeoutError`` after ``ownership_timeout_s``."""
+        return _bounded_by(d, self.ownership_timeout_s, self.clock)
 
     # -- node ids (Rule K1) -------------------------------------------------------------------
 
@@ -166,7 +179,7 @@ class KafkaCluster:
     async def nodes(self) -> list[KafkaNode]:
         """Every live broker with a Kafka listener, by node id."""
         out = []
-        for info in await self.ownership.brokers():
+        for info in await self.bounded(self.ownership.brokers()):
             node = await self._node(info)
             if node is not None:
                 out.append(node)
@@ -204,9 +217,9 @@ class KafkaCluster:
     async def settled_lookup(self, topic: str) -> BrokerInfo:
         """The broker that serves the topic, made its owner when it was only the candidate
         (Rule K4)."""
-        info = await self.ownership.lookup(topic)
+        info = await self.bounded(self.ownership.lookup(topic))
         if info.broker_id != self.ownership.local.broker_id and await self.settle(info, topic):
-            info = await self.ownership.lookup(topic)
+            info = await self.bounded(self.ownership.lookup(topic))
         return info
 
     async def settle(self, info: BrokerInfo, topic: str) -> bool:
@@ -236,7 +249,9 @@ class KafkaCluster:
         if self.owns(topic):
             return True
         try:
-            info = await self.ownership.lookup(topic)
+            info = await self.bounded(self.ownership.lookup(topic))
+        except OwnershipTimeoutError:
+            return False
         except ServiceNotReadyError:
             return True  # loading the topic decides (and says why not)
         if info.broker_id == self.ownership.local.broker_id:
@@ -265,10 +280,34 @@ class KafkaCluster:
         """Claim the topic's bundle for this broker; False when another broker owns it (or
         none can now)."""
         try:
-            await self.ownership.acquire(topic)
+            await self.bounded(self.ownership.acquire(topic))
         except ServiceNotReadyError:
             return False
         return True
+
+
+def _bounded_by(d: Deferred[Any], seconds: float, clock: IReactorTime) -> Deferred[Any]:
+    """``d``'s result, or ``ServiceNotReadyError`` after ``seconds``; ``d`` itself is left
+    to finish (cancelling it could leave ownership's own bookkeeping half done)."""
+    out: Deferred[Any] = Deferred()
+
+    def expire() -> None:
+        if not out.called:
+            out.errback(OwnershipTimeoutError(f"ownership did not answer within {seconds}s"))
+
+    timer = clock.callLater(seconds, expire)
+
+    def done(result: Any) -> None:
+        if timer.active():
+            timer.cancel()
+        if not out.called:
+            if isinstance(result, Failure):
+                out.errback(result)
+            else:
+                out.callback(result)
+
+    d.addBoth(done)
+    return out
 
 
 def lookup_url(web_url: str, topic: str) -> str | None:

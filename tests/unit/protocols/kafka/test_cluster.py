@@ -36,7 +36,13 @@ from polybroker.config import Config
 from polybroker.metadata.memory import MemoryMetadataStore
 from polybroker.protocols.kafka import codec as c
 from polybroker.protocols.kafka.apis import SWEEP_INTERVAL_S, KafkaApis, Settings
-from polybroker.protocols.kafka.cluster import SETTLED_S, KafkaCluster, coordinator_slot, lookup_url
+from polybroker.protocols.kafka.cluster import (
+    OWNERSHIP_TIMEOUT_S,
+    SETTLED_S,
+    KafkaCluster,
+    coordinator_slot,
+    lookup_url,
+)
 from polybroker.protocols.kafka.connection import KafkaConnection
 from polybroker.protocols.kafka.groups import GroupCoordinator
 
@@ -735,3 +741,30 @@ def test_describe_cluster_lists_the_kafka_brokers_and_the_controller() -> None:
         [(here, "10.0.0.1", 9092), (there, "10.0.0.2", 9093)]
     )
     assert answer.controller_id == min(here, there)
+
+
+def test_requests_waiting_on_an_ownership_that_does_not_answer_are_refused_in_time() -> None:
+    """Lookups and claims that never answer: after OWNERSHIP_TIMEOUT_S, Metadata names no
+    leader, Produce is NOT_LEADER_OR_FOLLOWER and JoinGroup NOT_COORDINATOR (all retriable)."""
+    node, clock, _ = cluster_pair()
+    result_of(node.service.create_partitioned_topic("t", 1))
+    node.ownership.lookup = lambda topic, authoritative=False: Deferred()  # type: ignore[method-assign]
+    node.ownership.acquire = lambda topic: Deferred()  # type: ignore[method-assign]
+    node.send(metadata("t"))
+    node.send(produce("t", 0))
+    node.send(join("g"))
+    assert node.transport.value() == b""
+    clock.advance(OWNERSHIP_TIMEOUT_S)
+    data = node.transport.value()
+    node.transport.clear()
+    bodies = []
+    pos = 0
+    for request in (metadata("t"), produce("t", 0), join("g")):
+        (size,) = struct.unpack_from(">i", data, pos)
+        cls = c.response_class(request.API_KEY)
+        bodies.append(cls[request.API_VERSION].decode(data[pos + 8 : pos + 4 + size]))
+        pos += 4 + size
+    [topic] = bodies[0].topics
+    assert [(p.error_code, p.leader_id) for p in topic.partitions] == [(c.LEADER_NOT_AVAILABLE, -1)]
+    assert bodies[1].responses[0].partition_responses[0].error_code == c.NOT_LEADER_OR_FOLLOWER
+    assert bodies[2].error_code == c.NOT_COORDINATOR
