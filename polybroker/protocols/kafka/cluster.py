@@ -25,6 +25,9 @@ Rule K5 (coordinators): group ``g`` is coordinated by the owner of the pseudo-to
         group id modulo ``coordinator_slots``. A broker serves a group's requests only while it
         owns that slot (claiming it when unowned, as in Rule K4); a slot it (re)claims starts
         from what the metadata store holds, never from what it remembered before.
+Rule K6 (bounds): no request waits on ownership longer than ``OWNERSHIP_TIMEOUT_S``; then it
+        is answered with the retriable error of its kind (the client asks again), and what was
+        under way is left to finish rather than cancelled.
 """
 
 from __future__ import annotations
