@@ -208,6 +208,9 @@ class BrokerService:
         # forwarding, a topic another broker owns fails with ``NotOwnerError``.
         self.forwarder: Forwarder | None = None
         self.forward_retry_s = FORWARD_RETRY_S
+        # The owner each forwarded topic was last sent to, so the next call goes straight
+        # there (no ownership round trip per message); dropped when a call there fails.
+        self._forward_owners: dict[str, Any] = {}
         # Where the ledger factory names managed ledgers in the metadata store
         # (``<root>/<managed ledger name>``), for ``watch_namespace_topics``; None: not watched.
         self.ledger_names_root: str | None = None
@@ -572,16 +575,25 @@ class BrokerService:
         owner gone or moving) with backoff, for ``forward_retry_s``."""
         deadline = self.reactor.seconds() + self.forward_retry_s
         delay = 0.05
+        owners = self._forward_owners
         while True:
             try:
-                try:
-                    topic = await self.get_topic(full, create=create)
-                except NotOwnerError as e:
-                    if e.owner is None or not e.owner.pulsar_url:
-                        raise
-                    return await remote(e.owner)
-                return await local(topic)
+                owner = owners.get(full)
+                if owner is None:
+                    try:
+                        topic = await self.get_topic(full, create=create)
+                    except NotOwnerError as e:
+                        if e.owner is None or not e.owner.pulsar_url:
+                            raise
+                        owner = e.owner
+                    else:
+                        return await local(topic)
+                    if len(owners) >= 100_000:
+                        owners.clear()
+                    owners[full] = owner
+                return await remote(owner)
             except ServiceNotReadyError as e:
+                owners.pop(full, None)  # look the topic up again
                 if self._closed or self.reactor.seconds() + delay > deadline:
                     raise
                 if delay == 0.05:  # once per call: a failover retries many times

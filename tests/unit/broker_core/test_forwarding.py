@@ -38,6 +38,7 @@ class FakeOwnership(Ownership):
     def __init__(self) -> None:
         self.local = LOCAL
         self.remote: dict[str, BrokerInfo | Exception] = {}
+        self.acquired: list[str] = []
 
     @property
     def clustered(self) -> bool:
@@ -47,6 +48,7 @@ class FakeOwnership(Ownership):
         raise NotImplementedError
 
     def acquire(self, topic: str) -> Deferred[None]:
+        self.acquired.append(topic)
         got = self.remote.get(topic)
         if got is None:
             return succeed(None)
@@ -325,3 +327,24 @@ def test_topics_created_anywhere_in_the_cluster_are_reported(root: str | None) -
     result_of(other.put(f"{prefix}/d", b"{}"))
     clock.advance(0)
     assert seen[-1] == "persistent://public/default/c"
+
+
+def test_the_owner_is_remembered_until_a_call_there_fails() -> None:
+    """Forwarded calls after the first go straight to the owner (no ownership round trip per
+    message); once a call there fails, the topic is looked up again."""
+    b = Broker()
+    for i in range(3):
+        result_of(b.service.publish(THEIRS, b"m%d" % i, forward=True))
+    result_of(b.service.subscribe(THEIRS, "s", Sink(), forward=True))
+    assert b.ownership.acquired == [THEIRS]
+    assert len(b.forwarder.published) == 3
+    # The owner died; this broker took the bundle over.
+    b.forwarder.outcomes = [ForwardingError("owner gone")]
+    del b.ownership.remote[THEIRS]
+    d = b.service.publish(THEIRS, b"after", forward=True)
+    b.clock.advance(0.05)
+    entry = result_of(d)
+    assert entry is not None
+    assert b.ownership.acquired == [THEIRS, THEIRS]
+    assert THEIRS in b.service.topics
+    assert len(b.forwarder.published) == 4

@@ -20,7 +20,7 @@ from test_connection import Peer
 
 from polybroker.broker_core.consumer import Consumer, SubType
 from polybroker.broker_core.errors import ServiceNotReadyError
-from polybroker.broker_core.forwarding import Forwarder, RemoteConsumer
+from polybroker.broker_core.forwarding import Forwarder, ForwardingError, RemoteConsumer
 from polybroker.broker_core.messages import Message, decode_entry, encode_entry
 from polybroker.broker_core.ownership import BrokerInfo, NotOwnerError, Ownership
 from polybroker.broker_core.service import BrokerService
@@ -69,6 +69,8 @@ class InProcessForwarder(Forwarder):
     def __init__(self, owner: BrokerService) -> None:
         self.owner = owner
         self.calls: list[str] = []
+        #: The owner does not serve the topic now (as a real one answers: ServiceNotReady).
+        self.refusing = False
 
     def publish(
         self, owner: BrokerInfo, topic: str, data: bytes, num_messages: int = 1
@@ -90,6 +92,8 @@ class InProcessForwarder(Forwarder):
         create_topic: bool = True,
     ) -> Deferred[RemoteConsumer]:
         self.calls.append(f"subscribe {topic} {subscription} {initial_position.value}")
+        if self.refusing:
+            return fail(ForwardingError("owner: not serving the topic now"))
         return self.owner.subscribe(  # type: ignore[return-value]
             topic,
             subscription,
@@ -187,6 +191,7 @@ def test_a_forwarded_subscription_closed_by_the_owner_is_attached_again() -> Non
     env.clock.advance(0)
     assert payloads(sub) == [b"1"]
     env.ownership.refuse = ServiceNotReadyError("bundle not available now")
+    env.forwarder.refusing = True
     env.service.forward_retry_s = 1.0
     result_of(env.owner.unload_topic(FULL))
     # Published while the subscription is gone: it must still arrive.
@@ -194,6 +199,7 @@ def test_a_forwarded_subscription_closed_by_the_owner_is_attached_again() -> Non
     env.clock.pump([0.25] * 20)
     assert payloads(sub) == []
     env.ownership.refuse = None
+    env.forwarder.refusing = False
     env.clock.pump([1.0] * 8)
     assert payloads(sub) == [b"2"]
     pub.send(c.Publish("a/b", b"3", 1, packet_id=2))
