@@ -1,12 +1,16 @@
 """Spark benchmark: reading one topic's backlog with format("pulsar") vs the official client.
 
-In one run, against one ``polybroker standalone`` process started here (ports 0, stopped by PID):
+In one run, against one ``polybroker standalone`` process started here (ports 0, stopped by PID)
+that seals a ledger every ``--entries-per-ledger`` entries, so the backlog (kept by a subscription)
+lies in sealed ledgers but for the last one, as an older backlog does:
 
 (a) fill:    --messages messages of --size bytes published with batching to one topic;
 (b) client:  the same backlog read by the Pulsar Python client in this one process (a Reader from
              the earliest message, counting messages and bytes);
 (c) batch:   ``spark.read.format("pulsar")`` of the backlog into an aggregation (count and total
-             value length), on local[2], the session already warm;
+             value length), on local[2], the session already warm: the sealed ledgers straight
+             from the bookie (the default), then all of it through the broker
+             (``readFromStorage=false``, ``spark_batch_broker``);
 (d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink.
 
 Rows/s of (b), (c) and (d) and the ratios of (c) and (d) to (b). Prints a table, then one JSON line
@@ -36,9 +40,19 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
-def start_broker(data_dir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    """Start a standalone broker; return it with its service and admin URLs."""
+def start_broker(
+    data_dir: Path, entries_per_ledger: int
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start a standalone broker that seals a ledger every ``entries_per_ledger`` entries;
+    return it with its service and admin URLs."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    conf = data_dir.parent / "broker.conf"
+    conf.write_text(
+        f"managedLedgerMaxEntriesPerLedger={entries_per_ledger}\n"
+        "managedLedgerMinLedgerRolloverTimeMinutes=0\n"
+    )
     cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
+    cmd += ["--config", str(conf)]
     for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
         cmd += [flag, "0"]
     log = open(data_dir.parent / "standalone.log", "wb")  # noqa: SIM115 (lives with the process)
@@ -101,6 +115,16 @@ def read_with_client(client: Any, topic: str, count: int) -> dict[str, float]:
     return {"rows": count, "bytes": total, "seconds": seconds, "rows_per_s": count / seconds}
 
 
+def keep_backlog(admin_url: str, topic: str) -> None:
+    """Create the topic with a subscription: its sealed ledgers are its backlog, kept."""
+    import urllib.request
+
+    path = admin_url + "/admin/v2/" + topic.replace("://", "/")
+    for url in (path, path + "/subscription/backlog"):
+        with urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=30):
+            pass
+
+
 def read_with_spark_batch(spark: Any, options: dict[str, str], count: int) -> dict[str, float]:
     """(c): a batch read of the backlog into count + sum(length(value))."""
     from pyspark.sql import functions as F
@@ -152,6 +176,12 @@ def main() -> None:
         default=100,
         help="maxEntriesPerPartition: how finely Spark splits the backlog",
     )
+    parser.add_argument(
+        "--entries-per-ledger",
+        type=int,
+        default=100,
+        help="managedLedgerMaxEntriesPerLedger: the backlog's sealed ledgers hold this many",
+    )
     args = parser.parse_args()
 
     import pulsar
@@ -160,13 +190,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         root = Path(tmp)
-        proc, service_url, admin_url = start_broker(root / "data")
+        proc, service_url, admin_url = start_broker(root / "data", args.entries_per_ledger)
         client = None
         spark = None
         try:
             log = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
             client = pulsar.Client(service_url, logger=log)
             topic = "persistent://public/default/bench"
+            keep_backlog(admin_url, topic)
             fill_s = fill(client, topic, args.messages, args.size)
             client_result = read_with_client(client, topic, args.messages)
             spark = local_session("polybroker-spark-bench")
@@ -182,6 +213,8 @@ def main() -> None:
                 **options, endingOffsets=json.dumps({topic: "0:1"})
             ).load().count()
             batch = read_with_spark_batch(spark, options, args.messages)
+            broker_options = {**options, "readFromStorage": "false"}
+            batch_broker = read_with_spark_batch(spark, broker_options, args.messages)
             stream = read_with_spark_stream(spark, options, args.messages, root / "ckpt")
         finally:
             if spark is not None:
@@ -203,11 +236,13 @@ def main() -> None:
         "client": client_result,
         "spark_batch": batch,
         "spark_stream": stream,
+        "spark_batch_broker": batch_broker,
         "batch_vs_client": batch["rows_per_s"] / client_result["rows_per_s"],
+        "batch_broker_vs_client": batch_broker["rows_per_s"] / client_result["rows_per_s"],
         "stream_vs_client": stream["rows_per_s"] / client_result["rows_per_s"],
     }
     print(f"{'case':<14}{'rows/s':>12}{'seconds':>10}")
-    for name in ("client", "spark_batch", "spark_stream"):
+    for name in ("client", "spark_batch", "spark_batch_broker", "spark_stream"):
         r = result[name]
         print(f"{name:<14}{r['rows_per_s']:>12.0f}{r['seconds']:>10.2f}")
     print(json.dumps(result))

@@ -10,7 +10,7 @@ from typing import Any
 
 from polybroker.ledger.direct import DirectLedgerReader, LedgerLayout
 from polybroker.spark.offsets import Boundary, ReadRange, format_boundary
-from polybroker.spark.storage import Row, Stop, read_rows
+from polybroker.spark.storage import Columns, Stop, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -130,57 +130,54 @@ class _Batches:
         self.schema = arrow_schema(typed)
         self.fields = list(typed)
         self.batch_rows = batch_rows
-        self.extra: list[list[Any]] = [[] for _ in self.fields]
-        self.keys: list[bytes | None] = []
-        self.values: list[bytes] = []
-        self.ids: list[bytes] = []
-        self.pubs: list[int] = []
-        self.events: list[int | None] = []
-        self.props: list[list[tuple[str, str]]] = []
+        self.cols = Columns()
 
-    def add_rows(self, rows: Sequence[Row]) -> Any:
-        """Add rows ``(key, value, id, publish us, event us, properties)``; a full batch or None."""
-        for key, value, mid, pub, event, props in rows:
-            self.keys.append(key)
-            self.values.append(value)
-            self.ids.append(mid)
-            self.pubs.append(pub)
-            self.events.append(event)
-            self.props.append(props)
-        if self.fields:
-            from polybroker.spark.typed import extract
-
-            for row in rows:
-                for column, v in zip(self.extra, extract(row[1], self.fields), strict=True):
-                    column.append(v)
-        return self.flush() if len(self.values) >= self.batch_rows else None
+    def add(self, cols: Columns) -> Any:
+        """Add rows; a full batch or None."""
+        c = self.cols
+        c.keys += cols.keys
+        c.values += cols.values
+        c.ids += cols.ids
+        c.pubs += cols.pubs
+        c.events += cols.events
+        c.props += cols.props
+        return self.flush() if len(c.values) >= self.batch_rows else None
 
     def flush(self) -> Any:
         """The rows collected so far as one record batch (None if there are none)."""
         import pyarrow as pa
 
-        n = len(self.values)
+        c, self.cols = self.cols, Columns()
+        n = len(c.values)
         if not n:
             return None
+        extra: list[list[Any]] = [[] for _ in self.fields]
+        if self.fields:
+            from polybroker.spark.typed import extract
+
+            for value in c.values:
+                for column, v in zip(extra, extract(value, self.fields), strict=True):
+                    column.append(v)
+        schema = self.schema
+        if any(c.props):
+            props = pa.array(c.props, type=schema.field("__messageProperties").type)
+        else:
+            props = pa.MapArray.from_arrays(
+                pa.array([0] * (n + 1), pa.int32()),
+                pa.array([], pa.string()),
+                pa.array([], pa.string()),
+            )
         arrays = [
-            self.keys,
-            self.values,
-            [self.topic] * n,
-            self.ids,
-            self.pubs,
-            self.events,
-            self.props,
-            *self.extra,
+            pa.array(c.keys, pa.binary()),
+            pa.array(c.values, pa.binary()),
+            pa.array([self.topic] * n, pa.string()),
+            pa.array(c.ids, pa.binary()),
+            pa.array(c.pubs, schema.field("__publishTime").type),
+            pa.array(c.events, schema.field("__eventTime").type),
+            props,
+            *(pa.array(v, type=f.type) for v, f in zip(extra, list(schema)[7:], strict=True)),
         ]
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(c, type=f.type) for c, f in zip(arrays, self.schema, strict=True)],
-            schema=self.schema,
-        )
-        for c in (self.keys, self.values, self.ids, self.pubs, self.events, self.props):
-            c.clear()
-        for c in self.extra:
-            c.clear()
-        return batch
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def read_batches(
@@ -204,8 +201,8 @@ def read_batches(
     if layouts:
         stops: list[Stop] = []
         with DirectLedgerReader(timeout=timeout_ms / 1000) as reader:
-            for rows in read_rows(rng, layouts, ledgers, reader, stops):
-                batch = out.add_rows(rows)
+            for cols in read_rows(rng, layouts, ledgers, reader, stops):
+                batch = out.add(cols)
                 if batch is not None:
                     yield batch
         if not stops:
@@ -220,24 +217,34 @@ def read_batches(
             stops[0].reason,
         )
         rng = replace(rng, start=stops[0].resume)
-    row: list[Row] = [None]  # type: ignore[list-item]
+    one = Columns()
+    keys, values, ids, pubs, events, props = (
+        one.keys,
+        one.values,
+        one.ids,
+        one.pubs,
+        one.events,
+        one.props,
+    )
     for msg, mid in read_messages(
         service_url, rng, fail_on_data_loss=fail_on_data_loss, timeout_ms=timeout_ms
     ):
         key = msg.partition_key()
         event = msg.event_timestamp()
         p = msg.properties()
-        row[0] = (
-            key.encode() if key else None,
-            msg.data(),
-            mid.serialize(),
-            msg.publish_timestamp() * 1000,
-            event * 1000 if event else None,
-            list(p.items()) if p else [],
-        )
-        batch = out.add_rows(row)
-        if batch is not None:
-            yield batch
+        keys.append(key.encode() if key else None)
+        values.append(msg.data())
+        ids.append(mid.serialize())
+        pubs.append(msg.publish_timestamp() * 1000)
+        events.append(event * 1000 if event else None)
+        props.append(list(p.items()) if p else [])
+        if len(values) >= 1000:
+            batch = out.add(one)
+            for column in (keys, values, ids, pubs, events, props):
+                column.clear()
+            if batch is not None:
+                yield batch
+    out.add(one)
     batch = out.flush()
     if batch is not None:
         yield batch

@@ -13,12 +13,17 @@ through the broker; a key that is not UTF-8 reads as its bytes here, base64 thro
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import logging
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from polybroker.broker_core import messages
+from polybroker.broker_core.stored import stored_message_pb2 as pb
 from polybroker.ledger import entry_format
 from polybroker.ledger.direct import DirectLedgerReader, DirectReadError, LedgerLayout
 from polybroker.spark.offsets import Boundary, ReadRange, entries_between
@@ -102,35 +107,206 @@ def _decode(data: bytes) -> tuple[list[messages.Message], bool]:
 
 
 _US = 1000
+_U32 = struct.Struct(">I")
+_SEQ_TAG = b"\x40"  # SingleMetadata.sequence_id, field 8, varint
+_BATCH_TAG = b"\x20"  # MessageIdData.batch_index, field 4
+_SIZE_TAG = b"\x30"  # MessageIdData.batch_size, field 6
+_BATCH_INDEX: list[bytes] = []  # _BATCH_TAG + varint(i), grown on demand
+
+#: key, payload size, properties, event time (us) or None: what a SingleMetadata says.
+_Single = tuple[bytes | None, int, list[tuple[str, str]], int | None]
 
 
-def entry_rows(
-    ledger: int, entry: int, partition: int, data: bytes, start: Boundary, end: Boundary
-) -> list[Row]:
-    """The rows of one stored entry (``entry_format`` header and message part) in
-    ``[start, end)``; ``MessageFormatError``/``EntryFormatError`` if it cannot be decoded."""
-    body = data[entry_format.HEADER_SIZE :]
+class Columns:
+    """Rows as columns: key, value, message id, publish and event time (us), properties."""
+
+    __slots__ = ("events", "ids", "keys", "props", "pubs", "values")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes | None] = []
+        self.values: list[bytes] = []
+        self.ids: list[bytes] = []
+        self.pubs: list[int] = []
+        self.events: list[int | None] = []
+        self.props: list[list[tuple[str, str]]] = []
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def rows(self) -> list[Row]:
+        """The rows one by one (for tests and the typed columns)."""
+        return list(
+            zip(self.keys, self.values, self.ids, self.pubs, self.events, self.props, strict=True)
+        )
+
+
+def _batch_index(count: int) -> None:
+    """Make ``_BATCH_INDEX`` hold at least ``count`` items."""
+    while len(_BATCH_INDEX) < count:
+        _BATCH_INDEX.append(_BATCH_TAG + _varint(len(_BATCH_INDEX)))
+
+
+def _uvarint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    return _varint(n)
+
+
+def _key(smm: Any) -> bytes | None:
+    """The key as ``messages.decode_entry`` gives it: ordering key, else the partition key."""
+    if smm.HasField("ordering_key"):
+        return bytes(smm.ordering_key)
+    if not smm.HasField("partition_key"):
+        return None
+    if smm.partition_key_b64_encoded:
+        try:
+            return base64.b64decode(smm.partition_key, validate=True)
+        except (binascii.Error, ValueError):
+            raise messages.MessageFormatError("partition key is not valid base64") from None
+    return smm.partition_key.encode("utf-8")
+
+
+class _SingleCache:
+    """Parsed SingleMetadata by their bytes without the trailing sequence id.
+
+    A producer's messages differ mostly in their sequence id, the last field: the rest is
+    parsed once. A prefix is cached only once it parsed alone to the same fields, so any bytes
+    that are that prefix plus a sequence id field parse as it (protobuf concatenation)."""
+
+    def __init__(self, event_default: int) -> None:
+        self.event_default = event_default
+        self._by_prefix: dict[bytes, _Single] = {}
+        self.known = self._by_prefix.get
+
+    def parse(self, raw: bytes, seq: int) -> _Single:
+        tail = _SEQ_TAG + _uvarint(seq)
+        if raw.endswith(tail):
+            head = raw[: -len(tail)]
+            got = self._by_prefix.get(head)
+            if got is not None:
+                return got
+        else:
+            head = None
+        smm = pb.SingleMetadata()
+        try:
+            smm.ParseFromString(raw)
+        except Exception as e:
+            raise messages.MessageFormatError(f"malformed single-message metadata: {e}") from None
+        event = int(smm.event_time) or self.event_default
+        info: _Single = (
+            _key(smm) or None,
+            int(smm.payload_size),
+            sorted({p.key: p.value for p in smm.properties}.items()),
+            event * _US if event else None,
+        )
+        if head is not None and len(self._by_prefix) < 10_000:
+            alone = pb.SingleMetadata()
+            with contextlib.suppress(Exception):
+                alone.ParseFromString(head)
+                smm.ClearField("sequence_id")
+                if alone == smm:
+                    self._by_prefix[head] = info
+        return info
+
+
+def _pulsar_batch(md: Any, payload: bytes, lo: int, hi: int, prefix: bytes, out: Columns) -> None:
+    """Messages ``lo..hi-1`` of a Pulsar batch (the common case, fast)."""
+    n = md.num_messages_in_batch
+    body = messages.decompress(
+        md.compression, md.uncompressed_size, payload, messages.DEFAULT_MAX_SIZE
+    )
+    if n < 0 or n > len(body) // 4 + 1:
+        raise messages.MessageFormatError(f"batch claims {n} messages in {len(body)} bytes")
+    cache = _SingleCache(int(md.event_time))
+    known = cache.known
+    parse = cache.parse
+    seq = int(md.sequence_id)
+    pub = int(md.publish_time) * _US
+    tail = _SIZE_TAG + _uvarint(n)
+    unpack = _U32.unpack_from
+    count = max(0, min(hi, n))
+    _batch_index(count)
+    index = _BATCH_INDEX
+    keys, values, ids, events, props = out.keys, out.values, out.ids, out.events, out.props
+    pos = 0
+    end = len(body)
+    for i in range(count):
+        if end - pos < 4:
+            raise messages.MessageFormatError("truncated batch: no single-message metadata size")
+        (size,) = unpack(body, pos)
+        pos += 4
+        if size > end - pos:
+            raise messages.MessageFormatError("single-message metadata runs past the batch")
+        raw = body[pos : pos + size]
+        pos += size
+        # The common case inline: known fields, then this message's sequence id (_SingleCache).
+        s = seq + i
+        seq_field = _SEQ_TAG + (bytes((s,)) if s < 0x80 else _uvarint(s))
+        info = known(raw[: -len(seq_field)]) if raw.endswith(seq_field) else None
+        key, length, prop, event = info or parse(raw, s)
+        if length < 0 or length > end - pos:
+            raise messages.MessageFormatError("message payload runs past the batch")
+        if i >= lo:
+            keys.append(key)
+            values.append(body[pos : pos + length])
+            ids.append(prefix + index[i] + tail)
+            events.append(event)
+            props.append(prop)
+        pos += length
+    out.pubs.extend([pub] * max(0, min(hi, n) - lo))
+
+
+def entry_columns(
+    ledger: int,
+    entry: int,
+    partition: int,
+    data: bytes,
+    start: Boundary,
+    end: Boundary,
+    out: Columns,
+) -> None:
+    """Append the rows of one stored entry (``entry_format`` header and message part) in
+    ``[start, end)`` to ``out``; ``MessageFormatError``/``EntryFormatError`` if it cannot be
+    decoded (``out`` may then hold some of its rows: the caller drops them)."""
     entry_format.decode_header(data)
+    body = data[entry_format.HEADER_SIZE :]
+    # Batch indexes of this entry inside [start, end): lo <= i < hi.
+    lo = max(start[2], 0) if (start[0], start[1]) == (ledger, entry) else 0
+    hi = max(end[2], 0) if (end[0], end[1]) == (ledger, entry) else 1 << 31
+    prefix = b"\x08" + _varint(ledger) + b"\x10" + _varint(entry)
+    if partition >= 0:
+        prefix += b"\x18" + _varint(partition)
+    md, payload = messages.split_entry(body)
+    if (
+        md.HasField("num_messages_in_batch")
+        and messages.entry_format(body) == messages.PULSAR_FORMAT
+    ):
+        _pulsar_batch(md, payload, lo, hi, prefix, out)
+        return
     decoded, batched = _decode(body)
     n = len(decoded)
-    rows: list[Row] = []
     for i, m in enumerate(decoded):
         b = i if batched else -1
         pos = (ledger, entry, b)
         if pos < start or pos >= end:
             continue
-        props = sorted(dict(m.properties).items()) if m.properties else []
-        rows.append(
-            (
-                m.key or None,
-                m.payload,
-                message_id_bytes(ledger, entry, partition, b, n),
-                m.publish_time_ms * _US,
-                m.event_time_ms * _US if m.event_time_ms else None,
-                props,
-            )
-        )
-    return rows
+        out.keys.append(m.key or None)
+        out.values.append(m.payload)
+        out.ids.append(message_id_bytes(ledger, entry, partition, b, n))
+        out.pubs.append(m.publish_time_ms * _US)
+        out.events.append(m.event_time_ms * _US if m.event_time_ms else None)
+        out.props.append(sorted(dict(m.properties).items()) if m.properties else [])
+
+
+def entry_rows(
+    ledger: int, entry: int, partition: int, data: bytes, start: Boundary, end: Boundary
+) -> list[Row]:
+    """``entry_columns`` as a list of rows."""
+    out = Columns()
+    entry_columns(ledger, entry, partition, data, start, end, out)
+    return out.rows()
 
 
 def read_rows(
@@ -139,7 +315,7 @@ def read_rows(
     ledgers: Sequence[tuple[int, int]],
     reader: DirectLedgerReader,
     stop: list[Stop],
-) -> Iterator[list[Row]]:
+) -> Iterator[Columns]:
     """Yield the rows of ``rng`` entry by entry, read from the bookies.
 
     ``ledgers`` are the ``(ledger id, entries)`` of the sealed ledgers the range covers. If an
@@ -155,9 +331,10 @@ def read_rows(
         expected = first
         try:
             for entry, data in reader.read(layout, first, stop_entry - 1):
-                rows = entry_rows(ledger, entry, partition, data, rng.start, rng.end)
+                out = Columns()
+                entry_columns(ledger, entry, partition, data, rng.start, rng.end, out)
                 expected = entry + 1
-                yield rows
+                yield out
         except (DirectReadError, messages.MessageFormatError, entry_format.EntryFormatError) as e:
             stop.append(Stop(max(rng.start, (ledger, expected, -1)), str(e)))
             return

@@ -109,14 +109,14 @@ def test_read_rows_stops_where_storage_fails_so_the_broker_reads_on() -> None:
     rng = ReadRange("t", (3, 1, -1), (3, 6, -1), (3, 5), 5)
     stops: list[Stop] = []
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries), stops))  # type: ignore[arg-type]
-    assert [r[0][1] for r in got] == [b"1", b"2", b"3", b"4", b"5"]
+    assert [c.values[0] for c in got] == [b"1", b"2", b"3", b"4", b"5"]
     assert stops == []
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries, 4), stops))  # type: ignore[arg-type]
-    assert [r[0][1] for r in got] == [b"1", b"2", b"3"]
+    assert [c.values[0] for c in got] == [b"1", b"2", b"3"]
     assert stops[0].resume == (3, 4, -1)
     # A corrupt entry stops there too.
     entries[2] = b"junk"
     stops.clear()
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries), stops))  # type: ignore[arg-type]
-    assert [r[0][1] for r in got] == [b"1"]
+    assert [c.values[0] for c in got] == [b"1"]
     assert stops[0].resume == (3, 2, -1)
