@@ -452,26 +452,39 @@ def test_bundles_swapping_brokers_under_kafka_python_clients(kafka_cluster: Kafk
     finally:
         consumer.close()
         producer.close(timeout=10)
-    # A new member of the group starts where the commits left it: nothing is read again.
-    member = KafkaConsumer(
-        TOPIC,
-        bootstrap_servers=kafka_cluster.bootstrap(b),
-        group_id=GROUP,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
+    # A new member of the group starts where the commits left it: nothing is read again, and
+    # a marker produced once it holds its partitions is the one message it gets.
+    member = ConfluentConsumer(
+        {
+            "bootstrap.servers": kafka_cluster.bootstrap(b),
+            "group.id": GROUP,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
     )
+    assigned: list[Any] = []
+    marker = b"marker"
+    got: list[bytes] = []
     try:
-        again: list[bytes] = []
-
-        def assigned() -> bool:
-            for records in member.poll(timeout_ms=200).values():
-                again.extend(r.value for r in records)
-            return len(member.assignment()) == PARTITIONS
-
-        wait_for(assigned, RECOVERY_S, "the member was not assigned every partition")
-        assert again == []
-        assignment = member.assignment()
-        positions = {tp.partition: member.position(tp) for tp in assignment}
-        assert positions == committed
+        member.subscribe([TOPIC], on_assign=lambda _, parts: assigned.extend(parts))
+        sent = False
+        deadline = time.monotonic() + RECOVERY_S
+        while marker not in got:
+            assert time.monotonic() < deadline, "the new member did not get the marker"
+            msg = member.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(msg.value())
+            if len(assigned) == PARTITIONS and not sent:
+                marking = ConfluentProducer(
+                    {"bootstrap.servers": kafka_cluster.bootstrap(b), "acks": "all"}
+                )
+                marking.produce(TOPIC, value=marker, partition=0)
+                assert marking.flush(30) == 0
+                sent = True
+        assert got == [marker], "the group did not resume at its committed offsets"
+        resumed = member.committed(
+            [ConfluentTopicPartition(TOPIC, i) for i in range(PARTITIONS)], timeout=15
+        )
+        assert {tp.partition: tp.offset for tp in resumed} == committed
     finally:
         member.close()
