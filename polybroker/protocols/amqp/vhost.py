@@ -94,8 +94,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUBSCRIPTION = "amqp"
-#: Messages a queue keeps in memory (ready plus unacknowledged).
+#: Messages a queue keeps in memory (ready plus unacknowledged) from one log it reads...
 WINDOW = 2000
+#: ... and above which it reads from none.
+QUEUE_WINDOW = 2 * WINDOW
 #: How long a basic.get waits for messages whose append is still under way.
 CATCH_UP_S = 2.0
 #: How often wildcard forwarders look for new topics.
@@ -503,17 +505,14 @@ class Queue:
 
     # -- feeding -----------------------------------------------------------------------------
 
-    def _cap(self) -> int:
-        """The share of the window each source may fill."""
-        return max(WINDOW // max(len(self.sources), 1), 50)
-
     def _flow(self) -> None:
-        cap = self._cap()
+        """Let each log feed up to ``WINDOW`` messages in memory or on their way, while the
+        queue holds fewer than ``QUEUE_WINDOW`` from all of them."""
+        if self.in_memory >= QUEUE_WINDOW:
+            return
         for s in self.sources.values():
-            if s.server_consumer is None:
-                continue
-            want = cap - s.in_memory - (s.granted - s.received)
-            if want >= cap // 4:
+            want = WINDOW - s.in_memory - (s.granted - s.received)
+            if want >= WINDOW // 4 and s.server_consumer is not None:
                 s.granted += want
                 s.server_consumer.flow(want)
 
@@ -568,7 +567,8 @@ class Queue:
         self._schedule_expiry()
         self._flow()
         if source.kind == OWN:
-            self._release_held()
+            if len(self.sources) > 1:
+                self._release_held()
         elif source.retiring:
             self.maybe_retire(source)
 
@@ -785,7 +785,7 @@ class Queue:
             s.done += 1
             if entry is not None and (s.last_appended is None or s.last_appended < entry.position):
                 s.last_appended = entry.position
-            if s.kind == OWN:
+            if s.kind == OWN and len(self.sources) > 1:
                 for other in self.sources.values():
                     if other.barrier_ticket is not None and other.barrier_ticket == s.done:
                         other.barrier_pos = s.last_appended
@@ -820,8 +820,7 @@ class Queue:
         topic; for a shared log, its unread part times the share of the queue's messages in
         what it read there (exact for a fanout's log)."""
         ready = self.message_count
-        cap = self._cap()
-        full = [s for s in self.sources.values() if s.in_memory >= cap // 2]
+        full = [s for s in self.sources.values() if s.in_memory >= WINDOW // 2]
         if not full:
             return succeed(ready)
         ds = [self.vhost.service.stats(s.topic) for s in full]
