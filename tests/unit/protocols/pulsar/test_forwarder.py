@@ -390,3 +390,37 @@ def test_keep_alive_pings_and_drops_a_silent_owner() -> None:
     assert client.lost
     assert rec.disconnected == 1
     assert o.forwarder.connections == {}
+
+
+def test_batch_index_and_cumulative_acks_reach_the_owner() -> None:
+    """Acknowledging some messages of a batch leaves the entry pending at the owner until the
+    last one is acknowledged; a cumulative ack acknowledges everything up to its position."""
+    o = Owner()
+    batch = encode_entry(
+        [Message(b"a"), Message(b"b"), Message(b"c")],
+        producer_name="p",
+        sequence_id=0,
+        publish_time_ms=5,
+    )
+    fired(o.forwarder.publish(OWNER, TOPIC, batch, 3), o)
+    for i in range(3):
+        fired(o.forwarder.publish(OWNER, TOPIC, entry(b"m%d" % i)), o)
+    rec = Recorder()
+    remote = fired(
+        o.forwarder.subscribe(OWNER, TOPIC, "s", rec, SubType.EXCLUSIVE, InitialPosition.EARLIEST),
+        o,
+    )
+    remote.flow(100)
+    o.pump()
+    assert [d.entry.num_messages for d in rec.deliveries] == [3, 1, 1, 1]
+    server = result_of(o.service.get_topic(TOPIC)).subscriptions["s"].consumers[0]
+    first = rec.deliveries[0].entry.position
+    remote.ack_batch_index(first, 0b011, 3)
+    o.pump()
+    assert first in server.pending
+    remote.ack_batch_index(first, 0b111, 3)
+    o.pump()
+    assert first not in server.pending
+    remote.ack_cumulative(rec.deliveries[2].entry.position)
+    o.pump()
+    assert set(server.pending) == {rec.deliveries[3].entry.position}
