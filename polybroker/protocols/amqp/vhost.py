@@ -1174,16 +1174,28 @@ class VirtualHost:
                     return True
         return False
 
-    def bindings_changed(self) -> None:
+    def bindings_changed(self, removed: routing.Binding | None = None) -> None:
         """Retire the shared logs whose exchange no longer routes to their queue (once read),
-        and keep those it routes to again."""
-        for q in list(self.queues.values()):
+        and keep those it routes to again.
+
+        A new binding can only bring back a log being retired; a removed queue binding can
+        only change what reaches that queue; other removals (and a load) look at every queue."""
+        if removed is None:
+            queues = [
+                q for q in self.queues.values() if any(s.retiring for s in q.sources.values())
+            ]
+        elif removed.kind == routing.QUEUE:
+            q = self.queues.get(removed.destination)
+            queues = [q] if q is not None else []
+        else:
+            queues = list(self.queues.values())
+        for q in queues:
             for s in list(q.sources.values()):
                 if s.kind != SHARED or s.exchange is None:
                     continue
                 if self.reaches(s.exchange, q.name):
                     s.retiring = s.retire_known = False
-                elif not s.retiring:
+                elif not s.retiring and removed is not None:
                     s.retiring = True
                     d = self.service.last_message_id(s.topic)
                     d.addCallback(q.retire_from, s)
@@ -1249,7 +1261,7 @@ class VirtualHost:
                     if ex is not None and b not in ex.bindings:
                         ex.bindings.append(b)
                         await self._bound(b)
-        self.bindings_changed()
+        self.bindings_changed(_ANY_REMOVAL)
         Deferred.fromCoroutine(self._drop_orphan_sources()).addErrback(
             lambda f: log.warning("AMQP orphan sweep failed", extra=kv(error=str(f.value)))
         )
@@ -1409,7 +1421,7 @@ class VirtualHost:
                 fwd = q.forwarders.pop(b.routing_key, None)
                 if fwd is not None:
                     fwd.close()
-        self.bindings_changed()
+        self.bindings_changed(b)
         return self._forget("bindings", self._binding_id(b))
 
     # -- queues ------------------------------------------------------------------------------
@@ -1677,6 +1689,10 @@ class _Batch:
     messages: list[Message] = field(default_factory=list)
     waiters: list[Deferred[Any]] = field(default_factory=list)
     size: int = 0
+
+
+#: Stands for "some binding may be gone" (every queue is looked at).
+_ANY_REMOVAL = routing.Binding("", "", routing.EXCHANGE, "")
 
 
 def _first_failure(f: Any) -> Any:
