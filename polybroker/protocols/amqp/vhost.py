@@ -1067,6 +1067,8 @@ class VirtualHost:
         self._pending: dict[str, _Batch] = {}
         self._flush_scheduled = False
         self._exchange_logs: dict[str, str] = {}
+        #: Per log, the publish that waits to be stored there (later ones queue behind it).
+        self._gates: dict[str, Deferred[None]] = {}
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -1615,12 +1617,11 @@ class VirtualHost:
             target = stored[0].topic
         for q in stored:
             q.appending(target)
-        if not waits:
+        previous = self._gates.get(target)
+        if not waits and previous is None:
             d = self._store(target, stored_message, size)
         else:
-            # The first message a queue gets through this log waits for its subscription.
-            d = DeferredList(waits, fireOnOneErrback=True, consumeErrors=True)
-            d.addCallbacks(lambda _: self._store(target, stored_message, size), _first_failure)
+            d = self._gated(target, stored_message, size, waits, previous)
 
         def appended(result: Any) -> Any:
             entry = result if isinstance(result, Entry) else None
@@ -1630,6 +1631,42 @@ class VirtualHost:
 
         d.addBoth(appended)
         return d
+
+    def _gated(
+        self,
+        target: str,
+        message: Message,
+        size: int,
+        waits: list[Deferred[None]],
+        previous: Deferred[None] | None,
+    ) -> Deferred[Any]:
+        """Store ``message`` once the queues' subscriptions exist (the first message a queue
+        gets through a log waits for its subscription) and after the publish to ``target``
+        that waited before it, so a log keeps the publish order."""
+        mine: Deferred[None] = Deferred()
+        self._gates[target] = mine
+
+        def opened() -> None:
+            if self._gates.get(target) is mine:
+                del self._gates[target]
+            mine.callback(None)
+
+        def go(_: object) -> Deferred[Any]:
+            d = self._store(target, message, size)
+            opened()
+            return d
+
+        def failed(f: Any) -> Any:
+            opened()
+            return _first_failure(f)
+
+        gate = DeferredList(
+            [*waits, *([previous] if previous is not None else [])],
+            fireOnOneErrback=True,
+            consumeErrors=True,
+        )
+        gate.addCallbacks(go, failed)
+        return gate
 
     # -- batching ----------------------------------------------------------------------------
 

@@ -418,3 +418,41 @@ def test_a_publish_whose_queue_cannot_read_the_log_is_nacked() -> None:
     assert p.methods() == [c.BasicAck(2, True)]
     assert drain(p, "a") == [b"kept"]
     assert drain(p, "b") == [b"kept"]
+
+
+def test_a_publish_waiting_for_a_new_subscription_keeps_its_place_in_the_log() -> None:
+    """While a newly bound queue's subscription on the exchange's log is being made, a later
+    publish that needs no new subscription still lands after the waiting one."""
+    from twisted.internet.defer import Deferred
+
+    p = Peer()
+    direct(p, {"a": ("x", "both"), "b": ("both",)})
+    p.method(1, c.ConfirmSelect())
+    p.publish(1, "fan", "both", b"first", delivery_mode=2)  # a and b read the log now
+    p.clock.advance(0)
+    p.method(1, c.QueueDeclare(queue="c", durable=True))
+    p.method(1, c.QueueBind(queue="c", exchange="fan", routing_key="both"))
+    p.clock.advance(0)
+    p.methods()
+    put = p.store.put
+    held: list[Deferred[object]] = []
+
+    def slow_put(path: str, value: bytes, *args: object, **kwargs: object) -> object:
+        if "/sources/c/" in path:
+            d: Deferred[object] = Deferred()
+            d.addCallback(lambda _: put(path, value, *args, **kwargs))  # type: ignore[arg-type]
+            held.append(d)
+            return d
+        return put(path, value, *args, **kwargs)  # type: ignore[arg-type]
+
+    p.store.put = slow_put  # type: ignore[method-assign]
+    p.publish(1, "fan", "both", b"second", delivery_mode=2)  # waits for c's subscription
+    p.publish(1, "fan", "x", b"third", delivery_mode=2)  # a only: must not overtake
+    p.clock.advance(0)
+    assert p.methods() == []
+    held[0].callback(None)
+    p.clock.advance(0)
+    assert p.methods() == [c.BasicAck(3, True)]
+    assert drain(p, "a") == [b"first", b"second", b"third"]
+    assert drain(p, "b") == [b"first", b"second"]
+    assert drain(p, "c") == [b"second"]
