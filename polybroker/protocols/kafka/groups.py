@@ -493,7 +493,8 @@ class GroupCoordinator:
         coordinator."""
         g = self.groups.pop(group_id, None)
         if g is not None:
-            log.info("group handed over", extra=kv(group=group_id))
+            if g.members:
+                log.info("group handed over", extra=kv(group=group_id, members=len(g.members)))
             self._stop_group(g, c.NOT_COORDINATOR)
 
     def close(self) -> None:

@@ -768,3 +768,24 @@ def test_requests_waiting_on_an_ownership_that_does_not_answer_are_refused_in_ti
     assert [(p.error_code, p.leader_id) for p in topic.partitions] == [(c.LEADER_NOT_AVAILABLE, -1)]
     assert bodies[1].responses[0].partition_responses[0].error_code == c.NOT_LEADER_OR_FOLLOWER
     assert bodies[2].error_code == c.NOT_COORDINATOR
+
+
+def test_list_groups_names_only_the_groups_this_broker_coordinates() -> None:
+    """ListGroups (sent to every broker by admin clients) lists the groups of the slots this
+    broker owns, not every group with stored offsets."""
+    from kafka.protocol.admin import ListGroupsRequest
+
+    node, clock, store = cluster_pair()
+    elsewhere = group_in_slot_owned_by(node, THERE)
+    mine = next(
+        g
+        for g in (f"x{i}" for i in range(100))
+        if coordinator_slot(g, 4) != coordinator_slot(elsewhere, 4)
+    )
+    assert node.call(commit(mine, 1)).topics[0].partitions[0].error_code == c.NONE
+    theirs = GroupCoordinator(clock, store.new_session(), fresh_offsets=True)
+    assert result_of(theirs.commit(elsewhere, -1, "", [("t", 0, 2, "")])) == c.NONE
+    listed = node.call(ListGroupsRequest[2]())
+    assert [g.group_id for g in listed.groups] == [mine]
+    clock.advance(SWEEP_INTERVAL_S)
+    assert elsewhere not in node.apis.groups.groups
