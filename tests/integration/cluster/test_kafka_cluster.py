@@ -8,7 +8,10 @@ The clients block, so they run on the test's own thread against the broker proce
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -387,7 +390,6 @@ def test_kill_9_of_a_partition_leader_under_confluent_kafka_clients(
 
 
 def http(method: str, url: str) -> Any:
-    import json
     import urllib.request
 
     with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=15) as r:
@@ -488,3 +490,49 @@ def test_bundles_swapping_brokers_under_kafka_python_clients(kafka_cluster: Kafk
         assert {tp.partition: tp.offset for tp in resumed} == committed
     finally:
         member.close()
+
+
+SPARK_CALLS = Path(__file__).parents[1] / "protocols" / "kafka" / "java" / "SparkKafkaCalls.java"
+
+
+def java_classpath() -> str | None:
+    """kafka-clients 3.9 (inside the pyflink wheel) and slf4j, or None when missing."""
+    try:
+        import pyflink
+    except ImportError:
+        return None
+    jar = Path(next(iter(pyflink.__path__))) / "lib" / "kafka-clients.jar"
+    if not jar.exists():
+        return None
+    extra = [Path("/usr/share/java/slf4j-api.jar"), Path("/usr/share/java/slf4j-nop.jar")]
+    try:  # lz4-java, as Spark ships it beside the connector
+        import pyspark
+
+        extra += sorted((Path(pyspark.__file__).parent / "jars").glob("lz4-java-*.jar"))
+    except ImportError:
+        pass
+    return ":".join(str(p) for p in [jar, *extra] if p.exists())
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="Java is not installed")
+def test_spark_kafka_calls_of_the_java_client_on_a_cluster(kafka_cluster: KafkaCluster) -> None:
+    """The Java kafka-clients calls Spark's Kafka source and sink make (admin describeTopics
+    and listOffsets, the idempotent acks=all producer, assign/seek/poll) give the results they
+    give on one broker, bootstrapped through one broker of the cluster."""
+    cp = java_classpath()
+    if cp is None:
+        pytest.skip("kafka-clients.jar (shigawire-apache-flink-libraries) is not installed")
+    a, _ = kafka_cluster.brokers
+    done = subprocess.run(
+        ["java", "-cp", cp, str(SPARK_CALLS), kafka_cluster.bootstrap(a), "spark-topic"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"rc={done.returncode} {done.stdout[-2000:]} {done.stderr[-4000:]}"
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["partitions"] == 2
+    assert (r["earliest"], r["latest"]) == ([0, 0], [10, 10])
+    assert (r["consumed"], r["position"], r["beginning"], r["end"]) == (17, 10, 0, 10)
