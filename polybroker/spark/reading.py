@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -131,45 +132,70 @@ class _Batches:
         self.fields = list(typed)
         self.batch_rows = batch_rows
         self.cols = Columns()
+        self.chunks: list[Any] = []  # record batches made of uniform entries
+        self.rows = 0
 
     def add(self, cols: Columns) -> Any:
         """Add rows; a full batch or None."""
-        c = self.cols
-        c.keys += cols.keys
-        c.values += cols.values
-        c.ids += cols.ids
-        c.pubs += cols.pubs
-        c.events += cols.events
-        c.props += cols.props
-        return self.flush() if len(c.values) >= self.batch_rows else None
+        if cols.blob is None:
+            c = self.cols
+            c.keys += cols.keys
+            c.values += cols.values
+            c.ids += cols.ids
+            c.pubs += cols.pubs
+            c.events += cols.events
+            c.props += cols.props
+        else:
+            if len(self.cols):
+                self.chunks.append(self._batch(self.cols))
+                self.cols = Columns()
+            self.chunks.append(self._batch(cols))
+        self.rows += len(cols)
+        return self.flush() if self.rows >= self.batch_rows else None
 
     def flush(self) -> Any:
         """The rows collected so far as one record batch (None if there are none)."""
         import pyarrow as pa
 
-        c, self.cols = self.cols, Columns()
-        n = len(c.values)
-        if not n:
-            return None
+        if len(self.cols):
+            self.chunks.append(self._batch(self.cols))
+            self.cols = Columns()
+        chunks, self.chunks, self.rows = self.chunks, [], 0
+        if len(chunks) <= 1:
+            return chunks[0] if chunks else None
+        return pa.Table.from_batches(chunks, self.schema).combine_chunks().to_batches()[0]
+
+    def _batch(self, c: Columns) -> Any:
+        import pyarrow as pa
+
+        n = len(c)
+        schema = self.schema
+        if c.blob is not None:
+            w = c.width
+            offsets = array("i", range(0, (n + 1) * w, w)).tobytes()
+            values = pa.BinaryArray.from_buffers(
+                pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(c.blob)]
+            )
+        else:
+            values = pa.array(c.values, pa.binary())
         extra: list[list[Any]] = [[] for _ in self.fields]
         if self.fields:
             from polybroker.spark.typed import extract
 
-            for value in c.values:
+            for value in c.value_list():
                 for column, v in zip(extra, extract(value, self.fields), strict=True):
                     column.append(v)
-        schema = self.schema
         if any(c.props):
             props = pa.array(c.props, type=schema.field("__messageProperties").type)
         else:
             props = pa.MapArray.from_arrays(
-                pa.array([0] * (n + 1), pa.int32()),
+                pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(bytes(4 * (n + 1)))]),
                 pa.array([], pa.string()),
                 pa.array([], pa.string()),
             )
         arrays = [
             pa.array(c.keys, pa.binary()),
-            pa.array(c.values, pa.binary()),
+            values,
             pa.array([self.topic] * n, pa.string()),
             pa.array(c.ids, pa.binary()),
             pa.array(c.pubs, schema.field("__publishTime").type),

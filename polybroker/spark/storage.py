@@ -118,9 +118,12 @@ _Single = tuple[bytes | None, int, list[tuple[str, str]], int | None]
 
 
 class Columns:
-    """Rows as columns: key, value, message id, publish and event time (us), properties."""
+    """Rows as columns: key, value, message id, publish and event time (us), properties.
 
-    __slots__ = ("events", "ids", "keys", "props", "pubs", "values")
+    ``blob`` (when set, ``values`` is empty) holds the values of equal length ``width``
+    back to back: a uniform batch's payloads, copied out at C speed."""
+
+    __slots__ = ("blob", "events", "ids", "keys", "props", "pubs", "values", "width")
 
     def __init__(self) -> None:
         self.keys: list[bytes | None] = []
@@ -129,14 +132,31 @@ class Columns:
         self.pubs: list[int] = []
         self.events: list[int | None] = []
         self.props: list[list[tuple[str, str]]] = []
+        self.blob: bytes | None = None
+        self.width = 0
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.ids)
+
+    def value_list(self) -> list[bytes]:
+        """The values, one bytes each."""
+        if self.blob is None:
+            return self.values
+        w = self.width
+        return [self.blob[i : i + w] for i in range(0, w * len(self.ids), w)]
 
     def rows(self) -> list[Row]:
         """The rows one by one (for tests and the typed columns)."""
         return list(
-            zip(self.keys, self.values, self.ids, self.pubs, self.events, self.props, strict=True)
+            zip(
+                self.keys,
+                self.value_list(),
+                self.ids,
+                self.pubs,
+                self.events,
+                self.props,
+                strict=True,
+            )
         )
 
 
@@ -151,7 +171,54 @@ def _uvarint(n: int) -> bytes:
         return bytes((n,))
     if n < 0x4000:
         return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, (n >> 7) & 0x7F | 0x80, n >> 14))
     return _varint(n)
+
+
+#: Maps a byte to 1 if it continues a varint (high bit set), else 0.
+_CONTINUES = bytes(1 if b >= 0x80 else 0 for b in range(256))
+
+
+def _uniform(
+    body: bytes, n: int, seq: int, cache: _SingleCache, out: Columns, pub: int, ids: list[bytes]
+) -> bool:
+    """Take a whole batch at once when every message is the first one's shape: the same
+    SingleMetadata but for a sequence id of the same width, and the same payload size. Checked
+    byte for byte; False (nothing taken) otherwise."""
+    if n < 2 or len(body) < 4:
+        return False
+    (size,) = _U32.unpack_from(body, 0)
+    raw = body[4 : 4 + size]
+    seq_field = _SEQ_TAG + _uvarint(seq)
+    if len(raw) != size or not raw.endswith(seq_field):
+        return False
+    info = cache.parse(raw, seq)
+    head = raw[: -len(seq_field)]
+    if cache.known(head) is not info:
+        return False  # the prefix did not parse alone to the same fields: not cached
+    width = len(seq_field) - 1
+    length = info[1]
+    stride = 4 + size + length
+    if n * stride != len(body):
+        return False
+    starts = range(0, len(body), stride)
+    fixed = 4 + len(head) + 1
+    if b"".join([body[p : p + fixed] for p in starts]) != body[:fixed] * n:
+        return False
+    varints = b"".join([body[p + fixed : p + fixed + width] for p in starts])
+    if varints.translate(_CONTINUES) != (b"\x01" * (width - 1) + b"\x00") * n:
+        return False
+    skip = 4 + size
+    out.blob = b"".join([body[p + skip : p + stride] for p in starts])
+    out.width = length
+    key, _, prop, event = info
+    out.keys += [key] * n
+    out.ids += ids
+    out.pubs += [pub] * n
+    out.events += [event] * n
+    out.props += [prop] * n
+    return True
 
 
 def _key(smm: Any) -> bytes | None:
@@ -229,6 +296,10 @@ def _pulsar_batch(md: Any, payload: bytes, lo: int, hi: int, prefix: bytes, out:
     count = max(0, min(hi, n))
     _batch_index(count)
     index = _BATCH_INDEX
+    if lo == 0 and count == n and not out.ids:
+        all_ids = [prefix + x + tail for x in index[:n]]
+        if _uniform(body, n, seq, cache, out, pub, all_ids):
+            return
     keys, values, ids, events, props = out.keys, out.values, out.ids, out.events, out.props
     pos = 0
     end = len(body)

@@ -120,3 +120,31 @@ def test_read_rows_stops_where_storage_fails_so_the_broker_reads_on() -> None:
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries), stops))  # type: ignore[arg-type]
     assert [c.values[0] for c in got] == [b"1"]
     assert stops[0].resume == (3, 2, -1)
+
+
+@pytest.mark.parametrize("odd", [None, "key", "size", "seq"])
+def test_uniform_batches_are_taken_whole_and_any_odd_message_is_decoded_one_by_one(
+    odd: str | None,
+) -> None:
+    """Equal-shaped messages (sequence ids of one width) take the fast path; a message of
+    another key of the same length, another payload size or another sequence id width does
+    not, and the rows are the same as ``decode_entry`` gives either way."""
+    from polybroker.broker_core.messages import decode_entry
+    from polybroker.spark.storage import Columns, entry_columns
+
+    msgs = [Message(b"%03d" % i, key=b"a") for i in range(300)]
+    seq = 1000  # 1000..1299: two-byte varints
+    if odd == "key":
+        msgs[150] = Message(b"150", key=b"b")
+    elif odd == "size":
+        msgs[150] = Message(b"1500", key=b"a")
+    elif odd == "seq":
+        seq = 16384 - 100  # crosses into three-byte varints
+    entry = encode_entry(msgs, producer_name="p", sequence_id=seq, publish_time_ms=3)
+    out = Columns()
+    entry_columns(7, 1, -1, _stored(entry, n=300), EARLIEST, END, out)
+    assert (out.blob is not None) == (odd is None)
+    expected = decode_entry(entry)
+    assert [(r[0], r[1]) for r in out.rows()] == [(m.key, m.payload) for m in expected]
+    ids = [pulsar.MessageId.deserialize(r[2]) for r in out.rows()]
+    assert [m.batch_index() for m in ids] == list(range(300))
