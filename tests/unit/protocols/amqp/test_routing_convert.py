@@ -7,7 +7,13 @@ import pytest
 from polybroker.broker_core.messages import Message, decode_entry, encode_entry
 from polybroker.protocols.amqp import routing as r
 from polybroker.protocols.amqp.codec import BasicProperties
-from polybroker.protocols.amqp.convert import AmqpMessage, from_stored, to_stored
+from polybroker.protocols.amqp.convert import (
+    AmqpMessage,
+    decode_to,
+    encode_to,
+    from_stored,
+    to_stored,
+)
 
 
 @pytest.mark.parametrize(
@@ -92,3 +98,13 @@ def test_long_foreign_key_fits_a_short_string() -> None:
     """A key longer than 255 bytes is cut to fit the routing-key short string."""
     back = from_stored(Message(payload=b"", key=b"k" * 300))
     assert back.routing_key == "k" * 255
+
+
+def test_destination_lists_round_trip_and_bad_ones_name_no_queue() -> None:
+    """The queues a shared message names come back as written (any characters); a value that
+    is not a JSON list of strings names none."""
+    names = ["a", "b.c", 'q "x"', "ünï", ","]
+    assert decode_to(encode_to(names)) == frozenset(names)
+    assert decode_to("not json") == frozenset()
+    assert decode_to('{"a": 1}') == frozenset()
+    assert decode_to('["a", 1]') == frozenset({"a"})
