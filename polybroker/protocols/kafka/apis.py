@@ -176,6 +176,7 @@ class KafkaApis:
             service.metadata_store,
             on_commit=self._committed,
             fresh_offsets=cluster is not None,
+            is_coordinator=None if cluster is None else self._owns_slot,
         )
         self._sweep: LoopingCall | None = None
         if cluster is not None:
@@ -314,6 +315,10 @@ class KafkaApis:
         if not await self.cluster.serves_here(slot):
             return False
         return await self.cluster.claim(slot)
+
+    def _owns_slot(self, group_id: str) -> bool:
+        assert self.cluster is not None
+        return self.cluster.owns(self.cluster.coordinator_topic(group_id))
 
     def sweep_groups(self) -> None:
         """Forget the groups whose coordinator slot this broker no longer owns."""

@@ -194,10 +194,6 @@ class KafkaCluster:
             return None
         return KafkaNode(await self.node_id(info.broker_id), address[0], address[1], info.broker_id)
 
-    async def local_node(self) -> KafkaNode | None:
-        """This broker (None until it is registered with a Kafka listener)."""
-        return await self._node(self.ownership.local)
-
     # -- leaders (Rule K3) --------------------------------------------------------------------
 
     async def leaders(

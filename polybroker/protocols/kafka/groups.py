@@ -17,8 +17,11 @@ The classic group protocol, as Kafka's coordinator runs it for one broker:
   the version last read or written: a copy cached here never overwrites commits another
   broker made meanwhile (the document is read again and the commit applied on top). With
   ``fresh_offsets`` (a cluster, where coordination moves between brokers) OffsetFetch reads
-  the store every time. ``forget`` drops what this broker holds of a group it no longer
-  coordinates; waiting joins and syncs are answered NOT_COORDINATOR.
+  the store every time, and ``is_coordinator(group)`` is asked before each write: a broker
+  that lost the group never writes again, so once the new coordinator wrote, the old one's
+  compare-and-set fails and it answers NOT_COORDINATOR. ``forget`` drops what this broker
+  holds of a group it no longer coordinates; waiting joins and syncs are answered
+  NOT_COORDINATOR.
 """
 
 from __future__ import annotations
@@ -106,10 +109,12 @@ class GroupCoordinator:
         max_session_timeout_ms: int = 1_800_000,
         on_commit: OnCommit | None = None,
         fresh_offsets: bool = False,
+        is_coordinator: Callable[[str], bool] | None = None,
     ) -> None:
         self.clock = clock
         self.store = store  # a MetadataStore
         self.fresh_offsets = fresh_offsets
+        self.is_coordinator = is_coordinator
         self.min_session_timeout_ms = min_session_timeout_ms
         self.max_session_timeout_ms = max_session_timeout_ms
         self.on_commit = on_commit
@@ -448,6 +453,8 @@ class GroupCoordinator:
         """Apply the commit on top of the stored document by compare-and-set (module doc)."""
         current = await self._load_offsets(g)
         for _ in range(_COMMIT_ATTEMPTS):
+            if self.is_coordinator is not None and not self.is_coordinator(g.group_id):
+                return False
             for topic, partition, offset, metadata in offsets:
                 current[(topic, partition)] = (offset, metadata)
             doc = {"offsets": [[t, p, o, md] for (t, p), (o, md) in sorted(current.items())]}

@@ -789,3 +789,40 @@ def test_list_groups_names_only_the_groups_this_broker_coordinates() -> None:
     assert [g.group_id for g in listed.groups] == [mine]
     clock.advance(SWEEP_INTERVAL_S)
     assert elsewhere not in node.apis.groups.groups
+
+
+def test_a_coordinator_that_lost_the_group_never_writes_its_offsets_again() -> None:
+    """The old coordinator's commit, overtaken by the new coordinator's write, finds it no
+    longer coordinates the group and answers NOT_COORDINATOR without writing."""
+
+    class Held(MemoryMetadataStore):
+        """Holds this session's puts until the test lets them through."""
+
+        def __init__(self, clock: Clock, tree: Any) -> None:
+            super().__init__(clock, tree=tree)
+            self.held: list[tuple[Deferred[Any], str, bytes, int | None]] = []
+
+        def put(
+            self, path: str, value: bytes, expected_version: int | None = None, **kw: Any
+        ) -> Any:
+            d: Deferred[Any] = Deferred()
+            self.held.append((d, path, value, expected_version))
+            return d
+
+        def release(self) -> None:
+            d, path, value, version = self.held.pop(0)
+            MemoryMetadataStore.put(self, path, value, version).chainDeferred(d)
+
+    clock = Clock()
+    shared = MemoryMetadataStore(clock)
+    owned = {"g": True}
+    slow = Held(clock, shared.tree)
+    old = GroupCoordinator(clock, slow, fresh_offsets=True, is_coordinator=lambda gid: owned[gid])
+    new = GroupCoordinator(clock, shared.new_session(), fresh_offsets=True)
+    late = old.commit("g", -1, "", [("t", 0, 10, "")])
+    owned["g"] = False  # the slot moved while the write was in flight ...
+    assert result_of(new.commit("g", -1, "", [("t", 0, 15, "")])) == c.NONE
+    slow.release()  # ... and the new coordinator wrote first: the CAS fails
+    assert result_of(late) == c.NOT_COORDINATOR
+    assert slow.held == []
+    assert result_of(new.fetch_offsets("g")) == {("t", 0): (15, "")}
