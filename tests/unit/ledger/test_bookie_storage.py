@@ -299,3 +299,42 @@ def test_index_files_are_small_for_dense_ledgers(tmp_path: Path) -> None:
     assert os.path.getsize(tmp_path / "index" / "1.idx") == INDEX_HEADER_SIZE + 1000 * 16
     assert s.read_entry(1, 999) == b""
     s.close()
+
+
+def test_put_entries_is_put_entry_for_a_group(tmp_path: Path) -> None:
+    """A group put owns its bytes, replaces duplicates, and moves last entry and LAC up only."""
+    s = _storage(tmp_path)
+    s.put_entry(3, 5, 4, b"old")
+    buffer = bytearray(b"aaabbbccc")
+    s.put_entries(3, [(0, -1, memoryview(buffer)[0:3]), (1, 0, memoryview(buffer)[3:6])])
+    s.put_entries(3, [(5, 2, memoryview(buffer)[6:9])])
+    buffer[:] = b"zzzzzzzzz"  # the network buffer is reused: the cache kept copies
+    assert [s.read_entry(3, e) for e in (0, 1, 5)] == [b"aaa", b"bbb", b"ccc"]
+    assert s.cache_bytes == 9
+    st = s.state(3)
+    assert st is not None
+    assert (st.last_entry, st.lac) == (5, 4)
+    s.close()
+
+
+def test_checkpoint_syncs_entry_logs_as_it_writes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megabytes of entries are synced a chunk at a time, not all by the final fsync (a journal
+    sync would otherwise wait behind them), and every entry reads back from its log."""
+    s = _storage(tmp_path)
+    blob = os.urandom(1000)
+    for e in range(3000):  # about 3 MB
+        s.put_entry(8, e, e - 1, blob[: 500 + e % 500])
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    _checkpoint(s)
+    assert len(synced) >= 2
+    assert all(s.read_entry(8, e) == blob[: 500 + e % 500] for e in range(3000))
+    s.close()
