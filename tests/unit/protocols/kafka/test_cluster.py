@@ -826,3 +826,34 @@ def test_a_coordinator_that_lost_the_group_never_writes_its_offsets_again() -> N
     assert result_of(late) == c.NOT_COORDINATOR
     assert slow.held == []
     assert result_of(new.fetch_offsets("g")) == {("t", 0): (15, "")}
+
+
+def test_describe_and_delete_groups_answer_not_coordinator_per_group() -> None:
+    """DescribeGroups and DeleteGroups for a group here and one elsewhere: the one here is
+    described and deleted, the other gets NOT_COORDINATOR and its offsets stay."""
+    from kafka.protocol.admin import DeleteGroupsRequest, DescribeGroupsRequest
+
+    node, clock, store = cluster_pair()
+    elsewhere = group_in_slot_owned_by(node, THERE)
+    mine = next(
+        g
+        for g in (f"x{i}" for i in range(100))
+        if coordinator_slot(g, 4) != coordinator_slot(elsewhere, 4)
+    )
+    assert node.call(commit(mine, 1)).topics[0].partitions[0].error_code == c.NONE
+    theirs = GroupCoordinator(clock, store.new_session(), fresh_offsets=True)
+    assert result_of(theirs.commit(elsewhere, -1, "", [("t", 0, 2, "")])) == c.NONE
+    described = node.call(
+        DescribeGroupsRequest[2](groups=[mine, elsewhere], include_authorized_operations=False)
+    )
+    assert {g.group_id: g.error_code for g in described.groups} == {
+        mine: c.NONE,
+        elsewhere: c.NOT_COORDINATOR,
+    }
+    deleted = node.call(DeleteGroupsRequest[1](groups_names=[mine, elsewhere]))
+    assert {r.group_id: r.error_code for r in deleted.results} == {
+        mine: c.NONE,
+        elsewhere: c.NOT_COORDINATOR,
+    }
+    assert result_of(theirs.fetch_offsets(elsewhere)) == {("t", 0): (2, "")}
+    assert result_of(theirs.fetch_offsets(mine)) == {}
