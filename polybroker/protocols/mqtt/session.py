@@ -40,6 +40,7 @@ from urllib.parse import quote, unquote
 
 from twisted.internet.defer import Deferred, DeferredList, fail, gatherResults, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
 from polybroker.broker_core.consumer import Delivery, SubType
@@ -67,6 +68,9 @@ FLOW_WINDOW = 1000
 LISTING_TTL_S = 5.0
 #: Session expiry meaning "never".
 NEVER = None
+#: In a cluster, how long a SUBSCRIBE waits for another broker to let go of the session's
+#: subscription (the device's previous connection there is being taken over).
+BUSY_WAIT_S = 3.0
 
 _PROP_MAP = {
     c.CONTENT_TYPE: "mqtt.content-type",
@@ -417,23 +421,33 @@ class Session:
             f.subscribed_ms = self.filters[f.topic_filter].subscribed_ms
         self.filters[f.topic_filter] = f
         self._match_cache.clear()
-        d = self._cover(f, initial=not existed)
+        busy_wait = BUSY_WAIT_S if self.broker.clustered else 0.0
+        d = self._cover(f, initial=not existed, busy_wait_s=busy_wait)
         if self.broker.clustered and f.group is None:
             # Other brokers store retained messages too: read the ones this filter matches.
             d.addCallback(lambda _: self.broker.refresh_retained(f.pattern))
         d.addCallback(lambda _: existed)
         return d
 
-    def _cover(self, f: FilterSub, initial: bool) -> Deferred[None]:
-        """Attach subscriptions on every topic ``f`` matches now."""
+    def _cover(
+        self, f: FilterSub, initial: bool, busy_wait_s: float | None = None
+    ) -> Deferred[None]:
+        """Attach subscriptions on every topic ``f`` matches now (``busy_wait_s``: see
+        ``ensure_sub``)."""
         if not topics.has_wildcard(f.pattern):
             full = topics.to_pulsar(f.pattern)
 
             def exact(n: int) -> Deferred[Any]:
                 if n <= 0:
-                    return self.ensure_sub(full, f.pattern, f.group, None)
+                    return self.ensure_sub(full, f.pattern, f.group, None, busy_wait_s=busy_wait_s)
                 ds = [
-                    self.ensure_sub(topics.partition_name(full, i), f.pattern, f.group, None)
+                    self.ensure_sub(
+                        topics.partition_name(full, i),
+                        f.pattern,
+                        f.group,
+                        None,
+                        busy_wait_s=busy_wait_s,
+                    )
                     for i in range(n)
                 ]
                 return gatherResults(ds, consumeErrors=True)
@@ -450,7 +464,9 @@ class Session:
                 name = topics.from_pulsar(topics.split_partition(full)[0])
                 if name is not None and topics.matches(f.pattern, name):
                     # A topic deleted since the listing is skipped, not a failed SUBSCRIBE.
-                    d = self.ensure_sub(full, name, f.group, not_before, create=False)
+                    d = self.ensure_sub(
+                        full, name, f.group, not_before, create=False, busy_wait_s=busy_wait_s
+                    )
                     ds.append(d.addErrback(lambda _: None))
             return gatherResults(ds, consumeErrors=True) if ds else succeed(None)
 
@@ -492,15 +508,19 @@ class Session:
         not_before_ms: int | None,
         create: bool = True,
         after: Position | None = None,
+        busy_wait_s: float | None = None,
     ) -> Deferred[None]:
         """Attach the session's subscription on ``full`` unless attached; ``not_before_ms``
         reads from the earliest entry, skipping older ones (a topic found later), and so does
         ``after``, skipping entries up to that position (a non-durable subscription resumed).
         Only an exact filter ``create``s its topic: a wildcard never brings a deleted topic
-        back."""
+        back. A subscription another broker still holds for this session (it is letting the
+        session go) is retried: for up to ``busy_wait_s`` before failing, or (None) in the
+        background."""
         key = (full, group)
         if key in self.subs or self.ended:
             return succeed(None)
+        asked_not_before = not_before_ms
         sub = TopicSub(self, full, name, group, self.broker.next_consumer_id(), not_before_ms or 0)
         sub.after = after
         if after is not None and not_before_ms is None:
@@ -538,7 +558,21 @@ class Session:
             if f.check(ConsumerBusyError) and not self.ended:
                 # The broker this session just left still holds the subscription: it lets go
                 # once it sees the session taken over (``MqttBroker``), then this attaches.
-                self._attach_again(sub, not_before_ms, after, 0.2)
+                if busy_wait_s is None:
+                    self._attach_again(sub, not_before_ms, after, 0.2)
+                elif busy_wait_s > 0:
+                    return deferLater(
+                        self.broker.clock,
+                        0.1,
+                        self.ensure_sub,
+                        full,
+                        name,
+                        group,
+                        asked_not_before,
+                        create,
+                        after,
+                        busy_wait_s - 0.1,
+                    )
             return f
 
         d.addCallbacks(attached, failed)
@@ -964,14 +998,16 @@ class MqttBroker:
         if existing is not None:
             existing.expiry_s = expiry_s
             existing.expires_at_ms = None
-            if existing.persistent:
+            # In a cluster every connected session is recorded, so that a broker the device
+            # connects to next can take it over (``release``).
+            if existing.persistent or self.clustered:
                 await self.save(existing)
             else:
                 await self._forget(client_id)
             return existing, True
         session = Session(self, client_id, expiry_s)
         self.sessions[client_id] = session
-        if session.persistent:
+        if session.persistent or self.clustered:
             await self.save(session)
         return session, False
 
@@ -990,6 +1026,11 @@ class MqttBroker:
             filters = [FilterSub.from_json(f) for f in raw["filters"]]
         except (ValueError, KeyError, TypeError, IndexError):
             log.warning("bad stored mqtt session dropped", extra=kv(client=client_id))
+            await self._forget(client_id)
+            return None
+        if session.expiry_s == 0:
+            # A clean session connected to another broker (or left by a dead one): it is not
+            # resumed; deleting its record makes its holder let the device's connection go.
             await self._forget(client_id)
             return None
         if client_id in self.sessions:  # restored concurrently

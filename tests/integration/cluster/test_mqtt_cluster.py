@@ -83,7 +83,11 @@ class Device:
         self._cv = threading.Condition()
         self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean)
         self.session_present = False
+        self.dropped = threading.Event()
+        # No automatic reconnect within a test: a taken-over client must stay away.
+        self.c.reconnect_delay_set(min_delay=120, max_delay=120)
         self.c.on_connect = self._on_connect
+        self.c.on_disconnect = lambda *_a: self.dropped.set()
         self.c.on_message = lambda _c, _u, m: self.messages.put((m.topic, m.payload, m.qos))
         self.c.on_subscribe = self._on_sub
         self.c.connect("127.0.0.1", broker.port("mqttListenerPort"), keepalive=60)
@@ -283,3 +287,25 @@ def test_a_persistent_session_moves_with_its_device_to_the_other_broker(cluster:
     dev.collect(later, WAIT_S)
     dev.close()
     pub.close()
+
+
+def test_a_device_still_connected_to_a_is_taken_over_by_its_connection_to_b(
+    cluster: Cluster,
+) -> None:
+    """The same client id connects to B while its connection to A is still open (a device that
+    moved on, leaving a half-open connection): A closes the old connection, the new one
+    subscribes at once, and messages go to the new connection only."""
+    c = cluster
+    old = Device(c.a, "twin")
+    old.subscribe("twin-topic", 1)
+    new = Device(c.b, "twin")
+    assert old.dropped.wait(WAIT_S), "the old connection was not closed"
+    new.subscribe("twin-topic", 1)
+    pub = Device(c.a, "pub-on-a")
+    m = payload("twin")
+    pub.publish("twin-topic", m, 1)
+    assert new.collect({("twin-topic", m)}, WAIT_S) == {("twin-topic", m)}
+    assert old.messages.empty()
+    for d in (new, pub):
+        d.close()
+    old.c.loop_stop()

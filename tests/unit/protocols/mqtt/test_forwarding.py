@@ -327,3 +327,52 @@ def test_a_session_ended_on_another_broker_is_ended_here_too() -> None:
     assert fresh.packets()[0] == c.ConnAck(False, 0)
     assert "dev" not in env.broker.sessions
     assert "mqtt-dev" not in topic.subscriptions
+
+
+class OwnsAll(Ownership):
+    """The owner broker of a cluster: it serves every topic."""
+
+    def __init__(self) -> None:
+        self.local = OWNER
+
+    @property
+    def clustered(self) -> bool:
+        return True
+
+    def lookup(self, topic: str, *, authoritative: bool = False) -> Deferred[BrokerInfo]:
+        return succeed(OWNER)
+
+    def acquire(self, topic: str) -> Deferred[None]:
+        return succeed(None)
+
+    def owns(self, topic: str) -> bool:
+        return True
+
+    def brokers(self) -> Deferred[list[BrokerInfo]]:
+        return succeed([OWNER])
+
+
+def test_a_clean_session_connected_here_is_taken_over_by_another_broker() -> None:
+    """A device still connected here (a half-open connection) connects to another broker with
+    a clean session: this broker closes its old connection and lets its subscriptions go, so
+    the device's SUBSCRIBE there succeeds and messages go to the new connection only."""
+    env = Pair(watching=True)
+    env.owner.ownership = OwnsAll()
+    old = env.peer("dev")
+    old.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    env.clock.advance(0)
+    assert old.packets() == [c.SubAck(1, [1])]
+    other = owner_side(env)
+    assert other.broker.clustered
+    new = Peer(type("Holder", (), {"settings": other})(), c.LEVEL_311)  # type: ignore[arg-type]
+    new.send(c.Connect("dev", c.LEVEL_311, clean_start=True))
+    env.clock.advance(0)
+    new.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    env.clock.pump([0.1] * 10)
+    assert old.closed
+    got = new.packets()
+    assert got == [c.ConnAck(False, 0), c.SubAck(1, [1])]
+    result_of(env.owner.publish(FULL, _entry_like(env, b"to-new")))
+    env.clock.advance(0)
+    assert payloads(new) == [b"to-new"]
+    assert payloads(old) == []
