@@ -11,7 +11,9 @@ lies in sealed ledgers but for the last one, as an older backlog does:
              value length), on local[2], the session already warm: the sealed ledgers straight
              from the bookie (the default), then all of it through the broker
              (``readFromStorage=false``, ``spark_batch_broker``);
-(d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink.
+(d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink;
+(e) in memory: a Python data source of the same columns and as many partitions whose reads
+             yield ready record batches, into the aggregation of (c): Spark's own cost per row.
 
 Rows/s of (b), (c) and (d) and the ratios of (c) and (d) to (b). Prints a table, then one JSON line
 as the last line.
@@ -144,6 +146,79 @@ def read_with_spark_batch(spark: Any, options: dict[str, str], count: int) -> di
     }
 
 
+def in_memory_source(size: int, rows: int, partitions: int) -> Any:
+    """(e): a Python data source of the pulsar source's columns whose partitions yield ready
+    record batches of ``size``-byte values: what Spark itself costs per row, nothing read."""
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+    from polybroker.spark.source import READ_SCHEMA
+
+    per_part = rows // partitions
+
+    class Part(InputPartition):
+        def __init__(self, rows: int) -> None:
+            self.rows = rows
+
+    class Reader(DataSourceReader):
+        def partitions(self) -> list[InputPartition]:
+            return [Part(per_part + (i < rows % partitions)) for i in range(partitions)]
+
+        def read(self, partition: InputPartition) -> Any:
+            import pyarrow as pa
+
+            from polybroker.spark.reading import arrow_schema
+
+            schema = arrow_schema()
+            left = partition.rows  # type: ignore[attr-defined]
+            while left > 0:
+                n = min(left, 10_000)
+                left -= n
+                offsets = pa.py_buffer(bytes(4 * (n + 1)))
+                ts = schema.field("__publishTime").type
+                yield pa.RecordBatch.from_arrays(
+                    [
+                        pa.nulls(n, pa.binary()),
+                        pa.array([b"x" * size] * n, pa.binary()),
+                        pa.repeat(pa.scalar("persistent://public/default/bench"), n),
+                        pa.array([b"\x08\x05\x10\x06\x20\x81\x01\x30\x02"] * n, pa.binary()),
+                        pa.repeat(pa.scalar(1_700_000_000_000_000, ts), n),
+                        pa.nulls(n, ts),
+                        pa.MapArray.from_arrays(
+                            pa.Array.from_buffers(pa.int32(), n + 1, [None, offsets]),
+                            pa.array([], pa.string()),
+                            pa.array([], pa.string()),
+                        ),
+                    ],
+                    schema=schema,
+                )
+
+    class Source(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "bench_in_memory"
+
+        def schema(self) -> Any:
+            return READ_SCHEMA
+
+        def reader(self, schema: Any) -> DataSourceReader:
+            return Reader()
+
+    return Source
+
+
+def read_in_memory(spark: Any, count: int) -> dict[str, float]:
+    """(e): the in-memory source into the same aggregation as (c)."""
+    from pyspark.sql import functions as F
+
+    started = time.perf_counter()
+    df = spark.read.format("bench_in_memory").load()
+    row = df.agg(F.count("*").alias("n"), F.sum(F.length("value")).alias("b")).collect()[0]
+    seconds = time.perf_counter() - started
+    if row["n"] != count:
+        raise AssertionError(f"in-memory read {row['n']} rows, expected {count}")
+    return {"rows": count, "seconds": seconds, "rows_per_s": count / seconds}
+
+
 def read_with_spark_stream(
     spark: Any, options: dict[str, str], count: int, checkpoint: Path
 ) -> dict[str, float]:
@@ -214,7 +289,9 @@ def main() -> None:
                 **options, endingOffsets=json.dumps({topic: "0:1"})
             ).load().count()
             broker_options = {**options, "readFromStorage": "false"}
-            batch = batch_broker = stream = {"rows_per_s": 0.0}
+            batch = batch_broker = stream = memory = {"rows_per_s": 0.0}
+            parts = spark.read.format("pulsar").options(**options).load().rdd.getNumPartitions()
+            spark.dataSource.register(in_memory_source(args.size, args.messages, parts))
             # Alternate the cases, keep each one's best run (the JVM warms up as it goes).
             for r in range(args.repeat):
                 got = read_with_spark_batch(spark, options, args.messages)
@@ -223,6 +300,8 @@ def main() -> None:
                 batch_broker = max(batch_broker, got, key=lambda x: x["rows_per_s"])
                 got = read_with_spark_stream(spark, options, args.messages, root / f"ckpt{r}")
                 stream = max(stream, got, key=lambda x: x["rows_per_s"])
+                got = read_in_memory(spark, args.messages)
+                memory = max(memory, got, key=lambda x: x["rows_per_s"])
         finally:
             if spark is not None:
                 spark.stop()
@@ -244,12 +323,14 @@ def main() -> None:
         "spark_batch": batch,
         "spark_stream": stream,
         "spark_batch_broker": batch_broker,
+        "spark_in_memory": memory,
         "batch_vs_client": batch["rows_per_s"] / client_result["rows_per_s"],
         "batch_broker_vs_client": batch_broker["rows_per_s"] / client_result["rows_per_s"],
         "stream_vs_client": stream["rows_per_s"] / client_result["rows_per_s"],
+        "in_memory_vs_client": memory["rows_per_s"] / client_result["rows_per_s"],
     }
     print(f"{'case':<14}{'rows/s':>12}{'seconds':>10}")
-    for name in ("client", "spark_batch", "spark_batch_broker", "spark_stream"):
+    for name in ("client", "spark_batch", "spark_batch_broker", "spark_stream", "spark_in_memory"):
         r = result[name]
         print(f"{name:<14}{r['rows_per_s']:>12.0f}{r['seconds']:>10.2f}")
     print(json.dumps(result))
