@@ -140,8 +140,8 @@ class MetadataStore(abc.ABC):
         function is called (persistent watch, Rule 7)."""
 
     @abc.abstractmethod
-    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> None:
-        """Call ``callback`` on session state changes."""
+    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` on session state changes until the returned function is called."""
 
     @abc.abstractmethod
     def close(self) -> Deferred[None]:

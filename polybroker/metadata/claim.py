@@ -73,6 +73,7 @@ class EphemeralClaim:
         self._connected = True
         self._first: Deferred[ClaimState] | None = None
         self._unwatch: Callable[[], None] | None = None
+        self._unlisten: Callable[[], None] | None = None
 
     @property
     def state(self) -> ClaimState:
@@ -93,7 +94,7 @@ class EphemeralClaim:
         first: Deferred[ClaimState] = Deferred()
         self._first = first
         self._unwatch = self.store.watch(self.path, self._changed)
-        self.store.add_session_listener(self._session_event)
+        self._unlisten = self.store.add_session_listener(self._session_event)
         self._attempt()
         return first
 
@@ -129,6 +130,9 @@ class EphemeralClaim:
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         self._set(ClaimState.RELEASED)
         self._fire_first()
 

@@ -217,9 +217,7 @@ def encode_snapshot(tree: MemoryTree, generation: int) -> bytes:
     for path, node in tree.persistent_nodes():
         _put_node(out, MemoryTree._set_mutation(path, node))
         count += 1
-    out[0] = SNAPSHOT_HEADER.pack(
-        SNAPSHOT_MAGIC, FORMAT_VERSION, generation, tree.seq_floor, count
-    )
+    out[0] = SNAPSHOT_HEADER.pack(SNAPSHOT_MAGIC, FORMAT_VERSION, generation, tree.seq_floor, count)
     body = b"".join(out)
     return body + _U32.pack(crc32c(body))
 

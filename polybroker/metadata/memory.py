@@ -32,6 +32,7 @@ Rule M6: paths hold at most ``MAX_PATH_BYTES`` bytes of UTF-8, without empty, ``
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -337,9 +338,7 @@ class MemoryTree:
     def detach(self, session_id: int) -> None:
         self._sessions.pop(session_id, None)
 
-    def notify(
-        self, notifications: list[Notification], exclude: TreeSession | None = None
-    ) -> None:
+    def notify(self, notifications: list[Notification], exclude: TreeSession | None = None) -> None:
         """Deliver notifications to every attached session's watchers, in order (Rule M2)."""
         if not notifications:
             return
@@ -501,9 +500,15 @@ class TreeSession(MetadataStore):
 
         return unwatch
 
-    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> None:
+    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> Callable[[], None]:
         self._check_open()
         self._listeners.append(callback)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(callback)
+
+        return remove
 
     # -- for the tree and subclasses ----------------------------------------------------------
 

@@ -459,10 +459,16 @@ class ZooKeeperMetadataStore(MetadataStore):
 
         return unwatch
 
-    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> None:
+    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> Callable[[], None]:
         if self._closed:
             raise StoreClosedError("the metadata store session is closed")
         self._listeners.append(callback)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(callback)
+
+        return remove
 
     # -- reactor side -----------------------------------------------------------------------
 

@@ -546,8 +546,8 @@ class FakeMetadataStore(MetadataStore):
     def watch(self, path: str, callback: Callable[[Notification], None]) -> Callable[[], None]:
         return lambda: None
 
-    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> None:
-        pass
+    def add_session_listener(self, callback: Callable[[SessionEvent], None]) -> Callable[[], None]:
+        return lambda: None
 
     def close(self) -> Deferred[None]:
         return succeed(None)

@@ -144,3 +144,13 @@ def test_a_claim_whose_answer_was_lost_finds_its_own_node() -> None:
     a._emit(SessionEvent.RECONNECTED)
     assert first.claim.held
     assert holder(a) == b"a"
+
+
+def test_a_released_claim_stops_listening_to_the_session() -> None:
+    """Claims come and go (bundles move): a finished one leaves no listener behind."""
+    store = MemoryMetadataStore(Clock())
+    for i in range(50):
+        claim = EphemeralClaim(store, f"/b/{i}", b"me")
+        result_of(claim.start())
+        result_of(claim.release())
+    assert len(store._listeners) == 0

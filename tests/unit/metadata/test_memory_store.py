@@ -187,6 +187,16 @@ def test_session_listener_failure_does_not_stop_others() -> None:
     assert told == [SessionEvent.SESSION_LOST, SessionEvent.SESSION_REESTABLISHED]
 
 
+def test_a_removed_session_listener_is_told_nothing_more() -> None:
+    store = MemoryMetadataStore(Clock())
+    told: list[SessionEvent] = []
+    remove = store.add_session_listener(told.append)
+    remove()
+    remove()  # idempotent
+    store.expire_session()
+    assert told == []
+
+
 def test_values_are_bounded_and_typed() -> None:
     """A value over MAX_VALUE_BYTES fails with ValueError, a str with TypeError, and neither
     creates the node; bytearray and memoryview are accepted as bytes."""
