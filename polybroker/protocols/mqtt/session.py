@@ -870,8 +870,13 @@ class MqttBroker:
     async def _load(self) -> None:
         self.stored_ids = {unquote(c) for c in await self.store.children(SESSIONS_ROOT)}
         now_ms = int(self.clock.seconds() * 1000)
-        for client_id in sorted(self.stored_ids):
-            got = await self.store.get(f"{SESSIONS_ROOT}/{quote(client_id, safe='')}")
+        ids = sorted(self.stored_ids)
+        # Read together (a cluster records every connected session: there may be many).
+        found = await gatherResults(
+            [self.store.get(f"{SESSIONS_ROOT}/{quote(i, safe='')}") for i in ids],
+            consumeErrors=True,
+        )
+        for client_id, got in zip(ids, found, strict=True):
             try:
                 expires = json.loads(got.value).get("expires_at_ms") if got else None
             except ValueError:
@@ -893,19 +898,33 @@ class MqttBroker:
         self._stored_expiry.pop(client_id, None)
         if client_id in self.sessions:
             return  # back (or restored): its own timer decides
-
-        def restored(session: Session | None) -> None:
-            if session is not None and session.link is None:
-                self.end_session(session)
-
-        d = Deferred.fromCoroutine(self._restore(client_id))
-        d.addCallback(restored)
+        d = Deferred.fromCoroutine(self._expire_if_due(client_id))
         d.addErrback(
             lambda f: log.warning(
                 "expiring a stored mqtt session failed",
                 extra=kv(client=client_id, error=str(f.value)),
             )
         )
+
+    async def _expire_if_due(self, client_id: str) -> None:
+        # The device may have come back since (here or, in a cluster, to another broker): only
+        # a record still absent and past its expiry ends the session.
+        got = await self.store.get(f"{SESSIONS_ROOT}/{quote(client_id, safe='')}")
+        try:
+            expires = json.loads(got.value).get("expires_at_ms") if got else None
+        except (ValueError, AttributeError):
+            expires = None
+        if expires is None or client_id in self.sessions:
+            return
+        left = (int(expires) - int(self.clock.seconds() * 1000)) / 1000.0
+        if left > 0:
+            self._stored_expiry[client_id] = self.clock.callLater(
+                left, self._expire_stored, client_id
+            )
+            return
+        session = await self._restore(client_id)
+        if session is not None and session.link is None:
+            self.end_session(session)
 
     def stop(self) -> None:
         if self._remove_listener is not None:

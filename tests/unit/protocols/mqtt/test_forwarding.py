@@ -5,6 +5,7 @@ subscription the owner closes is attached again and reads on."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -376,3 +377,33 @@ def test_a_clean_session_connected_here_is_taken_over_by_another_broker() -> Non
     env.clock.advance(0)
     assert payloads(new) == [b"to-new"]
     assert payloads(old) == []
+
+
+def test_a_stored_session_that_came_back_elsewhere_is_not_expired_here() -> None:
+    """A broker that found an absent session at start does not end it at its expiry time if
+    the device came back meanwhile (to another broker): only a record still absent and past
+    its expiry ends the session."""
+    env = Pair(watching=True)
+    env.owner.ownership = OwnsAll()
+    now_ms = int(env.clock.seconds() * 1000)
+    record = {
+        "expiry": 30,
+        "expires_at_ms": now_ms + 10_000,
+        "filters": [["a/b", 1, 0, False, False, 0, now_ms]],
+        "holder": "gone",
+    }
+    result_of(env.store.put("/mqtt", b""))
+    result_of(env.store.put("/mqtt/sessions", b""))
+    result_of(env.store.put("/mqtt/sessions/dev", json.dumps(record).encode()))
+    watcher = MqttBroker(env.service, env.clock)  # found the absent session at start
+    result_of(watcher.start())
+    other = owner_side(env)
+    dev = Peer(type("Holder", (), {"settings": other})(), c.LEVEL_5)  # type: ignore[arg-type]
+    dev.send(c.Connect("dev", c.LEVEL_5, clean_start=False, properties={c.SESSION_EXPIRY: 30}))
+    env.clock.advance(0)
+    assert dev.packets()[0].session_present  # type: ignore[attr-defined]
+    env.clock.pump([1.0] * 12)
+    assert not dev.closed
+    assert "dev" in other.broker.sessions
+    topic = result_of(env.owner.get_topic(FULL))
+    assert "mqtt-dev" in topic.subscriptions
