@@ -1024,15 +1024,6 @@ class Forwarder:
         self.topics.clear()
 
 
-@dataclass
-class _Stored:
-    """How durable objects are written to the metadata store."""
-
-    kind: str
-    name: str
-    body: dict[str, Any] = field(default_factory=dict)
-
-
 def _args_out(arguments: dict[str, Any]) -> str:
     return base64.b64encode(encode_table(arguments)).decode("ascii")
 
