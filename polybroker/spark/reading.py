@@ -132,71 +132,77 @@ class _Batches:
         self.fields = list(typed)
         self.batch_rows = batch_rows
         self.cols = Columns()
-        self.chunks: list[Any] = []  # record batches made of uniform entries
-        self.rows = 0
+        # The values, in order: lists of bytes, or (blob, width, count) of uniform batches.
+        self.pieces: list[list[bytes] | tuple[bytes, int, int]] = []
 
     def add(self, cols: Columns) -> Any:
         """Add rows; a full batch or None."""
-        if cols.blob is None:
-            c = self.cols
-            c.keys += cols.keys
-            c.values += cols.values
-            c.ids += cols.ids
-            c.pubs += cols.pubs
-            c.events += cols.events
-            c.props += cols.props
-        else:
-            if len(self.cols):
-                self.chunks.append(self._batch(self.cols))
-                self.cols = Columns()
-            self.chunks.append(self._batch(cols))
-        self.rows += len(cols)
-        return self.flush() if self.rows >= self.batch_rows else None
+        c = self.cols
+        c.keys += cols.keys
+        c.ids += cols.ids
+        c.pubs += cols.pubs
+        c.events += cols.events
+        c.props += cols.props
+        if cols.blob is not None:
+            self.pieces.append((cols.blob, cols.width, len(cols)))
+        elif cols.values:
+            self.pieces.append(list(cols.values))
+        return self.flush() if len(c) >= self.batch_rows else None
+
+    def _values(self) -> Any:
+        import pyarrow as pa
+
+        pieces, self.pieces = self.pieces, []
+        if pieces and all(isinstance(p, tuple) for p in pieces):
+            offsets = array("i")
+            pos = 0
+            for _, w, n in pieces:  # type: ignore[misc]
+                offsets.extend(range(pos, pos + w * n, w))
+                pos += w * n
+            offsets.append(pos)
+            data = b"".join(p[0] for p in pieces)  # type: ignore[misc]
+            return pa.BinaryArray.from_buffers(
+                pa.binary(), len(offsets) - 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+            )
+        values: list[bytes] = []
+        for p in pieces:
+            if isinstance(p, list):
+                values += p
+            else:
+                blob, w, n = p
+                values += [blob[i : i + w] for i in range(0, w * n, w)]
+        return pa.array(values, pa.binary())
 
     def flush(self) -> Any:
         """The rows collected so far as one record batch (None if there are none)."""
         import pyarrow as pa
 
-        if len(self.cols):
-            self.chunks.append(self._batch(self.cols))
-            self.cols = Columns()
-        chunks, self.chunks, self.rows = self.chunks, [], 0
-        if len(chunks) <= 1:
-            return chunks[0] if chunks else None
-        return pa.Table.from_batches(chunks, self.schema).combine_chunks().to_batches()[0]
-
-    def _batch(self, c: Columns) -> Any:
-        import pyarrow as pa
-
+        c, self.cols = self.cols, Columns()
         n = len(c)
+        if not n:
+            return None
         schema = self.schema
-        if c.blob is not None:
-            w = c.width
-            offsets = array("i", range(0, (n + 1) * w, w)).tobytes()
-            values = pa.BinaryArray.from_buffers(
-                pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(c.blob)]
-            )
-        else:
-            values = pa.array(c.values, pa.binary())
+        values = self._values()
         extra: list[list[Any]] = [[] for _ in self.fields]
         if self.fields:
             from polybroker.spark.typed import extract
 
-            for value in c.value_list():
+            for value in values.to_pylist():
                 for column, v in zip(extra, extract(value, self.fields), strict=True):
                     column.append(v)
         if any(c.props):
             props = pa.array(c.props, type=schema.field("__messageProperties").type)
         else:
+            offsets = pa.py_buffer(bytes(4 * (n + 1)))
             props = pa.MapArray.from_arrays(
-                pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(bytes(4 * (n + 1)))]),
+                pa.Array.from_buffers(pa.int32(), n + 1, [None, offsets]),
                 pa.array([], pa.string()),
                 pa.array([], pa.string()),
             )
         arrays = [
             pa.array(c.keys, pa.binary()),
             values,
-            pa.array([self.topic] * n, pa.string()),
+            pa.repeat(pa.scalar(self.topic, pa.string()), n),
             pa.array(c.ids, pa.binary()),
             pa.array(c.pubs, schema.field("__publishTime").type),
             pa.array(c.events, schema.field("__eventTime").type),

@@ -180,6 +180,34 @@ def _uvarint(n: int) -> bytes:
 _CONTINUES = bytes(1 if b >= 0x80 else 0 for b in range(256))
 
 
+try:  # numpy, when installed, checks and copies a uniform batch as one n x stride matrix
+    import numpy as _np
+except ImportError:  # pragma: no cover - exercised where numpy is absent
+    _np = None
+
+
+def _strided(body: bytes, n: int, stride: int, fixed: int, width: int, skip: int) -> bytes | None:
+    """The payloads of ``n`` messages of ``stride`` bytes each (``body[skip:stride]`` of each)
+    if every message has the first one's ``fixed`` bytes and then a ``width``-byte varint;
+    None otherwise."""
+    if _np is not None:
+        rows = _np.frombuffer(body, dtype=_np.uint8).reshape(n, stride)
+        if not (rows[:, :fixed] == rows[0, :fixed]).all():
+            return None
+        if width > 1 and not (rows[:, fixed : fixed + width - 1] >= 0x80).all():
+            return None
+        if not (rows[:, fixed + width - 1] < 0x80).all():
+            return None
+        return rows[:, skip:].tobytes()
+    starts = range(0, len(body), stride)
+    if b"".join([body[p : p + fixed] for p in starts]) != body[:fixed] * n:
+        return None
+    varints = b"".join([body[p + fixed : p + fixed + width] for p in starts])
+    if varints.translate(_CONTINUES) != (b"\x01" * (width - 1) + b"\x00") * n:
+        return None
+    return b"".join([body[p + skip : p + stride] for p in starts])
+
+
 def _uniform(
     body: bytes, n: int, seq: int, cache: _SingleCache, out: Columns, pub: int, ids: list[bytes]
 ) -> bool:
@@ -202,15 +230,12 @@ def _uniform(
     stride = 4 + size + length
     if n * stride != len(body):
         return False
-    starts = range(0, len(body), stride)
     fixed = 4 + len(head) + 1
-    if b"".join([body[p : p + fixed] for p in starts]) != body[:fixed] * n:
-        return False
-    varints = b"".join([body[p + fixed : p + fixed + width] for p in starts])
-    if varints.translate(_CONTINUES) != (b"\x01" * (width - 1) + b"\x00") * n:
-        return False
     skip = 4 + size
-    out.blob = b"".join([body[p + skip : p + stride] for p in starts])
+    blob = _strided(body, n, stride, fixed, width, skip)
+    if blob is None:
+        return False
+    out.blob = blob
     out.width = length
     key, _, prop, event = info
     out.keys += [key] * n

@@ -122,15 +122,20 @@ def test_read_rows_stops_where_storage_fails_so_the_broker_reads_on() -> None:
     assert stops[0].resume == (3, 2, -1)
 
 
+@pytest.mark.parametrize("with_numpy", [True, False])
 @pytest.mark.parametrize("odd", [None, "key", "size", "seq"])
 def test_uniform_batches_are_taken_whole_and_any_odd_message_is_decoded_one_by_one(
-    odd: str | None,
+    odd: str | None, with_numpy: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Equal-shaped messages (sequence ids of one width) take the fast path; a message of
     another key of the same length, another payload size or another sequence id width does
-    not, and the rows are the same as ``decode_entry`` gives either way."""
+    not, and the rows are the same as ``decode_entry`` gives either way (numpy or not)."""
     from polybroker.broker_core.messages import decode_entry
+    from polybroker.spark import storage
     from polybroker.spark.storage import Columns, entry_columns
+
+    if not with_numpy:
+        monkeypatch.setattr(storage, "_np", None)
 
     msgs = [Message(b"%03d" % i, key=b"a") for i in range(300)]
     seq = 1000  # 1000..1299: two-byte varints
