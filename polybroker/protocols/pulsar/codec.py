@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c as _crc32c
 from google.protobuf.message import DecodeError, EncodeError
@@ -54,9 +54,11 @@ def crc32c(data: bytes) -> int:
     return _crc32c.crc32c(data)
 
 
-@dataclass(frozen=True)
-class Frame:
-    """One decoded frame: the command and, for payload commands, the normalized tail."""
+class Frame(NamedTuple):
+    """One decoded frame: the command and, for payload commands, the normalized tail.
+
+    A named tuple: one is built per frame, and a tuple costs less to build than a frozen
+    dataclass."""
 
     command: pb.BaseCommand
     payload: bytes | None = None
@@ -77,6 +79,111 @@ def encode_payload_command(command: pb.BaseCommand, tail: bytes) -> bytes:
     payload) and is sent unchanged."""
     body = command.SerializeToString()
     return _U32U32.pack(4 + len(body) + len(tail), len(body)) + body + tail
+
+
+# Hand-built encodings of the two commands sent once per stored entry (SEND_RECEIPT and
+# MESSAGE). They are byte for byte what ``command(...).SerializeToString()`` gives for the
+# same fields (proto2 serializes set fields in field-number order; repeated int64 unpacked;
+# a negative int32 or int64 is the ten-byte varint of its two's complement), without building
+# protobuf objects. The unit tests compare both encodings over many values.
+
+_VARINT_1 = [bytes([i]) for i in range(128)]
+_MASK64 = (1 << 64) - 1
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf varint of ``value``; a negative one as its 64-bit two's complement."""
+    if 0 <= value < 128:
+        return _VARINT_1[value]
+    value &= _MASK64
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _message_id_body(ledger_id: int, entry_id: int, partition: int, batch_index: int) -> bytes:
+    """``MessageIdData`` with ledgerId, entryId, partition and batch_index set."""
+    return b"".join(
+        (
+            b"\x08",
+            _varint(ledger_id),
+            b"\x10",
+            _varint(entry_id),
+            b"\x18",
+            _varint(partition),
+            b"\x20",
+            _varint(batch_index),
+        )
+    )
+
+
+def _frame_command(field_key: bytes, body: bytes) -> bytes:
+    """``BaseCommand`` bytes whose ``type`` and length-delimited sub-command lead with
+    ``field_key`` (type varint, sub-command tag) and hold ``body``."""
+    return field_key + _varint(len(body)) + body
+
+
+_SEND_RECEIPT_KEY = b"\x08" + _varint(int(Type.SEND_RECEIPT)) + b"\x3a"  # field 7
+_MESSAGE_KEY = b"\x08" + _varint(int(Type.MESSAGE)) + b"\x4a"  # field 9
+
+
+def encode_send_receipt(
+    producer_id: int,
+    sequence_id: int,
+    ledger_id: int,
+    entry_id: int,
+    partition: int,
+    highest_sequence_id: int,
+) -> bytes:
+    """Frame a SEND_RECEIPT with every field set (message id batch index -1): the bytes of
+    ``encode_command(command(T.SEND_RECEIPT, "send_receipt", ...))`` with ``message_id(...)``."""
+    mid = _message_id_body(ledger_id, entry_id, partition, -1)
+    body = b"".join(
+        (
+            b"\x08",
+            _varint(producer_id),
+            b"\x10",
+            _varint(sequence_id),
+            b"\x1a",
+            _varint(len(mid)),
+            mid,
+            b"\x20",
+            _varint(highest_sequence_id),
+        )
+    )
+    cmd = _frame_command(_SEND_RECEIPT_KEY, body)
+    return _U32U32.pack(len(cmd) + 4, len(cmd)) + cmd
+
+
+def encode_message(
+    consumer_id: int,
+    ledger_id: int,
+    entry_id: int,
+    partition: int,
+    redelivery_count: int,
+    ack_set: list[int],
+    tail: bytes,
+) -> bytes:
+    """Frame a MESSAGE carrying the stored entry ``tail``: the bytes of
+    ``encode_payload_command`` of a ``CommandMessage`` with consumer_id, message_id (batch
+    index -1), redelivery_count and ``ack_set`` (signed 64-bit words) set."""
+    mid = _message_id_body(ledger_id, entry_id, partition, -1)
+    parts = [
+        b"\x08",
+        _varint(consumer_id),
+        b"\x12",
+        _varint(len(mid)),
+        mid,
+        b"\x18",
+        _varint(redelivery_count),
+    ]
+    for word in ack_set:
+        parts += (b"\x20", _varint(word))
+    cmd = _frame_command(_MESSAGE_KEY, b"".join(parts))
+    return _U32U32.pack(4 + len(cmd) + len(tail), len(cmd)) + cmd + tail
 
 
 def build_tail(metadata: pb.MessageMetadata, payload: bytes) -> bytes:
@@ -158,16 +265,21 @@ def _check_metadata_size(rest: bytes) -> None:
 
 def decode_frame(frame: bytes) -> Frame:
     """Decode one frame's body (everything after ``totalSize``)."""
-    if len(frame) < 4:
+    return _decode_body(frame, 0, len(frame))
+
+
+def _decode_body(buf: bytes, start: int, end: int) -> Frame:
+    """Decode the frame body ``buf[start:end]`` without copying it first."""
+    if end - start < 4:
         raise CodecError("frame shorter than its command size field")
-    (cmd_size,) = _U32.unpack_from(frame, 0)
-    if cmd_size > len(frame) - 4:
-        raise CodecError(f"command size {cmd_size} runs past the frame of {len(frame)} bytes")
-    cmd = _parse_command(frame[4 : 4 + cmd_size])
-    tail = frame[4 + cmd_size :]
-    if not tail:
+    (cmd_size,) = _U32.unpack_from(buf, start)
+    if cmd_size > end - start - 4:
+        raise CodecError(f"command size {cmd_size} runs past the frame of {end - start} bytes")
+    cmd_end = start + 4 + cmd_size
+    cmd = _parse_command(buf[start + 4 : cmd_end])
+    if cmd_end == end:
         return Frame(cmd)
-    stored, ok = normalize_tail(tail)
+    stored, ok = normalize_tail(buf[cmd_end:end])
     return Frame(cmd, stored, ok)
 
 
@@ -182,11 +294,22 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> Iterator[Frame]:
         """Add ``data``; yield every frame now complete."""
-        self._buf += data
-        buf = self._buf
+        pending = self._buf
+        if pending:
+            pending += data
+            if len(pending) >= 4:
+                (size,) = _U32.unpack_from(pending, 0)
+                if 4 <= size <= self.max_frame_size and len(pending) - 4 < size:
+                    return  # the first frame is still incomplete: nothing to copy yet
+            buf = bytes(pending)
+            pending.clear()
+        else:
+            # The usual case: frames are decoded straight from the bytes received.
+            buf = bytes(data)
         start = 0
+        n = len(buf)
         try:
-            while len(buf) - start >= 4:
+            while n - start >= 4:
                 (size,) = _U32.unpack_from(buf, start)
                 if size > self.max_frame_size:
                     raise FrameTooLargeError(
@@ -194,13 +317,15 @@ class FrameDecoder:
                     )
                 if size < 4:
                     raise CodecError(f"frame size {size} is too small")
-                if len(buf) - start - 4 < size:
+                end = start + 4 + size
+                if end > n:
                     break
-                body = bytes(buf[start + 4 : start + 4 + size])
-                start += 4 + size
-                yield decode_frame(body)
+                frame = _decode_body(buf, start + 4, end)
+                start = end
+                yield frame
         finally:
-            del buf[:start]
+            if start < n:
+                self._buf += buf[start:] if start else buf
 
     @property
     def buffered(self) -> int:

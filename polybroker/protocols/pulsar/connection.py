@@ -52,7 +52,8 @@ from polybroker.protocols.pulsar.codec import (
     ack_set_words,
     command,
     encode_command,
-    encode_payload_command,
+    encode_message,
+    encode_send_receipt,
     message_id,
     split_tail,
     to_signed64,
@@ -122,13 +123,15 @@ class PulsarSettings:
 
 
 class _PendingSend:
-    __slots__ = ("done", "error", "highest", "message_id", "sequence_id")
+    __slots__ = ("done", "entry_id", "error", "highest", "ledger_id", "sequence_id")
 
     def __init__(self, sequence_id: int, highest: int) -> None:
         self.sequence_id = sequence_id
         self.highest = highest
         self.done = False
-        self.message_id: pb.MessageIdData | None = None
+        # The stored entry's position once done (-1, -1 for a duplicate).
+        self.ledger_id = -1
+        self.entry_id = -1
         self.error: tuple[int, str] | None = None
 
 
@@ -179,21 +182,26 @@ class PulsarConsumer:
     def send_entries(self, deliveries: list[Delivery]) -> None:
         if self.closed:
             return
+        cid = self._consumer_id
+        partition = self.partition
         out: list[bytes] = []
         for entry, redelivery_count, acked in deliveries:
             pos = entry.position
-            msg = command(
-                T.MESSAGE,
-                "message",
-                consumer_id=self._consumer_id,
-                message_id=message_id(pos.ledger_id, pos.entry_id, self.partition),
-                redelivery_count=redelivery_count,
-            )
+            words: list[int] = []
             if acked:
                 n = entry.num_messages
-                unacked = ~acked & ((1 << n) - 1)
-                msg.message.ack_set.extend(ack_set_words(unacked, n))
-            out.append(encode_payload_command(msg, _pulsar_format(entry)))
+                words = ack_set_words(~acked & ((1 << n) - 1), n)
+            out.append(
+                encode_message(
+                    cid,
+                    pos.ledger_id,
+                    pos.entry_id,
+                    partition,
+                    redelivery_count,
+                    words,
+                    _pulsar_format(entry),
+                )
+            )
         self.conn.write_raw(b"".join(out))
 
     def active_changed(self, is_active: bool) -> None:
@@ -744,11 +752,10 @@ class PulsarConnection(Protocol):
         )
 
         def stored(entry: Entry | None) -> None:
-            if entry is None:  # a duplicate the broker already stored
-                pending.message_id = message_id(-1, -1, state.partition)
-            else:
+            if entry is not None:  # None: a duplicate the broker already stored, id (-1, -1)
                 pos = entry.position
-                pending.message_id = message_id(pos.ledger_id, pos.entry_id, state.partition)
+                pending.ledger_id = pos.ledger_id
+                pending.entry_id = pos.entry_id
             pending.done = True
             self._flush_receipts(state)
 
@@ -760,22 +767,29 @@ class PulsarConnection(Protocol):
         d.addCallbacks(stored, failed)
 
     def _flush_receipts(self, state: _ProducerState) -> None:
+        # Receipts ready together leave in one write, in order.
         sends = state.sends
+        out: list[bytes] = []
         while sends and sends[0].done:
             p = sends.popleft()
             if p.error is not None:
+                if out:
+                    self.write_raw(b"".join(out))
+                    out.clear()
                 self._send_error(state.producer_id, p.sequence_id, *p.error)
                 continue
-            self.send(
-                command(
-                    T.SEND_RECEIPT,
-                    "send_receipt",
-                    producer_id=state.producer_id,
-                    sequence_id=p.sequence_id,
-                    message_id=p.message_id,
-                    highest_sequence_id=p.highest,
+            out.append(
+                encode_send_receipt(
+                    state.producer_id,
+                    p.sequence_id,
+                    p.ledger_id,
+                    p.entry_id,
+                    state.partition,
+                    p.highest,
                 )
             )
+        if out:
+            self.write_raw(b"".join(out))
 
     def _send_error(self, producer_id: int, seq: int, code: int, message: str) -> None:
         self.send(
