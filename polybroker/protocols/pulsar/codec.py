@@ -93,8 +93,10 @@ _MASK64 = (1 << 64) - 1
 
 def _varint(value: int) -> bytes:
     """Protobuf varint of ``value``; a negative one as its 64-bit two's complement."""
-    if 0 <= value < 128:
+    if 0 <= value < 0x80:
         return _VARINT_1[value]
+    if 0 < value < 0x4000:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     value &= _MASK64
     out = bytearray()
     while value >= 0x80:
@@ -104,20 +106,19 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _message_id_body(ledger_id: int, entry_id: int, partition: int, batch_index: int) -> bytes:
-    """``MessageIdData`` with ledgerId, entryId, partition and batch_index set."""
-    return b"".join(
-        (
-            b"\x08",
-            _varint(ledger_id),
-            b"\x10",
-            _varint(entry_id),
-            b"\x18",
-            _varint(partition),
-            b"\x20",
-            _varint(batch_index),
-        )
-    )
+# ``partition`` and ``batch_index`` (-1) of the message ids sent, by partition.
+_ID_TAIL_CACHE: dict[int, bytes] = {}
+_NO_BATCH_INDEX = b"\x20" + _varint(-1)
+
+
+def _message_id_body(ledger_id: int, entry_id: int, partition: int) -> bytes:
+    """``MessageIdData`` with ledgerId, entryId, partition and batch_index (-1) set."""
+    tail = _ID_TAIL_CACHE.get(partition)
+    if tail is None:
+        tail = b"\x18" + _varint(partition) + _NO_BATCH_INDEX
+        if len(_ID_TAIL_CACHE) < 4096:
+            _ID_TAIL_CACHE[partition] = tail
+    return b"".join((b"\x08", _varint(ledger_id), b"\x10", _varint(entry_id), tail))
 
 
 def _frame_command(field_key: bytes, body: bytes) -> bytes:
@@ -140,7 +141,7 @@ def encode_send_receipt(
 ) -> bytes:
     """Frame a SEND_RECEIPT with every field set (message id batch index -1): the bytes of
     ``encode_command(command(T.SEND_RECEIPT, "send_receipt", ...))`` with ``message_id(...)``."""
-    mid = _message_id_body(ledger_id, entry_id, partition, -1)
+    mid = _message_id_body(ledger_id, entry_id, partition)
     body = b"".join(
         (
             b"\x08",
@@ -170,7 +171,7 @@ def encode_message(
     """Frame a MESSAGE carrying the stored entry ``tail``: the bytes of
     ``encode_payload_command`` of a ``CommandMessage`` with consumer_id, message_id (batch
     index -1), redelivery_count and ``ack_set`` (signed 64-bit words) set."""
-    mid = _message_id_body(ledger_id, entry_id, partition, -1)
+    mid = _message_id_body(ledger_id, entry_id, partition)
     parts = [
         b"\x08",
         _varint(consumer_id),

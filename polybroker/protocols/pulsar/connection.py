@@ -720,7 +720,7 @@ class PulsarConnection(Protocol):
     def _on_send(self, c: pb.CommandSend, frame: Frame) -> None:
         state = self.producers.get(c.producer_id)
         seq = c.sequence_id
-        highest = c.highest_sequence_id if c.HasField("highest_sequence_id") else 0
+        highest = c.highest_sequence_id  # 0 when absent
         if state is None and c.producer_id in self._dropped_producers:
             return
         if state is None or state.producer is None or not state.producer.is_ready:
@@ -750,21 +750,21 @@ class PulsarConnection(Protocol):
             sequence_id=seq,
             highest_sequence_id=last_seq,
         )
+        args = (state, pending)
+        d.addCallbacks(self._stored, self._store_failed, callbackArgs=args, errbackArgs=args)
 
-        def stored(entry: Entry | None) -> None:
-            if entry is not None:  # None: a duplicate the broker already stored, id (-1, -1)
-                pos = entry.position
-                pending.ledger_id = pos.ledger_id
-                pending.entry_id = pos.entry_id
-            pending.done = True
-            self._flush_receipts(state)
+    def _stored(self, entry: Entry | None, state: _ProducerState, pending: _PendingSend) -> None:
+        if entry is not None:  # None: a duplicate the broker already stored, id (-1, -1)
+            pos = entry.position
+            pending.ledger_id = pos.ledger_id
+            pending.entry_id = pos.entry_id
+        pending.done = True
+        self._flush_receipts(state)
 
-        def failed(f: Failure) -> None:
-            pending.error = server_error(f.value)
-            pending.done = True
-            self._flush_receipts(state)
-
-        d.addCallbacks(stored, failed)
+    def _store_failed(self, f: Failure, state: _ProducerState, pending: _PendingSend) -> None:
+        pending.error = server_error(f.value)
+        pending.done = True
+        self._flush_receipts(state)
 
     def _flush_receipts(self, state: _ProducerState) -> None:
         # Receipts ready together leave in one write, in order.
