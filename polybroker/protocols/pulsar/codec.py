@@ -97,6 +97,8 @@ def _varint(value: int) -> bytes:
         return _VARINT_1[value]
     if 0 < value < 0x4000:
         return bytes(((value & 0x7F) | 0x80, value >> 7))
+    if 0 < value < 0x200000:
+        return bytes(((value & 0x7F) | 0x80, ((value >> 7) & 0x7F) | 0x80, value >> 14))
     value &= _MASK64
     out = bytearray()
     while value >= 0x80:

@@ -135,6 +135,24 @@ def test_cumulative_ack_acknowledges_everything_up_to_the_position() -> None:
     assert payloads(consumer) == ["m2"]
 
 
+def test_cumulative_ack_across_ledgers_forgets_exactly_what_precedes_it() -> None:
+    """With entry ids restarting in each ledger, a cumulative ack clears the pending entries
+    of earlier ledgers and those up to the position in its own, and no later ones."""
+    bench = make_topic(max_entries_per_ledger=3)
+    consumer = RecordingConsumer()
+    server = bench.subscribe("s", consumer)
+    server.flow(100)
+    bench.publish(*[f"m{i}" for i in range(8)])
+    positions = consumer.positions
+    assert len({p.ledger_id for p in positions}) == 3
+    result_of(server.ack_cumulative(positions[4]))
+    assert list(server.pending) == positions[5:]
+    assert server.unacked_messages == 3
+    consumer.take()
+    server.redeliver()
+    assert payloads(consumer) == ["m5", "m6", "m7"]
+
+
 def test_cumulative_ack_is_refused_on_shared_subscriptions() -> None:
     """Shared and Key_Shared take individual acks only."""
     bench = make_topic()

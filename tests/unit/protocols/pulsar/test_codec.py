@@ -19,6 +19,7 @@ from polybroker.protocols.pulsar.codec import (
     CodecError,
     FrameDecoder,
     FrameTooLargeError,
+    _varint,
     ack_set_bits,
     ack_set_words,
     build_tail,
@@ -237,6 +238,14 @@ def test_message_id_negative_values_and_ack_sets() -> None:
 
 
 _ID_VALUES = [0, 1, 127, 128, 300, 2**31 - 1, 2**32, 2**63 - 1, 2**64 - 1]
+
+
+def test_varint_lengths_match_protobuf() -> None:
+    """Varints of every length (one to ten bytes) are protobuf's, e.g. as a uint64 field."""
+    values = [*range(0, 70_000, 7), *_ID_VALUES, 2**21 - 1, 2**21, 2**28, 2**35, 2**56]
+    for value in values:
+        expected = pb.MessageIdData(ledgerId=value, entryId=0).SerializeToString()
+        assert b"\x08" + _varint(value) + b"\x10\x00" == expected, value
 
 
 def test_send_receipt_encoding_matches_protobuf() -> None:
