@@ -226,14 +226,19 @@ class LoadReport:
 
 
 def least_loaded(
-    candidates: Iterable[str], reports: Mapping[str, LoadReport], pending: Mapping[str, int]
+    candidates: Iterable[str],
+    reports: Mapping[str, LoadReport],
+    pending: Mapping[str, int],
+    bundle: str = "",
 ) -> str:
-    """The broker to give a new bundle: fewest bundles (reported plus ``pending``), then the
-    lowest message rate, then the smallest id (Rule O3)."""
+    """The broker to give ``bundle``: fewest bundles (reported plus ``pending``), then the
+    lowest message rate, then a hash of bundle and broker (Rule O3): brokers that see the same
+    load agree, and ties spread bundles instead of sending them all to one broker."""
 
-    def score(broker: str) -> tuple[int, float, str]:
+    def score(broker: str) -> tuple[int, float, int, str]:
         report = reports.get(broker) or LoadReport()
-        return (len(report.bundles) + pending.get(broker, 0), report.msg_rate, broker)
+        tie = murmur3_32(f"{bundle}|{broker}".encode())
+        return (len(report.bundles) + pending.get(broker, 0), report.msg_rate, tie, broker)
 
     ranked = sorted(candidates, key=score)
     if not ranked:
@@ -649,7 +654,7 @@ class ClusterOwnership(Ownership):
         if chosen is not None and chosen in live:
             return chosen
         reports = {**self._reports, self.local.broker_id: self.local_report()}
-        chosen = least_loaded(live, reports, self._pending)
+        chosen = least_loaded(live, reports, self._pending, key)
         self._assigned[key] = chosen
         self._pending[chosen] = self._pending.get(chosen, 0) + 1
         return chosen

@@ -88,6 +88,17 @@ def test_least_loaded_counts_pending_assignments() -> None:
     assert least_loaded(["a", "b"], reports, {"b": 2}) == "a"
 
 
+def test_ties_spread_bundles_and_every_broker_agrees() -> None:
+    """Equal load: the choice depends on the bundle (not always the same broker), and not on
+    the order the candidates are listed in."""
+    chosen = {least_loaded(["a", "b"], {}, {}, f"ns/{i}") for i in range(20)}
+    assert chosen == {"a", "b"}
+    for i in range(20):
+        assert least_loaded(["a", "b"], {}, {}, f"ns/{i}") == least_loaded(
+            ["b", "a"], {}, {}, f"ns/{i}"
+        )
+
+
 def test_shedding_evens_bundle_counts_and_hot_brokers() -> None:
     four = {f"ns/{i}": BundleLoad() for i in range(4)}
     reports = {"a": LoadReport(dict(four)), "b": LoadReport({"ns/9": BundleLoad()})}
