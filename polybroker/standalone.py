@@ -220,6 +220,7 @@ class Standalone:
         self._stops.append(("policy watches", policies.close))
         service.namespace_exists = policies.namespace_exists
         service.deduplication_policy = policies.deduplication_of
+        service.retention_policy = policies.retention_of
 
         def urls() -> dict[str, str]:
             out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}

@@ -215,6 +215,15 @@ def _sum_stats(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _valid_retention(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return all(
+        isinstance(value.get(k, 0), int) and not isinstance(value.get(k, 0), bool)
+        for k in ("retentionTimeInMinutes", "retentionSizeInMB")
+    )
+
+
 def _boundaries(policies: dict[str, Any]) -> list[str]:
     bundles = policies.get("bundles")
     if isinstance(bundles, dict) and isinstance(bundles.get("boundaries"), list):
@@ -561,9 +570,15 @@ class AdminServer:
         if field_name == "deduplication" and not isinstance(value, bool):
             raise precondition("deduplication: expected true or false")
         namespace = self._namespace(call)
+        if field_name == "retention" and not _valid_retention(value):
+            raise precondition(
+                "retention: expected {retentionTimeInMinutes: int, retentionSizeInMB: int}"
+            )
         await self.policies.update_policies(namespace, {NAMESPACE_POLICY_FIELDS[field_name]: value})
         if field_name == "deduplication":
             await self._apply_deduplication(namespace)
+        if field_name == "retention":
+            self.service.apply_retention(namespace)
         return Response()
 
     async def _remove_policy(self, call: Call) -> Response:
@@ -572,6 +587,8 @@ class AdminServer:
         await self.policies.update_policies(namespace, {key: None})
         if call.params["field"] == "deduplication":
             await self._apply_deduplication(namespace)
+        if call.params["field"] == "retention":
+            self.service.apply_retention(namespace)
         return Response()
 
     async def _apply_deduplication(self, namespace: str) -> None:

@@ -162,6 +162,23 @@ class PolicyStore:
         value = policies.get("deduplicationEnabled")
         return None if value is None else bool(value)
 
+    def retention_of(self, topic: str) -> tuple[float, int] | None:
+        """The namespace's retention (seconds, bytes; -1: unlimited) for a full topic name, as
+        Pulsar's ``retention_policies`` set it (None: not set, the broker's defaults apply)."""
+        rest = topic.partition("://")[2]
+        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
+        value = None if policies is None else policies.get("retention_policies")
+        if not isinstance(value, dict):
+            return None
+        try:
+            minutes = float(value.get("retentionTimeInMinutes", 0))
+            megabytes = float(value.get("retentionSizeInMB", 0))
+        except (TypeError, ValueError):
+            return None
+        seconds = -1.0 if minutes < 0 else minutes * 60.0
+        size = -1 if megabytes < 0 else int(megabytes * 1024 * 1024)
+        return seconds, size
+
     # -- clusters -------------------------------------------------------------------------
 
     async def clusters(self) -> list[str]:

@@ -19,6 +19,7 @@ name-based ``publish`` here is one dictionary lookup more when the topic is load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import itertools
 import json
@@ -199,6 +200,9 @@ class BrokerService:
         self._closed = False
         # Decides deduplication per topic (namespace policy); None falls back to the config.
         self.deduplication_policy: Callable[[str], bool | None] | None = None
+        # The namespace's retention (seconds, bytes) of a topic; None (or None answered): the
+        # broker-wide defaults.
+        self.retention_policy: Callable[[str], tuple[float, int] | None] | None = None
         # Whether a namespace ("tenant/ns") exists; topics are created only in one that does.
         # None: every namespace exists.
         self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
@@ -365,7 +369,7 @@ class BrokerService:
         ml_name = ref.managed_ledger_name
         if not may_create and not await self.ledger_factory.exists(ml_name):
             raise TopicNotFoundError(f"topic {ref.full} does not exist")
-        ledger = await self.ledger_factory.open(ml_name, self.ledger_config)
+        ledger = await self.ledger_factory.open(ml_name, self.ledger_config_of(ref.full))
         dedup = self._dedup_default
         if self.deduplication_policy is not None:
             chosen = self.deduplication_policy(ref.full)
@@ -400,6 +404,24 @@ class BrokerService:
         return found is not None and ref.partition_index < int(
             json.loads(found.value)["partitions"]
         )
+
+    def ledger_config_of(self, topic: str) -> ManagedLedgerConfig:
+        """The managed-ledger config of a topic: the broker's, with its namespace's retention."""
+        retention = None if self.retention_policy is None else self.retention_policy(topic)
+        if retention is None:
+            return self.ledger_config
+        seconds, size = retention
+        return dataclasses.replace(
+            self.ledger_config, retention_time_s=seconds, retention_size_bytes=size
+        )
+
+    def apply_retention(self, namespace: str) -> None:
+        """Give the loaded topics of ``namespace`` its (new) retention; it applies from their
+        next trim on."""
+        for name, topic in list(self.topics.items()):
+            ledger = getattr(topic, "ledger", None)
+            if ledger is not None and self.topic_ref(name).namespace_name == namespace:
+                ledger.config = self.ledger_config_of(name)
 
     def _topic_closed(self, topic: Topic) -> None:
         # The topic shut itself (fenced by another owner): forget it and release its log.

@@ -93,3 +93,42 @@ async def test_published_and_acknowledged_state_survives_a_restart(tmp_path: Pat
         assert await second.service.topics_of_namespace("public/default") == [topic]
     finally:
         await second.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_namespace_retention_keeps_ledgers_nobody_subscribed_to(tmp_path: Path) -> None:
+    """Without a subscription a topic keeps only its current ledger, unless its namespace's
+    retention says otherwise (Pulsar's rule): then a reader from the start sees everything."""
+    from polybroker.broker_core.admin_policies import PolicyStore
+
+    config = _config(tmp_path / "data").with_overrides(
+        {"managedLedgerMaxEntriesPerLedger": 2, "managedLedgerMinLedgerRolloverTimeMinutes": 0}
+    )
+    standalone = Standalone(config, reactor)
+    await standalone.start()
+    try:
+        service = standalone.service
+        policies = PolicyStore(service.metadata_store, "standalone")
+        await policies.load()
+        await policies.create_namespace("public/kept", None)
+        await policies.update_policies(
+            "public/kept", {"retention_policies": {"retentionTimeInMinutes": -1}}
+        )
+        service.retention_policy = policies.retention_of
+
+        async def readable(topic: str) -> list[bytes]:
+            for i in range(9):
+                await service.publish(topic, f"m{i}".encode())
+            consumer = _Consumer()
+            server = await service.subscribe(
+                topic, "r", consumer, SubType.EXCLUSIVE, InitialPosition.EARLIEST, durable=False
+            )
+            server.flow(100)
+            await _eventually(lambda: any(d.entry.data == b"m8" for d in consumer.deliveries))
+            return [d.entry.data for d in consumer.deliveries]
+
+        assert await readable("persistent://public/kept/t") == [f"m{i}".encode() for i in range(9)]
+        assert len(await readable("persistent://public/default/t")) < 9
+    finally:
+        policies.close()
+        await standalone.stop()

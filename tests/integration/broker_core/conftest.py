@@ -130,6 +130,7 @@ async def start_admin(config: dict[str, Any] | None = None) -> AdminFixture:
     await policies.ensure_defaults({"serviceUrl": "http://127.0.0.1:8080"})
     service.namespace_exists = policies.namespace_exists
     service.deduplication_policy = policies.deduplication_of
+    service.retention_policy = policies.retention_of
     holder: dict[str, int] = {}
 
     def urls() -> dict[str, str]:

@@ -197,6 +197,27 @@ async def test_partitions_exist_by_declaration_without_auto_creation(admin_facto
 
 
 @pytest_twisted.ensureDeferred
+async def test_namespace_retention_reaches_topics(admin: Admin) -> None:
+    """retention set on a namespace configures the topics opened after it and those loaded."""
+    ns = "/admin/v2/namespaces/public/default/retention"
+    name = "persistent://public/default/kept"
+    await admin.service.publish(name, b"x")
+    ledger = admin.service.topics[name].ledger
+    assert ledger.config.retention_time_s == 0
+    body = {"retentionTimeInMinutes": 10, "retentionSizeInMB": -1}
+    assert (await admin.request("POST", ns, body)).status == 204
+    assert (await admin.request("GET", ns)).json() == body
+    assert ledger.config.retention_time_s == 600
+    assert ledger.config.retention_size_bytes == -1
+    await admin.service.publish("persistent://public/default/later", b"y")
+    factory = admin.service.ledger_factory
+    assert factory.configs["public/default/persistent/later"].retention_time_s == 600
+    assert (await admin.request("POST", ns, {"retentionTimeInMinutes": "x"})).status == 412
+    assert (await admin.request("DELETE", ns)).status == 204
+    assert ledger.config.retention_time_s == 0
+
+
+@pytest_twisted.ensureDeferred
 async def test_lookup_answers_like_pulsar(admin: Admin) -> None:
     """Lookup gives the broker's URLs; an unknown namespace is 404."""
     reply = await admin.request("GET", "/lookup/v2/topic/persistent/public/default/t")

@@ -256,6 +256,7 @@ class FakeManagedLedger(ManagedLedger):
         self.name = data.name
         self.data = data
         self.factory = factory
+        self.config: ManagedLedgerConfig | None = None
         self._cursors: dict[str, FakeCursor] = {}
         self._positions = [e.position for e in data.entries]
         self._held: list[tuple[bytes, int, int | None, Deferred[Entry]]] = []
@@ -457,6 +458,7 @@ class FakeLedgerFactory(ManagedLedgerFactory):
             self._open[name] = ml
             self.opens += 1
             self.configs[name] = config
+            ml.config = config  # as the real one, the config in force (retention may change it)
         return succeed(ml)
 
     def ledger(self, name: str) -> FakeManagedLedger:
