@@ -38,6 +38,7 @@ from twisted.python.failure import Failure
 from polybroker import logs
 from polybroker.config import Config, ConfigError, load, parse_lines
 from polybroker.logs import kv
+from polybroker.runtime import settle_heap
 
 log = logging.getLogger(__name__)
 
@@ -300,9 +301,13 @@ def run_process(
         if reactor.running:
             reactor.stop()
 
+    def ready(ports: dict[str, int]) -> None:
+        print(ready_line(ports, kind), file=out, flush=True)
+        settle_heap()
+
     def begin() -> None:
         d = start()
-        d.addCallback(lambda ports: print(ready_line(ports, kind), file=out, flush=True))
+        d.addCallback(ready)
         d.addErrback(failed)
 
     reactor.callWhenRunning(begin)

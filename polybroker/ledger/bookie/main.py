@@ -32,6 +32,7 @@ from polybroker.ledger.auditor import Auditor
 from polybroker.ledger.bookie import cookie as cookies
 from polybroker.ledger.registry import tcp_connector
 from polybroker.metadata.api import MetadataStore, SessionEvent
+from polybroker.runtime import settle_heap
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ def run_bookie(args: argparse.Namespace) -> int:
                     if config["autoRecoveryDaemonEnabled"]:
                         holder["auditor"] = start_auditor(store, server.address, config, reactor)
                 print(f"bookie listening on {server.address}", flush=True)
+                settle_heap()
 
             return d2.addCallback(listening)
 
