@@ -354,6 +354,22 @@ def split_tail(tail: bytes) -> tuple[pb.MessageMetadata, bytes]:
     return md, tail[10 + md_size :]
 
 
+def metadata_is_complete(tail: bytes, scratch: pb.MessageMetadata) -> bool:
+    """Whether a stored entry's ``MessageMetadata`` has every required field, parsed into
+    ``scratch`` (its previous content is replaced; reusing one spares an allocation per
+    message); raise ``CodecError`` where ``split_tail`` would."""
+    if len(tail) < 10 or _U16.unpack_from(tail, 0)[0] != MAGIC_CRC32C:
+        raise CodecError("not a Pulsar entry")
+    (md_size,) = _U32.unpack_from(tail, 6)
+    if md_size > len(tail) - 10:
+        raise CodecError(f"metadata size {md_size} runs past the entry")
+    try:
+        scratch.ParseFromString(tail[10 : 10 + md_size])
+    except (DecodeError, ValueError) as e:
+        raise CodecError(f"malformed message metadata: {e}") from None
+    return scratch.IsInitialized()
+
+
 def decompress(metadata: pb.MessageMetadata, payload: bytes, limit: int) -> bytes:
     """Undo the payload's compression; refuse an uncompressed size above ``limit``."""
     try:

@@ -55,7 +55,7 @@ from polybroker.protocols.pulsar.codec import (
     encode_message,
     encode_send_receipt,
     message_id,
-    split_tail,
+    metadata_is_complete,
     to_signed64,
 )
 from polybroker.protocols.pulsar.schemas import (
@@ -243,6 +243,8 @@ class PulsarConnection(Protocol):
         self.service = settings.service
         self.state = self.AWAIT_CONNECT
         self.decoder = FrameDecoder(settings.max_message_size + FRAME_OVERHEAD)
+        # Where each SEND's metadata is parsed to be checked (one object, reused).
+        self._metadata_scratch = pb.MessageMetadata()
         self.protocol_version = 0
         self.client_version = ""
         self.producers: dict[int, _ProducerState] = {}
@@ -733,11 +735,11 @@ class PulsarConnection(Protocol):
             self._send_error(c.producer_id, seq, pb.ChecksumError, "payload checksum mismatch")
             return
         try:
-            md = split_tail(frame.payload)[0]
+            complete = metadata_is_complete(frame.payload, self._metadata_scratch)
         except CodecError as e:
             self._protocol_error(f"SEND with a bad payload: {e}")
             return
-        if not md.IsInitialized():
+        if not complete:
             self._protocol_error("SEND whose message metadata lacks required fields")
             return
         pending = _PendingSend(seq, highest)

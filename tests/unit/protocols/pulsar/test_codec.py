@@ -34,6 +34,7 @@ from polybroker.protocols.pulsar.codec import (
     encode_payload_command,
     encode_send_receipt,
     message_id,
+    metadata_is_complete,
     normalize_tail,
     split_tail,
     to_signed64,
@@ -335,3 +336,22 @@ def test_frames_left_unread_stay_buffered() -> None:
     assert decoder.buffered == sum(len(f) for f in frames[1:])
     rest = list(decoder.feed(b""))
     assert [f.command.flow.consumer_id for f in rest] == [1, 2, 3]
+
+
+def test_metadata_check_reuses_its_scratch_without_carrying_fields_over() -> None:
+    """A complete metadata checks True; an incomplete one parsed into the same object next
+    checks False (nothing of the first remains); bad layouts raise as split_tail does."""
+    scratch = pb.MessageMetadata()
+    assert metadata_is_complete(build_tail(metadata(), b"x"), scratch)
+    partial = pb.MessageMetadata(producer_name="p").SerializePartialToString()
+    rest = struct.pack(">I", len(partial)) + partial + b"x"
+    tail = struct.pack(">HI", MAGIC_CRC32C, crc32c(rest)) + rest
+    assert not metadata_is_complete(tail, scratch)
+    assert not scratch.HasField("sequence_id")
+    assert metadata_is_complete(build_tail(metadata(sequence_id=9), b""), scratch)
+    assert scratch.sequence_id == 9
+    for bad in (b"", b"\x0e\x01" + b"\x00" * 7, struct.pack(">HII", MAGIC_CRC32C, 0, 99)):
+        with pytest.raises(CodecError):
+            metadata_is_complete(bad, scratch)
+    with pytest.raises(CodecError):
+        metadata_is_complete(struct.pack(">HII", MAGIC_CRC32C, 0, 2) + b"\xff\xff", scratch)
