@@ -27,16 +27,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TextIO
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from polybroker import logs
-from polybroker.config import Config, ConfigError, load, parse_lines
+from polybroker.config import Config, ConfigError
 from polybroker.logs import kv
-from polybroker.standalone import STANDALONE_PROTOCOLS, _advertised, run_process
+from polybroker.standalone import BrokerProcess, _advertised, config_from_args, run_process
 
 log = logging.getLogger(__name__)
 
@@ -63,63 +62,24 @@ LISTENER_NAMES: Mapping[str, str] = {
 
 def broker_config(args: argparse.Namespace) -> Config:
     """The config of a broker run: file, then flags; every installed protocol by default."""
-    explicit: set[str] = set()
-    if args.config is not None:
-        try:
-            text = Path(args.config).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {args.config}: {e.strerror}") from None
-        explicit.update(parse_lines(text.splitlines(), str(args.config)))
-    overrides = {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
-    explicit.update(k for k, v in overrides.items() if v is not None)
-    if "messagingProtocols" not in explicit:
-        from polybroker.broker_core.host import installed_entry_points
-
-        installed = {ep.name for ep in installed_entry_points()}
-        overrides["messagingProtocols"] = ",".join(
-            p for p in STANDALONE_PROTOCOLS if p in installed
-        )
-    config = load(args.config, overrides)
+    config, _ = config_from_args(args, FLAG_KEYS)
     if not str(config["metadataStoreUrl"]).startswith("zk://"):
         raise ConfigError("a cluster broker needs --metadata zk://host:port[/chroot]")
     return config
 
 
-class ClusterBroker:
+class ClusterBroker(BrokerProcess):
     """Every component of one cluster broker; ``start`` and ``stop`` (module docstring)."""
 
     def __init__(
-        self,
-        config: Config,
-        reactor: Any,
-        *,
-        discover: Callable[[], Any] | None = None,
+        self, config: Config, reactor: Any, *, discover: Callable[[], Any] | None = None
     ) -> None:
-        self.config = config
-        self.reactor = reactor
-        self._discover = discover
-        self.ports: dict[str, int] = {}
-        self._stops: list[tuple[str, Callable[[], Any]]] = []
-        self.service: Any = None
+        super().__init__(config, reactor, discover=discover)
         self.ownership: Any = None
 
-    def start(self) -> Deferred[dict[str, int]]:
-        """Start everything; fire with every bound port. On failure, what started is stopped."""
-        return Deferred.fromCoroutine(self._start_or_undo())
-
-    async def _start_or_undo(self) -> dict[str, int]:
-        try:
-            return await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> dict[str, int]:
-        from polybroker.broker_core.admin import AdminServer
         from polybroker.broker_core.admin_policies import CLUSTERS_ROOT, PolicyStore
-        from polybroker.broker_core.host import ProtocolHost
         from polybroker.broker_core.ownership import BrokerInfo, ClusterOwnership
-        from polybroker.broker_core.protocol_handler import BrokerContext, Listener
         from polybroker.broker_core.service import BrokerService
         from polybroker.ledger.client import BookKeeperClient
         from polybroker.ledger.managed import ManagedLedgerFactoryImpl
@@ -127,13 +87,7 @@ class ClusterBroker:
         from polybroker.metadata import open_metadata_store
 
         config, reactor = self.config, self.reactor
-        bind = str(config["bindAddress"])
-        host = (
-            ProtocolHost(config, reactor)
-            if self._discover is None
-            else ProtocolHost(config, reactor, discover=self._discover)
-        )
-        host.load()
+        self._load_host()
 
         store = await open_metadata_store(
             config["metadataStoreUrl"],
@@ -190,22 +144,7 @@ class ClusterBroker:
             store, cluster, default_bundles=int(config["defaultNumberOfNamespaceBundles"])
         )
         await policies.load()
-        self._stops.append(("policy watches", policies.close))
-        service.namespace_exists = policies.namespace_exists
-        service.deduplication_policy = policies.deduplication_of
-        service.retention_policy = policies.retention_of
-
-        def urls() -> dict[str, str]:
-            out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}
-            pulsar = self.ports.get("brokerServicePort")
-            out["brokerUrl"] = f"pulsar://{advertised}:{pulsar}" if pulsar else ""
-            return out
-
-        admin = AdminServer(service, policies, urls=urls)
-        host.add_listener("webServicePort", Listener(bind, config["webServicePort"], admin.site()))
-        self._stops.append(("listeners and protocol handlers", host.stop))
-        bound = await host.start(BrokerContext(service, config, reactor, advertised))
-        self.ports.update(bound)
+        await self._serve(service, policies, advertised)
 
         web = self.ports["webServicePort"]
         pulsar = self.ports.get("brokerServicePort")
@@ -224,18 +163,6 @@ class ClusterBroker:
         await ownership.start()
         log.info("broker started", extra=kv(**self.ports))
         return dict(self.ports)
-
-    def stop(self) -> Deferred[None]:
-        """Stop what started, in reverse order; each failure is logged, the rest still stop."""
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self) -> None:
-        stops, self._stops = self._stops, []
-        for what, stop in reversed(stops):
-            try:
-                await maybeDeferred(stop)
-            except Exception as e:
-                log.error("unclean stop", extra=kv(component=what, error=str(e)))
 
 
 def run_broker(args: argparse.Namespace, out: TextIO | None = None) -> int:

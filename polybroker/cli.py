@@ -31,10 +31,8 @@ def _add_bookie(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(run=run)
 
 
-def _add_standalone(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("standalone", help="run metadata store, bookie and broker in one process")
-    p.add_argument("--data-dir", default=None, help="where data lives (dataDir; ./data)")
-    p.add_argument("--bind", default=None, help="bind address (bindAddress; 127.0.0.1)")
+def _add_broker_flags(p: argparse.ArgumentParser) -> None:
+    """The listener ports and the config file, as standalone and broker both take them."""
     for flag, key, default in (
         ("--pulsar-port", "brokerServicePort", 6650),
         ("--http-port", "webServicePort", 8080),
@@ -44,6 +42,13 @@ def _add_standalone(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ):
         p.add_argument(flag, type=int, default=None, help=f"{key} ({default}; 0 = any free port)")
     p.add_argument("--config", default=None, help="broker.conf-style key=value file")
+
+
+def _add_standalone(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("standalone", help="run metadata store, bookie and broker in one process")
+    p.add_argument("--data-dir", default=None, help="where data lives (dataDir; ./data)")
+    p.add_argument("--bind", default=None, help="bind address (bindAddress; 127.0.0.1)")
+    _add_broker_flags(p)
 
     def run(args: argparse.Namespace) -> int:
         from polybroker.standalone import run_standalone
@@ -59,15 +64,7 @@ def _add_broker(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--bind", default=None, help="bind address (bindAddress; 127.0.0.1)")
     p.add_argument("--advertised-address", default=None, help="host clients are told to use")
     p.add_argument("--cluster", default=None, help="cluster name (clusterName)")
-    for flag, key, default in (
-        ("--pulsar-port", "brokerServicePort", 6650),
-        ("--http-port", "webServicePort", 8080),
-        ("--kafka-port", "kafkaListenerPort", 9092),
-        ("--mqtt-port", "mqttListenerPort", 1883),
-        ("--amqp-port", "amqpListenerPort", 5672),
-    ):
-        p.add_argument(flag, type=int, default=None, help=f"{key} ({default}; 0 = any free port)")
-    p.add_argument("--config", default=None, help="broker.conf-style key=value file")
+    _add_broker_flags(p)
 
     def run(args: argparse.Namespace) -> int:
         from polybroker.broker import run_broker

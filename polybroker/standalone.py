@@ -65,6 +65,15 @@ def standalone_config(args: argparse.Namespace) -> tuple[Config, set[str]]:
 
     Standalone binds 127.0.0.1 unless told otherwise; without ``messagingProtocols`` it
     enables every installed protocol of ``STANDALONE_PROTOCOLS``."""
+    return config_from_args(args, FLAG_KEYS)
+
+
+def config_from_args(
+    args: argparse.Namespace, flag_keys: Mapping[str, str]
+) -> tuple[Config, set[str]]:
+    """The config file (``args.config``) overridden by the flags ``flag_keys`` names (argparse
+    dest -> key), and the keys the user set; without ``messagingProtocols``, every installed
+    protocol of ``STANDALONE_PROTOCOLS``."""
     explicit: set[str] = set()
     if args.config is not None:
         try:
@@ -72,7 +81,7 @@ def standalone_config(args: argparse.Namespace) -> tuple[Config, set[str]]:
         except OSError as e:
             raise ConfigError(f"cannot read config file {args.config}: {e.strerror}") from None
         explicit.update(parse_lines(text.splitlines(), str(args.config)))
-    overrides = {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
+    overrides = {key: getattr(args, dest, None) for dest, key in flag_keys.items()}
     explicit.update(k for k, v in overrides.items() if v is not None)
     if "messagingProtocols" not in explicit:
         from polybroker.broker_core.host import installed_entry_points
@@ -91,28 +100,21 @@ def _advertised(config: Config) -> str:
     return host
 
 
-class Standalone:
-    """Every component of a standalone broker; ``start`` and ``stop`` (module docstring)."""
+class BrokerProcess:
+    """What a standalone and a cluster broker share: components started in order and stopped
+    in reverse (``_stops``), the protocol host, and the broker's HTTP and protocol listeners
+    over a Broker API (``_serve``). Subclasses write ``_start``."""
 
     def __init__(
-        self,
-        config: Config,
-        reactor: Any,
-        *,
-        explicit: set[str] | None = None,
-        discover: Callable[[], Any] | None = None,
+        self, config: Config, reactor: Any, *, discover: Callable[[], Any] | None = None
     ) -> None:
         self.config = config
         self.reactor = reactor
-        self.data_dir = Path(config["dataDir"])
-        self.explicit = explicit or set()
         self._discover = discover
         self.ports: dict[str, int] = {}
         self._stops: list[tuple[str, Callable[[], Any]]] = []
         self.service: Any = None
         self.host: Any = None
-
-    # -- start ----------------------------------------------------------------------------
 
     def start(self) -> Deferred[dict[str, int]]:
         """Start everything; fire with every bound port. On failure, what started is stopped."""
@@ -124,6 +126,76 @@ class Standalone:
         except BaseException:
             await self.stop()
             raise
+
+    async def _start(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _load_host(self) -> Any:
+        """The protocol handlers, loaded and validated (no I/O yet)."""
+        from polybroker.broker_core.host import ProtocolHost
+
+        if self._discover is None:
+            host = ProtocolHost(self.config, self.reactor)
+        else:
+            host = ProtocolHost(self.config, self.reactor, discover=self._discover)
+        host.load()
+        self.host = host
+        return host
+
+    async def _serve(self, service: Any, policies: Any, advertised: str) -> None:
+        """Give the Broker API its namespace policies, then bind the HTTP service and every
+        protocol handler's listeners together (``self.ports`` gets what they bound)."""
+        from polybroker.broker_core.admin import AdminServer
+        from polybroker.broker_core.protocol_handler import BrokerContext, Listener
+
+        config = self.config
+        self._stops.append(("policy watches", policies.close))
+        service.namespace_exists = policies.namespace_exists
+        service.deduplication_policy = policies.deduplication_of
+        service.retention_policy = policies.retention_of
+
+        def urls() -> dict[str, str]:
+            out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}
+            pulsar = self.ports.get("brokerServicePort")
+            out["brokerUrl"] = f"pulsar://{advertised}:{pulsar}" if pulsar else ""
+            return out
+
+        admin = AdminServer(service, policies, urls=urls)
+        bind = str(config["bindAddress"])
+        self.host.add_listener(
+            "webServicePort", Listener(bind, config["webServicePort"], admin.site())
+        )
+        self._stops.append(("listeners and protocol handlers", self.host.stop))
+        bound = await self.host.start(BrokerContext(service, config, self.reactor, advertised))
+        self.ports.update(bound)
+
+    def stop(self) -> Deferred[None]:
+        """Stop what started, in reverse order; each failure is logged, the rest still stop."""
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        stops, self._stops = self._stops, []
+        for what, stop in reversed(stops):
+            try:
+                await maybeDeferred(stop)
+            except Exception as e:
+                log.error("unclean stop", extra=kv(component=what, error=str(e)))
+
+
+class Standalone(BrokerProcess):
+    """Every component of a standalone broker; ``start`` and ``stop`` (module docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        *,
+        explicit: set[str] | None = None,
+        discover: Callable[[], Any] | None = None,
+    ) -> None:
+        super().__init__(config, reactor, discover=discover)
+        self.data_dir = Path(config["dataDir"])
+        self.explicit = explicit or set()
 
     def _bookie_port(self) -> int:
         if "bookiePort" in self.explicit:
@@ -141,10 +213,7 @@ class Standalone:
         tmp.replace(path)
 
     async def _start(self) -> dict[str, int]:
-        from polybroker.broker_core.admin import AdminServer
         from polybroker.broker_core.admin_policies import PolicyStore
-        from polybroker.broker_core.host import ProtocolHost
-        from polybroker.broker_core.protocol_handler import BrokerContext, Listener
         from polybroker.broker_core.service import BrokerService
         from polybroker.ledger.bookie.server import BookieServer
         from polybroker.ledger.client import BookKeeperClient
@@ -153,14 +222,7 @@ class Standalone:
         from polybroker.metadata import open_metadata_store
 
         config, reactor = self.config, self.reactor
-        bind = str(config["bindAddress"])
-        host = (
-            ProtocolHost(config, reactor)
-            if self._discover is None
-            else ProtocolHost(config, reactor, discover=self._discover)
-        )
-        host.load()
-        self.host = host
+        self._load_host()
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         store = await open_metadata_store(
@@ -218,38 +280,9 @@ class Standalone:
                 "brokerServiceUrl": f"pulsar://{advertised}:{config['brokerServicePort']}",
             }
         )
-        self._stops.append(("policy watches", policies.close))
-        service.namespace_exists = policies.namespace_exists
-        service.deduplication_policy = policies.deduplication_of
-        service.retention_policy = policies.retention_of
-
-        def urls() -> dict[str, str]:
-            out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}
-            pulsar = self.ports.get("brokerServicePort")
-            out["brokerUrl"] = f"pulsar://{advertised}:{pulsar}" if pulsar else ""
-            return out
-
-        admin = AdminServer(service, policies, urls=urls)
-        host.add_listener("webServicePort", Listener(bind, config["webServicePort"], admin.site()))
-        self._stops.append(("listeners and protocol handlers", host.stop))
-        bound = await host.start(BrokerContext(service, config, reactor, advertised))
-        self.ports.update(bound)
+        await self._serve(service, policies, advertised)
         log.info("standalone started", extra=kv(**self.ports))
         return dict(self.ports)
-
-    # -- stop -----------------------------------------------------------------------------
-
-    def stop(self) -> Deferred[None]:
-        """Stop what started, in reverse order; each failure is logged, the rest still stop."""
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self) -> None:
-        stops, self._stops = self._stops, []
-        for what, stop in reversed(stops):
-            try:
-                await maybeDeferred(stop)
-            except Exception as e:
-                log.error("unclean stop", extra=kv(component=what, error=str(e)))
 
 
 def ready_line(ports: Mapping[str, int], kind: str = "standalone") -> str:
