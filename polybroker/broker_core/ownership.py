@@ -546,8 +546,9 @@ class ClusterOwnership(Ownership):
                 if wanted in live:
                     raise NotOwnerError(f"{topic} is moving to {wanted}", live[wanted])
         state = await self._claim(key)
-        if state is ClaimState.HELD:
-            self._bundles[key].topics.add(topic)
+        bundle = self._bundles.get(key)
+        if state is ClaimState.HELD and bundle is not None:
+            bundle.topics.add(topic)
             return
         owner = await self._owner(key)
         if owner is not None and owner.broker_id != self.local.broker_id:
