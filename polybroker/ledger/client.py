@@ -344,6 +344,11 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         self._failed_bookies: set[str] = set()
         self._sweep_call: Any = None
         self._write_sets = self._last_write_sets(metadata)
+        #: True while ``_complete`` runs the callbacks of a group of adds the bookies
+        #: acknowledged together; ``after_completions`` (if set) is called once after the group,
+        #: so a caller can act once per group instead of once per entry.
+        self.completing = False
+        self.after_completions: Callable[[], None] | None = None
 
     @staticmethod
     def _last_write_sets(meta: LedgerMetadata) -> tuple[tuple[str, ...], ...]:
@@ -435,18 +440,28 @@ class _WriteHandle(_ReadHandle, WriteHandle):
 
     def _complete(self) -> None:
         pending, qa = self._pending, self._qa
-        while True:
-            p = pending.get(self._lac + 1)
-            if p is None or len(p.acked) < qa:
-                break
-            del pending[self._lac + 1]
-            self._lac += 1
-            self._length = p.length
+        self.completing = True
+        try:
+            while True:
+                p = pending.get(self._lac + 1)
+                if p is None or len(p.acked) < qa:
+                    break
+                del pending[self._lac + 1]
+                self._lac += 1
+                self._length = p.length
+                try:
+                    p.on_done(self._lac, p.token, self)
+                except Exception:
+                    # One caller's bug must not stop the completions of the others.
+                    log.exception("ledger %d: add callback failed", self.ledger_id)
+        finally:
+            self.completing = False
+        after = self.after_completions
+        if after is not None:
             try:
-                p.on_done(self._lac, p.token, self)
+                after()
             except Exception:
-                # One caller's bug must not stop the completions of the others.
-                log.exception("ledger %d: add callback failed", self.ledger_id)
+                log.exception("ledger %d: after-completions callback failed", self.ledger_id)
         if not pending and self._closing:
             self._seal()
 

@@ -478,7 +478,9 @@ class ManagedLedgerImpl(ManagedLedger):
             self._next_seq += 1
             self._next_index += a.num
             a.d.callback(entry)
-        if self._waiting:
+        if self._waiting and not getattr(handle, "completing", False):
+            # A group the bookies acknowledged together wakes readers once, after it
+            # (``_group_done``), so a tailing read takes the whole group at once.
             self._wake_readers()
         if not pending:
             if self._state is _State.ROLLING and self._current is handle:
@@ -622,6 +624,8 @@ class ManagedLedgerImpl(ManagedLedger):
         for ledger_id in dropped:
             self._delete_ledger_later(ledger_id)
         self._current = handle
+        if hasattr(handle, "after_completions"):
+            handle.after_completions = self._group_done
         self._current_ledger = ledger
         self._created_at = self._reactor.seconds()
         self._sent_entries = 0
@@ -845,6 +849,11 @@ class ManagedLedgerImpl(ManagedLedger):
         first = max(self._ceil(position), self._first_seq)
         last = min(first + max(max_entries, 0), self._next_seq)
         return self._read_seqs(range(first, last))
+
+    def _group_done(self) -> None:
+        """The ledger client finished a group of completions (see ``_add_done``)."""
+        if self._waiting:
+            self._wake_readers()
 
     def _wake_readers(self) -> None:
         waiting, self._waiting = self._waiting, []
