@@ -112,6 +112,10 @@ class FakeWriteHandle(FakeReadHandle, WriteHandle):
         self.pending: list[tuple[int, Deferred[int]]] = []
         self.failed: Exception | None = None
         self.closing = False
+        # As the real handle: True while a group of confirmations runs its callbacks, and
+        # ``after_completions`` called once after the group.
+        self.completing = False
+        self.after_completions: Any = None
 
     @property
     def length(self) -> int:
@@ -145,12 +149,18 @@ class FakeWriteHandle(FakeReadHandle, WriteHandle):
         return d
 
     def _confirm_through(self, entry_id: int) -> None:
-        while self.pending and self.pending[0][0] <= entry_id:
-            eid, d = self.pending.pop(0)
-            if self.ledger.fenced or self.failed is not None:
-                continue  # answered already by the fencing/failure
-            self.ledger.lac = eid
-            d.callback(eid)
+        self.completing = True
+        try:
+            while self.pending and self.pending[0][0] <= entry_id:
+                eid, d = self.pending.pop(0)
+                if self.ledger.fenced or self.failed is not None:
+                    continue  # answered already by the fencing/failure
+                self.ledger.lac = eid
+                d.callback(eid)
+        finally:
+            self.completing = False
+        if self.after_completions is not None:
+            self.after_completions()
 
     def release(self, count: int | None = None) -> None:
         """Confirm the oldest ``count`` held adds (all if None)."""

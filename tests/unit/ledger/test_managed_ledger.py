@@ -54,6 +54,20 @@ def test_appends_complete_in_order_with_dense_indexes() -> None:
     assert ml.last_confirmed == c.position
 
 
+def test_a_group_of_completions_wakes_a_tailing_read_once_with_all_of_it() -> None:
+    """Adds the bookies confirm together reach a waiting cursor in one read, not one each."""
+    rig = Rig()
+    ml = rig.open()
+    cursor = result_of(ml.open_cursor("c"))
+    rig.client.hold = True
+    read = cursor.read(100, wait=True)
+    appends = [ml.append(p) for p in payloads(5)]
+    assert not read.called
+    list(rig.client.writers.values())[-1].release()
+    assert [e.data for e in result_of(read)] == payloads(5)
+    assert all(fired(d) for d in appends)
+
+
 def test_appends_complete_in_order_when_the_ledger_answers_late() -> None:
     """Adds answered after a delay still complete in append order, once each."""
     rig = Rig(add_delay=0.005)
