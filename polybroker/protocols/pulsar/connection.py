@@ -446,31 +446,13 @@ class PulsarConnection(Protocol):
         try:
             self.service.topic_ref(c.topic)
         except BrokerError as e:
-            code, message = server_error(e)
-            self.send(
-                command(
-                    T.LOOKUP_RESPONSE,
-                    "lookupTopicResponse",
-                    request_id=rid,
-                    response=pb.CommandLookupTopicResponse.Failed,
-                    error=code,
-                    message=message,
-                )
-            )
+            self._lookup_failed(rid, *server_error(e))
             return
         if c.advertised_listener_name:
             # This broker advertises no named listeners; the client reports this as a
             # connection error, as it does against Pulsar.
-            self.send(
-                command(
-                    T.LOOKUP_RESPONSE,
-                    "lookupTopicResponse",
-                    request_id=rid,
-                    response=pb.CommandLookupTopicResponse.Failed,
-                    error=pb.ServiceNotReady,
-                    message=f"the broker do not have {c.advertised_listener_name} listener",
-                )
-            )
+            message = f"the broker do not have {c.advertised_listener_name} listener"
+            self._lookup_failed(rid, pb.ServiceNotReady, message)
             return
         ownership = getattr(self.service, "ownership", None)
         if ownership is None or not ownership.clustered:
@@ -491,19 +473,21 @@ class PulsarConnection(Protocol):
             self._lookup_answer(rid, url, kind)
 
         def failed(f: Failure) -> None:
-            code, message = server_error(f.value)
-            self.send(
-                command(
-                    T.LOOKUP_RESPONSE,
-                    "lookupTopicResponse",
-                    request_id=rid,
-                    response=pb.CommandLookupTopicResponse.Failed,
-                    error=code,
-                    message=message,
-                )
-            )
+            self._lookup_failed(rid, *server_error(f.value))
 
         d.addCallbacks(found, failed)
+
+    def _lookup_failed(self, rid: int, code: int, message: str) -> None:
+        self.send(
+            command(
+                T.LOOKUP_RESPONSE,
+                "lookupTopicResponse",
+                request_id=rid,
+                response=pb.CommandLookupTopicResponse.Failed,
+                error=code,
+                message=message,
+            )
+        )
 
     def _lookup_answer(self, rid: int, url: str, kind: int) -> None:
         self.send(

@@ -9,13 +9,13 @@ port and returns once it printed its ready line (bounded), with the ports it bou
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cluster_harness import wait_for_line
 
 READY = "polybroker broker ready "
 #: Short ZooKeeper sessions, so a killed broker's bundles are free within seconds.
@@ -104,33 +104,11 @@ class BrokerProcesses:
             cmd += [flag, "0"]
         with open(log, "wb") as err:
             process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-        assert process.stdout is not None
-        deadline = time.monotonic() + timeout
-        seen = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(process.stdout, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    process.kill()
-                    process.wait(10)
-                    raise TimeoutError(f"broker did not start in {timeout}s: {log.read_text()}")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(process.stdout.fileno(), 4096)
-                if not chunk:
-                    code = process.wait(10)
-                    raise RuntimeError(f"broker exited with {code}: {log.read_text()}")
-                seen += chunk
-                for line in seen.decode(errors="replace").splitlines():
-                    if line.startswith(READY):
-                        ports = dict(
-                            (k, int(v))
-                            for k, _, v in (p.partition("=") for p in line[len(READY) :].split())
-                        )
-                        broker = Broker(process, ports, log)
-                        self.running.append(broker)
-                        return broker
+        line = wait_for_line(process, READY, log, timeout, "broker")
+        ports = {k: int(v) for k, _, v in (p.partition("=") for p in line[len(READY) :].split())}
+        broker = Broker(process, ports, log)
+        self.running.append(broker)
+        return broker
 
     def stop(self, broker: Broker, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Signal the broker, wait for it and return its exit status."""

@@ -37,6 +37,34 @@ async def eventually(check: Callable[[], bool], timeout: float, what: str) -> fl
     return time.monotonic() - start
 
 
+def wait_for_line(
+    process: subprocess.Popen[bytes], marker: str, log: Path, timeout: float, what: str
+) -> str:
+    """The first line ``process`` prints on stdout that starts with ``marker`` (bounded); the
+    process is killed if it takes longer, and its log is in the error if it exits first."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(process.stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                process.kill()
+                process.wait(10)
+                raise TimeoutError(f"{what} did not start in {timeout}s: {log.read_text()}")
+            if not sel.select(remaining):
+                continue
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                code = process.wait(10)
+                raise RuntimeError(f"{what} exited with {code}: {log.read_text()}")
+            seen += chunk
+            for line in seen.decode(errors="replace").splitlines():
+                if line.startswith(marker):
+                    return line
+
+
 @dataclass
 class Bookie:
     """A running bookie process."""
@@ -93,29 +121,10 @@ class BookieProcesses:
             cmd += ["--config", str(conf)]
         with open(log, "wb") as err:
             process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-        assert process.stdout is not None
-        deadline = time.monotonic() + timeout
-        seen = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(process.stdout, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    process.kill()
-                    process.wait(10)
-                    raise TimeoutError(f"bookie did not start in {timeout}s: {log.read_text()}")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(process.stdout.fileno(), 4096)
-                if not chunk:
-                    code = process.wait(10)
-                    raise RuntimeError(f"bookie exited with {code}: {log.read_text()}")
-                seen += chunk
-                for line in seen.decode(errors="replace").splitlines():
-                    if line.startswith(LISTENING):
-                        bookie = Bookie(line[len(LISTENING) :].strip(), process, data_dir, log)
-                        self.running.append(bookie)
-                        return bookie
+        line = wait_for_line(process, LISTENING, log, timeout, "bookie")
+        bookie = Bookie(line[len(LISTENING) :].strip(), process, data_dir, log)
+        self.running.append(bookie)
+        return bookie
 
     def send(self, bookie: Bookie, sig: int) -> None:
         """Send ``sig`` to that bookie's PID."""
