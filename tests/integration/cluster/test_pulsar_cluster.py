@@ -4,6 +4,7 @@ admin API, and kill -9 of a broker while producers run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -224,17 +225,35 @@ class Sender:
         self.producer.flush()
 
 
-def test_kill_a_broker_while_producing_loses_nothing(cluster: Cluster) -> None:
-    a, b = cluster.members
-    topic = f"persistent://{NS}/failover"
-    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/failover/partitions", 8)
-    # The service URL names the broker that stays, as a load balancer in front of the
-    # cluster would; the other broker owns some of the partitions and is killed.
-    client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
+@contextlib.contextmanager
+def producing(
+    admin_url: str, service_url: str, name: str, *, sends_may_fail: bool = False
+) -> Iterator[Sender]:
+    """A topic of 8 partitions with a durable Shared subscription, and a ``Sender`` whose first
+    messages are acknowledged; on leaving, the sender stops and every acknowledged message must
+    be consumed (and, unless ``sends_may_fail``, no send may have failed)."""
+    topic = f"persistent://{NS}/{name}"
+    http("PUT", f"{admin_url}/admin/v2/persistent/{NS}/{name}/partitions", 8)
+    client = pulsar.Client(service_url, operation_timeout_seconds=30)
     try:
         consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
         sender = Sender(client, topic)
         wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+        yield sender
+        sender.stop()
+        if not sends_may_fail:
+            assert not sender.failed
+        acked = set(sender.acked)
+        assert receive_all(consumer, acked, timeout=90) >= acked
+    finally:
+        client.close()
+
+
+def test_kill_a_broker_while_producing_loses_nothing(cluster: Cluster) -> None:
+    a, b = cluster.members
+    # The service URL names the broker that stays, as a load balancer in front of the
+    # cluster would; the other broker owns some of the partitions and is killed.
+    with producing(a.http_url, a.pulsar_url, "failover") as sender:
         victim, survivor = b, a
         assert victim.broker_id in owners(a).values()
         killed_at = time.monotonic()
@@ -244,35 +263,26 @@ def test_kill_a_broker_while_producing_loses_nothing(cluster: Cluster) -> None:
             lambda: (
                 all(o in (None, survivor.broker_id) for o in owners(survivor).values())
                 and sum(1 for t in sender.acked.values() if t > killed_at) > 200
+                and all(
+                    any(t > killed_at for t in times) for times in sender.partition_acks.values()
+                )
             ),
             60,
             "producing again after the kill",
         )
-        sender.stop()
         assert sorted(sender.partition_acks) == list(range(8))
         # Every partition, those of the dead broker included, acknowledged sends again.
         resumed = max(
             min(t for t in times if t > killed_at) for times in sender.partition_acks.values()
         )
         print(f"every partition serving again {resumed - killed_at:.2f}s after kill -9")
-        assert not sender.failed
-        acked = set(sender.acked)
-        assert receive_all(consumer, acked, timeout=90) >= acked
-    finally:
-        client.close()
 
 
 def test_a_broker_whose_session_expires_gives_its_bundles_up(cluster: Cluster) -> None:
     """SIGSTOP a broker past its ZooKeeper session: the other takes its bundles; once resumed it
     serves none of them silently (it unloads them), registers again, and nothing acked is lost."""
     a, b = cluster.members
-    topic = f"persistent://{NS}/paused"
-    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/paused/partitions", 8)
-    client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
-    try:
-        consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
-        sender = Sender(client, topic)
-        wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+    with producing(a.http_url, a.pulsar_url, "paused", sends_may_fail=True) as sender:
         held = {k for k, v in owners(a).items() if v == b.broker_id}
         assert held
         os.kill(b.pid, signal.SIGSTOP)
@@ -303,11 +313,6 @@ def test_a_broker_whose_session_expires_gives_its_bundles_up(cluster: Cluster) -
         )
         count = len(sender.acked)
         wait_for(lambda: len(sender.acked) > count + 200, 60, "producing after the resume")
-        sender.stop()
-        acked = set(sender.acked)
-        assert receive_all(consumer, acked, timeout=90) >= acked
-    finally:
-        client.close()
 
 
 def test_kill_zookeeper_while_producing_loses_nothing(tmp_path: Path) -> None:
@@ -326,13 +331,7 @@ def test_kill_zookeeper_while_producing_loses_nothing(tmp_path: Path) -> None:
             procs.start(url, {**REPLICATION, "metadataStoreSessionTimeoutMillis": 15000})
             for _ in range(2)
         )
-        topic = f"persistent://{NS}/zk-outage"
-        http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/zk-outage/partitions", 8)
-        client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
-        try:
-            consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
-            sender = Sender(client, topic)
-            wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+        with producing(a.http_url, a.pulsar_url, "zk-outage") as sender:
             os.kill(zk.process.pid, signal.SIGKILL)
             zk.process.wait(30)
             down = time.monotonic()
@@ -344,12 +343,6 @@ def test_kill_zookeeper_while_producing_loses_nothing(tmp_path: Path) -> None:
             zk.restart()
             count = len(sender.acked)
             wait_for(lambda: len(sender.acked) > count + 200, 60, "producing after the restart")
-            sender.stop()
-            assert not sender.failed
-            acked = set(sender.acked)
-            assert receive_all(consumer, acked, timeout=90) >= acked
-        finally:
-            client.close()
     finally:
         procs.close()
         bookies.close()
@@ -361,13 +354,7 @@ def test_kill_a_bookie_while_producing_loses_nothing(cluster: Cluster) -> None:
     go on (ensemble change) and every acknowledged message is consumed."""
     a = cluster.members[0]
     cluster.bookies.start(cluster.zk_url)  # the spare an ensemble change can take
-    topic = f"persistent://{NS}/bookie-loss"
-    http("PUT", f"{a.http_url}/admin/v2/persistent/{NS}/bookie-loss/partitions", 8)
-    client = pulsar.Client(cluster.service_url, operation_timeout_seconds=30)
-    try:
-        consumer = client.subscribe(topic, "durable", consumer_type=pulsar.ConsumerType.Shared)
-        sender = Sender(client, topic)
-        wait_for(lambda: len(sender.acked) > 200, 60, "first messages acknowledged")
+    with producing(a.http_url, cluster.service_url, "bookie-loss") as sender:
         killed_at = time.monotonic()
         cluster.bookies.kill(cluster.bookies.running[0])
         wait_for(
@@ -378,9 +365,3 @@ def test_kill_a_bookie_while_producing_loses_nothing(cluster: Cluster) -> None:
             60,
             "every partition writing after the bookie kill",
         )
-        sender.stop()
-        assert not sender.failed
-        acked = set(sender.acked)
-        assert receive_all(consumer, acked, timeout=90) >= acked
-    finally:
-        client.close()
