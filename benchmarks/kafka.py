@@ -16,7 +16,8 @@ The machine is shared and noisy: quote medians of ``--repeat`` runs and the rati
 then one JSON line as the last line. Every process it starts is stopped by its PID.
 
     python benchmarks/kafka.py [--count N] [--repeat R] [--rate MSGS_PER_S] [--no-tansu]
-                               [--entry-format pulsar|kafka]
+                               [--entry-format pulsar|kafka] [--clients ck,kp,pulsar]
+                               [--no-latency]
 """
 
 from __future__ import annotations
@@ -357,23 +358,48 @@ def create_topic(bootstrap: str, topic: str) -> None:
         fs[topic].result(20)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def throughput(
-    target: str, client: str, bootstrap: str, count: int, size: int, tag: str, timeout: float
-) -> tuple[float, float]:
+    target: str,
+    client: str,
+    bootstrap: str,
+    count: int,
+    size: int,
+    tag: str,
+    timeout: float,
+    server_pid: int,
+) -> tuple[float, float, float, float]:
+    """(produce msgs/s, consume msgs/s, server CPU us per message produced, ... consumed)."""
     topic = f"bench-{client}-{size}-{tag}"
     if client != "pulsar":
         create_topic(bootstrap, topic)
+    cpu0 = cpu_seconds(server_pid)
     produced = result_of(run_role(f"{client}-produce", bootstrap, topic, count, size))
+    cpu1 = cpu_seconds(server_pid)
     consumed = result_of(
         run_role(f"{client}-consume", bootstrap, topic, count, size, timeout=timeout)
     )
+    cpu2 = cpu_seconds(server_pid)
     if produced["errors"] or consumed["received"] != count:
         print(
             f"  ! {target}/{client}/{size}: errors={produced['errors']} "
             f"received={consumed['received']}/{count}",
             file=sys.stderr,
         )
-    return produced["msgs_per_s"], consumed["msgs_per_s"]
+    return (
+        produced["msgs_per_s"],
+        consumed["msgs_per_s"],
+        (cpu1 - cpu0) * 1e6 / count,
+        (cpu2 - cpu1) * 1e6 / max(1, consumed["received"]),
+    )
 
 
 def latency(bootstrap: str, size: int, rate: int, seconds: float, tag: str) -> dict[str, Any]:
@@ -401,6 +427,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--no-tansu", action="store_true")
     ap.add_argument(
+        "--clients", default="ck,kp,pulsar", help="comma list of ck, kp, pulsar (default all)"
+    )
+    ap.add_argument("--no-latency", action="store_true", help="skip the paced end-to-end runs")
+    ap.add_argument(
         "--entry-format", default="kafka", choices=["pulsar", "kafka"], help="kafkaEntryFormat"
     )
     a = ap.parse_args()
@@ -410,7 +440,7 @@ def main() -> None:
     rate = a.rate or 2000
     tmp = Path(tempfile.mkdtemp(prefix="bench-kafka-"))
     procs: list[subprocess.Popen[bytes]] = []
-    rows: dict[str, list[tuple[float, float]]] = {}
+    rows: dict[str, list[tuple[float, float, float, float]]] = {}
     lat: dict[str, list[dict[str, Any]]] = {}
     try:
         poly, kport, pport = start_polybroker(tmp, a.entry_format)
@@ -419,27 +449,36 @@ def main() -> None:
         pulsar_url = f"pulsar://127.0.0.1:{pport}"
         tansu = None if a.no_tansu else tansu_binary()
         tansu_bs = None
+        pids = {"polybroker-kafka": poly.pid, "polybroker-pulsar": poly.pid}
         if tansu is not None:
             tproc, tport = start_tansu(tansu)
             procs.append(tproc)
             tansu_bs = f"127.0.0.1:{tport}"
+            pids["tansu"] = tproc.pid
         for rep in range(a.repeat):
             for size in SIZES:
                 count = a.count if size <= 100 else max(1000, a.count // 3)
+                wanted = set(a.clients.split(","))
                 cases = [
                     ("polybroker-kafka", "ck", kafka_bs),
                     ("polybroker-kafka", "kp", kafka_bs),
                     ("polybroker-pulsar", "pulsar", pulsar_url),
                 ]
+                cases = [case for case in cases if case[1] in wanted]
                 if tansu_bs:
                     cases.append(("tansu", "ck", tansu_bs))
                 for target, client, bs in cases:
                     key = f"{target}/{client}/{size}"
                     rows.setdefault(key, []).append(
-                        throughput(target, client, bs, count, size, f"r{rep}", a.timeout)
+                        throughput(
+                            target, client, bs, count, size, f"r{rep}", a.timeout, pids[target]
+                        )
                     )
-                for target, bs in [("polybroker-kafka", kafka_bs)] + (
-                    [("tansu", tansu_bs)] if tansu_bs else []
+                for target, bs in (
+                    []
+                    if a.no_latency
+                    else [("polybroker-kafka", kafka_bs)]
+                    + ([("tansu", tansu_bs)] if tansu_bs else [])
                 ):
                     lat.setdefault(f"{target}/ck/{size}", []).append(
                         latency(bs, size, rate, a.seconds, f"{target}-r{rep}")
@@ -449,12 +488,22 @@ def main() -> None:
             stop(p)
         shutil.rmtree(tmp, ignore_errors=True)
     summary: dict[str, Any] = {}
-    print(f"{'case':34} {'produce msg/s':>14} {'consume msg/s':>14}")
+    print(
+        f"{'case':34} {'produce msg/s':>14} {'consume msg/s':>14}"
+        f" {'server us/msg in':>17} {'server us/msg out':>18}"
+    )
     for key, vals in rows.items():
         prod = statistics.median(v[0] for v in vals)
         cons = statistics.median(v[1] for v in vals)
-        summary[key] = {"produce": round(prod), "consume": round(cons)}
-        print(f"{key:34} {prod:14.0f} {cons:14.0f}")
+        cpu_in = statistics.median(v[2] for v in vals)
+        cpu_out = statistics.median(v[3] for v in vals)
+        summary[key] = {
+            "produce": round(prod),
+            "consume": round(cons),
+            "server_cpu_us_per_msg_produced": round(cpu_in, 2),
+            "server_cpu_us_per_msg_consumed": round(cpu_out, 2),
+        }
+        print(f"{key:34} {prod:14.0f} {cons:14.0f} {cpu_in:17.2f} {cpu_out:18.2f}")
     print(f"\nend-to-end at {rate} msg/s (confluent-kafka):")
     for key, vals in lat.items():
         p50 = statistics.median(v.get("p50_ms", float("nan")) for v in vals)

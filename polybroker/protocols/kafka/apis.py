@@ -761,6 +761,10 @@ class KafkaApis:
             return c.CORRUPT_MESSAGE, -1, -1
         if not batches:
             return c.INVALID_RECORD, -1, -1
+        # Stored verbatim, a batch is only checked (CRC, then its records' framing and offset
+        # deltas, no per-record decoding); converted to the Pulsar format, it is decoded.
+        verbatim = self.settings.entry_format == FORMAT_TAG
+        limit = max(self.settings.max_message_size, 1 << 20)
         decoded: list[list[rec.Record]] = []
         for batch in batches:
             if len(batch.raw) > self.settings.max_message_size:
@@ -771,8 +775,17 @@ class KafkaApis:
                 return c.INVALID_RECORD, -1, -1
             if batch.count < 1 or batch.last_offset_delta != batch.count - 1:
                 return c.INVALID_RECORD, -1, -1
+            if verbatim:
+                try:
+                    rec.check_batch(batch, limit=limit)
+                except rec.OffsetDeltaError:
+                    return c.INVALID_RECORD, -1, -1
+                except rec.RecordError:
+                    return c.CORRUPT_MESSAGE, -1, -1
+                decoded.append([])
+                continue
             try:
-                found = rec.decode_batch(batch, limit=max(self.settings.max_message_size, 1 << 20))
+                found = rec.decode_batch(batch, limit=limit)
             except rec.RecordError:
                 return c.CORRUPT_MESSAGE, -1, -1
             if [r.offset_delta for r in found] != list(range(batch.count)):

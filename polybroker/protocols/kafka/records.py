@@ -47,6 +47,10 @@ class RecordError(ValueError):
     """A malformed, corrupt or oversize record batch."""
 
 
+class OffsetDeltaError(RecordError):
+    """Well-formed records whose offset deltas are not 0, 1, 2, ... (Kafka's INVALID_RECORD)."""
+
+
 @dataclass(slots=True)
 class Record:
     """One Kafka record; ``offset_delta`` is relative to its batch's base offset."""
@@ -160,6 +164,27 @@ def _snappy(data: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
+def _lz4(data: bytes, limit: int) -> bytes:
+    # One decompressor per LZ4 frame (clients write one; concatenated frames are legal), each
+    # told how much it may produce, so a bomb stops at the limit without a file wrapper.
+    import lz4.frame
+
+    out = b""
+    rest = data
+    while True:
+        d = lz4.frame.LZ4FrameDecompressor()
+        out += d.decompress(rest, max_length=limit + 1 - len(out))
+        if len(out) > limit:
+            raise RecordError(f"decompressed record batch exceeds {limit} bytes")
+        if not d.eof:
+            if d.needs_input:
+                raise RecordError("truncated lz4 frame")
+            raise RecordError(f"decompressed record batch exceeds {limit} bytes")
+        rest = d.unused_data
+        if not rest:
+            return out
+
+
 def decompress(kind: int, data: bytes, limit: int) -> bytes:
     """Decompress a batch body, bounded by ``limit``; raise ``RecordError``."""
     try:
@@ -170,9 +195,7 @@ def decompress(kind: int, data: bytes, limit: int) -> bytes:
         if kind == COMPRESSION_SNAPPY:
             return _snappy(data, limit)
         if kind == COMPRESSION_LZ4:
-            import lz4.frame
-
-            return _bounded(lz4.frame.LZ4FrameFile(io.BytesIO(data)), limit)
+            return _lz4(data, limit)
         if kind == COMPRESSION_ZSTD:
             import zstandard
 
@@ -251,6 +274,59 @@ def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
     if pos != len(body):
         raise RecordError("bytes left over after the last record")
     return out
+
+
+def check_batch(batch: Batch, *, limit: int) -> None:
+    """Check a batch's record area without decoding its records; raise ``RecordError``.
+
+    The body (decompressed within ``limit`` bytes) must hold exactly ``count`` records whose
+    length prefixes tile it, each with offset delta equal to its position: what a broker needs
+    to store the batch verbatim and serve every record at its own offset. Keys, values and
+    headers are left to the reader (``decode_batch`` raises on a malformed one)."""
+    count = batch.count
+    if count < 1 or count > len(batch.raw) * 64:
+        raise RecordError(f"record count {count} is implausible")
+    body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
+    n = len(body)
+    pos = 0
+    zigzag = _ZIGZAG
+    small = min(count, _SMALL - 1)
+    try:
+        for i in range(small):
+            # Record length: a zigzag varint, one or two bytes below 8 KiB.
+            v = body[pos]
+            if v < 0x80:
+                pos += 1
+                length = (v >> 1) ^ -(v & 1)
+            elif body[pos + 1] < 0x80:
+                v = (v & 0x7F) | (body[pos + 1] << 7)
+                pos += 2
+                length = (v >> 1) ^ -(v & 1)
+            else:
+                length, pos = _varint(body, pos)
+            end = pos + length
+            if length < 4 or end > n:  # attributes, timestamp, offset delta, key at least
+                raise RecordError("record runs past the batch")
+            p = pos + 1  # past the attributes
+            while body[p] & 0x80:  # the timestamp delta
+                p += 1
+            if not body.startswith(zigzag[i + 1], p + 1, end):
+                raise OffsetDeltaError("record offset deltas are not 0, 1, 2, ...")
+            pos = end
+        for i in range(small, count):
+            length, pos = _varint(body, pos)
+            end = pos + length
+            if length < 4 or end > n:
+                raise RecordError("record runs past the batch")
+            _, p = _varint(body, pos + 1)
+            delta, p = _varint(body, p)
+            if delta != i or p > end:
+                raise OffsetDeltaError("record offset deltas are not 0, 1, 2, ...")
+            pos = end
+    except IndexError:
+        raise RecordError("record runs past the batch") from None
+    if pos != n:
+        raise RecordError("bytes left over after the last record")
 
 
 def _zigzag_slow(value: int) -> bytes:

@@ -92,3 +92,62 @@ def test_garbage_records_inside_a_batch_raise_record_errors() -> None:
         [batch] = r.split_batches(bytes(body))
         with contextlib.suppress(r.RecordError):
             r.decode_batch(batch, limit=1 << 16)
+
+
+@pytest.mark.parametrize("codec", [0, 1, 2, 3, 4])
+def test_check_batch_accepts_client_batches_of_every_codec(codec: int) -> None:
+    """A client's batch passes the framing check, with records past one- and two-byte lengths."""
+    for n, value in [(5, b"v" * 50), (300, b"w" * 100), (3, b"z" * 20_000)]:
+        [batch] = r.split_batches(_client_batch(codec, n=n, value=value))
+        r.check_batch(batch, limit=1 << 20)
+        assert len(r.decode_batch(batch, limit=1 << 20)) == n
+
+
+def test_check_batch_accepts_more_records_than_the_fast_path_covers() -> None:
+    """Offset deltas past the precomputed table are checked too."""
+    records = [r.Record(i, 1000, None, b"x", []) for i in range(17_000)]
+    [batch] = r.split_batches(r.build_batch(0, records))
+    r.check_batch(batch, limit=1 << 22)
+
+
+def test_check_batch_refuses_offset_deltas_out_of_order() -> None:
+    """Records stored verbatim must sit at consecutive offsets: other deltas are refused."""
+    records = [r.Record(d, 1000, None, b"v", []) for d in (0, 2, 1)]
+    [batch] = r.split_batches(r.build_batch(0, records))
+    with pytest.raises(r.OffsetDeltaError):
+        r.check_batch(batch, limit=1 << 20)
+
+
+def test_check_batch_refuses_a_count_that_disagrees_with_the_records() -> None:
+    """A header count larger or smaller than the records present is refused."""
+    raw = bytearray(r.build_batch(0, [r.Record(i, 1000, None, b"v", []) for i in range(3)]))
+    for count in (2, 4):
+        raw[57:61] = count.to_bytes(4, "big")
+        [batch] = r.split_batches(bytes(raw))
+        with pytest.raises(r.RecordError):
+            r.check_batch(batch, limit=1 << 20)
+
+
+def test_check_batch_is_bounded_and_never_crashes_on_garbage() -> None:
+    """A decompression bomb is refused at the limit; fuzzed records raise only RecordError."""
+    [bomb] = r.split_batches(_client_batch(3, n=50, value=b"\x00" * 10_000))
+    with pytest.raises(r.RecordError):
+        r.check_batch(bomb, limit=4096)
+    import random
+
+    rng = random.Random(11)
+    raw = _client_batch(0, n=20)
+    for _ in range(2000):
+        body = bytearray(raw)
+        for _ in range(rng.randint(1, 6)):
+            body[rng.randrange(r.HEADER_SIZE, len(body))] = rng.getrandbits(8)
+        [batch] = r.split_batches(bytes(body))
+        with contextlib.suppress(r.RecordError):
+            r.check_batch(batch, limit=1 << 16)
+
+
+def test_truncated_lz4_is_refused() -> None:
+    """An lz4 body cut short raises RecordError instead of returning part of it."""
+    [batch] = r.split_batches(_client_batch(3, n=50))
+    with pytest.raises(r.RecordError):
+        r.decompress(r.COMPRESSION_LZ4, batch.raw[r.HEADER_SIZE : -10], 1 << 20)
