@@ -458,7 +458,7 @@ class MqttConnection(Protocol):
             if self.level != c.LEVEL_5 and any(slot is not None for _, slot in batch):
                 self.close()
 
-        d = self.broker.publish_batch([p for p, _ in batch], self.client_id)
+        d = self.broker.publish_batch([p for p, _ in batch], self.client_id, session)
         d.addCallbacks(stored, failed)
 
     def _publish_failed(self, f: Failure, topic: str) -> None:
@@ -470,12 +470,19 @@ class MqttConnection(Protocol):
         session = self.session
         assert session is not None
         if isinstance(p, c.PubRel):
-            found = p.packet_id in session.inbound_qos2
-            session.inbound_qos2.discard(p.packet_id)
+            pid = p.packet_id
+            found = pid in session.inbound_qos2
             if found:
-                self._inbound_pending -= 1
+                self._inbound_pending = max(0, self._inbound_pending - 1)
             code = c.SUCCESS if found or self.level != c.LEVEL_5 else c.PACKET_ID_NOT_FOUND
-            self._ack_ready(self._ack_slot(), c.PubComp(p.packet_id, code))
+            slot = self._ack_slot()
+            # The id is forgotten durably before PUBCOMP lets the client use it again.
+            # If that fails the connection closes unanswered: the client sends PUBREL again.
+            d = self.broker.release_qos2(session, pid)
+            d.addCallbacks(
+                lambda _: self._ack_ready(slot, c.PubComp(pid, code)),
+                lambda f: (self._publish_failed(f, f"PUBREL {pid}"), self.close()),
+            )
         elif isinstance(p, c.PubRec):
             if session.on_pubrec(p.packet_id, p.reason_code):
                 self.send(c.PubRel(p.packet_id))

@@ -18,10 +18,19 @@ QoS 1 PUBACKed, QoS 2 PUBCOMPed).
 Stored message properties (besides MQTT 5 user properties, stored as they are): ``mqtt.qos``,
 ``mqtt.retain`` (``1`` when published retained), ``mqtt.expiry`` (message expiry interval in
 seconds), ``mqtt.content-type``, ``mqtt.format``, ``mqtt.response-topic``,
-``mqtt.correlation`` (hex). A message from another protocol is delivered as QoS 1.
+``mqtt.correlation`` (hex), ``mqtt.pid`` (a QoS 2 publish's packet id). A message from
+another protocol is delivered as QoS 1.
 
 Durable state in the metadata store: ``/mqtt/sessions/<client id>`` (a persistent session's
-filters) and ``/mqtt/retained/<topic>`` (each retained message), both names percent-encoded.
+filters), ``/mqtt/retained/<topic>`` (each retained message) and ``/mqtt/qos2/<client id>``
+(a persistent session's inbound QoS 2 packet ids awaiting PUBREL), names percent-encoded.
+
+Exactly-once inbound (persistent sessions), across a crash: before a QoS 2 message is stored,
+its packet id is recorded with its topic and that topic's last position at the time; the
+message is stored with ``mqtt.pid``; PUBREC follows; at PUBREL the record is dropped, then
+PUBCOMP. Restoring the session reads each recorded topic after the recorded position: a packet
+id found there (from this client) was stored, so a resent PUBLISH gets PUBREC and nothing is
+stored again; one not found was never stored and is forgotten (the resend stores it).
 """
 
 from __future__ import annotations
@@ -44,7 +53,12 @@ from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
 from polybroker.broker_core.consumer import Delivery, SubType
-from polybroker.broker_core.errors import ConsumerBusyError, NotAllowedError
+from polybroker.broker_core.errors import (
+    ConsumerBusyError,
+    ConsumerClosedError,
+    NotAllowedError,
+    TopicNotFoundError,
+)
 from polybroker.broker_core.forwarding import ConsumerHandle
 from polybroker.broker_core.messages import (
     Message,
@@ -62,6 +76,7 @@ log = logging.getLogger(__name__)
 
 SESSIONS_ROOT = "/mqtt/sessions"
 RETAINED_ROOT = "/mqtt/retained"
+QOS2_ROOT = "/mqtt/qos2"
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
 #: How long a listing of the namespace's topics serves wildcard SUBSCRIBEs.
@@ -81,6 +96,8 @@ _PROP_MAP = {
 def stored_properties(pub: c.Publish) -> list[tuple[str, str]]:
     """The message properties that store ``pub`` (see the module docstring)."""
     props: list[tuple[str, str]] = [("mqtt.qos", str(pub.qos))]
+    if pub.qos == 2:
+        props.append(("mqtt.pid", str(pub.packet_id)))
     if pub.retain:
         props.append(("mqtt.retain", "1"))
     p = pub.properties
@@ -377,7 +394,10 @@ class Session:
         self.subs: dict[tuple[str, str | None], TopicSub] = {}
         self.inflight: dict[int, Outgoing] = {}
         self.queue: deque[Outgoing] = deque()
+        #: Inbound QoS 2 packet ids stored and awaiting PUBREL.
         self.inbound_qos2: set[int] = set()
+        #: A persistent session's recorded QoS 2 packet ids: pid -> (topic, position before).
+        self.qos2_record: dict[int, tuple[str, Position | None]] = {}
         self.ended = False
         #: When an absent session expires (epoch ms; None while connected or never).
         self.expires_at_ms: int | None = None
@@ -817,6 +837,65 @@ class Session:
         ).encode()
 
 
+class PidScan:
+    """A reader from a position to ``end`` collecting where one producer's messages carry
+    ``mqtt.pid``: ``done`` fires with pid -> positions (or fails when the broker closes it)."""
+
+    PERMITS = 1000
+
+    def __init__(self, producer: str, after: Position | None, end: Position) -> None:
+        self.producer = producer
+        self.after = after
+        self.end = end
+        self.server: ConsumerHandle | None = None
+        self.found: dict[int, list[Position]] = {}
+        self.done: Deferred[dict[int, list[Position]]] = Deferred()
+
+    consumer_id = 0
+    consumer_name = "mqtt-qos2-check"
+    priority_level = 0
+
+    def send_entries(self, deliveries: list[Delivery]) -> None:
+        if self.done.called:
+            return
+        permits = 0
+        for entry, _count, _acked in deliveries:
+            permits += entry.num_messages
+            pos = entry.position
+            if self.after is not None and not self.after < pos:
+                continue
+            if not self.end < pos:
+                self._inspect(pos, entry.data)
+            if not pos < self.end:
+                self.done.callback(self.found)
+                return
+        if self.server is not None and permits:
+            self.server.flow(permits)
+
+    def _inspect(self, pos: Position, data: bytes) -> None:
+        try:
+            md, _ = split_entry(data)
+            if md.producer_name != self.producer:
+                return
+            msgs = decode_entry(data)
+        except MessageFormatError:
+            return
+        for m in msgs:
+            for k, v in m.properties:
+                if k == "mqtt.pid" and v.isdigit():
+                    self.found.setdefault(int(v), []).append(pos)
+
+    def active_changed(self, is_active: bool) -> None:
+        pass
+
+    def reached_end_of_topic(self) -> None:
+        pass
+
+    def disconnect(self) -> None:
+        if not self.done.called:
+            self.done.errback(ConsumerClosedError("the broker closed the qos2 check"))
+
+
 class MqttBroker:
     """The MQTT state shared by every connection of one handler: sessions and retained
     messages, over the Broker API and the metadata store."""
@@ -1052,6 +1131,7 @@ class MqttBroker:
             # resumed; deleting its record makes its holder let the device's connection go.
             await self._forget(client_id)
             return None
+        await self._restore_qos2(session)
         if client_id in self.sessions:  # restored concurrently
             return self.sessions[client_id]
         self.sessions[client_id] = session
@@ -1140,6 +1220,7 @@ class MqttBroker:
         if unwatch is not None:
             unwatch()
         path = f"{SESSIONS_ROOT}/{quote(client_id, safe='')}"
+        self.store.delete(f"{QOS2_ROOT}/{quote(client_id, safe='')}").addErrback(lambda _: None)
         d = self.store.delete(path)
         d.addErrback(lambda _: None)
         return d
@@ -1151,9 +1232,12 @@ class MqttBroker:
         both are durable."""
         return self.publish_batch([pub], client_id)
 
-    def publish_batch(self, pubs: list[c.Publish], client_id: str) -> Deferred[None]:
+    def publish_batch(
+        self, pubs: list[c.Publish], client_id: str, session: Session | None = None
+    ) -> Deferred[None]:
         """Store PUBLISHes of one topic as one entry (a batch when several), and the last
-        retained one as the topic's retained message; fire once durable."""
+        retained one as the topic's retained message; fire once durable. The QoS 2 packet
+        ids of a persistent ``session`` are recorded first (see the module docstring)."""
         now_ms = int(self.clock.seconds() * 1000)
         props = [stored_properties(p) for p in pubs]
         data = encode_entry(
@@ -1165,7 +1249,17 @@ class MqttBroker:
         full = topics.to_pulsar(pubs[0].topic)
         n = len(pubs)
         known = self._partitions.get(full)
-        if known:
+        exactly_once = (
+            [p.packet_id for p in pubs if p.qos == 2 and p.packet_id is not None]
+            if session is not None and session.persistent and not session.released
+            else []
+        )
+        if exactly_once:
+            assert session is not None
+            d = Deferred.fromCoroutine(
+                self._publish_recorded(session, full, data, n, client_id, exactly_once)
+            )
+        elif known:
             d = self.service.publish(
                 self._partition_of(full, known, client_id), data, n, forward=True
             )
@@ -1178,6 +1272,121 @@ class MqttBroker:
             d.addCallback(lambda _: self.set_retained(last, last_props))
         d.addCallback(lambda _: None)
         return d
+
+    async def _publish_recorded(
+        self, session: Session, full: str, data: bytes, n: int, client_id: str, pids: list[int]
+    ) -> None:
+        count = await self.partitions(full)
+        target = self._partition_of(full, count, client_id) if count > 0 else full
+        after: Position | None = None
+        try:
+            last = await self.service.last_message_id(target)
+            if last.position.entry_id >= 0:
+                after = last.position
+        except Exception:
+            after = None  # not created yet, or served elsewhere: read from the earliest
+        for pid in pids:
+            session.qos2_record[pid] = (target, after)
+        await self.save_qos2(session)
+        try:
+            await self.service.publish(target, data, n, forward=True)
+        except Exception:
+            for pid in pids:
+                session.qos2_record.pop(pid, None)
+            self.save_qos2(session).addErrback(lambda _: None)
+            raise
+
+    def save_qos2(self, session: Session) -> Deferred[Any]:
+        """Store (or, when empty, delete) a session's QoS 2 record."""
+        path = f"{QOS2_ROOT}/{quote(session.client_id, safe='')}"
+        if session.released:
+            return succeed(None)
+        if not session.qos2_record:
+            d = self.store.delete(path)
+            d.addErrback(lambda _: None)
+            return d
+        doc = {
+            str(pid): [t, None if a is None else [a.ledger_id, a.entry_id]]
+            for pid, (t, a) in session.qos2_record.items()
+        }
+        return self.store.put(path, json.dumps(doc).encode())
+
+    def release_qos2(self, session: Session, pid: int) -> Deferred[Any]:
+        """PUBREL of ``pid``: forget it (durably first, for a persistent session)."""
+        session.inbound_qos2.discard(pid)
+        if session.qos2_record.pop(pid, None) is None:
+            return succeed(None)
+        return self.save_qos2(session)
+
+    async def _restore_qos2(self, session: Session) -> None:
+        """Rebuild a restored session's stored QoS 2 packet ids from its record and the log
+        (see the module docstring); raise when the log cannot be read."""
+        got = await self.store.get(f"{QOS2_ROOT}/{quote(session.client_id, safe='')}")
+        if got is None:
+            return
+        try:
+            raw = json.loads(got.value)
+            record = {
+                int(pid): (str(t), None if a is None else Position(int(a[0]), int(a[1])))
+                for pid, (t, a) in raw.items()
+            }
+        except (ValueError, TypeError, IndexError, AttributeError):
+            log.warning("bad stored mqtt qos2 record dropped", extra=kv(client=session.client_id))
+            record = {}
+        by_topic: dict[str, dict[int, Position | None]] = {}
+        for pid, (t, a) in record.items():
+            by_topic.setdefault(t, {})[pid] = a
+        kept: dict[int, tuple[str, Position | None]] = {}
+        for t, wanted in by_topic.items():
+            found = await self._stored_pids(t, "mqtt-" + session.client_id, wanted)
+            for pid in found:
+                kept[pid] = (t, wanted[pid])
+        session.qos2_record = kept
+        session.inbound_qos2 = set(kept)
+        if kept != record:
+            await self.save_qos2(session)
+
+    async def _stored_pids(
+        self, full: str, producer: str, wanted: dict[int, Position | None]
+    ) -> set[int]:
+        """Which of ``wanted`` (pid -> position before it) ``producer`` stored on ``full``."""
+        try:
+            last = await self.service.last_message_id(full)
+        except TopicNotFoundError:
+            return set()
+        except Exception:
+            # Served by another broker (cluster): its end cannot be asked here, so the ids
+            # are forgotten and a resend is stored again (a duplicate rather than a loss).
+            log.warning("mqtt qos2 ids not checked", extra=kv(topic=full, producer=producer))
+            return set()
+        if last.position.entry_id < 0:
+            return set()
+        starts = list(wanted.values())
+        start = None if None in starts else min(a for a in starts if a is not None)
+        if start is not None and not start < last.position:
+            return set()
+        scan = PidScan(producer, start, last.position)
+        server = await self.service.subscribe(
+            full,
+            "mqtt-qos2-check-" + secrets.token_hex(4),
+            scan,
+            SubType.EXCLUSIVE,
+            InitialPosition.EARLIEST,
+            durable=False,
+            start_position=start,
+            create_topic=False,
+        )
+        scan.server = server
+        server.flow(PidScan.PERMITS)
+        try:
+            seen = await scan.done
+        finally:
+            server.close().addErrback(lambda _: None)
+        return {
+            pid
+            for pid, a in wanted.items()
+            if any(a is None or a < pos for pos in seen.get(pid, []))
+        }
 
     def _publish_partitioned(
         self, f: Failure, full: str, data: bytes, n: int, client_id: str

@@ -1,20 +1,27 @@
 """``polybroker standalone`` with MQTT as a real process: what was acknowledged survives kill -9
-(QoS 1 messages for a persistent session, retained messages, the session itself)."""
+(QoS 1 messages for a persistent session, retained messages, the session itself), and a QoS 2
+publish stored just before kill -9 is not stored again when the client resends it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import paho.mqtt.client as paho
 import pytest
-from mqtt_harness import Client
+from mqtt_harness import WAIT_S, Client
+from paho.mqtt.enums import CallbackAPIVersion
 
 _READY = "polybroker standalone ready "
 
@@ -100,3 +107,142 @@ def test_kill9_loses_no_acknowledged_message(processes: list[Process], tmp_path:
     m = late.get(timeout=10)
     assert (m.payload, m.retain) == (b"kept", True)
     late.close()
+
+
+class PubrecDroppingProxy:
+    """A loopback TCP proxy to the broker's current MQTT port that drops the broker's PUBREC
+    packets while ``drop_pubrec`` is set (``dropped`` is set when one was)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.drop_pubrec = threading.Event()
+        self.dropped = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=WAIT_S)
+            up.settimeout(None)
+            self._socks += [down, up]
+            for target in (self._client_to_broker, self._broker_to_client):
+                t = threading.Thread(target=target, args=(down, up), daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    @staticmethod
+    def _close(*socks: socket.socket) -> None:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _client_to_broker(self, down: socket.socket, up: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := down.recv(65536):
+                up.sendall(data)
+        self._close(down, up)
+
+    def _broker_to_client(self, down: socket.socket, up: socket.socket) -> None:
+        buf = b""
+        with contextlib.suppress(OSError):
+            while data := up.recv(65536):
+                buf += data
+                while (n := self._packet_length(buf)) is not None and len(buf) >= n:
+                    packet, buf = buf[:n], buf[n:]
+                    if packet[0] >> 4 == 5 and self.drop_pubrec.is_set():
+                        self.dropped.set()
+                        continue
+                    down.sendall(packet)
+        self._close(down, up)
+
+    @staticmethod
+    def _packet_length(buf: bytes) -> int | None:
+        """The whole length of the packet at the start of ``buf`` (None: not known yet)."""
+        value, shift = 0, 0
+        for i in range(1, min(len(buf), 5)):
+            value |= (buf[i] & 0x7F) << shift
+            shift += 7
+            if not buf[i] & 0x80:
+                return 1 + i + value
+        return None
+
+    def close(self) -> None:
+        self._close(self.listener, *self._socks)
+        for t in self._threads:
+            t.join(WAIT_S)
+
+
+def test_kill9_after_a_qos2_store_does_not_store_the_resend_again(
+    processes: list[Process], tmp_path: Path
+) -> None:
+    """A QoS 2 publish is stored, its PUBREC lost and the broker killed -9; the paho client
+    resends it with DUP to the restarted broker, which answers without storing it again: the
+    persistent subscriber gets exactly one copy, then the next message."""
+    data = tmp_path / "data"
+    first = Process(data, tmp_path / "standalone.log")
+    processes.append(first)
+    watcher = Client(first.mqtt_port, "watcher", clean=False)
+    assert watcher.subscribe("q2/t", 2) == [2]
+    watcher.close()
+    proxy = PubrecDroppingProxy(first.mqtt_port)
+    connected, gone = threading.Event(), threading.Event()
+    dev = paho.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id="dev-q2",
+        clean_session=False,
+        reconnect_on_failure=False,
+    )
+
+    def on_connect(*_: Any) -> None:
+        connected.set()
+
+    def on_disconnect(*_: Any) -> None:
+        gone.set()
+
+    dev.on_connect = on_connect
+    dev.on_disconnect = on_disconnect
+    try:
+        dev.connect("127.0.0.1", proxy.port, keepalive=60)
+        dev.loop_start()
+        assert connected.wait(WAIT_S)
+        proxy.drop_pubrec.set()
+        info = dev.publish("q2/t", b"exactly-once", 2)
+        assert proxy.dropped.wait(WAIT_S), "the broker never answered PUBREC"
+        first.stop(signal.SIGKILL)
+        assert gone.wait(WAIT_S)
+        dev.loop_stop()
+        assert not info.is_published()
+
+        second = Process(data, tmp_path / "standalone.log")
+        processes.append(second)
+        proxy.upstream_port = second.mqtt_port
+        proxy.drop_pubrec.clear()
+        connected.clear()
+        dev.reconnect()  # resends the PUBLISH with DUP
+        dev.loop_start()
+        assert connected.wait(WAIT_S)
+        info.wait_for_publish(WAIT_S)
+        assert info.is_published()
+        after = dev.publish("q2/t", b"next", 1)
+        after.wait_for_publish(WAIT_S)
+        assert after.is_published()
+
+        back = Client(second.mqtt_port, "watcher", clean=False)
+        assert back.session_present
+        got = back.get_n(2, timeout=30)
+        # (paho hands a QoS 2 message over at PUBREL, so the two may come in either order)
+        assert sorted(m.payload for m in got) == [b"exactly-once", b"next"]
+        assert back.nothing_more()
+        back.close()
+    finally:
+        dev.disconnect()
+        dev.loop_stop()
+        proxy.close()

@@ -531,3 +531,52 @@ def test_a_session_made_non_persistent_still_deletes_its_durable_subscriptions()
     assert "mqtt-s" not in env.factory.ledger(ML_AB).cursors
     assert "s" not in env.broker.stored_ids
     assert result_of(env.store.get("/mqtt/sessions/s")) is None
+
+
+def _stored_payloads(env: Env) -> list[bytes]:
+    ml = env.factory.ledger(ML_AB)
+    return [m.payload for e in ml.data.entries for m in decode_entry(e.data)]
+
+
+def test_qos2_id_stored_before_a_crash_is_not_stored_again() -> None:
+    """A QoS 2 publish stored just before a crash (its PUBREC lost) and resent with DUP to the
+    restarted broker gets PUBREC and is not stored twice; after PUBREL the id is free again."""
+    env = Env()
+    p = env.peer("dev", clean_start=False)
+    p.packets()
+    p.send(c.Publish("a/b", b"before", 1, packet_id=1))
+    p.send(c.Publish("a/b", b"once", 2, packet_id=7))
+    assert p.packets() == [c.PubAck(1), c.PubRec(7)]
+    assert result_of(env.store.exists("/mqtt/qos2/dev"))
+    restarted = Env(after=env)  # no clean stop: the in-memory state is gone
+    back = restarted.peer("dev", clean_start=False)
+    assert back.packets() == [c.ConnAck(True, 0)]
+    back.send(c.Publish("a/b", b"once", 2, False, True, 7))
+    assert back.packets() == [c.PubRec(7)]
+    assert _stored_payloads(restarted) == [b"before", b"once"]
+    back.send(c.PubRel(7))
+    assert back.packets() == [c.PubComp(7)]
+    assert not result_of(restarted.store.exists("/mqtt/qos2/dev"))
+    back.send(c.Publish("a/b", b"new", 2, packet_id=7))
+    assert back.packets() == [c.PubRec(7)]
+    assert _stored_payloads(restarted) == [b"before", b"once", b"new"]
+
+
+def test_qos2_id_recorded_but_never_stored_is_stored_on_resend() -> None:
+    """A QoS 2 publish whose write never completed before a crash is stored when resent: its
+    recorded id is not found in the log, so it is forgotten on restore."""
+    env = Env()
+    p = env.peer("dev", clean_start=False)
+    p.packets()
+    p.send(c.Publish("a/b", b"before", 0))
+    env.factory.ledger(ML_AB).hold_appends = True
+    p.send(c.Publish("a/b", b"lost", 2, packet_id=7))
+    assert p.packets() == []
+    assert result_of(env.store.exists("/mqtt/qos2/dev"))
+    restarted = Env(after=env)
+    back = restarted.peer("dev", clean_start=False)
+    assert back.packets() == [c.ConnAck(True, 0)]
+    assert not result_of(restarted.store.exists("/mqtt/qos2/dev"))
+    back.send(c.Publish("a/b", b"lost", 2, False, True, 7))
+    assert back.packets() == [c.PubRec(7)]
+    assert _stored_payloads(restarted) == [b"before", b"lost"]
