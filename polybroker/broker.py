@@ -121,6 +121,10 @@ class ClusterBroker(BrokerProcess):
         from polybroker.protocols.pulsar.forwarder import PulsarForwarder
 
         forwarder = PulsarForwarder(reactor, max_message_size=int(config["maxMessageSize"]))
+        # Topic operations beyond publish and subscribe go to the owner's admin API (AMQP).
+        from polybroker.broker_core.forwarding import OwnerAdmin
+
+        forwarder.admin = OwnerAdmin(reactor)
         service.forwarder = forwarder
         service.ledger_names_root = LEDGER_NAMES_ROOT
         advertised = _advertised(config)

@@ -21,18 +21,32 @@ Rule F3: every request is bounded in time. A failure that a new lookup may cure 
          unreachable, gone, or no longer owning the topic) is a ``ForwardingError``, a
          ``ServiceNotReadyError``: the Broker API looks the topic up again and retries within
          its own bound. Other failures carry the broker_core error the owner answered.
+Rule F4: the topic operations beyond publish and subscribe (``stats``, ``last_message_id``,
+         ``delete_topic``, ``delete_subscription``) go to the owner's admin REST API through
+         the forwarder's ``admin`` (an ``OwnerAdmin``), under F3's rules: a redirect (the topic
+         moved), a 503 or no answer is a ``ForwardingError``.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Protocol
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+from urllib.parse import quote
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReactorTime
 
-from polybroker.broker_core.consumer import Consumer, SubType
-from polybroker.broker_core.errors import ServiceNotReadyError
+from polybroker.broker_core.consumer import Consumer, LastMessageId, SubType
+from polybroker.broker_core.errors import (
+    BrokerError,
+    ServiceNotReadyError,
+    SubscriptionBusyError,
+    SubscriptionNotFoundError,
+    TopicBusyError,
+    TopicNotFoundError,
+)
 from polybroker.broker_core.ownership import BrokerInfo
 from polybroker.ledger.api import InitialPosition, Position
 
@@ -108,7 +122,45 @@ class RemoteConsumer(abc.ABC):
 
 
 class Forwarder(abc.ABC):
-    """Reaches the owner of a topic on behalf of this broker (module docstring: F1-F3)."""
+    """Reaches the owner of a topic on behalf of this broker (module docstring: F1-F4)."""
+
+    #: Reaches owners' admin REST API (Rule F4); None: those operations are not forwarded.
+    admin: OwnerAdmin | None = None
+
+    def _admin(self) -> OwnerAdmin:
+        if self.admin is None:
+            raise BrokerError("this broker does not forward topic administration")
+        return self.admin
+
+    def stats(self, owner: BrokerInfo, topic: str) -> Deferred[dict[str, Any]]:
+        """The topic's stats, as its owner reports them (Rule F4)."""
+        try:
+            return self._admin().stats(owner, topic)
+        except BrokerError as e:
+            return fail(e)
+
+    def last_message_id(self, owner: BrokerInfo, topic: str) -> Deferred[LastMessageId]:
+        """The topic's last message at its owner (Rule F4)."""
+        try:
+            return self._admin().last_message_id(owner, topic)
+        except BrokerError as e:
+            return fail(e)
+
+    def delete_topic(self, owner: BrokerInfo, topic: str, force: bool = False) -> Deferred[None]:
+        """Delete the topic at its owner (Rule F4)."""
+        try:
+            return self._admin().delete_topic(owner, topic, force)
+        except BrokerError as e:
+            return fail(e)
+
+    def delete_subscription(
+        self, owner: BrokerInfo, topic: str, subscription: str, force: bool = False
+    ) -> Deferred[None]:
+        """Delete one subscription of the topic at its owner (Rule F4)."""
+        try:
+            return self._admin().delete_subscription(owner, topic, subscription, force)
+        except BrokerError as e:
+            return fail(e)
 
     @abc.abstractmethod
     def publish(
@@ -135,3 +187,118 @@ class Forwarder(abc.ABC):
     @abc.abstractmethod
     def close(self) -> Deferred[None]:
         """Drop every connection; forwarded consumers get ``disconnect()``."""
+
+
+#: ``(method, url) -> (status, body)``; fails when the broker cannot be reached.
+AdminRequest = Callable[[bytes, str], Deferred[tuple[int, bytes]]]
+
+#: How long one admin request to an owner may take.
+ADMIN_TIMEOUT_S = 10.0
+
+
+class OwnerAdmin:
+    """The owner's admin REST API for forwarded topic operations (Rule F4).
+
+    Answers map onto broker_core errors: 2xx is success; 404 ``TopicNotFoundError`` (or
+    ``SubscriptionNotFoundError`` for a subscription); 412 ``TopicBusyError`` (or
+    ``SubscriptionBusyError``); a redirect (the topic moved), a 503, a timeout or no connection
+    ``ForwardingError``; anything else ``BrokerError``."""
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        *,
+        request: AdminRequest | None = None,
+        timeout_s: float = ADMIN_TIMEOUT_S,
+    ) -> None:
+        self.reactor = reactor
+        self.timeout_s = timeout_s
+        self._request = request or self._http
+
+    def _http(self, method: bytes, url: str) -> Deferred[tuple[int, bytes]]:
+        from twisted.web.client import Agent, readBody
+
+        async def call() -> tuple[int, bytes]:
+            agent = Agent(self.reactor, connectTimeout=self.timeout_s)  # type: ignore[arg-type]
+            response = agent.request(method, url.encode())
+            response.addTimeout(self.timeout_s, self.reactor)  # type: ignore[arg-type]
+            got = await response
+            body = readBody(got)
+            body.addTimeout(self.timeout_s, self.reactor)  # type: ignore[arg-type]
+            return int(got.code), await body
+
+        return Deferred.fromCoroutine(call())
+
+    @staticmethod
+    def topic_url(owner: BrokerInfo, topic: str) -> str:
+        """The admin URL of a full topic name at ``owner``."""
+        domain, sep, rest = topic.partition("://")
+        parts = rest.split("/", 2)
+        if not sep or len(parts) != 3 or not all(parts) or not owner.web_url:
+            raise ForwardingError(f"cannot address {topic} at {owner.broker_id}")
+        path = "/".join(quote(p, safe="") for p in (domain, *parts))
+        return f"{owner.web_url.rstrip('/')}/admin/v2/{path}"
+
+    def call(self, method: bytes, url: str, *, subscription: bool = False) -> Deferred[bytes]:
+        """Run one request; fire with the body of a success (errors: class docstring)."""
+
+        async def run() -> bytes:
+            try:
+                status, body = await self._request(method, url)
+            except BrokerError:
+                raise
+            except Exception as e:
+                raise ForwardingError(f"admin request to {url} failed: {e}") from None
+            reason = body.decode(errors="replace")[:200]
+            if 200 <= status < 300:
+                return body
+            if 300 <= status < 400 or status == 503:
+                raise ForwardingError(f"{url}: {status} {reason}")
+            if status == 404:
+                raise (SubscriptionNotFoundError if subscription else TopicNotFoundError)(reason)
+            if status == 412:
+                raise (SubscriptionBusyError if subscription else TopicBusyError)(reason)
+            raise BrokerError(f"{url}: {status} {reason}")
+
+        return Deferred.fromCoroutine(run())
+
+    def stats(self, owner: BrokerInfo, topic: str) -> Deferred[dict[str, Any]]:
+        try:
+            url = self.topic_url(owner, topic) + "/stats"
+        except ForwardingError as e:
+            return fail(e)
+        return self.call(b"GET", url).addCallback(json.loads)  # type: ignore[no-any-return]
+
+    def last_message_id(self, owner: BrokerInfo, topic: str) -> Deferred[LastMessageId]:
+        try:
+            url = self.topic_url(owner, topic) + "/lastMessageId"
+        except ForwardingError as e:
+            return fail(e)
+
+        def parse(body: bytes) -> LastMessageId:
+            doc = json.loads(body)
+            position = Position(int(doc["ledgerId"]), int(doc["entryId"]))
+            if position.entry_id < 0:
+                return LastMessageId(position, 0)
+            return LastMessageId(position, int(doc.get("batchIndex", 0)) + 1)
+
+        return self.call(b"GET", url).addCallback(parse)  # type: ignore[no-any-return]
+
+    def delete_topic(self, owner: BrokerInfo, topic: str, force: bool = False) -> Deferred[None]:
+        try:
+            url = self.topic_url(owner, topic) + ("?force=true" if force else "")
+        except ForwardingError as e:
+            return fail(e)
+        return self.call(b"DELETE", url).addCallback(lambda _: None)  # type: ignore[no-any-return]
+
+    def delete_subscription(
+        self, owner: BrokerInfo, topic: str, subscription: str, force: bool = False
+    ) -> Deferred[None]:
+        try:
+            url = f"{self.topic_url(owner, topic)}/subscription/{quote(subscription, safe='')}"
+        except ForwardingError as e:
+            return fail(e)
+        if force:
+            url += "?force=true"
+        d = self.call(b"DELETE", url, subscription=True)
+        return d.addCallback(lambda _: None)  # type: ignore[no-any-return]

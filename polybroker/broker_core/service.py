@@ -688,11 +688,39 @@ class BrokerService:
 
         return stop
 
-    def last_message_id(self, topic: str) -> Deferred[LastMessageId]:
-        """The topic's last message (entry id -1 when empty)."""
+    def last_message_id(self, topic: str, *, forward: bool = False) -> Deferred[LastMessageId]:
+        """The topic's last message (entry id -1 when empty); ``forward``: asked of the owner
+        when another broker serves the topic (``broker_core.forwarding``, Rule F4)."""
+        if forward:
+            return self._forwarded(
+                topic,
+                lambda t: t.last_message_id(),
+                lambda f, owner, full: f.last_message_id(owner, full),
+            )
         d = self.get_topic(topic, create=False)
         d.addCallback(lambda t: t.last_message_id())
         return d  # type: ignore[return-value]
+
+    def _forwarded(
+        self,
+        topic: str,
+        local: Callable[[Topic], Deferred[Any]],
+        remote: Callable[[Forwarder, Any, str], Deferred[Any]],
+    ) -> Deferred[Any]:
+        """``local`` on an existing topic this broker serves, else ``remote`` with the
+        forwarder, the owner and the full name (retried as ``publish`` is)."""
+        try:
+            full = self.topic_ref(topic).full
+        except InvalidTopicNameError as e:
+            return fail(e)
+        forwarder = self.forwarder
+        if forwarder is None:
+            d = self.get_topic(full, create=False)
+            d.addCallback(local)
+            return d
+        return Deferred.fromCoroutine(
+            self._routed(full, False, local, lambda owner: remote(forwarder, owner, full))
+        )
 
     def terminate_topic(self, topic: str) -> Deferred[Position]:
         """Terminate a topic; fire with its last position."""
@@ -700,8 +728,12 @@ class BrokerService:
         d.addCallback(lambda t: t.terminate())
         return d  # type: ignore[return-value]
 
-    def stats(self, topic: str) -> Deferred[dict[str, object]]:
-        """Pulsar-shaped stats of an existing topic."""
+    def stats(self, topic: str, *, forward: bool = False) -> Deferred[dict[str, object]]:
+        """Pulsar-shaped stats of an existing topic (``forward``: as ``last_message_id``)."""
+        if forward:
+            return self._forwarded(
+                topic, lambda t: succeed(t.stats()), lambda f, owner, full: f.stats(owner, full)
+            )
         d = self.get_topic(topic, create=False)
         d.addCallback(lambda t: t.stats())
         return d  # type: ignore[return-value]
@@ -722,10 +754,34 @@ class BrokerService:
         if topic is not None:
             await topic.close()
 
-    def delete_topic(self, topic: str, force: bool = False) -> Deferred[None]:
+    def delete_topic(
+        self, topic: str, force: bool = False, *, forward: bool = False
+    ) -> Deferred[None]:
         """Delete a topic and its data (``TopicBusyError`` if in use unless ``force``;
-        ``TopicNotFoundError`` if it does not exist)."""
+        ``TopicNotFoundError`` if it does not exist); ``forward``: as ``last_message_id``."""
+        if forward:
+            return self._forwarded(
+                topic,
+                lambda t: Deferred.fromCoroutine(self._delete_topic(t.name, force)),
+                lambda f, owner, full: f.delete_topic(owner, full, force),
+            )
         return Deferred.fromCoroutine(self._delete_topic(topic, force))
+
+    def delete_subscription(
+        self, topic: str, subscription: str, force: bool = False, *, forward: bool = False
+    ) -> Deferred[None]:
+        """Delete one subscription of an existing topic (``SubscriptionNotFoundError``,
+        ``SubscriptionBusyError`` with consumers unless ``force``); ``forward``: as
+        ``last_message_id``."""
+        if forward:
+            return self._forwarded(
+                topic,
+                lambda t: t.delete_subscription(subscription, force),
+                lambda f, owner, full: f.delete_subscription(owner, full, subscription, force),
+            )
+        d = self.get_topic(topic, create=False)
+        d.addCallback(lambda t: t.delete_subscription(subscription, force))
+        return d  # type: ignore[return-value]
 
     async def _delete_topic(self, name: str, force: bool) -> None:
         ref = self.topic_ref(name)

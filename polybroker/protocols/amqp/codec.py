@@ -1046,6 +1046,13 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    def take_rest(self) -> bytes:
+        """The bytes buffered and not yet returned as frames (a partial frame), removed:
+        whoever stops reading frames here passes them on as they are."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return rest
+
     def frames(self) -> list[Frame]:
         """Every complete frame buffered so far; raise ``AmqpError`` on the first bad one."""
         out: list[Frame] = []

@@ -8,6 +8,10 @@ methods after it on that channel only. Publishes do not wait for their writes: c
 
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
+
+Cluster: when the handler's ``route`` names another broker for the vhost of connection.open,
+the connection becomes a relay to that broker (``proxy``: the handshake is replayed there, then
+bytes go both ways unchanged).
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.convert import AmqpMessage
+from polybroker.protocols.amqp.proxy import (
+    LINK_TIMEOUT_S,
+    PROXIED,
+    Connect,
+    OwnerAddress,
+    OwnerLink,
+    tcp_connect,
+)
 from polybroker.protocols.amqp.vhost import (
     MemoryGauge,
     Queue,
@@ -57,6 +69,12 @@ class AmqpSettings:
     heartbeat_s: int = 60
     max_message_size: int = 5 * 1024 * 1024
     gauge: MemoryGauge = field(default_factory=lambda: MemoryGauge(0))
+    #: Cluster only: the vhost here, or the broker to relay to; the flag says whether the
+    #: connection is itself a relay (``proxy``, Rule P4). None: ``vhost`` (standalone).
+    route: Callable[[str, bool], Deferred[VirtualHost | OwnerAddress]] | None = None
+    #: How relays reach other brokers (default: TCP), and the bound on that (Rule P3).
+    connect: Connect | None = None
+    link_timeout_s: float = LINK_TIMEOUT_S
 
 
 @dataclass
@@ -123,6 +141,13 @@ class AmqpConnection(Protocol):
         self._flush_scheduled = False
         self._confirming: list[Channel] = []
         self.blocked = False
+        #: The handshake as the client made it, replayed to the vhost's broker by a relay.
+        self._start_ok: c.ConnectionStartOk | None = None
+        self._tune_ok: c.ConnectionTuneOk | None = None
+        #: The connection is a relay from another broker (``proxy``, Rule P4).
+        self.proxied = False
+        self.link: OwnerLink | None = None
+        self._relay_pending: list[bytes] = []
 
     # -- Twisted -----------------------------------------------------------------------------
 
@@ -137,14 +162,21 @@ class AmqpConnection(Protocol):
         self.s.clock.callLater(30.0, self._handshake_deadline)
 
     def _handshake_deadline(self) -> None:
-        if self.state != "open" and not self.closed:
+        if self.state not in ("open", "relay") and not self.closed:
             self.transport.loseConnection()
 
     @override
     def dataReceived(self, data: bytes) -> None:
         if self.closed:
             return
+        if self.state == "relay":
+            if self.link is not None:
+                self.link.transport.write(data)
+            return
         self._last_rx = self.s.clock.seconds()
+        if self.state == "proxying" and not self.closing:
+            self._relay_pending.append(data)  # for the vhost's broker, once it opened
+            return
         self.reader.feed(data)
         try:
             frames = self.reader.frames()
@@ -190,6 +222,8 @@ class AmqpConnection(Protocol):
             self.s.gauge.listeners.remove(self._memory)
         if self._heartbeat is not None and self._heartbeat.running:
             self._heartbeat.stop()
+        if self.link is not None:
+            self.link.abandon()
         for ch in list(self.channels.values()):
             self._release_channel(ch)
         self.channels.clear()
@@ -346,6 +380,9 @@ class AmqpConnection(Protocol):
         if self.state == "start" and isinstance(m, c.ConnectionStartOk):
             caps = m.client_properties.get("capabilities")
             self.cancel_notify = isinstance(caps, dict) and bool(caps.get("consumer_cancel_notify"))
+            props = m.client_properties
+            self.proxied = isinstance(props, dict) and bool(props.get(PROXIED))
+            self._start_ok = m
             user, password = self._credentials(m)
             if self.s.users.get(user) != password or user not in self.s.users:
                 self.connection_error(
@@ -368,21 +405,50 @@ class AmqpConnection(Protocol):
             if m.channel_max:
                 self.channel_max = min(self.channel_max, m.channel_max)
             self.reader.frame_max = self.frame_max
+            self._tune_ok = c.ConnectionTuneOk(self.channel_max, self.frame_max, m.heartbeat)
             self._start_heartbeat(m.heartbeat)
             self.state = "tuned"
             return
         if self.state == "tuned" and isinstance(m, c.ConnectionOpen):
             self.state = "opening"
-            d = self.s.vhost(m.virtual_host)
+            route = self.s.route
+            if route is not None:
+                d: Deferred[Any] = route(m.virtual_host, self.proxied)
+            else:
+                d = self.s.vhost(m.virtual_host)
 
-            def opened(vh: VirtualHost) -> None:
-                if self.closed:
+            def opened(vh: VirtualHost | OwnerAddress) -> None:
+                if self.closed or self.closing:
+                    return
+                if isinstance(vh, OwnerAddress):
+                    self._relay_to(vh, m)
+                    return
+                if vh.closed:
+                    self.connection_error(
+                        c.AmqpError(c.CONNECTION_FORCED, "vhost moved; reconnect", 10, 40)
+                    )
                     return
                 self.vhost = vh
                 self.state = "open"
                 self.send(0, c.ConnectionOpenOk())
 
             def refused(f: Failure) -> None:
+                if route is not None and f.check(c.AmqpError):
+                    e = f.value
+                    self.connection_error(c.AmqpError(e.code, e.text, 10, 40))
+                    return
+                if route is not None and not f.check(LookupError):
+                    self.connection_error(
+                        c.AmqpError(
+                            c.CONNECTION_FORCED,
+                            f"vhost '{m.virtual_host}' is not available now: {f.getErrorMessage()}"[
+                                :200
+                            ],
+                            10,
+                            40,
+                        )
+                    )
+                    return
                 self.connection_error(
                     c.AmqpError(c.NOT_ALLOWED, f"vhost '{m.virtual_host}' not found", 10, 40)
                 )
@@ -395,6 +461,59 @@ class AmqpConnection(Protocol):
             self.closed = True
             return
         raise c.AmqpError(c.COMMAND_INVALID, f"unexpected {m.NAME} during handshake")
+
+    # -- relay (``proxy``) -------------------------------------------------------------------
+
+    def _relay_to(self, owner: OwnerAddress, m: c.ConnectionOpen) -> None:
+        """Open the vhost's broker and replay the handshake there (Rule P1)."""
+        assert self._start_ok is not None
+        assert self._tune_ok is not None
+        self.state = "proxying"
+        link = OwnerLink(
+            self, self._start_ok, self._tune_ok, m, self.s.clock, self.s.link_timeout_s
+        )
+        self.link = link
+        connect = self.s.connect or tcp_connect(self.s.clock, self.s.link_timeout_s)
+        log.info("AMQP connection relayed", extra=kv(vhost=m.virtual_host, to=owner.broker_id))
+        connect(owner.host, owner.port, link).addErrback(link.connect_failed)
+
+    def relay_started(self, link: OwnerLink, rest: bytes) -> None:
+        """The vhost's broker opened: answer open-ok, then relay both ways (Rule P2)."""
+        if self.closed or self.closing or link is not self.link:
+            link.abandon()
+            return
+        self.state = "relay"
+        if self._heartbeat is not None and self._heartbeat.running:
+            self._heartbeat.stop()  # the two ends exchange their heartbeats through the relay
+        self.transport.write(c.encode_method(0, c.ConnectionOpenOk()))
+        if rest:
+            self.transport.write(rest)
+        pending = self.reader.take_rest() + b"".join(self._relay_pending)
+        self._relay_pending.clear()
+        if pending:
+            link.transport.write(pending)
+        # Each side reads only as fast as the other side's socket takes it.
+        self.transport.registerProducer(link.transport, True)
+        link.transport.registerProducer(self.transport, True)
+
+    def relay_failed(self, code: int, text: str) -> None:
+        """The vhost's broker could not be reached or refused (Rule P3)."""
+        self.link = None
+        self._relay_pending.clear()
+        if not self.closed:
+            self.connection_error(c.AmqpError(code, text, 10, 40))
+
+    def relay_data(self, data: bytes) -> None:
+        """Bytes from the vhost's broker."""
+        if not self.closed:
+            self.transport.write(data)
+
+    def relay_closed(self) -> None:
+        """The vhost's broker closed: so does the client's connection."""
+        self.link = None
+        if not self.closed:
+            self.transport.unregisterProducer()
+            self.transport.loseConnection()
 
     @staticmethod
     def _credentials(m: c.ConnectionStartOk) -> tuple[str, str]:
@@ -1011,5 +1130,6 @@ class AmqpFactory(Factory):
 
     def close_all(self) -> None:
         for conn in list(self.connections):
-            conn.connection_error(c.AmqpError(c.CONNECTION_FORCED, "broker shutdown"))
+            if conn.state != "relay":  # a relay carries the vhost broker's frames only
+                conn.connection_error(c.AmqpError(c.CONNECTION_FORCED, "broker shutdown"))
             conn.transport.loseConnection()

@@ -8,22 +8,61 @@ Config keys: ``amqpListenerPort`` (default 5672), ``bindAddress``, ``amqpUsers``
 Vhosts are namespaces: ``/`` (or empty) is ``public/default``, ``name`` is ``public/name`` and
 ``tenant/ns`` is itself. A vhost's durable exchanges, queues and bindings are loaded from the
 metadata store the first time a connection opens it.
+
+Cluster (the Broker API's ownership spans several brokers):
+
+Rule V1 (one broker per vhost): a vhost is served by the owner of the bundle of its control
+        topic ``persistent://<ns>/amqp.vhost``, claimed through the normal ownership (loading
+        the topic) by the first broker a connection to the vhost reaches while it is unowned.
+        Only that broker holds the vhost's state (exchanges, queues, their windows, consumers,
+        unacknowledged messages, exclusive owners); its queues read and write their topics
+        wherever they are owned (the Broker API's forwarding).
+Rule V2 (relay): a connection that opens a vhost another broker serves is relayed to that
+        broker's AMQP listener (``proxy``); routing a connection is bounded by
+        ``route_timeout_s`` (then connection.close 320, and the client reconnects).
+Rule V3 (loss): the serving broker holds a non-durable subscription on the control topic;
+        when the bundle leaves it (unload, session loss) the topic is closed, the subscription
+        with it, and the vhost is dropped at once, before the bundle is released: its
+        connections get connection.close 320 (CONNECTION_FORCED) and its state is let go.
+        The next broker loads the durable definitions from the metadata store on first use,
+        and durable queues resume from their durable subscriptions.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
 from twisted.internet import defer
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, DeferredLock, succeed
 
+from polybroker.broker_core.consumer import Delivery, SubType
+from polybroker.broker_core.errors import ServiceNotReadyError
+from polybroker.broker_core.forwarding import ConsumerHandle
+from polybroker.broker_core.ownership import NotOwnerError
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
 from polybroker.config import Config, ConfigError
+from polybroker.logs import kv
+from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.connection import AmqpFactory, AmqpSettings
+from polybroker.protocols.amqp.proxy import OwnerAddress, parse_listener
 from polybroker.protocols.amqp.vhost import MemoryGauge, VirtualHost
 
+log = logging.getLogger(__name__)
+
 PORT_KEY = "amqpListenerPort"
+#: The local name of a vhost's control topic (Rule V1).
+CONTROL_TOPIC = "amqp.vhost"
+#: The subscription through which the serving broker hears it lost the vhost (Rule V3).
+WATCH_SUBSCRIPTION = "amqp.vhost.owner"
+#: How long routing one connection may take (Rule V2).
+ROUTE_TIMEOUT_S = 10.0
+
+
+def control_topic(namespace: str) -> str:
+    """The topic whose owner serves the vhost of ``namespace`` (Rule V1)."""
+    return f"persistent://{namespace}/{CONTROL_TOPIC}"
 
 
 def vhost_namespace(vhost: str) -> str:
@@ -50,6 +89,32 @@ def parse_users(text: str) -> dict[str, str]:
     return users
 
 
+class _OwnerWatch:
+    """The Broker API consumer on a vhost's control topic: its ``disconnect`` means the
+    topic's bundle left this broker (Rule V3). It never gets messages (no permits)."""
+
+    consumer_name = "amqp-vhost-owner"
+    priority_level = 0
+
+    def __init__(self, handler: AmqpProtocolHandler, namespace: str, consumer_id: int) -> None:
+        self.handler = handler
+        self.namespace = namespace
+        self.consumer_id = consumer_id
+        self.handle: ConsumerHandle | None = None
+
+    def send_entries(self, deliveries: list[Delivery]) -> None:
+        pass
+
+    def active_changed(self, is_active: bool) -> None:
+        pass
+
+    def reached_end_of_topic(self) -> None:
+        pass
+
+    def disconnect(self) -> None:
+        self.handler.vhost_lost(self.namespace, self)
+
+
 class AmqpProtocolHandler(ProtocolHandler):
     """Serves AMQP 0-9-1 clients on ``amqpListenerPort``."""
 
@@ -70,6 +135,13 @@ class AmqpProtocolHandler(ProtocolHandler):
         self._loading: dict[str, Deferred[Any]] = {}
         #: Tags transient messages and queues: a restarted broker drops the older ones.
         self.incarnation = secrets.token_hex(4)
+        #: Cluster mode (Rules V1-V3): the vhosts this broker serves, by namespace.
+        self.clustered = False
+        self.route_timeout_s = ROUTE_TIMEOUT_S
+        self._watches: dict[str, _OwnerWatch] = {}
+        self._claims: dict[str, DeferredLock] = {}
+        self._watch_ids = 0
+        self._stopped = False
 
     def initialize(self, config: Config) -> None:
         port = int(config.get(PORT_KEY))
@@ -100,6 +172,8 @@ class AmqpProtocolHandler(ProtocolHandler):
 
     def start(self, broker: BrokerContext) -> Deferred[None] | None:
         self.context = broker
+        ownership = getattr(broker.service, "ownership", None)
+        self.clustered = bool(ownership is not None and ownership.clustered)
         self.factory = AmqpFactory(
             AmqpSettings(
                 service=broker.service,
@@ -111,9 +185,117 @@ class AmqpProtocolHandler(ProtocolHandler):
                 heartbeat_s=self.heartbeat_s,
                 max_message_size=self.max_message_size,
                 gauge=self.gauge,
+                route=self.route if self.clustered else None,
             )
         )
         return None
+
+    # -- cluster (Rules V1-V3) ---------------------------------------------------------------
+
+    def route(self, name: str, proxied: bool = False) -> Deferred[VirtualHost | OwnerAddress]:
+        """The vhost when this broker serves it (claiming it when nobody does), else the
+        AMQP listener of the broker that does; ``proxied``: the connection is a relay
+        already, so another broker's vhost is refused with 320 (``proxy``, Rule P4).
+
+        Fails with ``LookupError`` for a vhost whose namespace does not exist, ``AmqpError``
+        for a refusal, ``ServiceNotReadyError`` when no broker serves it within
+        ``route_timeout_s``."""
+        return Deferred.fromCoroutine(self._route(name, proxied))
+
+    async def _route(self, name: str, proxied: bool) -> VirtualHost | OwnerAddress:
+        assert self.context is not None
+        service, clock = self.context.service, self.context.reactor
+        ns = vhost_namespace(name)
+        exists = getattr(service, "namespace_exists", None)
+        if exists is not None:
+            known = exists(ns)
+            if isinstance(known, Deferred):
+                known = await known
+            if known is False:
+                raise LookupError(f"namespace {ns} does not exist")
+        deadline = clock.seconds() + self.route_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                if not self.serves(ns):
+                    await self._claim(ns)
+                return await self.vhost(name)
+            except NotOwnerError as e:
+                owner = e.owner
+                address = parse_listener(owner.listeners.get("amqp", "")) if owner else None
+                if owner is not None and address is not None:
+                    if proxied:
+                        raise c.AmqpError(
+                            c.CONNECTION_FORCED, f"vhost '{name}' moved to another broker"
+                        ) from None
+                    return OwnerAddress(address[0], address[1], owner.broker_id)
+                last: Exception = e
+            except ServiceNotReadyError as e:
+                last = e
+            if self._stopped or clock.seconds() + delay > deadline:
+                raise last
+            d: Deferred[None] = Deferred()
+            clock.callLater(delay, d.callback, None)
+            await d
+            delay = min(delay * 2, 1.0)
+
+    def serves(self, namespace: str) -> bool:
+        """Whether this broker serves the vhost of ``namespace`` now (standalone: always)."""
+        if not self.clustered:
+            return True
+        assert self.context is not None
+        ownership = self.context.service.ownership
+        return namespace in self._watches and ownership.owns(control_topic(namespace))
+
+    async def _claim(self, namespace: str) -> None:
+        """Own the vhost's control topic and watch it (one claim per vhost at a time)."""
+        lock = self._claims.setdefault(namespace, DeferredLock())
+        await lock.acquire()
+        try:
+            if self.serves(namespace):
+                return
+            assert self.context is not None
+            service = self.context.service
+            control = control_topic(namespace)
+            await service.get_topic(control, create=True)  # NotOwnerError: another serves it
+            self._watch_ids += 1
+            watch = _OwnerWatch(self, namespace, self._watch_ids)
+            old = self._watches.get(namespace)
+            if old is not None:  # a watch whose bundle went without a word: drop it too
+                self.vhost_lost(namespace, old)
+            self._watches[namespace] = watch
+            try:
+                watch.handle = await service.subscribe(
+                    control, WATCH_SUBSCRIPTION, watch, SubType.EXCLUSIVE, durable=False
+                )
+            except Exception:
+                if self._watches.get(namespace) is watch:
+                    del self._watches[namespace]
+                raise
+            log.info("AMQP vhost served here", extra=kv(namespace=namespace))
+        finally:
+            lock.release()
+
+    def vhost_lost(self, namespace: str, watch: _OwnerWatch) -> None:
+        """The vhost's bundle left this broker: close its connections (320) and drop its
+        state (Rule V3)."""
+        if self._watches.get(namespace) is not watch:
+            return  # an older watch's news
+        del self._watches[namespace]
+        vh = self.vhosts.pop(namespace, None)
+        if vh is None or self._stopped:
+            return
+        log.warning("AMQP vhost moved away", extra=kv(namespace=namespace))
+        if self.factory is not None:
+            for conn in list(self.factory.connections):
+                if conn.vhost is vh:
+                    conn.connection_error(
+                        c.AmqpError(
+                            c.CONNECTION_FORCED,
+                            "CONNECTION_FORCED - vhost moved to another broker; reconnect",
+                        )
+                    )
+        vh.close()
 
     def vhost(self, name: str) -> Deferred[VirtualHost]:
         """The loaded vhost, loading its durable objects on first use."""
@@ -132,11 +314,15 @@ class AmqpProtocolHandler(ProtocolHandler):
             vh = VirtualHost(
                 self.context.service, self.context.reactor, ns, self.incarnation, self.gauge
             )
+            watch = self._watches.get(ns)
             waiting = Deferred.fromCoroutine(vh.load())
 
             def loaded(_: object, v: VirtualHost = vh) -> VirtualHost:
-                self.vhosts[ns] = v
                 self._loading.pop(ns, None)
+                if self.clustered and (watch is None or self._watches.get(ns) is not watch):
+                    v.close()  # the vhost moved away while it was loading (Rule V3)
+                    raise ServiceNotReadyError(f"vhost of {ns} moved away while loading")
+                self.vhosts[ns] = v
                 return v
 
             def failed(f: Any) -> Any:
@@ -163,6 +349,7 @@ class AmqpProtocolHandler(ProtocolHandler):
         return {PORT_KEY: Listener(self.host, self.port, self.factory)}
 
     def stop(self) -> Deferred[None] | None:
+        self._stopped = True
         if self.factory is not None:
             self.factory.close_all()
         for vh in self.vhosts.values():

@@ -59,7 +59,9 @@ from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 
-from polybroker.broker_core.consumer import Delivery, LastMessageId, ServerConsumer, SubType
+from polybroker.broker_core.consumer import Delivery, LastMessageId, SubType
+from polybroker.broker_core.errors import ConsumerBusyError
+from polybroker.broker_core.forwarding import ConsumerHandle
 from polybroker.broker_core.messages import (
     Message,
     MessageFormatError,
@@ -102,6 +104,11 @@ QUEUE_WINDOW = 2 * WINDOW
 CATCH_UP_S = 2.0
 #: How often wildcard forwarders look for new topics.
 RESCAN_S = 5.0
+#: How long a queue keeps subscribing again to a log whose subscription is still held by
+#: another consumer (the previous owner of the vhost letting go), and how often it retries
+#: a log it lost.
+BUSY_RETRY_S = 30.0
+REATTACH_S = 1.0
 #: Publishes to one topic within one client input (or reactor turn) share a batch entry of at
 #: most this many messages and bytes.
 BATCH_MAX_MESSAGES = 500
@@ -179,7 +186,7 @@ class _Source:
         self.kind = kind
         self.local = topic.rsplit("/", 1)[-1]
         self.subscription = subscription
-        self.server_consumer: ServerConsumer | None = None
+        self.server_consumer: ConsumerHandle | None = None
         #: The subscription exists (the cursor is durable unless the queue is transient).
         self.created = False
         self.closed = False
@@ -246,28 +253,44 @@ class _Source:
     # -- subscription ------------------------------------------------------------------------
 
     def attach(self) -> Deferred[None]:
-        """Subscribe (creating the subscription if it is new); fires once subscribed."""
+        """Subscribe (creating the subscription if it is new); fires once subscribed.
+
+        The log may live on another broker of a cluster (the subscription is forwarded to
+        its owner). While the subscription is still held by another consumer (a previous
+        owner of the vhost letting go) it is tried again for ``BUSY_RETRY_S``."""
         vh = self.queue.vhost
-        d = vh.service.subscribe(
-            self.topic,
-            self.subscription,
-            self,
-            SubType.EXCLUSIVE,
-            InitialPosition.EARLIEST if self.kind == OWN else InitialPosition.LATEST,
-            durable=not self.queue.memory_only,
-        )
+        return Deferred.fromCoroutine(self._attach(vh.clock.seconds() + BUSY_RETRY_S))
 
-        def attached(sc: ServerConsumer) -> None:
-            self.created = True
-            if self.closed:
-                (sc.unsubscribe() if self.dropped else sc.close()).addErrback(lambda f: None)
-                return
-            self.server_consumer = sc
-            self.granted = self.received = 0
-            self.queue._flow()
+    async def _attach(self, deadline: float) -> None:
+        vh = self.queue.vhost
+        delay = 0.1
+        while True:
+            try:
+                sc = await vh.service.subscribe(
+                    self.topic,
+                    self.subscription,
+                    self,
+                    SubType.EXCLUSIVE,
+                    InitialPosition.EARLIEST if self.kind == OWN else InitialPosition.LATEST,
+                    durable=not self.queue.memory_only,
+                    forward=True,
+                )
+                break
+            except ConsumerBusyError:
+                if self.closed or vh.clock.seconds() + delay > deadline:
+                    raise
+            await _sleep(vh.clock, delay)
+            delay = min(delay * 2, 1.0)
+        self._attached(sc)
 
-        d.addCallback(attached)
-        return d  # type: ignore[return-value]
+    def _attached(self, sc: ConsumerHandle) -> None:
+        self.created = True
+        if self.closed:
+            (sc.unsubscribe() if self.dropped else sc.close()).addErrback(lambda f: None)
+            return
+        self.server_consumer = sc
+        self.granted = self.received = 0
+        self.queue._flow()
 
     def ready(self) -> Deferred[None]:
         """Fires once the subscription exists (at once if it does)."""
@@ -485,9 +508,19 @@ class Queue:
         self.ready = kept
         s.held.clear()
         s.granted = s.received = 0
-        s.attach().addErrback(
-            lambda f: log.warning("AMQP queue feeder lost", extra=kv(error=str(f.value)))
-        )
+        self._reattach(s)
+
+    def _reattach(self, s: _Source) -> None:
+        """Subscribe to a lost log again, every ``REATTACH_S`` until it works (its owner may
+        be moving to another broker) or the queue stops reading it."""
+        if self.deleted or s.closed or self.sources.get(s.topic) is not s:
+            return
+
+        def failed(f: Any) -> None:
+            log.warning("AMQP queue feeder lost", extra=kv(topic=s.topic, error=str(f.value)))
+            self.vhost.clock.callLater(REATTACH_S, self._reattach, s)
+
+        s.attach().addErrback(failed)
 
     def close(self) -> None:
         """Stop reading (broker shutdown); the subscriptions keep their positions."""
@@ -823,7 +856,7 @@ class Queue:
         full = [s for s in self.sources.values() if s.in_memory >= WINDOW // 2]
         if not full:
             return succeed(ready)
-        ds = [self.vhost.service.stats(s.topic) for s in full]
+        ds = [self.vhost.service.stats(s.topic, forward=True) for s in full]
         dl = DeferredList(ds, consumeErrors=True)
 
         def total(results: list[tuple[bool, Any]]) -> int:
@@ -878,7 +911,7 @@ class Queue:
         count = self._drop_ready(None)
         ds: list[Deferred[Any]] = []
         for s in list(self.sources.values()):
-            d = self.vhost.service.last_message_id(s.topic)
+            d = self.vhost.service.last_message_id(s.topic, forward=True)
             d.addCallback(self._purge_to, s)
             ds.append(d)
         dl = DeferredList(ds, consumeErrors=True)
@@ -1060,6 +1093,9 @@ class VirtualHost:
         self._exchange_logs: dict[str, str] = {}
         #: Per log, the publish that waits to be stored there (later ones queue behind it).
         self._gates: dict[str, Deferred[None]] = {}
+        #: Closed (broker stopping, or the vhost moved to another broker of the cluster): its
+        #: state is dropped, and nothing it held is deleted any more.
+        self.closed = False
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -1126,8 +1162,9 @@ class VirtualHost:
                 subscription = json.loads(got.value).get("subscription") if got else None
                 if isinstance(subscription, str):
                     try:
-                        topic = await self.service.get_topic(unquote(child), create=False)
-                        await topic.delete_subscription(subscription, force=True)
+                        await self.service.delete_subscription(
+                            unquote(child), subscription, force=True, forward=True
+                        )
                     except Exception as e:
                         log.info(
                             "AMQP orphan subscription not removed",
@@ -1190,7 +1227,7 @@ class VirtualHost:
                     s.retiring = s.retire_known = False
                 elif not s.retiring and removed is not None:
                     s.retiring = True
-                    d = self.service.last_message_id(s.topic)
+                    d = self.service.last_message_id(s.topic, forward=True)
                     d.addCallback(q.retire_from, s)
                     d.addErrback(lambda f, q=q, s=s: q.retire_from(None, s))
 
@@ -1260,6 +1297,8 @@ class VirtualHost:
         )
 
     def close(self) -> None:
+        """Stop every queue reading; what is durable stays for the next owner."""
+        self.closed = True
         for q in self.queues.values():
             q.close()
 
@@ -1522,13 +1561,15 @@ class VirtualHost:
         if q.durable:
             ds.append(self._forget("queues", name))
         if not q.memory_only:
-            ds.append(self.service.delete_topic(q.topic, force=True))
+            ds.append(self.service.delete_topic(q.topic, force=True, forward=True))
         dl = DeferredList(ds, consumeErrors=True)
         dl.addCallback(lambda _: count)
         return dl  # type: ignore[return-value]
 
     def owner_gone(self, owner: object) -> None:
         """A connection closed: delete the exclusive queues it owned."""
+        if self.closed:
+            return
         for name, q in list(self.queues.items()):
             if q.exclusive_owner is owner:
                 self.delete_queue(name).addErrback(lambda f: None)
@@ -1697,7 +1738,7 @@ class VirtualHost:
             batch.messages, producer_name="amqp", sequence_id=self._seq, publish_time_ms=now
         )
         self._seq += count
-        d = self.service.publish(topic, data, count, publish_time_ms=now)
+        d = self.service.publish(topic, data, count, publish_time_ms=now, forward=True)
 
         def done(entry: Any) -> None:
             for w in batch.waiters:
@@ -1732,3 +1773,9 @@ def _valid_local(name: str) -> bool:
     """Whether ``amq.topic`` bridges routing key ``name`` to a topic (the ``amqp.`` topics
     are this handler's own)."""
     return bool(name) and "/" not in name and ":" not in name and not name.startswith("amqp.")
+
+
+def _sleep(clock: IReactorTime, seconds: float) -> Deferred[None]:
+    d: Deferred[None] = Deferred()
+    clock.callLater(seconds, d.callback, None)
+    return d
