@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -784,16 +784,18 @@ class AdminServer:
         ``writeQuorumSize``, ``ackQuorumSize`` and ``fragments`` (``firstEntryId``,
         ``bookies``). A ledger whose metadata cannot be read gets ``sealed: false`` only."""
         client = getattr(self.service.ledger_factory, "client", None)
-        for info in stats.get("ledgers", []):
-            if not isinstance(info, dict):
-                continue
+        ledgers = [info for info in stats.get("ledgers", []) if isinstance(info, dict)]
+        for info in ledgers:
             info["sealed"] = False
-            if client is None:
-                continue
-            try:
-                meta = await client.get_metadata(int(info["ledgerId"]))
-            except Exception as e:
-                log.warning("ledger metadata unreadable", extra=kv(error=str(e)))
+        if client is None:
+            return
+        # All reads at once: one round trip of the metadata store, not one per ledger.
+        metas = await DeferredList(
+            [client.get_metadata(int(info["ledgerId"])) for info in ledgers], consumeErrors=True
+        )
+        for info, (ok, meta) in zip(ledgers, metas, strict=True):
+            if not ok:
+                log.warning("ledger metadata unreadable", extra=kv(error=str(meta.value)))
                 continue
             info.update(
                 sealed=meta.state.value == "closed",
@@ -854,7 +856,9 @@ class AdminServer:
         ownership = self.service.ownership
         for name in await self._targets(ref):
             if ownership is not None and ownership.clustered and not ownership.owns(name):
-                owner = await ownership.lookup(name)
+                owner = await self._cluster_ownership().owner(name)
+                if owner is None:
+                    continue  # nobody serves it: nothing is loaded to unload
                 if owner.broker_id != ownership.local.broker_id:
                     part = self.service.topic_ref(name)
                     await self._remote_call(

@@ -618,6 +618,19 @@ class ClusterOwnership(Ownership):
         found = await self.store.get(f"{OWNERS_ROOT}/{key}")
         return None if found is None else _decode_info(found.value)
 
+    def owner(self, topic: str) -> Deferred[BrokerInfo | None]:
+        """The broker serving ``topic``'s bundle now, or None when nobody does. Unlike
+        ``lookup`` this never assigns the bundle (for calls that only concern a loaded topic)."""
+        return Deferred.fromCoroutine(self._owner_of(topic))
+
+    async def _owner_of(self, topic: str) -> BrokerInfo | None:
+        self._check_started()
+        key = await self.bundle_key(topic)
+        bundle = self._bundles.get(key)
+        if bundle is not None and _serving(bundle):
+            return self.local
+        return await self._owner(key)
+
     # -- lookup -------------------------------------------------------------------------------
 
     def lookup(self, topic: str, *, authoritative: bool = False) -> Deferred[BrokerInfo]:

@@ -186,6 +186,17 @@ def test_acquire_refuses_a_bundle_owned_elsewhere() -> None:
     assert e.value.owner.broker_id == "b0:8080"
 
 
+def test_owner_names_the_serving_broker_and_never_assigns() -> None:
+    _, (a, b) = cluster()
+    assert result(b.own.owner(topic(1))) is None
+    assert a.own.owned_bundles() == b.own.owned_bundles() == []  # asking assigned nothing
+    result(a.own.acquire(topic(1)))
+    assert result(a.own.owner(topic(1))) == a.own.local
+    found = result(b.own.owner(topic(1)))
+    assert found is not None
+    assert found.broker_id == "b0:8080"
+
+
 def test_a_dead_brokers_bundles_are_taken_over() -> None:
     _, (a, b) = cluster()
     result(a.own.acquire(topic(1)))
