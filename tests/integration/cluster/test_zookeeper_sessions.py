@@ -211,7 +211,9 @@ async def test_an_operation_while_zookeeper_is_down_fails_in_bounded_time(
         start = time.monotonic()
         with pytest.raises(ConnectionLossError):
             await store.put("/during", b"2")
-        assert time.monotonic() - start < 2.0 + 3.0
+        # Bounded by the operation timeout, not by the 30 s session: generous room for a
+        # loaded machine, far below what waiting for the session would take.
+        assert time.monotonic() - start < 15.0
         await threads.deferToThread(server.restart)
         await eventually(lambda: SessionEvent.RECONNECTED in events, 30, "reconnect")
         assert SessionEvent.SESSION_LOST not in events
