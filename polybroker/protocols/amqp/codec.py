@@ -1053,8 +1053,9 @@ class FrameReader:
         self._buf.clear()
         return rest
 
-    def frames(self) -> list[Frame]:
-        """Every complete frame buffered so far; raise ``AmqpError`` on the first bad one."""
+    def frames(self, limit: int = 0) -> list[Frame]:
+        """Every complete frame buffered so far (at most ``limit`` of them when it is not 0;
+        the rest stays buffered); raise ``AmqpError`` on the first bad one."""
         out: list[Frame] = []
         buf = self._buf
         pos = 0
@@ -1069,7 +1070,7 @@ class FrameReader:
                 self._need_header = False
                 pos = 8
                 out.append(ProtocolHeaderFrame())
-            while len(buf) - pos >= 7:
+            while len(buf) - pos >= 7 and (not limit or len(out) < limit):
                 kind, channel, size = _FRAME_HEAD.unpack_from(buf, pos)
                 if size + FRAME_OVERHEAD > self.frame_max:
                     raise AmqpError(FRAME_ERROR, f"frame of {size} bytes exceeds frame-max")

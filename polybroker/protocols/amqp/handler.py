@@ -329,8 +329,9 @@ class AmqpProtocolHandler(ProtocolHandler):
                 self._loading.pop(ns, None)
                 return f
 
-            waiting.addCallbacks(loaded, failed)
+            # Registered first: a load that completed at once unregisters itself below.
             self._loading[ns] = waiting
+            waiting.addCallbacks(loaded, failed)
         d: Deferred[VirtualHost] = Deferred()
 
         def fire(v: Any) -> Any:

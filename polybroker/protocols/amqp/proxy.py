@@ -149,10 +149,12 @@ class OwnerLink(Protocol):
             return
         self.reader.feed(data)
         try:
-            for frame in self.reader.frames():
-                self._handshake(frame)
-                if self.state in ("relay", "done"):
+            # One frame at a time: what follows the open-ok is relayed as it came.
+            while self.state not in ("relay", "done"):
+                frames = self.reader.frames(1)
+                if not frames:
                     break
+                self._handshake(frames[0])
         except c.AmqpError as e:
             self._fail(c.CONNECTION_FORCED, f"the vhost's broker answered badly: {e.text}")
             return

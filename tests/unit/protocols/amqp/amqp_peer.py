@@ -28,10 +28,11 @@ class Peer:
         self,
         ledgers: FakeLedgerFactory | None = None,
         store: FakeMetadataStore | None = None,
+        ownership: Any = None,
         **config: Any,
     ) -> None:
         """A fresh broker, or (given the ``ledgers`` and ``store`` of a stopped one) the same
-        broker restarted over what it stored."""
+        broker restarted over what it stored; ``ownership`` makes it a broker of a cluster."""
         self.clock = Clock()
         self.ledgers = FakeLedgerFactory(self.clock.seconds)
         if ledgers is not None:
@@ -39,6 +40,7 @@ class Peer:
         self.store = store or FakeMetadataStore()
         cfg = Config({"statsUpdateFrequencyInSecs": 0, "amqpListenerPort": 0, **config})
         self.service = BrokerService(self.ledgers, self.clock, cfg, self.store)
+        self.service.ownership = ownership  # a clustered one: the handler's cluster mode
         self.handler = AmqpProtocolHandler()
         self.handler.initialize(cfg)
         self.handler.start(BrokerContext(self.service, cfg, self.clock, "127.0.0.1"))
