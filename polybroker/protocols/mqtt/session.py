@@ -9,11 +9,14 @@ subscription ``mqtt-share-g`` of every matching topic. Wildcard filters cover to
 later: the broker's topic listener reports each loaded topic, which is then subscribed from the
 earliest entry, skipping entries published before the filter was subscribed.
 
-A session outlives its connection while it has not expired: its consumers stay attached and
-their deliveries wait in the session (bounded by the flow window), so a client returning to a
-persistent session gets what was published meanwhile, and in-flight messages resent with DUP.
-An entry is acknowledged on its subscription once all its messages are done (QoS 0 sent,
-QoS 1 PUBACKed, QoS 2 PUBCOMPed).
+A session outlives its connection while it has not expired. While its client is away, its
+consumers are closed: what is published meanwhile waits in the log, kept by the durable
+subscriptions (a topic that appears meanwhile gets its subscription too), not in memory; only
+the in-flight messages stay, for their resend with DUP. When the client returns, every filter
+is attached again and reads on from its subscription's cursor; an entry read again whose
+messages were already handed over (in flight or done) sends only the others. An entry is
+acknowledged on its subscription once all its messages are done (QoS 0 sent, QoS 1 PUBACKed,
+QoS 2 PUBCOMPed).
 
 Stored message properties (besides MQTT 5 user properties, stored as they are): ``mqtt.qos``,
 ``mqtt.retain`` (``1`` when published retained), ``mqtt.expiry`` (message expiry interval in
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote, unquote
 
-from twisted.internet.defer import Deferred, DeferredList, fail, gatherResults, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
@@ -128,6 +131,7 @@ class Outgoing:
     track: EntryTrack | None = None
     packet_id: int = 0
     released: bool = False  # QoS 2: PUBREL sent
+    index: int = 0  # within its entry
 
 
 def outgoing_from(
@@ -211,15 +215,17 @@ class FilterSub:
 
 
 class EntryTrack:
-    """The messages of one delivered entry still to be completed."""
+    """The messages of one delivered entry still to be completed, and which of them were
+    handed to the client (``sent``, bit i = message i)."""
 
-    __slots__ = ("position", "remaining", "size", "sub")
+    __slots__ = ("position", "remaining", "sent", "size", "sub")
 
     def __init__(self, sub: TopicSub, position: Position, remaining: int, size: int) -> None:
         self.sub = sub
         self.position = position
         self.remaining = remaining
         self.size = size
+        self.sent = 0
 
 
 @dataclass
@@ -324,15 +330,31 @@ class TopicSub:
             granted = max(f.qos for f in filters)
             sub_ids = sorted({f.sub_id for f in filters if f.sub_id})
             rap = any(f.retain_as_published for f in filters)
-            todo = [m for i, m in enumerate(msgs) if not (acked >> i) & 1]
-            if not todo:
+            held = (
+                session.held.pop((self.full, self.group, entry.position), None)
+                if session.held
+                else None
+            )
+            skip = acked | held.sent if held is not None else acked
+            todo = [(i, m) for i, m in enumerate(msgs) if not (skip >> i) & 1]
+            if held is not None:
+                # Read again after the client came back: only what it never got is sent.
+                track = held
+                track.sub = self
+                track.remaining += len(todo)
+                if track.remaining <= 0:
+                    self._done(entry.position, entry.num_messages)
+                    continue
+            elif not todo:
                 self._done(entry.position, entry.num_messages)
                 continue
-            track = EntryTrack(self, entry.position, len(todo), entry.num_messages)
+            else:
+                track = EntryTrack(self, entry.position, len(todo), entry.num_messages)
             publish_s = entry.publish_time_ms / 1000.0
-            for m in todo:
+            for i, m in todo:
                 out = outgoing_from(m, self.name, granted, sub_ids, rap, publish_s)
                 out.track = track
+                out.index = i
                 session.queue.append(out)
         session.pump()
 
@@ -389,11 +411,20 @@ class Session:
         self.broker = broker
         self.client_id = client_id
         self.expiry_s = expiry_s  # None: never
+        #: Its subscriptions are durable (it was persistent when made, even if resumed since
+        #: with expiry 0: they are then still deleted at its end).
+        self.durable_subs = self.persistent
         self.link: ClientLink | None = None
         self.filters: dict[str, FilterSub] = {}
         self.subs: dict[tuple[str, str | None], TopicSub] = {}
         self.inflight: dict[int, Outgoing] = {}
         self.queue: deque[Outgoing] = deque()
+        #: Entries handed over before their consumer closed (client away, topic moved):
+        #: (topic, group, position) -> their track, so that reading them again sends only
+        #: what the client never got.
+        self.held: dict[tuple[str, str | None, Position], EntryTrack] = {}
+        #: The client is away and the consumers are closed (see the module docstring).
+        self.parked = False
         #: Inbound QoS 2 packet ids stored and awaiting PUBREL.
         self.inbound_qos2: set[int] = set()
         #: A persistent session's recorded QoS 2 packet ids: pid -> (topic, position before).
@@ -450,23 +481,32 @@ class Session:
         return d
 
     def _cover(
-        self, f: FilterSub, initial: bool, busy_wait_s: float | None = None
+        self,
+        f: FilterSub,
+        initial: bool,
+        busy_wait_s: float | None = None,
+        then: str | None = None,
     ) -> Deferred[None]:
-        """Attach subscriptions on every topic ``f`` matches now (``busy_wait_s``: see
-        ``ensure_sub``)."""
+        """Attach subscriptions on every topic ``f`` matches now (``busy_wait_s``, ``then``:
+        see ``ensure_sub``)."""
         if not topics.has_wildcard(f.pattern):
             full = topics.to_pulsar(f.pattern)
+            create = then != "delete"
 
             def exact(n: int) -> Deferred[Any]:
                 if n <= 0:
-                    return self.ensure_sub(full, f.pattern, f.group, None, busy_wait_s=busy_wait_s)
+                    return self.ensure_sub(
+                        full, f.pattern, f.group, None, create, busy_wait_s=busy_wait_s, then=then
+                    )
                 ds = [
                     self.ensure_sub(
                         topics.partition_name(full, i),
                         f.pattern,
                         f.group,
                         None,
+                        create,
                         busy_wait_s=busy_wait_s,
+                        then=then,
                     )
                     for i in range(n)
                 ]
@@ -485,7 +525,13 @@ class Session:
                 if name is not None and topics.matches(f.pattern, name):
                     # A topic deleted since the listing is skipped, not a failed SUBSCRIBE.
                     d = self.ensure_sub(
-                        full, name, f.group, not_before, create=False, busy_wait_s=busy_wait_s
+                        full,
+                        name,
+                        f.group,
+                        not_before,
+                        create=False,
+                        busy_wait_s=busy_wait_s,
+                        then=then,
                     )
                     ds.append(d.addErrback(lambda _: None))
             return gatherResults(ds, consumeErrors=True) if ds else succeed(None)
@@ -516,8 +562,14 @@ class Session:
         for group, f in groups.items():
             key = (full, group)
             if key not in self.subs:
+                if self.parked and group is not None:
+                    continue  # the share group's members read it
                 not_before, after = self._lost.get(key, (f.subscribed_ms, None))
-                d = self.ensure_sub(full, name, group, not_before, create=False, after=after)
+                # While the client is away only the durable subscription is made.
+                then = "close" if self.parked else None
+                d = self.ensure_sub(
+                    full, name, group, not_before, create=False, after=after, then=then
+                )
                 d.addErrback(lambda _: None)
 
     def ensure_sub(
@@ -529,6 +581,7 @@ class Session:
         create: bool = True,
         after: Position | None = None,
         busy_wait_s: float | None = None,
+        then: str | None = None,
     ) -> Deferred[None]:
         """Attach the session's subscription on ``full`` unless attached; ``not_before_ms``
         reads from the earliest entry, skipping older ones (a topic found later), and so does
@@ -536,8 +589,11 @@ class Session:
         Only an exact filter ``create``s its topic: a wildcard never brings a deleted topic
         back. A subscription another broker still holds for this session (it is letting the
         session go) is retried: for up to ``busy_wait_s`` before failing, or (None) in the
-        background."""
+        background. ``then="close"`` only makes the subscription (the consumer is closed once
+        attached), ``then="delete"`` deletes it (a session ending while its client is away)."""
         key = (full, group)
+        if then is not None:
+            return self._touch_sub(full, name, group, not_before_ms, create, then)
         if key in self.subs or self.ended:
             return succeed(None)
         asked_not_before = not_before_ms
@@ -546,7 +602,7 @@ class Session:
         if after is not None and not_before_ms is None:
             not_before_ms = 0  # read from the earliest entry, skipping up to ``after``
         self.subs[key] = sub
-        durable = group is not None or self.persistent
+        durable = group is not None or self.persistent or self.durable_subs
         sub.durable = durable
         d = self.broker.service.subscribe(
             full,
@@ -598,12 +654,46 @@ class Session:
         d.addCallbacks(attached, failed)
         return d
 
+    def _touch_sub(
+        self,
+        full: str,
+        name: str,
+        group: str | None,
+        not_before_ms: int | None,
+        create: bool,
+        then: str,
+    ) -> Deferred[None]:
+        """Make (``then="close"``) or delete (``"delete"``) a durable subscription with a
+        consumer that never reads."""
+        sub = TopicSub(self, full, name, group, self.broker.next_consumer_id(), 0)
+        sub.closed = True
+        d = self.broker.service.subscribe(
+            full,
+            sub.subscription,
+            sub,
+            SubType.SHARED if group is not None else SubType.EXCLUSIVE,
+            InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
+            durable=True,
+            create_topic=create,
+            forward=True,
+        )
+
+        def attached(server: ConsumerHandle) -> None:
+            done = server.unsubscribe() if then == "delete" else server.close()
+            done.addErrback(lambda _: None)
+
+        d.addCallback(attached)
+        return d
+
     def consumer_lost(self, sub: TopicSub) -> None:
         key = (sub.full, sub.group)
         if self.subs.get(key) is sub:
             del self.subs[key]
-        self.queue = deque(o for o in self.queue if o.track is None or o.track.sub is not sub)
-        if self.ended or not self.matching(sub.name, sub.group):
+        if sub.durable and sub.group is None:
+            self._hold({sub})
+        else:
+            self.queue = deque(o for o in self.queue if o.track is None or o.track.sub is not sub)
+        if self.ended or self.parked or not self.matching(sub.name, sub.group):
             return
         # A durable subscription resumes from its cursor; a non-durable one right after what
         # it was last handed (or from when it attached), e.g. when its topic moved to another
@@ -624,7 +714,12 @@ class Session:
         key = (sub.full, sub.group)
 
         def again() -> None:
-            if self.ended or key in self.subs or not self.matching(sub.name, sub.group):
+            if (
+                self.ended
+                or self.parked
+                or key in self.subs
+                or not self.matching(sub.name, sub.group)
+            ):
                 return
             d = self.ensure_sub(
                 sub.full, sub.name, sub.group, not_before_ms, create=False, after=after
@@ -698,6 +793,8 @@ class Session:
                 self._complete(out)
                 continue
             chunks.append(data)
+            if out.track is not None:
+                out.track.sent |= 1 << out.index
             if pid is None:
                 self._complete(out)
             else:
@@ -750,7 +847,7 @@ class Session:
         self.will_call = None
         self.will_fire = None
         self.link = link
-        self._join_groups()
+        self.parked = False
         chunks = []
         for pid, out in self.inflight.items():
             if out.released:
@@ -766,6 +863,9 @@ class Session:
                 )
         if chunks:
             link.write(b"".join(chunks))
+        # Then every filter reads on from its subscription (after the resends above).
+        for f in self.filters.values():
+            self._cover(f, initial=False).addErrback(lambda _: None)
         self.pump()
 
     def detach(self, link: ClientLink) -> None:
@@ -779,6 +879,7 @@ class Session:
             self.broker.end_session(self)
             return
         self._leave_groups()
+        self._park()
         if self.expiry_s is not None:
             self._expiry_call = self.broker.clock.callLater(
                 self.expiry_s, self.broker.end_session, self
@@ -803,10 +904,39 @@ class Session:
             if out.track is not None and out.track.sub in subs:
                 del self.inflight[pid]
 
-    def _join_groups(self) -> None:
-        for f in self.filters.values():
-            if f.group is not None:
-                self._cover(f, initial=False).addErrback(lambda _: None)
+    def _park(self) -> None:
+        """The client left: close the consumers (the backlog stays in the log, kept by the
+        durable subscriptions) and drop what waited to be sent; in-flight messages stay."""
+        self.parked = True
+        subs = set(self.subs.values())
+        self.subs.clear()
+        for sub in subs:
+            self._close_sub(sub, delete=False)
+        self._hold(subs)
+
+    def _hold(self, subs: set[TopicSub]) -> None:
+        """Forget the queued messages of closed durable ``subs``; their entries, read again,
+        send only what was not handed over (``held``)."""
+        if not subs:
+            return
+        tracks: dict[int, EntryTrack] = {}
+        keep: deque[Outgoing] = deque()
+        for out in self.queue:
+            t = out.track
+            if t is not None and t.sub in subs:
+                tracks[id(t)] = t
+            else:
+                keep.append(out)
+        self.queue = keep
+        in_flight = [o.track for o in self.inflight.values() if o.track and o.track.sub in subs]
+        for t in in_flight:
+            tracks[id(t)] = t
+        for t in tracks.values():
+            t.remaining = 0
+        for t in in_flight:
+            t.remaining += 1
+        for t in tracks.values():
+            self.held[(t.sub.full, t.sub.group, t.position)] = t
 
     def end(self) -> None:
         """Drop every subscription (durable ones are deleted) and all state; a will still
@@ -823,8 +953,14 @@ class Session:
         for sub in self.subs.values():
             self._close_sub(sub, delete=True)
         self.subs.clear()
+        if self.parked:
+            # The client is away and nothing is attached: delete its subscriptions.
+            for f in self.filters.values():
+                if f.group is None:
+                    self._cover(f, initial=False, then="delete").addErrback(lambda _: None)
         self.queue.clear()
         self.inflight.clear()
+        self.held.clear()
 
     def snapshot(self) -> bytes:
         return json.dumps(
@@ -1137,9 +1273,8 @@ class MqttBroker:
         self.sessions[client_id] = session
         for f in filters:
             session.filters[f.topic_filter] = f
-        ds = [session._cover(f, initial=False) for f in filters]
-        if ds:
-            await DeferredList(ds, consumeErrors=True)
+        # Nothing is attached until the client is (``attach``): the backlog stays in the log.
+        session.parked = True
         return session
 
     def end_session(self, session: Session) -> None:

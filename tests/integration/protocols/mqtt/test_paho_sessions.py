@@ -198,3 +198,39 @@ async def test_session_takeover(broker: Broker, v5: bool) -> None:
         return first.disconnected.is_set(), m.payload
 
     assert await broker.run(scenario) == (True, b"x")
+
+
+@pytest_twisted.ensureDeferred
+async def test_messages_published_while_a_persistent_session_is_away_wait_in_the_log(
+    broker: Broker,
+) -> None:
+    """1,500 QoS 1 messages published while a persistent session's client is away are not
+    held by the session (its consumers are closed; the durable subscription keeps them) and
+    all reach the client when it returns, in order, once each."""
+    n = 1500
+
+    def away() -> None:
+        sub = broker.client("away", clean=False)
+        assert sub.subscribe("away/t", 1) == [1]
+        sub.close()
+        pub = broker.client("pub")
+        infos = [pub.c.publish("away/t", str(i).encode(), 1) for i in range(n)]
+        for info in infos:
+            info.wait_for_publish(30)
+            assert info.is_published()
+        pub.close()
+
+    await broker.run(away)
+    session = broker.handler.broker.sessions["away"] if broker.handler.broker else None
+    assert session is not None
+    assert (len(session.queue), session.subs, session.inflight) == (0, {}, {})
+
+    def back() -> list[bytes]:
+        sub = broker.client("away", clean=False)
+        assert sub.session_present
+        got = [m.payload for m in sub.get_n(n, timeout=30)]
+        assert sub.nothing_more()
+        sub.close()
+        return got
+
+    assert await broker.run(back) == [str(i).encode() for i in range(n)]

@@ -580,3 +580,85 @@ def test_qos2_id_recorded_but_never_stored_is_stored_on_resend() -> None:
     back.send(c.Publish("a/b", b"lost", 2, False, True, 7))
     assert back.packets() == [c.PubRec(7)]
     assert _stored_payloads(restarted) == [b"before", b"lost"]
+
+
+def test_an_absent_persistent_session_holds_nothing_in_memory() -> None:
+    """While a persistent session's client is away its consumers are closed: 1,500 QoS 1
+    messages published meanwhile wait in the log (the durable subscription's backlog), not in
+    the session; the returning client gets every one, in order, once."""
+    env = Env()
+    sub = env.peer("s", clean_start=False)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    sub.send(c.Disconnect())
+    pub = env.peer("p")
+    pub.packets()
+    n = 1500
+    for i in range(n):
+        pub.send(c.Publish("a/b", str(i).encode(), 1, packet_id=i % 65535 + 1))
+    assert len(pub.packets()) == n
+    session = env.broker.sessions["s"]
+    assert (len(session.queue), session.subs, session.inflight) == (0, {}, {})
+    cursor = env.factory.ledger(ML_AB).cursors["mqtt-s"]
+    assert cursor.backlog() == n
+    back = env.peer("s", clean_start=False)
+    got = back.packets()
+    assert got[0] == c.ConnAck(True, 0)
+    pubs = [x for x in got[1:] if isinstance(x, c.Publish)]
+    acked = 0
+    while acked < len(pubs):
+        for x in pubs[acked:]:
+            assert x.packet_id is not None
+            back.send(c.PubAck(x.packet_id))
+        acked = len(pubs)
+        pubs += [x for x in back.packets() if isinstance(x, c.Publish)]
+    assert [x.payload for x in pubs] == [str(i).encode() for i in range(n)]
+    assert cursor.backlog() == 0
+
+
+def test_an_entry_read_again_after_a_return_sends_only_what_the_client_never_got() -> None:
+    """Three messages stored as one entry, delivered one at a time (receive maximum 1): the
+    first is acknowledged, the second in flight when the client vanishes. On return the
+    second is resent with DUP, then only the third follows; the entry is then acknowledged."""
+    env = Env()
+    props = {c.SESSION_EXPIRY: 600, c.RECEIVE_MAXIMUM: 1}
+    sub = env.peer("s", c.LEVEL_5, clean_start=False, properties=props)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    pub = env.peer("p")
+    pub.packets()
+    pub.conn.dataReceived(
+        b"".join(
+            c.encode(c.Publish("a/b", m, 1, packet_id=i + 1), c.LEVEL_311)
+            for i, m in enumerate([b"m0", b"m1", b"m2"])
+        )
+    )
+    ml = env.factory.ledger(ML_AB)
+    assert len(ml.data.entries) == 1
+    (first,) = sub.packets()
+    assert isinstance(first, c.Publish)
+    assert first.packet_id is not None
+    sub.send(c.PubAck(first.packet_id))
+    (second,) = sub.packets()
+    assert isinstance(second, c.Publish)
+    assert (first.payload, second.payload) == (b"m0", b"m1")
+    sub.conn.connectionLost(None)
+    session = env.broker.sessions["s"]
+    assert len(session.queue) == 0
+    assert list(session.inflight) == [second.packet_id]
+    back = env.peer("s", c.LEVEL_5, clean_start=False, properties=props)
+    got = back.packets()
+    assert isinstance(got[0], c.ConnAck)
+    assert got[0].session_present
+    resent = [x for x in got[1:] if isinstance(x, c.Publish)]
+    assert [(x.payload, x.dup, x.packet_id) for x in resent] == [(b"m1", True, second.packet_id)]
+    assert second.packet_id is not None
+    back.send(c.PubAck(second.packet_id))
+    (third,) = back.packets()
+    assert isinstance(third, c.Publish)
+    assert (third.payload, third.dup) == (b"m2", False)
+    assert third.packet_id is not None
+    assert ml.cursors["mqtt-s"].backlog() == 3  # the entry is acknowledged as a whole
+    back.send(c.PubAck(third.packet_id))
+    assert back.packets() == []
+    assert ml.cursors["mqtt-s"].backlog() == 0
