@@ -55,9 +55,9 @@ class Cluster:
         return self.b if broker is self.a else self.a
 
 
-def start_cluster(zk_url: str, bookies: BookieProcesses, root: Path) -> Cluster:
+def start_cluster(zk_url: str, bookies: BookieProcesses, root: Path, n_bookies: int = 2) -> Cluster:
     initialize(zk_url, bundles=4)
-    for _ in range(2):
+    for _ in range(n_bookies):
         bookies.start(zk_url)
     procs = BrokerProcesses(root)
     try:
@@ -263,37 +263,80 @@ def test_amq_topic_bridges_to_pulsar_clients_of_the_other_broker(shared: Cluster
         amqp_side.close()
 
 
-class Publisher(threading.Thread):
-    """Publishes persistent messages with confirms through one broker until told to stop,
-    reconnecting (through the same broker) when the connection is lost; keeps what was
-    confirmed."""
+def pump_until_closed(conn: pika.BlockingConnection) -> None:
+    """Serve the connection's events until the broker closes it (which raises; bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        conn.process_data_events(time_limit=0.1)
 
-    def __init__(self, broker: Broker, exchange: str, key: str) -> None:
+
+def test_unloading_the_vhost_bundle_moves_the_vhost(shared: Cluster) -> None:
+    """An admin unload of the control topic's bundle closes the vhost's connections (direct
+    and relayed) with 320; the clients reconnect and find the durable queue and its messages
+    on the broker that serves the vhost next."""
+    owner = shared.owner()
+    direct, relayed = connect(owner), connect(shared.other(owner))
+    try:
+        ch = direct.channel()
+        ch.queue_declare("moving", durable=True)
+        ch.confirm_delivery()
+        for i in range(5):
+            ch.basic_publish("", "moving", f"v{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        relayed.channel().queue_declare("moving", passive=True)
+        live = shared.a.http_url
+        url = f"{live}/lookup/v2/topic/persistent/public/default/{CONTROL}/bundle"
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            bundle = resp.read().decode()
+        unload = urllib.request.Request(
+            f"{live}/admin/v2/namespaces/public/default/{bundle}/unload", method="PUT"
+        )
+        with urllib.request.urlopen(unload, timeout=30) as resp:
+            assert resp.status in (200, 204)
+        for conn in (direct, relayed):
+            with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+                pump_until_closed(conn)
+            assert closed.value.reply_code == 320
+    finally:
+        for conn in (direct, relayed):
+            if conn.is_open:
+                conn.close()
+    again = connect(shared.b)
+    try:
+        ch = again.channel()
+        bodies = []
+        for _ in range(5):
+            method, _, body = poll_get(ch, "moving")
+            ch.basic_ack(method.delivery_tag)
+            bodies.append(body)
+        assert bodies == [f"v{i}".encode() for i in range(5)]
+    finally:
+        again.close()
+
+
+class Client(threading.Thread):
+    """A pika client in a thread of its own that goes on through failures: when its
+    connection is lost it reconnects through the next broker of ``brokers`` (bounded)."""
+
+    def __init__(self, brokers: list[Broker]) -> None:
         super().__init__(daemon=True)
-        self.broker, self.exchange, self.key = broker, exchange, key
-        self.confirmed: list[bytes] = []
+        self.brokers = brokers
         self.reconnects = 0
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        n = 0
+        turn = 0
         conn: pika.BlockingConnection | None = None
         try:
             while not self.stop.is_set():
                 try:
                     if conn is None or not conn.is_open:
-                        conn = connect(self.broker, within=60)
-                        ch = conn.channel()
-                        ch.confirm_delivery()
-                    body = f"d{n}".encode()
-                    n += 1
-                    ch.basic_publish(
-                        self.exchange, self.key, body, pika.BasicProperties(delivery_mode=2)
-                    )
-                    self.confirmed.append(body)
+                        conn = connect(self.brokers[turn % len(self.brokers)], within=60)
+                        self.opened(conn.channel())
+                    self.step()
                 except (pika.exceptions.AMQPError, OSError):
                     self.reconnects += 1
+                    turn += 1
                     conn = None
         except BaseException as e:  # reported by the test
             self.error = e
@@ -301,28 +344,101 @@ class Publisher(threading.Thread):
             if conn is not None and conn.is_open:
                 conn.close()
 
+    def opened(self, ch: Any) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(WAIT_S)
+        assert not self.is_alive()
+        assert self.error is None, self.error
+
+
+class Publisher(Client):
+    """Publishes persistent messages with confirms; keeps those confirmed."""
+
+    def __init__(self, brokers: list[Broker], exchange: str, key: str) -> None:
+        super().__init__(brokers)
+        self.exchange, self.key = exchange, key
+        self.confirmed: list[bytes] = []
+        self._n = 0
+
+    def opened(self, ch: Any) -> None:
+        ch.confirm_delivery()
+        self.ch = ch
+
+    def step(self) -> None:
+        body = f"d{self._n}".encode()
+        self._n += 1
+        self.ch.basic_publish(self.exchange, self.key, body, pika.BasicProperties(delivery_mode=2))
+        self.confirmed.append(body)
+
+
+class Consumer(Client):
+    """Consumes a queue, acknowledging each message; keeps what it got."""
+
+    def __init__(self, brokers: list[Broker], queue: str) -> None:
+        super().__init__(brokers)
+        self.queue = queue
+        self.got: list[bytes] = []
+
+    def opened(self, ch: Any) -> None:
+        ch.basic_qos(prefetch_count=50)
+
+        def on_message(c: Any, method: Any, _props: Any, body: bytes) -> None:
+            self.got.append(body)
+            c.basic_ack(method.delivery_tag)
+
+        ch.basic_consume(self.queue, on_message)
+        self.ch = ch
+
+    def step(self) -> None:
+        self.ch.connection.process_data_events(time_limit=0.1)
+
+
+def declare_work(broker: Broker, exchange: str, queue: str) -> None:
+    setup = connect(broker)
+    ch = setup.channel()
+    ch.exchange_declare(exchange, "direct", durable=True)
+    ch.queue_declare(queue, durable=True)
+    ch.queue_bind(queue, exchange, "j")
+    setup.close()
+
+
+def drain_all(broker: Broker, queue: str, expected: set[bytes], got: set[bytes]) -> None:
+    """Consume through ``broker`` until ``got`` holds every ``expected`` message (bounded)."""
+    conn = connect(broker)
+    try:
+        ch = conn.channel()
+        while not expected <= got:
+            method, _, body = poll_get(ch, queue)
+            ch.basic_ack(method.delivery_tag)
+            got.add(body)
+    finally:
+        conn.close()
+
 
 def test_a_durable_queue_survives_kill_9_of_the_vhost_broker(
     zk_url: str, bookies: BookieProcesses, tmp_path: Path
 ) -> None:
-    """While a publisher with confirms runs through the survivor, kill -9 the vhost's broker:
-    the relayed clients are closed, reconnect through the survivor (now serving the vhost),
-    and every confirmed message is consumed from the durable queue (at-least-once)."""
+    """While a publisher with confirms and a consumer run through the other broker, kill -9
+    the vhost's broker: the relayed clients are closed, reconnect through the survivor (now
+    serving the vhost), and every confirmed message is consumed (at-least-once)."""
     cluster = start_cluster(zk_url, bookies, tmp_path)
     try:
-        setup = connect(cluster.a)
-        ch = setup.channel()
-        ch.exchange_declare("jobs", "direct", durable=True)
-        ch.queue_declare("durable-work", durable=True)
-        ch.queue_bind("durable-work", "jobs", "j")
-        setup.close()
+        declare_work(cluster.a, "jobs", "durable-work")
         owner = cluster.owner()
         survivor = cluster.other(owner)
         relayed = connect(survivor)
         relayed.channel().queue_declare("durable-work", passive=True)
-        publisher = Publisher(survivor, "jobs", "j")
+        publisher = Publisher([survivor], "jobs", "j")
+        consumer = Consumer([survivor], "durable-work")
         publisher.start()
-        wait_until(lambda: len(publisher.confirmed) >= 50, "publishes before the kill")
+        consumer.start()
+        wait_until(lambda: len(publisher.confirmed) >= 50 and consumer.got, "before the kill")
         cluster.brokers.kill(owner)
         # The survivor closes the connection it relayed to the dead broker.
         wait_until(lambda: not poke(relayed), "relayed connection closed")
@@ -331,19 +447,44 @@ def test_a_durable_queue_survives_kill_9_of_the_vhost_broker(
             "publishes after the failover",
             60,
         )
-        publisher.stop.set()
-        publisher.join(WAIT_S)
-        assert publisher.error is None, publisher.error
+        wait_until(
+            lambda: consumer.reconnects > 0 and set(publisher.confirmed[:150]) <= set(consumer.got),
+            "consumed after the failover",
+            60,
+        )
+        publisher.finish()
+        consumer.finish()
         assert cluster.owner() is survivor
-        confirmed = set(publisher.confirmed)
-        consumer = connect(survivor)
-        got: set[bytes] = set()
-        cc = consumer.channel()
-        while not confirmed <= got:
-            method, _, body = poll_get(cc, "durable-work")
-            cc.basic_ack(method.delivery_tag)
-            got.add(body)
-        consumer.close()
+        drain_all(survivor, "durable-work", set(publisher.confirmed), set(consumer.got))
+    finally:
+        cluster.brokers.close()
+
+
+def test_kill_9_of_a_bookie_then_of_the_relaying_broker_loses_nothing(
+    zk_url: str, bookies: BookieProcesses, tmp_path: Path
+) -> None:
+    """With 3 bookies (E=Qw=Qa=2), kill -9 a bookie while a publisher runs through the relaying
+    broker (its writes go on), then kill -9 that broker: the publisher reconnects through the
+    vhost's broker and every confirmed message is in the queue."""
+    cluster = start_cluster(zk_url, bookies, tmp_path, n_bookies=3)
+    try:
+        declare_work(cluster.a, "jobs", "work-2")
+        owner = cluster.owner()
+        relay = cluster.other(owner)
+        publisher = Publisher([relay, owner], "jobs", "j")
+        publisher.start()
+        wait_until(lambda: len(publisher.confirmed) >= 50, "publishes before the bookie kill")
+        bookies.kill(bookies.running[0])
+        wait_until(lambda: len(publisher.confirmed) >= 120, "publishes after the bookie kill")
+        assert publisher.reconnects == 0
+        cluster.brokers.kill(relay)
+        wait_until(
+            lambda: publisher.reconnects > 0 and len(publisher.confirmed) >= 200,
+            "publishes through the vhost's broker",
+            60,
+        )
+        publisher.finish()
+        drain_all(owner, "work-2", set(publisher.confirmed), set())
     finally:
         cluster.brokers.close()
 
