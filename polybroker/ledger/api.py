@@ -28,9 +28,10 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail, gatherResults
+from twisted.python.failure import Failure
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -249,6 +250,16 @@ class ReadHandle(abc.ABC):
         """Release the handle (does not close the ledger)."""
 
 
+class WriteListener(Protocol):
+    """Who hears of adds made with ``WriteHandle.append_quiet`` (no Deferred per add)."""
+
+    def adds_done(self, handle: WriteHandle, last_entry_id: int) -> None:
+        """Every add of ``handle`` up to ``last_entry_id`` completed (Rule 1)."""
+
+    def adds_failed(self, handle: WriteHandle, error: Exception) -> None:
+        """Adds of ``handle`` failed with ``error``: none not yet reported done completes."""
+
+
 class WriteHandle(ReadHandle):
     """The single writer of a ledger."""
 
@@ -259,6 +270,20 @@ class WriteHandle(ReadHandle):
         Bookie failures trigger an ensemble change (new fragment, by CAS) and the add goes on.
         Fails with ``LedgerFencedError`` once the ledger was fenced, and ``LedgerClosedError``
         after ``close_ledger``."""
+
+    def append_quiet(self, data: bytes, listener: WriteListener) -> None:
+        """``append`` telling ``listener`` instead of a Deferred: completions in entry order,
+        possibly several entries per ``adds_done`` call; once an add failed, ``adds_failed``
+        (possibly more than once, possibly before this returns) and no ``adds_done`` beyond
+        what completed before. This default rides on ``append``; implementations do better."""
+
+        def done(entry_id: int) -> None:
+            listener.adds_done(self, entry_id)
+
+        def failed(failure: Failure) -> None:
+            listener.adds_failed(self, failure.value)  # type: ignore[arg-type]
+
+        self.append(data).addCallbacks(done, failed)
 
     @property
     @abc.abstractmethod
@@ -470,6 +495,22 @@ class ManagedLedger(abc.ABC):
         """Append one entry holding ``num_messages`` messages; fire with it once durable.
 
         Appends complete in order; the index of each entry follows the previous one's messages."""
+
+    def append_many(
+        self,
+        datas: Sequence[bytes],
+        num_messages: Sequence[int] | None = None,
+        publish_time_ms: int | None = None,
+    ) -> Deferred[list[Entry]]:
+        """Append the entries in order with one completion: fire with them once all are durable,
+        or fail with the first failure (entries before it may then be durable). This default
+        rides on ``append``; implementations do better."""
+        counts = [1] * len(datas) if num_messages is None else list(num_messages)
+        if len(counts) != len(datas):
+            return fail(ValueError(f"{len(datas)} entries but {len(counts)} counts"))
+        ds = [self.append(d, n, publish_time_ms) for d, n in zip(datas, counts, strict=True)]
+        out: Deferred[list[Entry]] = gatherResults(ds, consumeErrors=True)
+        return out.addErrback(lambda f: f.value.subFailure)
 
     @abc.abstractmethod
     def open_cursor(

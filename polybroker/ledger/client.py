@@ -57,6 +57,7 @@ from polybroker.ledger.api import (
     ReadResult,
     StorageError,
     WriteHandle,
+    WriteListener,
 )
 from polybroker.ledger.placement import choose_ensemble, replace_bookies
 from polybroker.ledger.registry import BookieRegistry, tcp_connector
@@ -309,8 +310,8 @@ class _PendingAdd:
         record: bytes,
         length: int,
         now: float,
-        on_done: AddDone,
-        on_failed: AddFailed,
+        on_done: AddDone | None,
+        on_failed: AddFailed | None,
         token: Any,
     ) -> None:
         self.record = record
@@ -344,6 +345,8 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         self._failed_bookies: set[str] = set()
         self._sweep_call: Any = None
         self._write_sets = self._last_write_sets(metadata)
+        self._ensemble_size = metadata.ensemble_size
+        self._seconds = self._reactor.seconds
         #: True while ``_complete`` runs the callbacks of a group of adds the bookies
         #: acknowledged together; ``after_completions`` (if set) is called once after the group,
         #: so a caller can act once per group instead of once per entry.
@@ -383,27 +386,46 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         if self._closing:
             on_failed(LedgerClosedError(f"ledger {self.ledger_id} is closed"), token, self)
             return
+        self._add(data, on_done, on_failed, token)
+
+    @override
+    def append_quiet(self, data: bytes, listener: WriteListener) -> None:
+        if self._error is not None:
+            listener.adds_failed(self, self._error)
+            return
+        if self._closing:
+            listener.adds_failed(self, LedgerClosedError(f"ledger {self.ledger_id} is closed"))
+            return
+        # on_done None: the token is a listener told once per run of completions.
+        self._add(data, None, None, listener)
+
+    def _add(
+        self, data: bytes, on_done: AddDone | None, on_failed: AddFailed | None, token: Any
+    ) -> None:
         entry_id = self._next
         self._next = entry_id + 1
         length = self._sent_length = self._sent_length + len(data)
         record = encode_record(self.ledger_id, entry_id, self._lac, length, data)
-        p = _PendingAdd(record, length, self._reactor.seconds(), on_done, on_failed, token)
+        p = _PendingAdd(record, length, self._seconds(), on_done, on_failed, token)
         self._pending[entry_id] = p
         if not self._changing:
-            p.write_set = ws = self._write_sets[entry_id % self._metadata.ensemble_size]
+            p.write_set = ws = self._write_sets[entry_id % self._ensemble_size]
             self._send(entry_id, p, ws)
         if self._sweep_call is None:
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
 
     def _send(self, entry_id: int, p: _PendingAdd, targets: Sequence[str]) -> None:
-        bookie, ledger_id, lac, record = self._client._bookie, self.ledger_id, self._lac, p.record
+        ledger_id, lac, record = self.ledger_id, self._lac, p.record
+        senders = self._client._batched
         for address in targets:
-            client = bookie(address)
-            batched = getattr(client, "add_entry_batched", None)
+            try:
+                batched = senders[address]
+            except KeyError:
+                batched = self._client._batched_sender(address)
             if batched is not None:
                 batched(ledger_id, entry_id, lac, record, self)
                 continue
-            client.add_entry(ledger_id, entry_id, lac, record).addCallbacks(
+            self._client._bookie(address).add_entry(ledger_id, entry_id, lac, record).addCallbacks(
                 self._acked,
                 self._add_failed,
                 callbackArgs=(entry_id, address),
@@ -415,12 +437,13 @@ class _WriteHandle(_ReadHandle, WriteHandle):
     def entries_acked(self, address: str, entry_ids: Sequence[int]) -> None:
         """A bookie journaled these entries."""
         pending = self._pending
+        get = pending.get
         for entry_id in entry_ids:
-            p = pending.get(entry_id)
+            p = get(entry_id)
             if p is not None and p.write_set is not None and address in p.write_set:
                 p.acked.add(address)
         if not self._changing:
-            p = pending.get(self._lac + 1)
+            p = get(self._lac + 1)
             if p is not None and len(p.acked) >= self._qa:
                 self._complete()
 
@@ -440,20 +463,34 @@ class _WriteHandle(_ReadHandle, WriteHandle):
 
     def _complete(self) -> None:
         pending, qa = self._pending, self._qa
+        # Listener-style adds (``append_quiet``) are reported once per run of completions.
+        run: Any = None
         self.completing = True
         try:
             while True:
-                p = pending.get(self._lac + 1)
+                lac = self._lac + 1
+                p = pending.get(lac)
                 if p is None or len(p.acked) < qa:
                     break
-                del pending[self._lac + 1]
-                self._lac += 1
+                del pending[lac]
+                self._lac = lac
                 self._length = p.length
+                if p.on_done is None:
+                    if run is not p.token:
+                        if run is not None:
+                            self._tell_done(run, lac - 1)
+                        run = p.token
+                    continue
+                if run is not None:
+                    self._tell_done(run, lac - 1)
+                    run = None
                 try:
-                    p.on_done(self._lac, p.token, self)
+                    p.on_done(lac, p.token, self)
                 except Exception:
                     # One caller's bug must not stop the completions of the others.
                     log.exception("ledger %d: add callback failed", self.ledger_id)
+            if run is not None:
+                self._tell_done(run, self._lac)
         finally:
             self.completing = False
         after = self.after_completions
@@ -464,6 +501,12 @@ class _WriteHandle(_ReadHandle, WriteHandle):
                 log.exception("ledger %d: after-completions callback failed", self.ledger_id)
         if not pending and self._closing:
             self._seal()
+
+    def _tell_done(self, listener: WriteListener, last_entry_id: int) -> None:
+        try:
+            listener.adds_done(self, last_entry_id)
+        except Exception:
+            log.exception("ledger %d: add listener failed", self.ledger_id)
 
     def _add_failed(self, failure: Failure, entry_id: int, address: str) -> None:
         if failure.check(LedgerFencedError):
@@ -518,9 +561,14 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             self._error = error
         pending = sorted(self._pending.items())
         self._pending.clear()
+        told: Any = None  # the listener last told, so a run of its adds hears once
         for _, p in pending:
             try:
-                p.on_failed(self._error, p.token, self)
+                if p.on_failed is not None:
+                    p.on_failed(self._error, p.token, self)
+                elif p.token is not told:
+                    told = p.token
+                    p.token.adds_failed(self, self._error)
             except Exception:
                 log.exception("ledger %d: add callback failed", self.ledger_id)
         if self._sweep_call is not None and self._sweep_call.active():
@@ -738,6 +786,8 @@ class BookKeeperClient(LedgerClient):
         self._add_timeout_s = add_timeout_s
         self._rng = rng or random.Random()
         self._bookies: dict[str, BookieClient] = {}
+        # Per bookie address: its ``add_entry_batched`` (None: it has only ``add_entry``).
+        self._batched: dict[str, Any] = {}
         self._closed = False
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -750,6 +800,13 @@ class BookKeeperClient(LedgerClient):
                 return _ClosedBookie(address)
             client = self._bookies[address] = self._connect(address)
         return client
+
+    def _batched_sender(self, address: str) -> Any:
+        """The ``add_entry_batched`` of a bookie (None if it has none), remembered until close."""
+        sender = getattr(self._bookie(address), "add_entry_batched", None)
+        if not self._closed:
+            self._batched[address] = sender
+        return sender
 
     def _timed(self, d: Deferred[Any], what: str) -> Deferred[Any]:
         seconds = self._add_timeout_s
@@ -839,6 +896,7 @@ class BookKeeperClient(LedgerClient):
     @override
     def close(self) -> Deferred[None]:
         self._closed = True
+        self._batched.clear()
         bookies, self._bookies = list(self._bookies.values()), {}
         return _gather_all([b.close() for b in bookies]).addCallback(lambda _: None)
 

@@ -25,6 +25,7 @@ from polybroker.ledger.api import StorageError
 MAGIC = 0x0EB1
 VERSION = 1
 _HEADER = struct.Struct(">HBBqqi")
+HEADER = _HEADER  # for writers that checked the fields already (the managed ledger's hot path)
 HEADER_SIZE = _HEADER.size
 MAX_NUM_MESSAGES = 2**31 - 1
 

@@ -71,6 +71,8 @@ READ_BATCH = 100
 # Sealed ledgers keep the index and time of every SPARSE_STEP-th entry (16 bytes per step).
 SPARSE_STEP = 64
 
+_pack_header = entry_format.HEADER.pack
+
 
 def ledger_path(name: str) -> str:
     """The metadata path of a log."""
@@ -174,20 +176,43 @@ class _Ledger:
         }
 
 
+class _Group:
+    """The one completion of the appends of an ``append_many``."""
+
+    __slots__ = ("count", "d", "entries")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.entries: list[Entry] = []
+        self.d: Deferred[list[Entry]] = Deferred()
+
+
 class _Add:
-    """One append on its way to a ledger."""
+    """One append on its way to a ledger: told through its Deferred ``d``, or else its group."""
 
-    __slots__ = ("d", "data", "done", "entry_id", "index", "num", "raw", "time")
+    __slots__ = ("d", "data", "entry_id", "group", "index", "num", "size", "time")
 
-    def __init__(self, data: bytes, num: int, time: int) -> None:
+    def __init__(
+        self, data: bytes, num: int, time: int, d: Deferred[Entry] | None, group: _Group | None
+    ) -> None:
         self.data = data
         self.num = num
         self.time = time
         self.index = -1
-        self.raw = b""
-        self.entry_id = -1
-        self.done = False
-        self.d: Deferred[Entry] = Deferred()
+        self.size = 0  # stored bytes (header and data)
+        self.entry_id = -1  # in the ledger it was last sent to
+        self.d = d
+        self.group = group
+
+    def fail(self, error: Exception) -> None:
+        """Tell whoever waits that this append failed (a group hears only its first failure)."""
+        if self.d is not None:
+            self.d.errback(error)
+            return
+        group = self.group
+        assert group is not None
+        if not group.d.called:
+            group.d.errback(error)
 
 
 def _decode(position: Position, raw: bytes) -> Entry:
@@ -391,11 +416,50 @@ class ManagedLedgerImpl(ManagedLedger):
     ) -> Deferred[Entry]:
         if not self._accepting:
             return fail(self._refusal())
-        if num_messages < 1:
+        if not 1 <= num_messages <= entry_format.MAX_NUM_MESSAGES:
             return fail(ValueError(f"num_messages must be >= 1, got {num_messages}"))
         if publish_time_ms is None:
             publish_time_ms = int(self._reactor.seconds() * 1000)
-        add = _Add(data, num_messages, publish_time_ms)
+        d: Deferred[Entry] = Deferred()
+        self._enqueue(_Add(data, num_messages, publish_time_ms, d, None))
+        return d
+
+    def append_many(
+        self,
+        datas: Sequence[bytes],
+        num_messages: Sequence[int] | None = None,
+        publish_time_ms: int | None = None,
+    ) -> Deferred[list[Entry]]:
+        """Append the entries in order, as many ``append`` calls would, with one completion
+        (and no Deferred per entry): fire with the entries once all are durable, or fail with
+        the first failure (entries before it may then be durable, as separate appends would)."""
+        if not self._accepting:
+            return fail(self._refusal())
+        if num_messages is None:
+            num_messages = [1] * len(datas)
+        elif len(num_messages) != len(datas):
+            return fail(ValueError(f"{len(datas)} entries but {len(num_messages)} counts"))
+        for num in num_messages:
+            if not 1 <= num <= entry_format.MAX_NUM_MESSAGES:
+                return fail(ValueError(f"num_messages must be >= 1, got {num}"))
+        if publish_time_ms is None:
+            publish_time_ms = int(self._reactor.seconds() * 1000)
+        group = _Group(len(datas))
+        if not datas:
+            group.d.callback([])
+            return group.d
+        enqueue = self._enqueue
+        for data, num in zip(datas, num_messages, strict=True):
+            if not self._accepting:
+                # Refused half-way (fenced by a synchronous failure): the rest never goes.
+                if not group.d.called:
+                    group.d.errback(self._refusal())
+                break
+            enqueue(_Add(data, num, publish_time_ms, None, group))
+        return group.d
+
+    def _enqueue(self, add: _Add) -> None:
+        """Send ``add`` to the current ledger, or queue it behind a rollover (Rule 1)."""
         state = self._state
         if state is _State.OPEN and not self._queued:
             if self._is_full():
@@ -408,7 +472,6 @@ class ManagedLedgerImpl(ManagedLedger):
             if state is _State.NO_LEDGER:
                 self._state = _State.ROLLING
                 self._switch(None)
-        return add.d
 
     def _refusal(self) -> Exception:
         if self._state is _State.CLOSED:
@@ -434,68 +497,83 @@ class ManagedLedgerImpl(ManagedLedger):
     def _send(self, add: _Add) -> None:
         handle = self._current
         assert handle is not None
-        add.index = self._sent_index
-        self._sent_index += add.num
-        add.raw = entry_format.encode(add.data, add.index, add.time, add.num)
+        index = add.index = self._sent_index
+        self._sent_index = index + add.num
+        # entry_format.encode without its checks: ``append`` checked the fields.
+        raw = _pack_header(entry_format.MAGIC, entry_format.VERSION, 0, add.time, index, add.num)
+        raw += add.data
+        add.size = size = len(raw)
+        # The log is the only writer of its ledgers: entry ids are the sends, counted from 0.
+        add.entry_id = self._sent_entries
         self._sent_entries += 1
-        self._sent_bytes += len(add.raw)
+        self._sent_bytes += size
         self._pending.append(add)
-        append_then = getattr(handle, "append_then", None)
-        if append_then is not None:
-            # The ledger client's Deferred-free append (one Deferred per entry is enough).
-            append_then(add.raw, self._add_done, self._add_error, add)
-            return
-        handle.append(add.raw).addCallbacks(
-            self._add_done, self._add_failed, callbackArgs=(add, handle), errbackArgs=(add, handle)
-        )
+        handle.append_quiet(raw, self)
 
-    def _add_done(self, entry_id: int, add: _Add, handle: WriteHandle) -> None:
-        if handle is not self._current or add.done:
-            return  # an answer from a ledger this log already gave up
-        add.entry_id = entry_id
-        add.done = True
+    # The ``WriteListener`` of the current ledger.
+
+    def adds_done(self, handle: WriteHandle, last_entry_id: int) -> None:
+        """The current ledger completed every add up to ``last_entry_id``."""
         pending = self._pending
-        if pending[0] is not add:
-            return  # completes when the ones before it do (Rule 1)
+        if handle is not self._current or not pending or pending[0].entry_id > last_entry_id:
+            return  # an answer from a ledger this log already gave up, or nothing new
         ledger = self._current_ledger
         assert ledger is not None
-        cache = self._cache
-        keep = bool(self._cursors)
+        assert ledger.indexes is not None
+        assert ledger.times is not None
         lid = ledger.ledger_id
-        while pending and pending[0].done:
-            a = pending.popleft()
-            if ledger.entries == 0:
-                ledger.first_time = a.time
-            ledger.entries += 1
-            ledger.size += len(a.raw)
-            ledger.messages += a.num
-            ledger.last_time = a.time
-            ledger.indexes.append(a.index)  # type: ignore[union-attr]
-            ledger.times.append(a.time)  # type: ignore[union-attr]
+        cache = self._cache if self._cursors else None
+        seq = self._next_seq
+        size = messages = 0
+        index_of, time_of = ledger.indexes.append, ledger.times.append
+        if ledger.entries == 0:
+            ledger.first_time = pending[0].time
+        done: list[tuple[_Add, Entry]] = []
+        popleft = pending.popleft
+        # Record every completed entry first, then tell the callers: whatever their callbacks
+        # do (append, read, close) sees the log with all of them.
+        while pending and pending[0].entry_id <= last_entry_id:
+            a = popleft()
             entry = Entry(Position(lid, a.entry_id), a.index, a.num, a.time, a.data)
-            if keep:
-                cache.put(self._next_seq, entry)
-            self._next_seq += 1
-            self._next_index += a.num
-            a.d.callback(entry)
+            index_of(a.index)
+            time_of(a.time)
+            size += a.size
+            messages += a.num
+            if cache is not None:
+                cache.put(seq, entry)
+            seq += 1
+            done.append((a, entry))
+        ledger.entries += len(done)
+        ledger.size += size
+        ledger.messages += messages
+        ledger.last_time = done[-1][0].time
+        self._next_seq = seq
+        self._next_index += messages
+        for a, entry in done:
+            d = a.d
+            if d is not None:
+                d.callback(entry)
+                continue
+            group = a.group
+            assert group is not None
+            group.entries.append(entry)
+            if len(group.entries) == group.count and not group.d.called:
+                group.d.callback(group.entries)
         if self._waiting and not getattr(handle, "completing", False):
             # A group the bookies acknowledged together wakes readers once, after it
             # (``_group_done``), so a tailing read takes the whole group at once.
             self._wake_readers()
-        if not pending:
+        if not self._pending:
             if self._state is _State.ROLLING and self._current is handle:
                 self._switch(handle)
             elif self._state is _State.OPEN and self._accepting and self._is_full():
                 self._begin_roll()
             self._check_idle()
 
-    def _add_error(self, error: Exception, add: _Add, handle: WriteHandle) -> None:
-        self._add_failed(Failure(error), add, handle)
-
-    def _add_failed(self, failure: Failure, add: _Add, handle: WriteHandle) -> None:
+    def adds_failed(self, handle: WriteHandle, error: Exception) -> None:
+        """The current ledger failed: resend what is pending to a new one (Rule 1)."""
         if handle is not self._current:
             return
-        error = failure.value
         if isinstance(error, LedgerFencedError):
             self._fence(ManagedLedgerFencedError(f"{self.name}: ledger fenced by another owner"))
             return
@@ -509,8 +587,6 @@ class ManagedLedgerImpl(ManagedLedger):
         # Everything not yet confirmed goes back, in order, in front of what was queued.
         self._queued.extendleft(reversed(self._pending))
         self._pending.clear()
-        for a in self._queued:
-            a.done = False
         self._sent_index = self._next_index
         self._current = None
         self._state = _State.ROLLING
@@ -648,7 +724,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._pending.clear()
         self._queued.clear()
         for a in adds:
-            a.d.errback(error)
+            a.fail(error)
 
     def _fence(self, error: Exception) -> None:
         if self._state in (_State.FENCED, _State.CLOSED):
@@ -851,7 +927,7 @@ class ManagedLedgerImpl(ManagedLedger):
         return self._read_seqs(range(first, last))
 
     def _group_done(self) -> None:
-        """The ledger client finished a group of completions (see ``_add_done``)."""
+        """The ledger client finished a group of completions (see ``adds_done``)."""
         if self._waiting:
             self._wake_readers()
 
@@ -1177,7 +1253,7 @@ class ManagedLedgerImpl(ManagedLedger):
         queued = list(self._queued)
         self._queued.clear()
         for a in queued:
-            a.d.errback(ManagedLedgerTerminatedError(f"{self.name} is terminated"))
+            a.fail(ManagedLedgerTerminatedError(f"{self.name} is terminated"))
         await self._idle()
         if self._state is _State.FENCED:
             raise self._refusal()

@@ -564,3 +564,54 @@ def test_late_acks_of_a_replaced_bookie_are_ignored() -> None:
     adds_before = len(slow.adds)
     assert result_of(w.append(data(3))) == 3
     assert len(slow.adds) == adds_before
+
+
+class _Listener:
+    """Records what a ``WriteListener`` hears."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, object]] = []
+
+    def adds_done(self, handle: object, last_entry_id: int) -> None:
+        self.heard.append(("done", last_entry_id))
+
+    def adds_failed(self, handle: object, error: Exception) -> None:
+        self.heard.append(("failed", type(error).__name__))
+
+
+def test_append_quiet_tells_its_listener_once_per_run_of_completions() -> None:
+    """Adds acknowledged together are reported in one call naming the last of them; an add
+    with a Deferred in between splits the run, and everything completes in entry order."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    bookie = rig.bookie(w.metadata.fragments[0][1][0])
+    bookie.hold = True
+    listener = _Listener()
+    order: list[object] = []
+    w.append_quiet(b"a", listener)
+    w.append_quiet(b"b", listener)
+    w.append(b"c").addCallback(lambda e: order.append(("deferred", e)))
+    w.append_quiet(b"d", listener)
+    listener.heard = order  # one log of both kinds of completion
+    w.entries_acked(bookie.address, [0, 1, 2, 3])  # one ADD_MULTI answer for all four
+    assert order == [("done", 1), ("deferred", 2), ("done", 3)]
+    assert w.last_add_confirmed == 3
+    assert w.length == 4
+
+
+def test_append_quiet_failures_reach_the_listener_once() -> None:
+    """When the ledger fails, the listener hears it once for its pending adds, and at once
+    for an add made after."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    bookie = rig.bookie(w.metadata.fragments[0][1][0])
+    bookie.hold = True
+    listener = _Listener()
+    for payload in (b"a", b"b", b"c"):
+        w.append_quiet(payload, listener)
+    bookie.crash()  # no spare bookie: the ensemble change fails every pending add
+    rig.clock.advance(0)
+    assert listener.heard == [("failed", "NotEnoughBookiesError")]
+    w.append_quiet(b"d", listener)
+    assert listener.heard[1:] == [("failed", "NotEnoughBookiesError")]
+    assert w.last_add_confirmed == -1

@@ -739,3 +739,75 @@ def test_closing_a_full_ledger_seals_it_without_rolling_over() -> None:
     entry = result_of(d)
     assert entry.data == b"last"
     assert rig.client.ledgers[entry.position.ledger_id].state is LedgerState.CLOSED
+
+
+# -- append_many ------------------------------------------------------------------------------
+
+
+def test_append_many_completes_once_with_every_entry_in_order() -> None:
+    """One completion for the group, its entries in order, indexes counting messages, and
+    appends before and after it keep their places."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    before = ml.append(b"first", 2)
+    group = ml.append_many([b"a", b"b", b"c"], [1, 3, 1])
+    after = ml.append(b"last")
+    assert not group.called
+    rig.client.release()
+    entries = result_of(group)
+    assert [e.data for e in entries] == [b"a", b"b", b"c"]
+    assert [e.index for e in entries] == [2, 3, 6]
+    assert [e.position.entry_id for e in entries] == [1, 2, 3]
+    assert result_of(before).index == 0
+    assert result_of(after).index == 7
+    assert [e.data for e in read_all(ml)] == [b"first", b"a", b"b", b"c", b"last"]
+
+
+def test_append_many_crosses_rollovers() -> None:
+    """A group larger than a ledger goes on over the next ledgers and completes whole."""
+    rig = Rig()
+    ml = rig.open(max_entries_per_ledger=3)
+    entries = result_of(ml.append_many(payloads(8)))
+    assert [e.data for e in entries] == payloads(8)
+    assert [e.index for e in entries] == list(range(8))
+    assert len({e.position.ledger_id for e in entries}) == 3
+    assert [e.data for e in read_all(ml)] == payloads(8)
+
+
+def test_append_many_is_resent_whole_after_a_ledger_failure() -> None:
+    """Entries of a group pending on a failed ledger go to the next one with the same
+    indexes; the group completes once, nothing lost or reordered."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    group = ml.append_many(payloads(6))
+    first = ml.ledgers[-1].ledger_id
+    rig.client.writer(first).release(2)
+    assert not group.called
+    rig.client.fail_pending(first)
+    rig.client.release()
+    entries = result_of(group)
+    assert [e.index for e in entries] == list(range(6))
+    assert [e.position.ledger_id for e in entries[:2]] == [first, first]
+    assert [e.data for e in read_all(ml)] == payloads(6)
+
+
+def test_append_many_fails_once_when_the_log_is_fenced() -> None:
+    """Another owner fencing the ledger fails the group's one completion."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    group = ml.append_many(payloads(3))
+    result_of(rig.client.open(ml.ledgers[-1].ledger_id, recovery=True))
+    assert isinstance(failure_of(group), ManagedLedgerFencedError)
+    assert isinstance(failure_of(ml.append_many(payloads(1))), ManagedLedgerFencedError)
+
+
+def test_append_many_checks_its_arguments() -> None:
+    """Counts must match the entries and be >= 1; an empty group completes at once."""
+    ml = Rig().open()
+    assert isinstance(failure_of(ml.append_many([b"a", b"b"], [1])), ValueError)
+    assert isinstance(failure_of(ml.append_many([b"a"], [0])), ValueError)
+    assert result_of(ml.append_many([])) == []
+    assert ml.entries == 0
