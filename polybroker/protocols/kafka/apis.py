@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import struct
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -67,6 +68,9 @@ SWEEP_INTERVAL_S = 1.0
 _TOPIC_ID_NAMESPACE = uuid.UUID("5c0f9d4e-6a55-4b8e-9a43-4b6b2f1d7a01")
 _NO_TOPIC_ID = uuid.UUID(int=0)
 _LATEST = -1
+#: Entries asked of the log per read while filling a Fetch (each read is one Deferred).
+_READ_ENTRIES = 64
+_I64 = struct.Struct(">q")
 _EARLIEST = -2
 _MAX_TIMESTAMP = -3
 #: Kafka batch codecs -> the stored message format's (gzip has no Pulsar twin: zlib is close).
@@ -145,16 +149,19 @@ class Settings:
     conversion_cache_bytes: int = 64 * 1024 * 1024
 
 
-@dataclass
+@dataclass(slots=True)
 class _PartitionRead:
     topic: str
-    partition: int
-    topic_id: uuid.UUID = _NO_TOPIC_ID
-    error: int = c.NONE
-    high_watermark: int = -1
-    log_start: int = -1
-    records: list[bytes] = field(default_factory=list)
-    size: int = 0
+    topic_id: uuid.UUID
+    out: c.FetchedPartition  # what the response carries: batches as wire pieces
+
+    @property
+    def error(self) -> int:
+        return self.out.error
+
+    @property
+    def size(self) -> int:
+        return self.out.size
 
 
 class KafkaApis:
@@ -726,28 +733,36 @@ class KafkaApis:
             return NO_RESPONSE
         return d
 
-    async def _produce_async(self, req: c.Request) -> Any:
-        cls = c.response_class(c.API_PRODUCE)
+    async def _produce_async(self, req: c.Request) -> c.ProduceResponse:
         body = req.body
-        topics = []
-        for t in body.topic_data:
-            parts: list[Deferred[Any]] = []
-            for p in t.partition_data:
-                parts.append(Deferred.fromCoroutine(self._produce_partition(req, t.name, p)))
-            answers = await DeferredList(parts, consumeErrors=True)
-            responses = []
-            for (ok, value), p in zip(answers, t.partition_data, strict=True):
+        wanted = [(t.name, p) for t in body.topic_data for p in t.partition_data]
+        if len(wanted) == 1:  # the common case: no DeferredList
+            name, p = wanted[0]
+            try:
+                results = [await self._produce_partition(req, name, p)]
+            except Exception as e:
+                log.warning("produce failed", extra=kv(topic=name, error=str(e)))
+                results = [(c.UNKNOWN_SERVER_ERROR, -1, -1)]
+        else:
+            answers = await DeferredList(
+                [Deferred.fromCoroutine(self._produce_partition(req, n, p)) for n, p in wanted],
+                consumeErrors=True,
+            )
+            results = []
+            for (ok, value), (name, _) in zip(answers, wanted, strict=True):
                 if not ok:
-                    log.warning("produce failed", extra=kv(topic=t.name, error=str(value.value)))
+                    log.warning("produce failed", extra=kv(topic=name, error=str(value.value)))
                     value = (c.UNKNOWN_SERVER_ERROR, -1, -1)
-                error, base, start = value
-                responses.append(
-                    cls.TopicProduceResponse.PartitionProduceResponse(
-                        index=p.index, error_code=error, base_offset=base, log_start_offset=start
-                    )
-                )
-            topics.append(cls.TopicProduceResponse(name=t.name, partition_responses=responses))
-        return cls(responses=topics, throttle_time_ms=0)
+                results.append(value)
+        topics: list[tuple[str, list[c.ProducedPartition]]] = []
+        answered = iter(results)
+        for t in body.topic_data:
+            rows = []
+            for p in t.partition_data:
+                error, base, start = next(answered)
+                rows.append(c.ProducedPartition(p.index, error, base, start))
+            topics.append((t.name, rows))
+        return c.ProduceResponse(topics)
 
     async def _produce_partition(self, req: c.Request, name: str, p: Any) -> tuple[int, int, int]:
         if req.api_version < 3:
@@ -939,10 +954,11 @@ class KafkaApis:
         for t in body.topics:
             name = self.topic_name(t.topic_id, t.topic)
             for p in t.partitions:
-                r = _PartitionRead(name or "", p.partition, t.topic_id or _NO_TOPIC_ID)
+                out = c.FetchedPartition(p.partition)
+                r = _PartitionRead(name or "", t.topic_id or _NO_TOPIC_ID, out)
                 reads.append(r)
                 if name is None:
-                    r.error = c.UNKNOWN_TOPIC_ID
+                    out.error = c.UNKNOWN_TOPIC_ID
                     continue
                 try:
                     topic = await self._partition_topic(name, p.partition, False)
@@ -951,93 +967,87 @@ class KafkaApis:
                 except ServiceNotReadyError:
                     if self.cluster is None:
                         raise
-                    r.error = c.NOT_LEADER_OR_FOLLOWER
+                    out.error = c.NOT_LEADER_OR_FOLLOWER
                     continue
                 if topic is None:
-                    r.error = c.UNKNOWN_TOPIC_OR_PARTITION
+                    out.error = c.UNKNOWN_TOPIC_OR_PARTITION
                     continue
                 topics.append(topic)
-                r.high_watermark = topic.next_index
-                r.log_start = topic.first_index
+                out.high_watermark = topic.next_index
+                out.log_start = topic.first_index
                 offset = p.fetch_offset
-                if offset < r.log_start or offset > r.high_watermark:
-                    r.error = c.OFFSET_OUT_OF_RANGE
+                if offset < out.log_start or offset > out.high_watermark:
+                    out.error = c.OFFSET_OUT_OF_RANGE
                     continue
                 limit = (
                     min(p.partition_max_bytes, budget)
                     if reads[0] is not r
                     else (p.partition_max_bytes)
                 )
-                await self._read_partition(topic, offset, max(limit, 0), r)
-                budget -= r.size
+                await self._read_partition(topic, offset, max(limit, 0), out)
+                budget -= out.size
         return reads, topics
 
-    async def _read_partition(self, topic: Any, offset: int, limit: int, r: _PartitionRead) -> None:
-        while offset < topic.next_index and (r.size < limit or not r.records):
-            entries = await topic.read_from_index(offset, 16)
+    async def _read_partition(
+        self, topic: Any, offset: int, limit: int, r: c.FetchedPartition
+    ) -> None:
+        records = r.records
+        while offset < topic.next_index and (r.size < limit or not records):
+            entries = await topic.read_from_index(offset, _READ_ENTRIES)
             if not entries:
                 return
             for entry in entries:
                 if entry.last_index < offset:
                     continue
                 try:
-                    batch = self._as_batch(topic.name, entry)
+                    pieces, size = self._as_batch(topic.name, entry)
                 except (MessageFormatError, rec.RecordError) as e:
                     log.warning(
                         "skipping an entry Kafka cannot read",
                         extra=kv(topic=topic.name, index=entry.index, error=str(e)),
                     )
-                    batch = b""
+                    size = 0
                 offset = entry.last_index + 1
-                if not batch:
+                if not size:
                     continue
-                if r.records and r.size + len(batch) > limit:
+                if records and r.size + size > limit:
                     return
-                r.records.append(batch)
-                r.size += len(batch)
+                records.extend(pieces)
+                r.size += size
                 if r.size >= limit:
                     return
 
-    def _as_batch(self, topic: str, entry: Any) -> bytes:
+    def _as_batch(self, topic: str, entry: Any) -> tuple[tuple[bytes | memoryview, ...], int]:
+        """An entry as one record batch at its index, in pieces for the response, and its size
+        (0: nothing to send). A verbatim batch is its stored bytes with only the base offset
+        written anew (no copy, no per-record work); other entries are converted once and
+        cached."""
+        md, payload = messages.split_entry(entry.data)
+        if messages.metadata_format(md) == FORMAT_TAG:
+            if len(payload) < rec.HEADER_SIZE:
+                raise rec.RecordError("stored Kafka batch is truncated")
+            return (_I64.pack(entry.index), memoryview(payload)[8:]), len(payload)
         key = (topic, entry.position, entry.index, len(entry.data))
         found = self._converted.get(key)
         if found is not None:
             self._converted.move_to_end(key)
-            return found
+            return (found,), len(found)
         batch = entry_as_batch(entry.index, entry.data)
-        if messages.entry_format(entry.data) == FORMAT_TAG:
-            return batch  # a verbatim batch costs nothing to serve again
+        if not batch:
+            return (), 0
         self._converted[key] = batch
         self._converted_bytes += len(batch)
         while self._converted_bytes > self.settings.conversion_cache_bytes and self._converted:
             _, dropped = self._converted.popitem(last=False)
             self._converted_bytes -= len(dropped)
-        return batch
+        return (batch,), len(batch)
 
-    def _fetch_response(self, reads: list[_PartitionRead]) -> Any:
-        cls = c.response_class(c.API_FETCH)
-        by_topic: dict[tuple[str, uuid.UUID], list[Any]] = {}
+    def _fetch_response(self, reads: list[_PartitionRead]) -> c.FetchResponse:
+        by_topic: dict[tuple[str, uuid.UUID], list[c.FetchedPartition]] = {}
         for r in reads:
-            by_topic.setdefault((r.topic, r.topic_id), []).append(
-                cls.FetchableTopicResponse.PartitionData(
-                    partition_index=r.partition,
-                    error_code=r.error,
-                    high_watermark=r.high_watermark,
-                    last_stable_offset=r.high_watermark,
-                    log_start_offset=r.log_start,
-                    aborted_transactions=[],
-                    preferred_read_replica=-1,
-                    records=b"".join(r.records),
-                )
-            )
-        return cls(
-            throttle_time_ms=0,
-            error_code=c.NONE,
-            session_id=0,
-            responses=[
-                cls.FetchableTopicResponse(topic=name, topic_id=tid, partitions=parts)
-                for (name, tid), parts in by_topic.items()
-            ],
+            by_topic.setdefault((r.topic, r.topic_id), []).append(r.out)
+        return c.FetchResponse(
+            [(name, tid.bytes, parts) for (name, tid), parts in by_topic.items()]
         )
 
     def _list_offsets(self, req: c.Request, host: str) -> Deferred[Any]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # kafka-python reads its JSON schemas with importlib.resources calls that Python 3.11 deprecates.
@@ -311,12 +311,166 @@ def parse_request(frame: bytes, table: dict[int, tuple[int, int]] = API_VERSIONS
 
 def encode_response(api_key: int, api_version: int, correlation_id: int, body: Any) -> bytes:
     """Frame a response: size, header (v0, or v1 for flexible versions except ApiVersions) and
-    ``body`` encoded at ``api_version``."""
+    ``body`` encoded at ``api_version``.
+
+    ``body`` is a schema message, or a ``DirectBody`` (the hot APIs, encoded without walking
+    the schema) whose parts are joined once with the frame head."""
     cls = RESPONSES[api_key]
     flexible = cls.flexible_version_q(api_version) and api_key != API_API_VERSIONS
+    header = _SIZE.pack(correlation_id) + (b"\x00" if flexible else b"")
+    if isinstance(body, DirectBody):
+        parts = body.encode_parts(api_version)
+        size = len(header) + sum(len(x) for x in parts)
+        return b"".join([_SIZE.pack(size), header, *parts])
     payload = bytes(body.encode(version=api_version))
-    header = struct.pack(">i", correlation_id) + (b"\x00" if flexible else b"")
     return _SIZE.pack(len(header) + len(payload)) + header + payload
+
+
+# -- direct encoding of the hot responses (Produce, Fetch) ---------------------------------
+#
+# Byte for byte what the schema classes write (tests compare both), for the versions the
+# handler serves. Tagged fields are all left at their defaults, so each flexible struct ends
+# with an empty tag section (one zero byte).
+
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+_PRODUCE_PART = struct.Struct(">ihq")  # index, error code, base offset
+_I64 = struct.Struct(">q")
+_FETCH_PART = struct.Struct(">ihqqq")  # index, error, high watermark, last stable, log start
+_FETCH_PART_V4 = struct.Struct(">ihqq")
+_EMPTY_ARRAY = _I32.pack(0)
+_NULL_STRING = _I16.pack(-1)
+
+
+def _uvarint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _string(value: str, flexible: bool) -> bytes:
+    raw = value.encode("utf-8")
+    if flexible:
+        return _uvarint(len(raw) + 1) + raw
+    return _I16.pack(len(raw)) + raw
+
+
+def _array_head(n: int, flexible: bool) -> bytes:
+    return _uvarint(n + 1) if flexible else _I32.pack(n)
+
+
+class DirectBody:
+    """A response body that encodes itself into parts (joined by ``encode_response``)."""
+
+    def encode_parts(self, version: int) -> list[bytes | memoryview]:
+        raise NotImplementedError
+
+    def encode(self, version: int) -> bytes:
+        """The body's bytes at ``version`` (as a schema message's ``encode``)."""
+        return b"".join(self.encode_parts(version))
+
+
+@dataclass(slots=True)
+class ProducedPartition:
+    """One partition's answer to a Produce."""
+
+    index: int
+    error: int
+    base_offset: int
+    log_start: int
+
+
+class ProduceResponse(DirectBody):
+    """A Produce response (v0-12): per topic name, its partitions' answers."""
+
+    __slots__ = ("topics",)
+
+    def __init__(self, topics: list[tuple[str, list[ProducedPartition]]]) -> None:
+        self.topics = topics
+
+    def encode_parts(self, version: int) -> list[bytes | memoryview]:
+        if not 0 <= version <= 12:
+            raise ValueError(f"Produce response v{version} is not encoded directly")
+        flexible = version >= 9
+        # Per partition after the base offset: log append time (v2+), log start (v5+),
+        # record errors and error message (v8+), tags (v9+).
+        tail_v8 = b""
+        if version >= 8:
+            tail_v8 = b"\x01\x00" if flexible else _EMPTY_ARRAY + _NULL_STRING
+        tag = b"\x00" if flexible else b""
+        out: list[bytes | memoryview] = [_array_head(len(self.topics), flexible)]
+        for name, partitions in self.topics:
+            out.append(_string(name, flexible))
+            out.append(_array_head(len(partitions), flexible))
+            for p in partitions:
+                out.append(_PRODUCE_PART.pack(p.index, p.error, p.base_offset))
+                if version >= 2:
+                    out.append(_I64.pack(-1))
+                if version >= 5:
+                    out.append(_I64.pack(p.log_start))
+                out.append(tail_v8)
+                out.append(tag)
+            out.append(tag)
+        if version >= 1:
+            out.append(_I32.pack(0))  # throttle time
+        out.append(tag)
+        return out
+
+
+@dataclass(slots=True)
+class FetchedPartition:
+    """One partition's answer to a Fetch: its record batches as they go on the wire."""
+
+    partition: int
+    error: int = NONE
+    high_watermark: int = -1
+    log_start: int = -1
+    records: list[bytes | memoryview] = field(default_factory=list)
+    size: int = 0
+
+
+class FetchResponse(DirectBody):
+    """A Fetch response (v4-17) with no session, no aborted transactions and every partition's
+    last stable offset at its high watermark; per topic (name, 16-byte id, partitions)."""
+
+    __slots__ = ("topics",)
+
+    def __init__(self, topics: list[tuple[str, bytes, list[FetchedPartition]]]) -> None:
+        self.topics = topics
+
+    def encode_parts(self, version: int) -> list[bytes | memoryview]:
+        if not 4 <= version <= 17:
+            raise ValueError(f"Fetch response v{version} is not encoded directly")
+        flexible = version >= 12
+        tag = b"\x00" if flexible else b""
+        empty = b"\x01" if flexible else _EMPTY_ARRAY  # no aborted transactions
+        out: list[bytes | memoryview] = [_I32.pack(0)]  # throttle time
+        if version >= 7:
+            out.append(b"\x00\x00\x00\x00\x00\x00")  # error code, session id 0
+        out.append(_array_head(len(self.topics), flexible))
+        for name, topic_id, partitions in self.topics:
+            out.append(topic_id if version >= 13 else _string(name, flexible))
+            out.append(_array_head(len(partitions), flexible))
+            for p in partitions:
+                hw = p.high_watermark
+                if version >= 5:
+                    out.append(_FETCH_PART.pack(p.partition, p.error, hw, hw, p.log_start))
+                else:
+                    out.append(_FETCH_PART_V4.pack(p.partition, p.error, hw, hw))
+                out.append(empty)
+                if version >= 11:
+                    out.append(_I32.pack(-1))  # preferred read replica
+                out.append(_uvarint(p.size + 1) if flexible else _I32.pack(p.size))
+                out.extend(p.records)
+                out.append(tag)
+            out.append(tag)
+        out.append(tag)
+        return out
 
 
 def api_versions_body(
