@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -263,6 +264,72 @@ def test_amq_topic_bridges_to_pulsar_clients_of_the_other_broker(shared: Cluster
         amqp_side.close()
 
 
+def bundle_of(broker: Broker, local: str) -> str:
+    url = f"{broker.http_url}/lookup/v2/topic/persistent/public/default/{local}/bundle"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read().decode()
+
+
+def lookup_http(broker: Broker, local: str, authoritative: bool = False) -> str:
+    """The admin URL of the broker that serves topic ``local`` (asked of ``broker``)."""
+    url = f"{broker.http_url}/lookup/v2/topic/persistent/public/default/{local}"
+    if authoritative:
+        url += "?authoritative=true"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return str(json.loads(resp.read())["httpUrl"]).rstrip("/")
+
+
+def test_a_queue_whose_topic_another_broker_owns_is_served_through_forwarding(
+    shared: Cluster,
+) -> None:
+    """The vhost's broker serves a queue whose topic the other broker owns: publishes,
+    deliveries, acks, purge (the log's end asked of the owner) and delete (the topic deleted
+    at the owner) all work."""
+    owner = shared.owner()
+    other = shared.other(owner)
+    # A queue whose topic is in another bundle than the vhost's control topic, and that
+    # bundle moved to the other broker.
+    control = bundle_of(other, CONTROL)
+    names = (f"remote-{i}" for i in range(64))
+    name = next(n for n in names if bundle_of(other, f"amqp.queue.{n}") != control)
+    local = f"amqp.queue.{name}"
+    move = urllib.request.Request(
+        f"{other.http_url}/admin/v2/namespaces/public/default/{bundle_of(other, local)}"
+        f"/unload?destinationBroker={other.broker_id}",
+        method="PUT",
+    )
+    with urllib.request.urlopen(move, timeout=30) as resp:
+        assert resp.status in (200, 204)
+    assert lookup_http(other, local, authoritative=True) == other.http_url
+    conn = connect(owner)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(name, durable=True)
+        ch.confirm_delivery()
+        for i in range(10):
+            ch.basic_publish("", name, f"r{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        assert lookup_http(owner, local) == other.http_url
+        got = []
+        for _ in range(3):
+            method, _, body = poll_get(ch, name)
+            ch.basic_ack(method.delivery_tag)
+            got.append(body)
+        assert got == [b"r0", b"r1", b"r2"]
+        assert ch.queue_purge(name).method.message_count == 7
+        assert ch.basic_get(name)[0] is None
+        ch.basic_publish("", name, b"after", pika.BasicProperties(delivery_mode=2))
+        method, _, body = poll_get(ch, name)
+        assert body == b"after"
+        ch.basic_ack(method.delivery_tag)
+        ch.queue_delete(name)
+        stats = f"{other.http_url}/admin/v2/persistent/public/default/{local}/stats"
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            urllib.request.urlopen(stats, timeout=30)
+        assert gone.value.code == 404
+    finally:
+        conn.close()
+
+
 def pump_until_closed(conn: pika.BlockingConnection) -> None:
     """Serve the connection's events until the broker closes it (which raises; bounded)."""
     deadline = time.monotonic() + WAIT_S
@@ -284,9 +351,7 @@ def test_unloading_the_vhost_bundle_moves_the_vhost(shared: Cluster) -> None:
             ch.basic_publish("", "moving", f"v{i}".encode(), pika.BasicProperties(delivery_mode=2))
         relayed.channel().queue_declare("moving", passive=True)
         live = shared.a.http_url
-        url = f"{live}/lookup/v2/topic/persistent/public/default/{CONTROL}/bundle"
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            bundle = resp.read().decode()
+        bundle = bundle_of(shared.a, CONTROL)
         unload = urllib.request.Request(
             f"{live}/admin/v2/namespaces/public/default/{bundle}/unload", method="PUT"
         )
