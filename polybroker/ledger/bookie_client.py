@@ -14,12 +14,13 @@ Rule 4: answers map to the api's errors: FENCED -> ``LedgerFencedError``, NO_SUC
         ``NoSuchEntryError``, NO_SUCH_LEDGER -> ``NoSuchLedgerError``, BAD_REQUEST, BAD_VERSION and
         TOO_LARGE -> ``BookieProtocolError``, ERROR -> ``BookieError``. A frame the client cannot
         decode drops the connection (pending requests fail as in Rule 3).
-Rule 5: ``add_entry_batched`` stages adds and sends those of one ledger made in one reactor turn
-        as one ADD_MULTI frame (sent early once it holds ``batch_bytes``, so the bookie journals
-        it while the turn goes on; never above the frame limit) to a bookie that negotiated
-        wire version 2, as single ADD frames to an older one; the listener hears once per frame
-        which entries were acknowledged or failed, with no Deferred per entry. Staged adds that
-        cannot be sent (the connection failed, the client closed) fail like pending ones.
+Rule 5: ``add_entry_batched`` (``add_record_batched``: of ready records) stages adds and
+        sends those of one ledger made in one reactor turn as one ADD_MULTI frame (sent early
+        once it holds ``batch_bytes``, so the bookie journals it while the turn goes on; never
+        above the frame limit) to a bookie that negotiated wire version 2, as single ADD frames
+        to an older one; the listener hears once per frame which entries were acknowledged or
+        failed, with no Deferred per entry. Staged adds that cannot be sent (the connection
+        failed, the client closed) fail like pending ones.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from polybroker.ledger.wire import (
     HEADER_SIZE,
     LATEST_VERSION,
     MULTI_ADD_VERSION,
+    MULTI_HEAD_SIZE,
+    RECORD_HEAD_SIZE,
     WIRE_VERSION,
     AddResponse,
     Buffer,
@@ -73,9 +76,10 @@ from polybroker.ledger.wire import (
     Status,
     WriteLacRequest,
     WriteLacResponse,
+    encode_add_record,
     encode_add_request,
-    encode_multi_add,
-    multi_add_size,
+    encode_add_request_of_record,
+    encode_multi_add_records,
 )
 
 log = logging.getLogger(__name__)
@@ -107,6 +111,9 @@ _NAMES = ("add", "read", "read range", "read LAC", "fence", "delete", "hello", "
 
 _IDLE, _CONNECTING, _HANDSHAKING, _READY = range(4)
 
+# What an ADD_MULTI record adds to an add's data: its head and the ADD fields.
+_RECORD_OVERHEAD = RECORD_HEAD_SIZE + ADD_FIELDS_SIZE
+
 # A batch this big leaves before its turn ends, so the bookie works while the client still does.
 DEFAULT_BATCH_BYTES = 64 * 1024
 
@@ -122,15 +129,15 @@ class AddListener(typing.Protocol):
 
 
 class _Group:
-    """Batched adds of one ledger staged in this reactor turn."""
+    """Batched adds of one ledger staged in this reactor turn, as ADD_MULTI records."""
 
-    __slots__ = ("entry_ids", "items", "listener", "nbytes")
+    __slots__ = ("entry_ids", "listener", "nbytes", "records")
 
     def __init__(self, listener: AddListener) -> None:
         self.listener = listener
-        self.items: list[tuple[int, int, Buffer, int]] = []
+        self.records: list[bytes] = []
         self.entry_ids: list[int] = []
-        self.nbytes = 0
+        self.nbytes = 0  # of the records
 
 
 class _Pending:
@@ -236,6 +243,9 @@ class TcpBookieClient(BookieClient):
         self.timeout_s = timeout_s
         self.max_frame_size = max_frame_size
         self._max_data = max_frame_size - HEADER_SIZE - ADD_FIELDS_SIZE
+        # A record alone in an ADD_MULTI, and the records one frame may hold.
+        self._max_records = max_frame_size - HEADER_SIZE - MULTI_HEAD_SIZE
+        self._max_record = min(self._max_data + _RECORD_OVERHEAD, self._max_records)
         self._client_name = client_name
         self._state = _IDLE
         self._proto: _ClientProtocol | None = None
@@ -293,14 +303,20 @@ class TcpBookieClient(BookieClient):
         """Stage an add to go out with the others of this reactor turn (Rule 5); ``listener``
         hears of it once, possibly before this returns (an add refused at once)."""
         if len(data) > self._max_data:
-            self._tell_failed(
-                listener,
-                [entry_id],
-                BookieProtocolError(
-                    f"{self.address}: add {ledger_id}:{entry_id}: {len(data)} bytes exceed the "
-                    f"frame limit {self.max_frame_size}"
-                ),
-            )
+            self._too_large(ledger_id, entry_id, len(data), listener)
+            return
+        self.add_record_batched(
+            ledger_id, entry_id, encode_add_record(ledger_id, entry_id, lac, data), listener
+        )
+
+    def add_record_batched(
+        self, ledger_id: int, entry_id: int, record: bytes, listener: AddListener
+    ) -> None:
+        """``add_entry_batched`` of a ready ADD_MULTI record (``wire.encode_add_record`` of
+        this ledger and entry, no flag): a writer makes it once for all its bookies."""
+        size = len(record)
+        if size > self._max_record:
+            self._too_large(ledger_id, entry_id, size - _RECORD_OVERHEAD, listener)
             return
         if self._closed or self._identity_error is not None:
             error = self._identity_error or BookieUnavailableError(f"{self.address}: closed")
@@ -308,23 +324,32 @@ class TcpBookieClient(BookieClient):
             return
         group = self._staged.get(ledger_id)
         if group is not None and (
-            group.listener is not listener
-            or multi_add_size(group.nbytes + len(data), len(group.items) + 1) > self.max_frame_size
+            group.listener is not listener or group.nbytes + size > self._max_records
         ):
             del self._staged[ledger_id]
             self._flush_group(ledger_id, group)
             group = None
         if group is None:
             group = self._staged[ledger_id] = _Group(listener)
-        group.items.append((entry_id, lac, data, 0))
+        group.records.append(record)
         group.entry_ids.append(entry_id)
-        group.nbytes += len(data)
-        if group.nbytes >= self._batch_bytes:
+        nbytes = group.nbytes = group.nbytes + size
+        if nbytes >= self._batch_bytes:
             # Send now: the bookie journals this frame while the rest of the turn is encoded.
             del self._staged[ledger_id]
             self._flush_group(ledger_id, group)
         elif self._flush_call is None:
             self._flush_call = self._reactor.callLater(0, self._flush)
+
+    def _too_large(self, ledger_id: int, entry_id: int, size: int, listener: AddListener) -> None:
+        self._tell_failed(
+            listener,
+            [entry_id],
+            BookieProtocolError(
+                f"{self.address}: add {ledger_id}:{entry_id}: {size} bytes exceed the "
+                f"frame limit {self.max_frame_size}"
+            ),
+        )
 
     @override
     def read_entry(self, ledger_id: int, entry_id: int, *, fence: bool = False) -> Deferred[bytes]:
@@ -470,16 +495,16 @@ class TcpBookieClient(BookieClient):
             pending[rid] = _Pending(
                 None, deadline, _MULTI, ledger_id, -1, group.listener, group.entry_ids
             )
-            self._write_sequence(encode_multi_add(rid, ledger_id, group.items))
+            self._write_sequence(encode_multi_add_records(rid, ledger_id, group.records))
             return
-        frames = []
-        for entry_id, lac, data, _ in group.items:
+        frames: list[Buffer] = []
+        for entry_id, record in zip(group.entry_ids, group.records, strict=True):
             rid = self._next_id
             self._next_id = rid + 1
             pending[rid] = _Pending(
                 None, deadline, _ADD, ledger_id, entry_id, group.listener, [entry_id]
             )
-            frames.append(encode_add_request(rid, ledger_id, entry_id, lac, data))
+            frames.extend(encode_add_request_of_record(rid, record))
         self._write_sequence(frames)
 
     def _tell_acked(self, p: _Pending) -> None:

@@ -61,6 +61,7 @@ from polybroker.ledger.api import (
 )
 from polybroker.ledger.placement import choose_ensemble, replace_bookies
 from polybroker.ledger.registry import BookieRegistry, tcp_connector
+from polybroker.ledger.wire import ADD_FIELDS_SIZE, RECORD_HEAD, RECORD_HEAD_SIZE
 from polybroker.metadata.api import BadVersionError, MetadataStore
 
 __all__ = ["BookKeeperClient", "decode_metadata", "encode_metadata", "tcp_connector"]
@@ -73,6 +74,10 @@ _ID_PREFIX = "/ledger-ids/id-"
 _RECORD = struct.Struct(">BqQI")  # version, lac, cumulative length, crc32c
 _DIGEST = struct.Struct(">QqqQ")  # ledger id, entry id, lac, cumulative length
 _RECORD_VERSION = 1
+# The bookie wire's ADD record around our record: record head, ADD fields, our record header.
+_WIRE_HEAD = RECORD_HEAD
+_WIRE_MID = struct.Struct(">QqqBBqQI")  # ledger, entry, lac, flags; version, lac, length, crc
+_WIRE_PREFIX = RECORD_HEAD_SIZE + ADD_FIELDS_SIZE  # bytes of a wire record before our record
 _READ_RANGE_BYTES = 4 * 1024 * 1024
 _RECOVERY_WINDOW = 64  # recovery reads this many entries ahead of the one it decides on
 _CAS_ATTEMPTS = 5
@@ -88,6 +93,15 @@ def encode_record(ledger_id: int, entry_id: int, lac: int, length: int, data: by
     """Wrap ``data`` in the digest-protected record stored on bookies (Rule 2)."""
     crc = crc32c.crc32c(data, crc32c.crc32c(_DIGEST.pack(ledger_id, entry_id, lac, length)))
     return _RECORD.pack(_RECORD_VERSION, lac, length, crc) + data
+
+
+def encode_wire_record(ledger_id: int, entry_id: int, lac: int, length: int, data: bytes) -> bytes:
+    """``encode_record`` inside the bookie wire's ADD record (``wire.encode_add_record``), made
+    with one copy of ``data``: the adds of the write path send it as is to every bookie."""
+    crc = crc32c.crc32c(data, crc32c.crc32c(_DIGEST.pack(ledger_id, entry_id, lac, length)))
+    mid = _WIRE_MID.pack(ledger_id, entry_id, lac, 0, _RECORD_VERSION, lac, length, crc)
+    head = _WIRE_HEAD.pack(len(mid) + len(data), crc32c.crc32c(data, crc32c.crc32c(mid)))
+    return head + mid + data
 
 
 def decode_record(ledger_id: int, entry_id: int, raw: bytes) -> tuple[bytes, int, int]:
@@ -314,7 +328,7 @@ class _PendingAdd:
         on_failed: AddFailed | None,
         token: Any,
     ) -> None:
-        self.record = record
+        self.record = record  # as the bookies take it (``encode_wire_record``)
         self.length = length  # cumulative bytes through this entry
         self.on_done = on_done
         self.on_failed = on_failed
@@ -405,7 +419,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         entry_id = self._next
         self._next = entry_id + 1
         length = self._sent_length = self._sent_length + len(data)
-        record = encode_record(self.ledger_id, entry_id, self._lac, length, data)
+        record = encode_wire_record(self.ledger_id, entry_id, self._lac, length, data)
         p = _PendingAdd(record, length, self._seconds(), on_done, on_failed, token)
         self._pending[entry_id] = p
         if not self._changing:
@@ -423,16 +437,17 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             except KeyError:
                 batched = self._client._batched_sender(address)
             if batched is not None:
-                batched(ledger_id, entry_id, lac, record, self)
+                batched(ledger_id, entry_id, record, self)
                 continue
-            self._client._bookie(address).add_entry(ledger_id, entry_id, lac, record).addCallbacks(
+            data = record[_WIRE_PREFIX:]
+            self._client._bookie(address).add_entry(ledger_id, entry_id, lac, data).addCallbacks(
                 self._acked,
                 self._add_failed,
                 callbackArgs=(entry_id, address),
                 errbackArgs=(entry_id, address),
             )
 
-    # The listener of batched adds (``TcpBookieClient.add_entry_batched``).
+    # The listener of batched adds (``TcpBookieClient.add_record_batched``).
 
     def entries_acked(self, address: str, entry_ids: Sequence[int]) -> None:
         """A bookie journaled these entries."""
@@ -786,7 +801,7 @@ class BookKeeperClient(LedgerClient):
         self._add_timeout_s = add_timeout_s
         self._rng = rng or random.Random()
         self._bookies: dict[str, BookieClient] = {}
-        # Per bookie address: its ``add_entry_batched`` (None: it has only ``add_entry``).
+        # Per bookie address: its ``add_record_batched`` (None: it has only ``add_entry``).
         self._batched: dict[str, Any] = {}
         self._closed = False
 
@@ -802,8 +817,8 @@ class BookKeeperClient(LedgerClient):
         return client
 
     def _batched_sender(self, address: str) -> Any:
-        """The ``add_entry_batched`` of a bookie (None if it has none), remembered until close."""
-        sender = getattr(self._bookie(address), "add_entry_batched", None)
+        """The ``add_record_batched`` of a bookie (None if it has none), kept until close."""
+        sender = getattr(self._bookie(address), "add_record_batched", None)
         if not self._closed:
             self._batched[address] = sender
         return sender

@@ -608,6 +608,43 @@ def encode_multi_add(
     return parts
 
 
+def encode_add_record(
+    ledger_id: int, entry_id: int, lac: int, data: Buffer, flags: int = 0
+) -> bytes:
+    """Return one ADD_MULTI record ``[u32 length][u32 crc32c(body)][ADD body]`` (Rule 8): what
+    a bookie journals verbatim, made once however many bookies it is sent to."""
+    fields = ADD_FIELDS.pack(ledger_id, entry_id, lac, flags)
+    head = RECORD_HEAD.pack(ADD_FIELDS_SIZE + len(data), crc32c(data, crc32c(fields)))
+    return head + fields + data
+
+
+def encode_multi_add_records(
+    request_id: int, ledger_id: int, records: Sequence[bytes]
+) -> list[Buffer]:
+    """Return the parts of an ADD_MULTI frame of ready records (``encode_add_record``'s, of
+    ``ledger_id``), for ``writeSequence``: the records are referenced, not copied."""
+    head = MULTI_HEAD.pack(ledger_id, len(records))
+    # The frame checksum covers the head and each record's head, in order (Rule 8).
+    heads = b"".join([r[:RECORD_HEAD_SIZE] for r in records])
+    total = MULTI_HEAD_SIZE + sum(map(len, records))
+    frame = HEADER.pack(
+        _LENGTH_AFTER_PREFIX + total,
+        MULTI_ADD_VERSION,
+        MsgType.ADD_MULTI,
+        request_id,
+        crc32c(heads, crc32c(head)),
+    )
+    return [frame + head, *records]
+
+
+def encode_add_request_of_record(request_id: int, record: bytes) -> list[Buffer]:
+    """Return the parts of a version-1 ADD frame carrying a record's body: an ADD frame's
+    checksum covers its body as the record's does, so nothing is summed again."""
+    length, crc = RECORD_HEAD.unpack_from(record)
+    head = HEADER.pack(_LENGTH_AFTER_PREFIX + length, WIRE_VERSION, MsgType.ADD, request_id, crc)
+    return [head, memoryview(record)[RECORD_HEAD_SIZE:]]
+
+
 def multi_add_size(data_sizes: int, count: int) -> int:
     """The size of an ADD_MULTI frame of ``count`` entries holding ``data_sizes`` bytes of data."""
     return HEADER_SIZE + MULTI_HEAD_SIZE + count * (RECORD_HEAD_SIZE + ADD_FIELDS_SIZE) + data_sizes

@@ -12,6 +12,7 @@ adds, ``corrupt`` flips a byte of a stored entry, ``silent`` leaves requests una
 from __future__ import annotations
 
 import random
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,9 @@ from polybroker.ledger.api import (
 from polybroker.ledger.client import BookKeeperClient
 from polybroker.ledger.registry import StaticBookieRegistry
 from polybroker.metadata.memory import MemoryMetadataStore
+
+# An ADD_MULTI record's head and ADD fields (``ledger.wire`` Rule 8).
+WIRE_RECORD_HEAD = struct.Struct(">IIQqqB")
 
 
 @dataclass
@@ -213,8 +217,9 @@ class FakeBookie(BookieClient):
 
 
 class BatchingBookie:
-    """A ``FakeBookie`` seen through ``add_entry_batched`` (as ``TcpBookieClient`` offers it):
-    each add's outcome goes to the listener instead of a Deferred."""
+    """A ``FakeBookie`` seen through ``add_entry_batched`` and ``add_record_batched`` (as
+    ``TcpBookieClient`` offers them): each add's outcome goes to the listener instead of a
+    Deferred."""
 
     def __init__(self, bookie: FakeBookie) -> None:
         self._bookie = bookie
@@ -234,6 +239,13 @@ class BatchingBookie:
             listener.entries_failed(address, [entry_id], f.value)
 
         self._bookie.add_entry(ledger_id, entry_id, lac, data).addCallbacks(acked, failed)
+
+    def add_record_batched(
+        self, ledger_id: int, entry_id: int, record: bytes, listener: Any
+    ) -> None:
+        _, _, lid, eid, lac, _ = WIRE_RECORD_HEAD.unpack_from(record)
+        assert (lid, eid) == (ledger_id, entry_id), "a record of another entry"
+        self.add_entry_batched(ledger_id, entry_id, lac, record[WIRE_RECORD_HEAD.size :], listener)
 
 
 class FakeCluster:

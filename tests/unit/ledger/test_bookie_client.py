@@ -40,6 +40,7 @@ from polybroker.ledger.wire import (
     ReadResponse,
     Status,
     decode_all,
+    encode_add_record,
 )
 
 
@@ -545,3 +546,28 @@ def test_the_handshake_offers_every_version_the_client_speaks(
     (hello,) = Peer(reactor).received()
     assert isinstance(hello, HelloRequest)
     assert (hello.min_version, hello.max_version) == (1, LATEST_VERSION)
+
+
+def test_ready_records_join_the_adds_of_their_turn_and_oversize_ones_are_refused(
+    reactor: MemoryReactorClock, client: TcpBookieClient
+) -> None:
+    """A record made once by the writer (``encode_add_record``) goes out in the same ADD_MULTI
+    as the adds staged around it, byte for byte; one above the frame limit fails at once."""
+    listener = Listener()
+    client.add_entry_batched(1, 0, -1, b"a", listener)
+    client.add_record_batched(1, 1, encode_add_record(1, 1, 0, b"b"), listener)
+    client.add_entry_batched(1, 2, 1, b"c", listener)
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=2)
+    (frame,) = peer.received()
+    assert isinstance(frame, MultiAddRequest)
+    assert [(e, lac, bytes(d)) for e, lac, d in frame.entries] == [
+        (0, -1, b"a"),
+        (1, 0, b"b"),
+        (2, 1, b"c"),
+    ]
+    small = TcpBookieClient("127.0.0.1:3181", reactor, max_frame_size=1000)
+    small.add_record_batched(1, 3, encode_add_record(1, 3, 2, b"x" * 1000), listener)
+    ((_, ids, error),) = listener.failed
+    assert (ids, type(error)) == ([3], BookieProtocolError)

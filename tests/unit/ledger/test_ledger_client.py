@@ -30,6 +30,7 @@ from polybroker.ledger.client import (
     decode_record,
     encode_metadata,
     encode_record,
+    encode_wire_record,
 )
 from polybroker.ledger.placement import choose_ensemble, replace_bookies
 from polybroker.ledger.registry import (
@@ -37,6 +38,7 @@ from polybroker.ledger.registry import (
     MetadataBookieRegistry,
     StaticBookieRegistry,
 )
+from polybroker.ledger.wire import encode_add_record
 from polybroker.metadata.memory import MemoryMetadataStore
 
 
@@ -615,3 +617,10 @@ def test_append_quiet_failures_reach_the_listener_once() -> None:
     w.append_quiet(b"d", listener)
     assert listener.heard[1:] == [("failed", "NotEnoughBookiesError")]
     assert w.last_add_confirmed == -1
+
+
+def test_the_wire_record_is_the_stored_record_inside_an_add_record() -> None:
+    """What the writer sends (made with one copy of the data) is the bookie wire's ADD record
+    of the digest-protected record, so bookies store exactly what ``decode_record`` checks."""
+    wire = encode_wire_record(5, 3, 2, 100, b"payload")
+    assert wire == encode_add_record(5, 3, 2, encode_record(5, 3, 2, 100, b"payload"))

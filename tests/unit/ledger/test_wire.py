@@ -42,9 +42,12 @@ from polybroker.ledger.wire import (
     WriteLacRequest,
     WriteLacResponse,
     decode_all,
+    encode_add_record,
     encode_add_request,
+    encode_add_request_of_record,
     encode_add_response,
     encode_multi_add,
+    encode_multi_add_records,
     encode_multi_add_response,
     multi_add_size,
 )
@@ -479,3 +482,17 @@ def test_multi_add_size_predicts_the_frame_size() -> None:
     items = [(e, -1, b"z" * (10 * e), 0) for e in range(5)]
     frame = b"".join(bytes(p) for p in encode_multi_add(1, 2, items))
     assert len(frame) == multi_add_size(sum(10 * e for e in range(5)), 5)
+
+
+def test_frames_of_ready_records_are_the_frames_of_their_adds() -> None:
+    """An ADD_MULTI of ready records, and a version-1 ADD of one record, are byte for byte
+    the frames made from the adds' fields (one checksum of each record serves both)."""
+    items = [(3, 2, b"hello", 0), (4, 3, b"", 0), (5, 4, b"x" * 3000, 0)]
+    records = [encode_add_record(7, e, lac, data, flags) for e, lac, data, flags in items]
+    joined = b"".join(bytes(p) for p in encode_multi_add_records(9, 7, records))
+    assert joined == b"".join(bytes(p) for p in encode_multi_add(9, 7, items))
+    single = b"".join(bytes(p) for p in encode_add_request_of_record(5, records[0]))
+    assert single == encode_add_request(5, 7, 3, 2, b"hello")
+    (decoded,) = decode_all(joined)
+    assert isinstance(decoded, MultiAddRequest)
+    assert [(e, lac, bytes(d)) for e, lac, d in decoded.entries] == [i[:3] for i in items]
