@@ -618,6 +618,74 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
     raise MqttError(MALFORMED_PACKET, f"reserved packet type {ptype}")
 
 
+def _publish_311(buf: bytearray, first: int, start: int, end: int) -> Publish | None:
+    """A well-formed MQTT 3.1.1 PUBLISH in ``buf[start:end]``, or None for anything the
+    general decoder must look at (and refuse)."""
+    qos = (first >> 1) & 0x03
+    if qos == 3 or (qos == 0 and first & 0x08) or end - start < 2:
+        return None
+    topic_end = start + 2 + ((buf[start] << 8) | buf[start + 1])
+    if topic_end > end:
+        return None
+    try:
+        topic = buf[start + 2 : topic_end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if "\x00" in topic or "+" in topic or "#" in topic:
+        return None
+    packet_id = None
+    if qos:
+        if topic_end + 2 > end:
+            return None
+        packet_id = (buf[topic_end] << 8) | buf[topic_end + 1]
+        if packet_id == 0:
+            return None
+        topic_end += 2
+    return Publish(
+        topic, bytes(buf[topic_end:end]), qos, bool(first & 0x01), bool(first & 0x08), packet_id, {}
+    )
+
+
+def encode_publish(
+    topic_field: bytes,
+    payload: bytes,
+    qos: int,
+    retain: bool,
+    dup: bool,
+    packet_id: int | None,
+    properties_field: bytes = b"",
+) -> bytes:
+    """A PUBLISH from ready fields: ``topic_field`` is ``string_field(topic)``,
+    ``properties_field`` the encoded MQTT 5 properties (empty for 3.1.1)."""
+    first = 0x30 | (qos << 1) | (1 if retain else 0) | (8 if dup else 0)
+    n = len(topic_field) + len(properties_field) + len(payload)
+    if qos:
+        if packet_id is None:
+            raise ValueError("QoS > 0 PUBLISH without a packet identifier")
+        n += 2
+        head = topic_field + packet_id.to_bytes(2, "big")
+    else:
+        head = topic_field
+    if n < 128:
+        fixed = bytes((first, n))
+    elif n < 16384:
+        fixed = bytes((first, (n & 0x7F) | 0x80, n >> 7))
+    else:
+        fixed = bytes((first,)) + encode_varint(n)
+    return b"".join((fixed, head, properties_field, payload))
+
+
+def string_field(value: str) -> bytes:
+    """A UTF-8 string field (two-byte length, then the bytes)."""
+    return _string(value)
+
+
+def encode_ack(ptype: int, packet_id: int) -> bytes:
+    """A PUBACK, PUBREC, PUBREL or PUBCOMP with reason code 0 and no properties (both
+    levels)."""
+    return bytes(((ptype << 4) | (2 if ptype == PUBREL else 0), 2)) + packet_id.to_bytes(2, "big")
+
+
 def _expect_end(r: _Reader) -> None:
     if r.remaining():
         raise MqttError(MALFORMED_PACKET, "bytes after the end of the packet")
@@ -662,6 +730,16 @@ class PacketReader:
         if len(buf) < end:
             return None
         first = buf[pos]
+        if first == 0x40 and length == 2 and self.level:
+            # PUBACK with no reason code: the other common packet.
+            self._pos = end
+            return PubAck((buf[start] << 8) | buf[start + 1])
+        if first >> 4 == PUBLISH and self.level == LEVEL_311:
+            # The common packet, decoded straight from the buffer (same checks as below).
+            fast = _publish_311(buf, first, start, end)
+            if fast is not None:
+                self._pos = end
+                return fast
         body = bytes(buf[start:end])
         self._pos = end
         ptype = first >> 4

@@ -94,6 +94,10 @@ class MqttConnection(Protocol):
         self._inbound_pending = 0
         #: The transport's buffer is full: the session holds deliveries until it drains.
         self.paused = False
+        #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
+        #: waits for the read's end.
+        self.reading = False
+        self._out: list[bytes] = []
         # PUBLISHes of the read under way, by topic, with their ack slots (None for QoS 0).
         self._batches: dict[str, list[tuple[c.Publish, _AckSlot | None]]] = {}
         # QoS 2 packet ids being stored, with the slots waiting for their PUBREC.
@@ -113,6 +117,8 @@ class MqttConnection(Protocol):
             return
         self._last_heard = self.clock.seconds()
         self.reader.feed(data)
+        # What this read makes the connection write goes out as one write at its end.
+        self.reading = True
         try:
             while self.state != self.CLOSED:
                 packet = self.reader.next_packet()
@@ -133,6 +139,25 @@ class MqttConnection(Protocol):
         except Exception as e:
             log.exception("mqtt connection failed", extra=kv(peer=self._peer()))
             self._fail(c.UNSPECIFIED_ERROR, f"internal error: {e}")
+        finally:
+            self._end_read()
+
+    def _end_read(self) -> None:
+        """Deliver what the read's acknowledgements allow, then write everything at once."""
+        session = self.session
+        try:
+            if session is not None and session.pump_due and session.link is self:
+                session.pump(at_read_end=True)
+        finally:
+            self.reading = False
+            self._flush_out()
+
+    def _flush_out(self) -> None:
+        if self._out:
+            data = b"".join(self._out)
+            self._out = []
+            if self.state != self.CLOSED and self.transport is not None:
+                self.transport.write(data)
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         if self.state == self.CLOSED:
@@ -172,8 +197,10 @@ class MqttConnection(Protocol):
             return "?"
 
     def write(self, data: bytes) -> None:
-        """Write wire bytes unless the connection is closed."""
-        if self.state != self.CLOSED and self.transport is not None:
+        """Write wire bytes unless the connection is closed (during a read: at its end)."""
+        if self.reading:
+            self._out.append(data)
+        elif self.state != self.CLOSED and self.transport is not None:
             self.transport.write(data)
 
     def send(self, packet: c.Packet) -> None:
@@ -183,6 +210,7 @@ class MqttConnection(Protocol):
         """Close the connection (what is buffered is still sent); an unsent will fires."""
         if self.state == self.CLOSED:
             return
+        self._flush_out()
         if self.transport is not None:
             self.transport.loseConnection()
         self.connectionLost(None)
@@ -361,15 +389,30 @@ class MqttConnection(Protocol):
         self._acks.append(slot)
         return slot
 
-    def _ack_ready(self, slot: _AckSlot, packet: c.Packet | None) -> None:
-        slot.data = c.encode(packet, self.level) if packet is not None else b""
+    def _ack_ready(
+        self, slot: _AckSlot, packet: c.Packet | bytes | None, flush: bool = True
+    ) -> None:
+        """``slot``'s answer (a packet, its bytes, or None for none) is ready: write it and
+        the ready ones behind it, in order (``flush=False``: the caller calls
+        ``_flush_acks``)."""
+        if packet is None:
+            slot.data = b""
+        elif isinstance(packet, bytes):
+            slot.data = packet
+        else:
+            slot.data = c.encode(packet, self.level)
         slot.done = True
-        out = []
+        if flush:
+            self._flush_acks()
+
+    def _flush_acks(self) -> None:
         acks = self._acks
+        if not acks or not acks[0].done:
+            return
+        out = []
         while acks and acks[0].done:
             out.append(acks.popleft().data)
-        if out:
-            self.write(b"".join(out))
+        self.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _on_publish(self, p: c.Publish) -> None:
         session = self.session
@@ -434,11 +477,12 @@ class MqttConnection(Protocol):
                 assert pid is not None
                 if p.qos == 1:
                     self._inbound_pending -= 1
-                    self._ack_ready(slot, c.PubAck(pid))
+                    self._ack_ready(slot, c.encode_ack(c.PUBACK, pid), flush=False)
                 else:
                     session.inbound_qos2.add(pid)
                     for waiting in self._qos2_unstored.pop(pid, [slot]):
-                        self._ack_ready(waiting, c.PubRec(pid))
+                        self._ack_ready(waiting, c.encode_ack(c.PUBREC, pid), flush=False)
+            self._flush_acks()
 
         def failed(f: Failure) -> None:
             self._publish_failed(f, topic)

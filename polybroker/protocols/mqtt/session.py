@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -82,6 +83,8 @@ RETAINED_ROOT = "/mqtt/retained"
 QOS2_ROOT = "/mqtt/qos2"
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
+#: Entries whose messages ``MqttBroker.written`` keeps.
+WRITTEN_CACHE = 256
 #: How long a listing of the namespace's topics serves wildcard SUBSCRIBEs.
 LISTING_TTL_S = 5.0
 #: Session expiry meaning "never".
@@ -118,7 +121,7 @@ def stored_properties(pub: c.Publish) -> list[tuple[str, str]]:
     return props
 
 
-@dataclass
+@dataclass(slots=True)
 class Outgoing:
     """One message waiting for, or in, delivery to a client."""
 
@@ -134,10 +137,22 @@ class Outgoing:
     index: int = 0  # within its entry
 
 
+@functools.lru_cache(maxsize=4096)
+def topic_field(name: str) -> bytes:
+    """The encoded topic name field of PUBLISHes to ``name``."""
+    return c.string_field(name)
+
+
 def outgoing_from(
     msg: Message, name: str, granted: int, sub_ids: list[int], retain: bool, publish_s: float
 ) -> Outgoing:
     """The PUBLISH of a stored message for one subscriber."""
+    stored = msg.properties
+    if not sub_ids and len(stored) == 1 and stored[0][0] == "mqtt.qos":
+        # The common case: an MQTT publish with no properties.
+        v = stored[0][1]
+        q = int(v) if v in ("0", "1", "2") else 1
+        return Outgoing(name, msg.payload, q if q < granted else granted, False, {})
     qos = 1
     props: dict[int, Any] = {}
     user: list[tuple[str, str]] = []
@@ -177,6 +192,8 @@ class ClientLink(Protocol):
     client_receive_max: int
     client_max_packet: int
     paused: bool
+    #: Inside a read of the client's bytes: ``pump`` waits for its end (one write per read).
+    reading: bool
 
     def write(self, data: bytes) -> None: ...
 
@@ -321,12 +338,14 @@ class TopicSub:
             if not filters or entry.publish_time_ms < self.not_before_ms:
                 self._done(entry.position, entry.num_messages)
                 continue
-            try:
-                msgs = decode_entry(entry.data)
-            except MessageFormatError:
-                log.warning("undecodable entry skipped", extra=kv(topic=self.full))
-                self._done(entry.position, entry.num_messages)
-                continue
+            msgs = session.broker.written.get(entry.data)
+            if msgs is None:
+                try:
+                    msgs = decode_entry(entry.data)
+                except MessageFormatError:
+                    log.warning("undecodable entry skipped", extra=kv(topic=self.full))
+                    self._done(entry.position, entry.num_messages)
+                    continue
             granted = max(f.qos for f in filters)
             sub_ids = sorted({f.sub_id for f in filters if f.sub_id})
             rap = any(f.retain_as_published for f in filters)
@@ -425,6 +444,8 @@ class Session:
         self.held: dict[tuple[str, str | None, Position], EntryTrack] = {}
         #: The client is away and the consumers are closed (see the module docstring).
         self.parked = False
+        #: A ``pump`` waits for the end of the connection's read.
+        self.pump_due = False
         #: Inbound QoS 2 packet ids stored and awaiting PUBREL.
         self.inbound_qos2: set[int] = set()
         #: A persistent session's recorded QoS 2 packet ids: pid -> (topic, position before).
@@ -756,11 +777,16 @@ class Session:
         self.queue.append(out)
         self.pump()
 
-    def pump(self) -> None:
-        """Send what the connection and the client's receive maximum allow."""
+    def pump(self, at_read_end: bool = False) -> None:
+        """Send what the connection and the client's receive maximum allow (during the
+        connection's read: at its end, ``at_read_end``)."""
         link = self.link
         if link is None or link.paused:
             return
+        if link.reading and not at_read_end:
+            self.pump_due = True
+            return
+        self.pump_due = False
         chunks: list[bytes] = []
         now = self.broker.clock.seconds()
         level = link.level
@@ -778,11 +804,14 @@ class Session:
                 out.properties[c.MESSAGE_EXPIRY] = left
             pid = self._packet_id() if out.qos else None
             try:
-                data = c.encode(
-                    c.Publish(
-                        out.topic, out.payload, out.qos, out.retain, False, pid, out.properties
-                    ),
-                    level,
+                data = c.encode_publish(
+                    topic_field(out.topic),
+                    out.payload,
+                    out.qos,
+                    out.retain,
+                    False,
+                    pid,
+                    c.encode_properties(out.properties) if level == c.LEVEL_5 else b"",
                 )
             except (ValueError, TypeError, KeyError) as e:
                 # A message MQTT cannot carry (a property longer than 65535 bytes): skipped.
@@ -1050,6 +1079,9 @@ class MqttBroker:
         #: Client ids with a stored (persistent) session: only those are looked up at CONNECT.
         self.stored_ids: set[str] = set()
         self.retained: dict[str, Retained] = {}
+        #: The messages of the entries written here lately, by entry bytes: a subscriber
+        #: reading an entry this broker just wrote skips decoding it.
+        self.written: dict[bytes, list[Message]] = {}
         self._consumer_ids = 0
         self._partitions: dict[str, int] = {}
         # The namespace's topics, listed at most every LISTING_TTL_S (wildcard SUBSCRIBEs of a
@@ -1375,12 +1407,14 @@ class MqttBroker:
         ids of a persistent ``session`` are recorded first (see the module docstring)."""
         now_ms = int(self.clock.seconds() * 1000)
         props = [stored_properties(p) for p in pubs]
+        msgs = [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)]
         data = encode_entry(
-            [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)],
-            producer_name="mqtt-" + client_id,
-            sequence_id=0,
-            publish_time_ms=now_ms,
+            msgs, producer_name="mqtt-" + client_id, sequence_id=0, publish_time_ms=now_ms
         )
+        written = self.written
+        if len(written) >= WRITTEN_CACHE:
+            del written[next(iter(written))]
+        written[data] = msgs
         full = topics.to_pulsar(pubs[0].topic)
         n = len(pubs)
         known = self._partitions.get(full)

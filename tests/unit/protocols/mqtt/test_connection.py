@@ -662,3 +662,44 @@ def test_an_entry_read_again_after_a_return_sends_only_what_the_client_never_got
     back.send(c.PubAck(third.packet_id))
     assert back.packets() == []
     assert ml.cursors["mqtt-s"].backlog() == 0
+
+
+def test_one_read_of_acknowledgements_is_answered_with_one_write() -> None:
+    """Five PUBACKs in one read free five in-flight slots: the five next deliveries leave in
+    one transport write, after the read; the publisher's PUBACKs of one stored batch also
+    leave in one write."""
+    env = Env()
+    props = {c.RECEIVE_MAXIMUM: 5}
+    sub = env.peer("s", c.LEVEL_5, properties=props)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    pub = env.peer("p")
+    pub.packets()
+    writes: list[bytes] = []
+    real_write = pub.transport.write
+
+    def counted(data: bytes) -> None:
+        writes.append(data)
+        real_write(data)
+
+    pub.transport.write = counted  # type: ignore[method-assign]
+    pub.conn.dataReceived(
+        b"".join(c.encode(c.Publish("a/b", b"%d" % i, 1, packet_id=i + 1)) for i in range(10))
+    )
+    assert len(writes) == 1
+    assert pub.packets() == [c.PubAck(i + 1) for i in range(10)]
+    first = [x for x in sub.packets() if isinstance(x, c.Publish)]
+    assert [x.payload for x in first] == [b"%d" % i for i in range(5)]
+    sub_writes: list[bytes] = []
+    sub_write = sub.transport.write
+
+    def sub_counted(data: bytes) -> None:
+        sub_writes.append(data)
+        sub_write(data)
+
+    sub.transport.write = sub_counted  # type: ignore[method-assign]
+    sub.conn.dataReceived(b"".join(c.encode(c.PubAck(x.packet_id or 0), c.LEVEL_5) for x in first))
+    assert len(sub_writes) == 1
+    assert [x.payload for x in sub.packets() if isinstance(x, c.Publish)] == [
+        b"%d" % i for i in range(5, 10)
+    ]
