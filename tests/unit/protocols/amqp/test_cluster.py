@@ -16,12 +16,16 @@ from twisted.internet.testing import StringTransport
 sys.path.insert(0, str(Path(__file__).parent))
 
 from amqp_peer import Peer
+from fake_ledger import result_of
 
+from polybroker.broker_core.consumer import Delivery
 from polybroker.broker_core.errors import ServiceNotReadyError
+from polybroker.broker_core.messages import Message, encode_entry
 from polybroker.broker_core.ownership import BrokerInfo, NotOwnerError, Ownership
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.handler import CONTROL_TOPIC, control_topic
 from polybroker.protocols.amqp.proxy import PROXIED, OwnerLink, parse_listener
+from polybroker.protocols.amqp.vhost import REATTACH_S
 
 LOCAL = BrokerInfo("a:8080", "http://a:8080", "pulsar://a:6650", {"amqp": "a:5672"})
 OWNER = BrokerInfo("b:8080", "http://b:8080", "pulsar://b:6650", {"amqp": "10.0.0.2:5673"})
@@ -58,6 +62,26 @@ class FakeOwnership(Ownership):
 
     def brokers(self) -> Deferred[list[BrokerInfo]]:
         return succeed([LOCAL, OWNER])
+
+
+class Sink:
+    """A Broker API consumer that keeps nothing."""
+
+    consumer_id = 99
+    consumer_name = "sink"
+    priority_level = 0
+
+    def send_entries(self, deliveries: list[Delivery]) -> None:
+        pass
+
+    def active_changed(self, is_active: bool) -> None:
+        pass
+
+    def reached_end_of_topic(self) -> None:
+        pass
+
+    def disconnect(self) -> None:
+        pass
 
 
 class FakeConnect:
@@ -337,3 +361,60 @@ def test_listener_addresses_are_parsed_strictly() -> None:
     assert parse_listener("[::1]:5672") == ("::1", 5672)
     for bad in ("", "host", "host:0", "host:70000", ":5672", "host:x"):
         assert parse_listener(bad) is None
+
+
+def stored(payload: bytes) -> bytes:
+    """A stored entry of one message, as another protocol would write it."""
+    return encode_entry([Message(payload)], producer_name="p", sequence_id=0, publish_time_ms=1)
+
+
+def get_body(peer: Any, queue: str) -> bytes | None:
+    """basic.get on channel 1; the body, or None for get-empty."""
+    peer.method(1, c.BasicGet(queue=queue, no_ack=True))
+    peer.clock.advance(0)
+    frames = peer.received()
+    methods = [f.method for f in frames if isinstance(f, c.MethodFrame)]
+    if any(isinstance(m, c.BasicGetEmpty) for m in methods):
+        return None
+    assert any(isinstance(m, c.BasicGetOk) for m in methods), methods
+    return b"".join(f.data for f in frames if isinstance(f, c.BodyFrame))
+
+
+def test_a_queue_subscription_still_held_elsewhere_is_tried_again() -> None:
+    """A queue whose subscription another consumer still holds (the vhost's previous broker
+    letting go) subscribes again until it is free, within its bound."""
+    peer = cluster_peer(owner=None)
+    peer.handshake()
+    topic = "persistent://public/default/amqp.queue.held"
+    blocker = result_of(peer.service.subscribe(topic, "amqp", Sink()))
+    result_of(peer.service.publish(topic, stored(b"old")))  # in the subscription, unread
+    peer.method(1, c.ChannelOpen())
+    peer.method(1, c.QueueDeclare(queue="held", durable=True))
+    peer.clock.advance(1)
+    assert not any(isinstance(m, c.QueueDeclareOk) for m in peer.methods())
+    blocker.close()
+    peer.clock.advance(1)
+    assert any(isinstance(m, c.QueueDeclareOk) for m in peer.methods())
+    assert get_body(peer, "held") == b"old"
+
+
+def test_a_queue_that_lost_its_log_subscribes_again_until_it_can() -> None:
+    """A queue whose topic was unloaded and cannot be served for a while (its bundle moving)
+    subscribes again every few seconds and then delivers what the topic holds."""
+    peer = cluster_peer(owner=None)
+    peer.handshake()
+    peer.method(1, c.ChannelOpen())
+    peer.method(1, c.QueueDeclare(queue="moves", durable=True))
+    peer.clock.advance(0)
+    peer.methods()
+    topic = "persistent://public/default/amqp.queue.moves"
+    peer.own.remote[topic] = ServiceNotReadyError("bundle moving")
+    peer.own.held.discard(topic)
+    peer.service.unload_topic(topic)
+    peer.clock.advance(REATTACH_S * 3)
+    assert get_body(peer, "moves") is None
+    del peer.own.remote[topic]
+    result_of(peer.service.publish(topic, stored(b"later")))
+    peer.clock.advance(REATTACH_S)
+    peer.clock.advance(0)
+    assert get_body(peer, "moves") == b"later"
