@@ -13,7 +13,9 @@ Rule P2 (relay): from the owner's open-ok on, bytes go both ways unchanged (hear
         included: client and owner agreed on the same interval through this broker), with
         flow control between the two sockets; when either side closes, the other is closed.
 Rule P3 (bounds and errors): the connection to the owner and the replayed handshake are
-        bounded by ``timeout_s``. An owner that cannot be reached, does not answer in time,
+        bounded by ``timeout_s``. An owner offering a smaller frame-max or channel-max than
+        the client agreed with this broker (brokers configured differently) gives the client
+        541 (INTERNAL_ERROR). An owner that cannot be reached, does not answer in time,
         or answers something else than the handshake gives the client connection.close 320
         (CONNECTION_FORCED: the client reconnects, possibly through another broker); an owner
         that refuses the handshake (wrong credentials, unknown vhost, not the owner any more)
@@ -190,7 +192,18 @@ class OwnerLink(Protocol):
             self._send(replay)
             self.state = "tune"
         elif self.state == "tune" and isinstance(m, c.ConnectionTune):
-            self._send(self.tune_ok)
+            tune = self.tune_ok
+            if (m.frame_max and m.frame_max < tune.frame_max) or (
+                m.channel_max and m.channel_max < tune.channel_max
+            ):
+                # The client may use what it agreed with this broker: the owner must take it.
+                self._send(c.ConnectionClose(c.NOT_ALLOWED, "tune-ok above the offered limits"))
+                self._fail(
+                    c.INTERNAL_ERROR,
+                    "the vhost's broker offers a smaller frame-max or channel-max than this one",
+                )
+                return
+            self._send(tune)
             self._send(self.open_method)
             self.state = "open"
         elif self.state == "open" and isinstance(m, c.ConnectionOpenOk):

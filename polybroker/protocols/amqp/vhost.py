@@ -13,7 +13,10 @@ queue has passed an entry; an unbind leaves what was routed before it, and a que
 longer routes to leaves that exchange's log once it has read and settled what it had there; a
 deleted queue drops its subscriptions (a restart drops those of exclusive queues that did not
 come back). Every queue is read from ordinary topics that any broker can own (no one-bundle
-rule), and durability is the topics' durability. A queue's message count takes a shared log's
+rule), and durability is the topics' durability. In a cluster one broker holds a vhost
+(``handler``), and every Broker API call here (publish, subscribe, stats, last message id,
+topic and subscription deletion) is made with ``forward=True``: a topic another broker owns is
+served by that owner on this broker's behalf. A queue's message count takes a shared log's
 unread part at the share of the queue's messages in what it read there (exact for a fanout).
 
 Order: what one exchange routes to one queue keeps its publish order. Once a queue reads an

@@ -418,3 +418,17 @@ def test_a_queue_that_lost_its_log_subscribes_again_until_it_can() -> None:
     peer.clock.advance(REATTACH_S)
     peer.clock.advance(0)
     assert get_body(peer, "moves") == b"later"
+
+
+def test_an_owner_offering_smaller_limits_than_the_client_agreed_is_refused() -> None:
+    """The client may use the frame-max it agreed with this broker: an owner offering less
+    (brokers configured differently) gives the client 541 instead of later frame errors."""
+    peer = cluster_peer()
+    peer.handshake()  # the client agreed to frame-max 8192
+    link = peer.connect_fake.link
+    owner_says(link, c.ConnectionStart(), c.ConnectionTune(2047, 4096, 60))
+    sent = sent_by_link(link)
+    assert isinstance(sent[-1], c.ConnectionClose)
+    assert link.transport.disconnecting
+    (close,) = peer.methods()
+    assert close.reply_code == c.INTERNAL_ERROR
