@@ -302,11 +302,128 @@ def parse_request(frame: bytes, table: dict[int, tuple[int, int]] = API_VERSIONS
     cls = REQUESTS[api_key]
     if cls.flexible_version_q(version):
         pos = _skip_tagged_fields(frame, pos)
+    if api_key == API_PRODUCE and 3 <= version <= 12:
+        body = decode_produce_request(frame, pos, version)
+        return Request(api_key, version, correlation_id, client_id, body, len(frame))
     try:
         body = cls[version].decode(frame[pos:])
     except Exception as e:
         raise KafkaCodecError(f"malformed {cls.name} v{version}: {e!r}") from None
     return Request(api_key, version, correlation_id, client_id, body, len(frame))
+
+
+# -- direct decoding of Produce requests (the hot path) ------------------------------------
+
+
+@dataclass(slots=True)
+class ProducePartitionData:
+    """One partition's records in a Produce request (a view into the request frame)."""
+
+    index: int
+    records: memoryview | None
+
+
+@dataclass(slots=True)
+class ProduceTopicData:
+    name: str
+    partition_data: list[ProducePartitionData]
+
+
+@dataclass(slots=True)
+class ProduceRequestBody:
+    """A Produce request body (v3-12), with the schema class's field names."""
+
+    transactional_id: str | None
+    acks: int
+    timeout_ms: int
+    topic_data: list[ProduceTopicData]
+
+
+class _Reader:
+    """Bounded reads from one frame; anything past its end raises ``KafkaCodecError``."""
+
+    __slots__ = ("data", "end", "flexible", "pos", "view")
+
+    def __init__(self, data: bytes, pos: int, flexible: bool) -> None:
+        self.data = data
+        self.view = memoryview(data)
+        self.pos = pos
+        self.end = len(data)
+        self.flexible = flexible
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > self.end:
+            raise KafkaCodecError("field runs past the frame")
+        self.pos = start + n
+        return start
+
+    def int16(self) -> int:
+        return int(_I16.unpack_from(self.data, self.take(2))[0])
+
+    def int32(self) -> int:
+        return int(_I32.unpack_from(self.data, self.take(4))[0])
+
+    def length(self) -> int:
+        """A string, bytes or array length: -1 for null."""
+        if self.flexible:
+            n, self.pos = _read_uvarint(self.data, self.pos)
+            return n - 1
+        return self.int32()
+
+    def string(self) -> str | None:
+        if self.flexible:
+            n, self.pos = _read_uvarint(self.data, self.pos)
+            n -= 1
+        else:
+            n = self.int16()
+        if n < 0:
+            return None
+        start = self.take(n)
+        try:
+            return self.data[start : start + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise KafkaCodecError("string is not UTF-8") from None
+
+    def count(self) -> int:
+        n = self.length()
+        if n > self.end - self.pos:  # every element takes at least one byte
+            raise KafkaCodecError(f"array of {n} elements cannot fit the frame")
+        return max(n, 0)
+
+    def tags(self) -> None:
+        if self.flexible:
+            self.pos = _skip_tagged_fields(self.data, self.pos)
+
+
+def decode_produce_request(frame: bytes, pos: int, version: int) -> ProduceRequestBody:
+    """The Produce request body (v3-12) starting at ``pos``: records stay views into
+    ``frame``; raise ``KafkaCodecError`` on anything malformed."""
+    r = _Reader(frame, pos, version >= 9)
+    transactional_id = r.string()
+    acks = r.int16()
+    timeout_ms = r.int32()
+    topics = []
+    for _ in range(r.count()):
+        name = r.string()
+        if name is None:
+            raise KafkaCodecError("null topic name")
+        partitions = []
+        for _ in range(r.count()):
+            index = r.int32()
+            n = r.length()
+            records = None
+            if n >= 0:
+                start = r.take(n)
+                records = r.view[start : start + n]
+            r.tags()
+            partitions.append(ProducePartitionData(index, records))
+        r.tags()
+        topics.append(ProduceTopicData(name, partitions))
+    r.tags()
+    if r.pos != r.end:
+        raise KafkaCodecError("bytes left over after the Produce request")
+    return ProduceRequestBody(transactional_id, acks, timeout_ms, topics)
 
 
 def encode_response(api_key: int, api_version: int, correlation_id: int, body: Any) -> bytes:

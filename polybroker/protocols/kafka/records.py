@@ -96,8 +96,9 @@ class Batch:
         return crc32c(self.raw[_CRC_START:]) == self.crc
 
 
-def split_batches(data: bytes, *, max_batches: int = 10_000) -> list[Batch]:
-    """Split a ``records`` field into batches (v2 only); raise ``RecordError``."""
+def split_batches(data: bytes | memoryview, *, max_batches: int = 10_000) -> list[Batch]:
+    """Split a ``records`` field into batches (v2 only, each copied out as bytes); raise
+    ``RecordError``."""
     out: list[Batch] = []
     pos = 0
     n = len(data)

@@ -207,3 +207,62 @@ def test_fetch_responses_encode_byte_for_byte_as_the_schema(version: int) -> Non
     assert direct.encode(version) == bytes(reference.encode(version=version))
     framed = c.encode_response(c.API_FETCH, version, 9, direct)
     assert framed == c.encode_response(c.API_FETCH, version, 9, reference)
+
+
+def _produce_request(version: int) -> bytes:
+    from kafka.protocol.producer import ProduceRequest
+
+    data = ProduceRequest.TopicProduceData
+    req = ProduceRequest[version](
+        transactional_id="tx" if version % 2 else None,
+        acks=-1,
+        timeout_ms=30_000,
+        topic_data=[
+            data(
+                name="tópic",
+                partition_data=[
+                    data.PartitionProduceData(index=0, records=b"batch-0" * 40),
+                    data.PartitionProduceData(index=7, records=None),
+                ],
+            ),
+            data(name="u", partition_data=[]),
+        ],
+    )
+    return _frame(req, correlation_id=11)
+
+
+@pytest.mark.parametrize("version", range(3, 12))
+def test_produce_requests_decode_directly_as_the_schema_does(version: int) -> None:
+    """The direct Produce decoder reads what the schema class writes, at every served version,
+    leaving the records as views into the frame."""
+    req = c.parse_request(_produce_request(version), c.API_VERSIONS_MODERN)
+    b = req.body
+    assert isinstance(b, c.ProduceRequestBody)
+    assert (req.correlation_id, b.transactional_id, b.acks, b.timeout_ms) == (
+        11,
+        "tx" if version % 2 else None,
+        -1,
+        30_000,
+    )
+    assert [(t.name, [(p.index, p.records) for p in t.partition_data]) for t in b.topic_data] == [
+        ("tópic", [(0, b"batch-0" * 40), (7, None)]),
+        ("u", []),
+    ]
+
+
+def test_truncated_or_padded_produce_requests_are_codec_errors() -> None:
+    """Every truncation of a Produce request, and trailing bytes, raise KafkaCodecError."""
+    frame = _produce_request(9)
+    for cut in range(10, len(frame)):
+        with pytest.raises(c.KafkaCodecError):
+            c.parse_request(frame[:cut], c.API_VERSIONS_MODERN)
+    with pytest.raises(c.KafkaCodecError):
+        c.parse_request(frame + b"\x00", c.API_VERSIONS_MODERN)
+    # An array count larger than the frame is refused before any allocation.
+    huge = bytearray(_produce_request(3))
+    head = 8 + 2 + 1  # api key, version, correlation id; client id "t"
+    at = head + 2 + 2 + 2 + 4  # transactional id "tx", acks, timeout
+    assert huge[at : at + 4] == (2).to_bytes(4, "big")  # the topic count
+    huge[at : at + 4] = (1 << 30).to_bytes(4, "big")
+    with pytest.raises(c.KafkaCodecError, match="cannot fit"):
+        c.parse_request(bytes(huge), c.API_VERSIONS_MODERN)
