@@ -290,28 +290,29 @@ def check_batch(batch: Batch, *, limit: int) -> None:
     body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
     n = len(body)
     pos = 0
-    zigzag = _ZIGZAG
     small = min(count, _SMALL - 1)
+    len1, len2 = _LEN1, _LEN2
     try:
-        for i in range(small):
-            # Record length: a zigzag varint, one or two bytes below 8 KiB.
+        for expected in _ZIGZAG[1 : small + 1]:  # offset delta i as a zigzag varint
+            # Record length: a zigzag varint, one or two bytes below 8 KiB (tables).
             v = body[pos]
             if v < 0x80:
                 pos += 1
-                length = (v >> 1) ^ -(v & 1)
+                end = pos + len1[v]
             elif body[pos + 1] < 0x80:
-                v = (v & 0x7F) | (body[pos + 1] << 7)
+                end = pos + 2 + len2[v & 0x7F][body[pos + 1]]
                 pos += 2
-                length = (v >> 1) ^ -(v & 1)
             else:
                 length, pos = _varint(body, pos)
-            end = pos + length
-            if length < 4 or end > n:  # attributes, timestamp, offset delta, key at least
+                end = pos + length
+            if end - pos < 4 or end > n:  # attributes, timestamp, offset delta, key at least
                 raise RecordError("record runs past the batch")
-            p = pos + 1  # past the attributes
-            while body[p] & 0x80:  # the timestamp delta
+            p = pos + 2  # past the attributes and the timestamp delta's first byte
+            if body[p - 1] & 0x80:
                 p += 1
-            if not body.startswith(zigzag[i + 1], p + 1, end):
+                while body[p - 1] & 0x80:
+                    p += 1
+            if not body.startswith(expected, p, end):
                 raise OffsetDeltaError("record offset deltas are not 0, 1, 2, ...")
             pos = end
         for i in range(small, count):
@@ -342,6 +343,9 @@ def _zigzag_slow(value: int) -> bytes:
 
 _SMALL = 1 << 14
 _ZIGZAG = [_zigzag_slow(v) for v in range(-1, _SMALL)]  # index v + 1
+# Zigzag varints of one byte (b) and two bytes (b0 without its continuation bit, b1).
+_LEN1 = [(b >> 1) ^ -(b & 1) for b in range(0x80)]
+_LEN2 = [[((b0 | b1 << 7) >> 1) ^ -(b0 & 1) for b1 in range(0x80)] for b0 in range(0x80)]
 
 
 def _zigzag(value: int) -> bytes:
