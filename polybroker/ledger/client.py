@@ -410,8 +410,19 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         if self._closing:
             listener.adds_failed(self, LedgerClosedError(f"ledger {self.ledger_id} is closed"))
             return
-        # on_done None: the token is a listener told once per run of completions.
-        self._add(data, None, None, listener)
+        # ``_add`` inlined (the hot path); on_done None: the token is a listener told once per
+        # run of completions.
+        entry_id = self._next
+        self._next = entry_id + 1
+        length = self._sent_length = self._sent_length + len(data)
+        record = encode_wire_record(self.ledger_id, entry_id, self._lac, length, data)
+        p = _PendingAdd(record, length, self._seconds(), None, None, listener)
+        self._pending[entry_id] = p
+        if not self._changing:
+            p.write_set = ws = self._write_sets[entry_id % self._ensemble_size]
+            self._send(entry_id, p, ws)
+        if self._sweep_call is None:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
 
     def _add(
         self, data: bytes, on_done: AddDone | None, on_failed: AddFailed | None, token: Any

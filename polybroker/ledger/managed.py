@@ -72,6 +72,7 @@ READ_BATCH = 100
 SPARSE_STEP = 64
 
 _pack_header = entry_format.HEADER.pack
+_new = tuple.__new__  # builds a named tuple without the Python-level __new__ of namedtuple
 
 
 def ledger_path(name: str) -> str:
@@ -198,11 +199,10 @@ class _Add:
         self.data = data
         self.num = num
         self.time = time
-        self.index = -1
-        self.size = 0  # stored bytes (header and data)
-        self.entry_id = -1  # in the ledger it was last sent to
         self.d = d
         self.group = group
+        # Set by ``_send``: ``index``, ``size`` (stored bytes: header and data) and ``entry_id``
+        # (in the ledger it was last sent to).
 
     def fail(self, error: Exception) -> None:
         """Tell whoever waits that this append failed (a group hears only its first failure)."""
@@ -266,6 +266,18 @@ class ManagedLedgerImpl(ManagedLedger):
         self._error: Exception | None = None
         self._closing: list[Deferred[None]] | None = None  # waiters while a close runs
         self._switching = False  # a _start_ledger runs
+
+    @property
+    def config(self) -> ManagedLedgerConfig:
+        """The config in force (the broker may replace it, e.g. when retention changes)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: ManagedLedgerConfig) -> None:
+        self._config = config
+        # Below these a ledger is never full (``_is_full``), whatever its age.
+        self._max_entries = config.max_entries_per_ledger
+        self._max_bytes = config.max_size_per_ledger_bytes
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -421,7 +433,16 @@ class ManagedLedgerImpl(ManagedLedger):
         if publish_time_ms is None:
             publish_time_ms = int(self._reactor.seconds() * 1000)
         d: Deferred[Entry] = Deferred()
-        self._enqueue(_Add(data, num_messages, publish_time_ms, d, None))
+        add = _Add(data, num_messages, publish_time_ms, d, None)
+        if (
+            self._state is _State.OPEN
+            and not self._queued
+            and self._sent_entries < self._max_entries
+            and self._sent_bytes < self._max_bytes
+        ):
+            self._send(add)  # the common case of ``_enqueue``, inlined
+        else:
+            self._enqueue(add)
         return d
 
     def append_many(
@@ -534,7 +555,7 @@ class ManagedLedgerImpl(ManagedLedger):
         # do (append, read, close) sees the log with all of them.
         while pending and pending[0].entry_id <= last_entry_id:
             a = popleft()
-            entry = Entry(Position(lid, a.entry_id), a.index, a.num, a.time, a.data)
+            entry = _new(Entry, (_new(Position, (lid, a.entry_id)), a.index, a.num, a.time, a.data))
             index_of(a.index)
             time_of(a.time)
             size += a.size
