@@ -5,18 +5,28 @@ that seals a ledger every ``--entries-per-ledger`` entries, so the backlog (kept
 lies in sealed ledgers but for the last one, as an older backlog does:
 
 (a) fill:    --messages messages of --size bytes published with batching to one topic;
-(b) client:  the same backlog read by the Pulsar Python client in this one process (a Reader from
-             the earliest message, counting messages and bytes);
+(b) client:  the same backlog read as a user reads it with the official Pulsar Python client: one
+             process, one Reader from the earliest message, a ``read_next`` loop counting
+             messages and bytes. Timed from the first ``read_next`` to the last (the client and
+             the reader are made before the clock starts);
 (c) batch:   ``spark.read.format("pulsar")`` of the backlog into an aggregation (count and total
-             value length), on local[2], the session already warm: the sealed ledgers straight
-             from the bookie (the default), then all of it through the broker
-             (``readFromStorage=false``, ``spark_batch_broker``);
-(d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink;
+             value length), on local[2] with the source's default options (``--min-partitions``
+             and ``--entries-per-partition`` override them). Timed from ``load()`` to the
+             collected result: the schema and planning calls to the admin API, Spark's planning,
+             the tasks reading (from the bookies by default, ``spark_batch``; through the broker
+             with ``readFromStorage=false``, ``spark_batch_broker``) and the aggregation. The
+             session and its Python workers are started and warmed before (a tiny read), as in
+             a running application: Spark's start-up is not in the figure;
+(d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink,
+             timed from ``start()`` to the end of the query (its planning and checkpoint writes
+             included);
 (e) in memory: a Python data source of the same columns and as many partitions whose reads
              yield ready record batches, into the aggregation of (c): Spark's own cost per row.
 
-Rows/s of (b), (c) and (d) and the ratios of (c) and (d) to (b). Prints a table, then one JSON line
-as the last line.
+Rows/s of each case and its ratio to (b); CPU seconds of every process involved (this one with
+the client's threads, Spark's JVM and Python workers, the broker with its bookie) per case, a
+figure that moves less than rows/s on a shared machine. Each Spark case runs ``--repeat`` times
+(alternating), keeping the best. Prints a table, then one JSON line as the last line.
 """
 
 from __future__ import annotations
@@ -40,6 +50,54 @@ _READY = "polybroker standalone ready "
 # Pulsar client package.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu(root: int) -> dict[int, float]:
+    """CPU seconds (user + system, with reaped children's) of ``root`` and every live process
+    under it, by pid (Linux ``/proc``; empty elsewhere)."""
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        used[pid] = sum(int(x) for x in fields[11:15]) / _TICK
+    tree = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return {pid: used[pid] for pid in tree if pid in used}
+
+
+class CpuMeter:
+    """CPU seconds spent by this process tree between ``start`` and ``stop``, and by ``broker``
+    (a child) alone."""
+
+    def __init__(self, broker: int) -> None:
+        self.broker = broker
+        self.before: dict[int, float] = {}
+
+    def start(self) -> None:
+        self.before = tree_cpu(os.getpid())
+
+    def stop(self) -> dict[str, float]:
+        after = tree_cpu(os.getpid())
+        spent = {pid: t - self.before.get(pid, 0.0) for pid, t in after.items()}
+        return {
+            "cpu_s": round(sum(spent.values()), 3),
+            "broker_cpu_s": round(spent.get(self.broker, 0.0), 3),
+        }
 
 
 def start_broker(
@@ -248,8 +306,14 @@ def main() -> None:
     parser.add_argument(
         "--entries-per-partition",
         type=int,
-        default=100,
-        help="maxEntriesPerPartition: how finely Spark splits the backlog",
+        default=None,
+        help="maxEntriesPerPartition (default: the source's)",
+    )
+    parser.add_argument(
+        "--min-partitions",
+        type=int,
+        default=None,
+        help="minPartitions (default: the source's, the driver's CPU count)",
     )
     parser.add_argument("--repeat", type=int, default=2, help="runs of each Spark case (best)")
     parser.add_argument(
@@ -275,15 +339,23 @@ def main() -> None:
             topic = "persistent://public/default/bench"
             keep_backlog(admin_url, topic)
             fill_s = fill(client, topic, args.messages, args.size)
-            client_result = read_with_client(client, topic, args.messages)
+            meter = CpuMeter(proc.pid)
+
+            def measured(run: Any, *run_args: Any) -> dict[str, float]:
+                meter.start()
+                got = run(*run_args)
+                got.update(meter.stop())
+                got["cpu_us_per_row"] = round(got["cpu_s"] / got["rows"] * 1e6, 3)
+                return dict(got)
+
+            client_result = measured(read_with_client, client, topic, args.messages)
             spark = local_session("polybroker-spark-bench")
             spark.sparkContext.setLogLevel("ERROR")
-            options = {
-                "service.url": service_url,
-                "admin.url": admin_url,
-                "topic": topic,
-                "maxEntriesPerPartition": str(args.entries_per_partition),
-            }
+            options = {"service.url": service_url, "admin.url": admin_url, "topic": topic}
+            if args.entries_per_partition is not None:
+                options["maxEntriesPerPartition"] = str(args.entries_per_partition)
+            if args.min_partitions is not None:
+                options["minPartitions"] = str(args.min_partitions)
             # Warm the session and the Python workers on a tiny read first.
             spark.read.format("pulsar").options(
                 **options, endingOffsets=json.dumps({topic: "0:1"})
@@ -294,13 +366,14 @@ def main() -> None:
             spark.dataSource.register(in_memory_source(args.size, args.messages, parts))
             # Alternate the cases, keep each one's best run (the JVM warms up as it goes).
             for r in range(args.repeat):
-                got = read_with_spark_batch(spark, options, args.messages)
+                got = measured(read_with_spark_batch, spark, options, args.messages)
                 batch = max(batch, got, key=lambda x: x["rows_per_s"])
-                got = read_with_spark_batch(spark, broker_options, args.messages)
+                got = measured(read_with_spark_batch, spark, broker_options, args.messages)
                 batch_broker = max(batch_broker, got, key=lambda x: x["rows_per_s"])
-                got = read_with_spark_stream(spark, options, args.messages, root / f"ckpt{r}")
+                ckpt = root / f"ckpt{r}"
+                got = measured(read_with_spark_stream, spark, options, args.messages, ckpt)
                 stream = max(stream, got, key=lambda x: x["rows_per_s"])
-                got = read_in_memory(spark, args.messages)
+                got = measured(read_in_memory, spark, args.messages)
                 memory = max(memory, got, key=lambda x: x["rows_per_s"])
         finally:
             if spark is not None:
@@ -329,10 +402,14 @@ def main() -> None:
         "stream_vs_client": stream["rows_per_s"] / client_result["rows_per_s"],
         "in_memory_vs_client": memory["rows_per_s"] / client_result["rows_per_s"],
     }
-    print(f"{'case':<14}{'rows/s':>12}{'seconds':>10}")
+    print(f"{'case':<20}{'rows/s':>10}{'vs client':>10}{'seconds':>9}{'cpu s':>8}{'us/row':>8}")
     for name in ("client", "spark_batch", "spark_batch_broker", "spark_stream", "spark_in_memory"):
         r = result[name]
-        print(f"{name:<14}{r['rows_per_s']:>12.0f}{r['seconds']:>10.2f}")
+        ratio = r["rows_per_s"] / client_result["rows_per_s"]
+        print(
+            f"{name:<20}{r['rows_per_s']:>10.0f}{ratio:>10.2f}{r['seconds']:>9.2f}"
+            f"{r.get('cpu_s', 0.0):>8.2f}{r.get('cpu_us_per_row', 0.0):>8.2f}"
+        )
     print(json.dumps(result))
 
 

@@ -371,11 +371,15 @@ class DirectLedgerReader:
         )
 
 
-def layouts_from_stats(ledgers: Sequence[dict[str, Any]]) -> dict[int, LedgerLayout]:
-    """The layouts of the sealed ledgers in an ``internalStats?metadata=true`` ledger list."""
+def layouts_from_stats(
+    ledgers: Sequence[dict[str, Any]], *, open_ledgers: bool = False
+) -> dict[int, LedgerLayout]:
+    """The layouts of the sealed ledgers in an ``internalStats?metadata=true`` ledger list, and
+    with ``open_ledgers`` those of open ledgers that name their fragments too (whose entries up
+    to the last add confirmed can no longer change either: Rule 1)."""
     out: dict[int, LedgerLayout] = {}
     for info in ledgers:
-        if not info.get("sealed"):
+        if not info.get("sealed") and not (open_ledgers and info.get("fragments")):
             continue
         fragments = tuple(
             (int(f["firstEntryId"]), tuple(str(b) for b in f["bookies"]))

@@ -10,11 +10,27 @@ from typing import Any
 from urllib.parse import quote
 
 from polybroker.ledger.direct import LedgerLayout, layouts_from_stats
-from polybroker.spark.offsets import EARLIEST, Boundary, after_last, base_topic, full_topic
+from polybroker.spark.offsets import (
+    EARLIEST,
+    Boundary,
+    after_last,
+    base_topic,
+    full_topic,
+    readable_end,
+)
 
 
 class AdminError(RuntimeError):
     """The admin REST API answered an error or could not be reached."""
+
+
+def _position(text: Any) -> tuple[int, int] | None:
+    """``(ledger, entry)`` of a ``"ledger:entry"`` position, None if it is not one."""
+    ledger, sep, entry = str(text).partition(":")
+    try:
+        return (int(ledger), int(entry)) if sep else None
+    except ValueError:
+        return None
 
 
 class PulsarAdmin:
@@ -79,16 +95,26 @@ class PulsarAdmin:
         """``(ledgerId, entries)`` of the topic partition's ledgers, oldest first."""
         return self._ledgers(self._get(self._path(topic) + "/internalStats"))
 
-    def storage(self, topic: str) -> tuple[list[tuple[int, int]], dict[int, LedgerLayout]]:
-        """``ledgers()`` and the storage layout of each sealed ledger (empty if not told)."""
+    def storage(
+        self, topic: str
+    ) -> tuple[list[tuple[int, int]], dict[int, LedgerLayout], Boundary]:
+        """``ledgers()``, the storage layout of each ledger that tells it, and the boundary
+        before which every entry can be read from storage (``offsets.readable_end``: the sealed
+        ledgers, then the open one up to its last add confirmed)."""
         stats = self._get(self._path(topic) + "/internalStats?metadata=true")
-        layouts: dict[int, LedgerLayout] = {}
-        if isinstance(stats, dict):
-            try:
-                layouts = layouts_from_stats(stats.get("ledgers", []))
-            except (KeyError, TypeError, ValueError) as e:
-                raise AdminError(f"{topic}: unusable ledger metadata: {e}") from None
-        return self._ledgers(stats), layouts
+        if not isinstance(stats, dict):
+            return self._ledgers(stats), {}, EARLIEST
+        infos = stats.get("ledgers", [])
+        try:
+            layouts = layouts_from_stats(infos, open_ledgers=True)
+            sealed = {int(x["ledgerId"]) for x in infos if x.get("sealed")}
+        except (KeyError, TypeError, ValueError) as e:
+            raise AdminError(f"{topic}: unusable ledger metadata: {e}") from None
+        ledgers = self._ledgers(stats)
+        confirmed = _position(stats.get("lastConfirmedEntry"))
+        if confirmed is not None and confirmed[0] not in layouts:
+            confirmed = None
+        return ledgers, layouts, readable_end(ledgers, sealed, confirmed)
 
     @staticmethod
     def _ledgers(stats: Any) -> list[tuple[int, int]]:

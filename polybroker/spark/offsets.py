@@ -227,6 +227,24 @@ def sealed_end(ledgers: Sequence[tuple[int, int]], sealed: Collection[int]) -> B
     return (ids[-1] + 1, 0, -1)
 
 
+def readable_end(
+    ledgers: Sequence[tuple[int, int]],
+    sealed: Collection[int],
+    confirmed: tuple[int, int] | None,
+) -> Boundary:
+    """The boundary before which every stored entry can be read from storage: the sealed
+    ledgers' (``sealed_end``), then those of the first open ledger up to ``confirmed``, its
+    last add confirmed ``(ledger, entry)``, when known."""
+    cut = sealed_end(ledgers, sealed)
+    ids = sorted(ledger for ledger, _ in ledgers)
+    if confirmed is None or not ids or confirmed[1] < 0:
+        return cut
+    first_open = ids[0] if cut == EARLIEST else cut[0]
+    if confirmed[0] != first_open or first_open not in ids:
+        return cut
+    return (first_open, confirmed[1] + 1, -1)
+
+
 def first_lost(ledgers: Sequence[tuple[int, int]], start: Boundary) -> bool:
     """Whether entries at ``start`` are gone: its ledger precedes every stored ledger."""
     if start == EARLIEST or not ledgers:

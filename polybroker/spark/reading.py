@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from polybroker.ledger.direct import DirectLedgerReader, LedgerLayout
 from polybroker.spark.offsets import Boundary, ReadRange, format_boundary
-from polybroker.spark.storage import Columns, Stop, read_rows
+from polybroker.spark.storage import Columns, Stop, partition_index, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -124,54 +123,20 @@ def read_messages(
 
 
 class _Batches:
-    """Collects rows column by column and cuts them into Arrow record batches."""
+    """Collects rows (``storage.Columns``) and cuts them into Arrow record batches."""
 
     def __init__(self, topic: str, typed: Sequence[Any], batch_rows: int) -> None:
         self.topic = topic
+        self.partition = partition_index(topic)
         self.schema = arrow_schema(typed)
         self.fields = list(typed)
         self.batch_rows = batch_rows
         self.cols = Columns()
-        # The values, in order: lists of bytes, or (blob, width, count) of uniform batches.
-        self.pieces: list[list[bytes] | tuple[bytes, int, int]] = []
 
     def add(self, cols: Columns) -> Any:
         """Add rows; a full batch or None."""
-        c = self.cols
-        c.keys += cols.keys
-        c.ids += cols.ids
-        c.pubs += cols.pubs
-        c.events += cols.events
-        c.props += cols.props
-        if cols.blob is not None:
-            self.pieces.append((cols.blob, cols.width, len(cols)))
-        elif cols.values:
-            self.pieces.append(list(cols.values))
-        return self.flush() if len(c) >= self.batch_rows else None
-
-    def _values(self) -> Any:
-        import pyarrow as pa
-
-        pieces, self.pieces = self.pieces, []
-        if pieces and all(isinstance(p, tuple) for p in pieces):
-            offsets = array("i")
-            pos = 0
-            for _, w, n in pieces:  # type: ignore[misc]
-                offsets.extend(range(pos, pos + w * n, w))
-                pos += w * n
-            offsets.append(pos)
-            data = b"".join(p[0] for p in pieces)  # type: ignore[misc]
-            return pa.BinaryArray.from_buffers(
-                pa.binary(), len(offsets) - 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
-            )
-        values: list[bytes] = []
-        for p in pieces:
-            if isinstance(p, list):
-                values += p
-            else:
-                blob, w, n = p
-                values += [blob[i : i + w] for i in range(0, w * n, w)]
-        return pa.array(values, pa.binary())
+        self.cols.extend(cols)
+        return self.flush() if len(self.cols) >= self.batch_rows else None
 
     def flush(self) -> Any:
         """The rows collected so far as one record batch (None if there are none)."""
@@ -182,30 +147,24 @@ class _Batches:
         if not n:
             return None
         schema = self.schema
-        values = self._values()
+        ts = schema.field("__publishTime").type
+        key, value, mid, pub, event, props = c.arrays(
+            self.partition, ts, schema.field("__messageProperties").type
+        )
         extra: list[list[Any]] = [[] for _ in self.fields]
         if self.fields:
             from polybroker.spark.typed import extract
 
-            for value in values.to_pylist():
-                for column, v in zip(extra, extract(value, self.fields), strict=True):
-                    column.append(v)
-        if any(c.props):
-            props = pa.array(c.props, type=schema.field("__messageProperties").type)
-        else:
-            offsets = pa.py_buffer(bytes(4 * (n + 1)))
-            props = pa.MapArray.from_arrays(
-                pa.Array.from_buffers(pa.int32(), n + 1, [None, offsets]),
-                pa.array([], pa.string()),
-                pa.array([], pa.string()),
-            )
+            for v in value.to_pylist():
+                for column, x in zip(extra, extract(v, self.fields), strict=True):
+                    column.append(x)
         arrays = [
-            pa.array(c.keys, pa.binary()),
-            values,
+            key,
+            value,
             pa.repeat(pa.scalar(self.topic, pa.string()), n),
-            pa.array(c.ids, pa.binary()),
-            pa.array(c.pubs, schema.field("__publishTime").type),
-            pa.array(c.events, schema.field("__eventTime").type),
+            mid,
+            pub,
+            event,
             props,
             *(pa.array(v, type=f.type) for v, f in zip(extra, list(schema)[7:], strict=True)),
         ]
@@ -226,9 +185,9 @@ def read_batches(
     """Yield ``rng``'s rows as Arrow record batches: the fixed columns, then the ``typed``
     fields (Spark StructFields) taken from each JSON value (``polybroker.spark.typed``).
 
-    With ``layouts`` (of the sealed ledgers ``ledgers`` the range lies in) the rows are read
-    from the bookies (``polybroker.spark.storage``); where that stops, the rest comes through
-    the broker."""
+    With ``layouts`` (of the ledgers ``ledgers`` the range lies in) the rows are read from
+    the bookies (``polybroker.spark.storage``); where that stops, the rest comes through the
+    broker."""
     out = _Batches(rng.topic, typed, batch_rows)
     if layouts:
         stops: list[Stop] = []
@@ -237,10 +196,10 @@ def read_batches(
                 batch = out.add(cols)
                 if batch is not None:
                     yield batch
+        batch = out.flush()
+        if batch is not None:
+            yield batch
         if not stops:
-            batch = out.flush()
-            if batch is not None:
-                yield batch
             return
         log.warning(
             "%s: reading on through the broker from %s: %s",
@@ -250,32 +209,29 @@ def read_batches(
         )
         rng = replace(rng, start=stops[0].resume)
     one = Columns()
-    keys, values, ids, pubs, events, props = (
-        one.keys,
-        one.values,
-        one.ids,
-        one.pubs,
-        one.events,
-        one.props,
-    )
+    values: list[bytes] = []
     for msg, mid in read_messages(
         service_url, rng, fail_on_data_loss=fail_on_data_loss, timeout_ms=timeout_ms
     ):
         key = msg.partition_key()
         event = msg.event_timestamp()
         p = msg.properties()
-        keys.append(key.encode() if key else None)
+        one.runs.append(1)
+        one.keys.append(key.encode() if key else None)
         values.append(msg.data())
-        ids.append(mid.serialize())
-        pubs.append(msg.publish_timestamp() * 1000)
-        events.append(event * 1000 if event else None)
-        props.append(list(p.items()) if p else [])
+        one.raw_ids.append(mid.serialize())
+        one.pubs.append(msg.publish_timestamp() * 1000)
+        one.events.append(event * 1000 if event else None)
+        one.props.append(list(p.items()) if p else [])
         if len(values) >= 1000:
+            one.n = len(values)
+            one.chunks.append(values)
             batch = out.add(one)
-            for column in (keys, values, ids, pubs, events, props):
-                column.clear()
+            one, values = Columns(), []
             if batch is not None:
                 yield batch
+    one.n = len(values)
+    one.chunks.append(values)
     out.add(one)
     batch = out.flush()
     if batch is not None:

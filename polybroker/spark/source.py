@@ -2,9 +2,11 @@
 
 Option names follow the StreamNative pulsar-spark connector: ``service.url``, ``admin.url``,
 ``topic`` / ``topics`` / ``topicsPattern``, ``startingOffsets``, ``endingOffsets``,
-``failOnDataLoss``, ``maxEntriesPerTrigger``; plus ``maxEntriesPerPartition`` (how large backlogs
-are split), ``readFromStorage`` (default true: the sealed ledgers of a backlog are read straight
-from the bookies, ``polybroker.spark.storage``) and, for writers, ``batchingMaxMessages``.
+``failOnDataLoss``, ``maxEntriesPerTrigger``; plus ``maxEntriesPerPartition`` and, as Spark's
+Kafka source names it, ``minPartitions`` (default: the driver's CPU count): how large backlogs are
+split; ``readFromStorage`` (default true: what storage holds of a backlog, the sealed ledgers and
+the open one up to its last add confirmed, is read straight from the bookies,
+``polybroker.spark.storage``) and, for writers, ``batchingMaxMessages``.
 
 Where code runs: planning (topics, last ids, ledgers) on the driver through the admin REST API;
 ``read``/``write`` in executor workers through the Pulsar client. Everything a worker needs travels
@@ -13,6 +15,8 @@ in the pickled ``PulsarPartition`` or in the options, never in state set while p
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +96,14 @@ def _positive(options: dict[str, str], name: str, default: int | None) -> int | 
     return n
 
 
+def _cores() -> int:
+    """The CPUs this process may run on: the default ``minPartitions``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _deserialize(data: bytes) -> off.Boundary:
     import pulsar
 
@@ -125,6 +137,7 @@ class ReadConfig:
     max_entries_per_trigger: int | None
     typed: tuple[StructField, ...] = ()
     read_from_storage: bool = True
+    min_partitions: int = 1
 
     @classmethod
     def of(cls, options: dict[str, str], schema: StructType | None = None) -> ReadConfig:
@@ -151,6 +164,7 @@ class ReadConfig:
             max_entries_per_trigger=_positive(options, "maxEntriesPerTrigger", None),
             typed=tuple(schema.fields[len(READ_SCHEMA.fields) :]) if schema else (),
             read_from_storage=_flag(options, "readFromStorage", True),
+            min_partitions=_positive(options, "minPartitions", _cores()) or 1,
         )
 
     def admin(self) -> PulsarAdmin:
@@ -164,22 +178,31 @@ class ReadConfig:
         return sorted({p for name in names if name for p in admin.partitions(name)})
 
 
+def _entries(ledgers: Sequence[tuple[int, int]], start: off.Boundary, end: off.Boundary) -> int:
+    return sum(stop - first for _, first, stop in off.entries_between(ledgers, start, end))
+
+
 def plan(
     cfg: ReadConfig,
     admin: PulsarAdmin,
     starts: dict[str, off.Boundary],
     ends: dict[str, off.Boundary],
 ) -> list[PulsarPartition]:
-    """Split every topic partition's ``[start, end)`` into read ranges (driver side)."""
-    parts = []
+    """Split every topic partition's ``[start, end)`` into read ranges (driver side).
+
+    What storage holds (``PulsarAdmin.storage``) is planned for reads from the bookies, the rest
+    through the broker. Ranges hold at most ``maxEntriesPerPartition`` entries, and the read is
+    cut into at least ``minPartitions`` ranges of about equal size when it has that many
+    entries, so every core of the cluster gets a share."""
+    pieces: list[tuple[str, off.Boundary, off.Boundary, list[tuple[int, int]], Any]] = []
     for topic in sorted(ends):
         start, end = starts.get(topic, off.EARLIEST), ends[topic]
         if start >= end:
             continue
         if cfg.read_from_storage:
-            ledgers, layouts = admin.storage(topic)
+            ledgers, layouts, cut = admin.storage(topic)
         else:
-            ledgers, layouts = admin.ledgers(topic), {}
+            ledgers, layouts, cut = admin.ledgers(topic), {}, off.EARLIEST
         if off.first_lost(ledgers, start):
             if cfg.fail_on_data_loss:
                 raise off.OffsetError(
@@ -187,24 +210,30 @@ def plan(
                     "(set failOnDataLoss=false to skip them)"
                 )
             start = off.EARLIEST
-        # The sealed ledgers first, straight from the bookies; the rest through the broker.
-        cut = off.sealed_end(ledgers, layouts)
+        # What storage holds straight from the bookies; the rest through the broker.
         if start < cut:
-            for rng in off.split_range(
-                topic, ledgers, start, min(end, cut), cfg.max_entries_per_partition
-            ):
-                ids = [seg[0] for seg in off.entries_between(ledgers, rng.start, rng.end)]
-                parts.append(
-                    PulsarPartition(
-                        rng,
-                        tuple(layouts[i] for i in ids),
-                        tuple(x for x in ledgers if x[0] in ids),
-                    )
-                )
+            pieces.append((topic, start, min(end, cut), ledgers, layouts))
             start = max(start, cut)
         if start < end:
-            for rng in off.split_range(topic, ledgers, start, end, cfg.max_entries_per_partition):
+            pieces.append((topic, start, end, ledgers, None))
+    counts = [_entries(p[3], p[1], p[2]) for p in pieces]
+    total = sum(counts)
+    parts = []
+    for (topic, start, end, ledgers, layouts), count in zip(pieces, counts, strict=True):
+        share = max(1, math.ceil(cfg.min_partitions * count / total)) if total else 1
+        size = max(1, min(cfg.max_entries_per_partition, math.ceil(count / share)))
+        for rng in off.split_range(topic, ledgers, start, end, size):
+            if layouts is None:
                 parts.append(PulsarPartition(rng))
+                continue
+            ids = [seg[0] for seg in off.entries_between(ledgers, rng.start, rng.end)]
+            parts.append(
+                PulsarPartition(
+                    rng,
+                    tuple(layouts[i] for i in ids),
+                    tuple(x for x in ledgers if x[0] in ids),
+                )
+            )
     return parts
 
 

@@ -1,4 +1,4 @@
-"""Executor side of a read straight from the bookies: the sealed-ledger part of a backlog.
+"""Executor side of a read straight from the bookies: what storage holds of a backlog.
 
 Rows come out exactly as the broker path gives them (``polybroker.spark.reading``): the same key,
 value, publish and event times, properties (as the client's map: by key) and ``__messageId``
@@ -6,6 +6,9 @@ bytes (the client's serialized id: ledger, entry, partition, batch index and bat
 entry is decoded with ``broker_core.messages`` (batches, compression, foreign formats such as
 Kafka's); an entry in a format no installed protocol registers, or one no bookie can give, ends the
 direct read there and the rest of the range is read through the broker.
+
+Rows are gathered as columns (``Columns``) and turned into Arrow arrays in bulk: a batch whose
+messages share one shape costs a few numpy operations, not a Python step per message.
 
 Known difference: a message with an ordering key reads that key here, the client's partition key
 through the broker; a key that is not UTF-8 reads as its bytes here, base64 through the broker.
@@ -21,6 +24,8 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from polybroker.broker_core import messages
 from polybroker.broker_core.stored import stored_message_pb2 as pb
@@ -109,61 +114,197 @@ def _decode(data: bytes) -> tuple[list[messages.Message], bool]:
 _US = 1000
 _U32 = struct.Struct(">I")
 _SEQ_TAG = b"\x40"  # SingleMetadata.sequence_id, field 8, varint
-_BATCH_TAG = b"\x20"  # MessageIdData.batch_index, field 4
-_SIZE_TAG = b"\x30"  # MessageIdData.batch_size, field 6
-_BATCH_INDEX: list[bytes] = []  # _BATCH_TAG + varint(i), grown on demand
 
 #: key, payload size, properties, event time (us) or None: what a SingleMetadata says.
 _Single = tuple[bytes | None, int, list[tuple[str, str]], int | None]
 
 
 class Columns:
-    """Rows as columns: key, value, message id, publish and event time (us), properties.
+    """Rows as columns, built in bulk (``arrays``).
 
-    ``blob`` (when set, ``values`` is empty) holds the values of equal length ``width``
-    back to back: a uniform batch's payloads, copied out at C speed."""
+    Key, publish time, event time (us) and properties come in runs: ``runs[j]`` rows share
+    ``keys[j]``, ``pubs[j]``, ``events[j]`` and ``props[j]``. Message ids come in runs of one
+    entry, ``id_runs``: ``(ledger, entry, first batch index, rows, batch size)`` (batch index
+    -1: a message outside a batch), or as the ids' bytes in ``raw_ids`` (rows read through the
+    broker), never both. Values come in ``chunks``: lists of bytes, or ``n x width`` uint8
+    matrices of equal-length values (a uniform batch's payloads)."""
 
-    __slots__ = ("blob", "events", "ids", "keys", "props", "pubs", "values", "width")
+    __slots__ = ("chunks", "events", "id_runs", "keys", "n", "props", "pubs", "raw_ids", "runs")
 
     def __init__(self) -> None:
+        self.n = 0
+        self.runs: list[int] = []
         self.keys: list[bytes | None] = []
-        self.values: list[bytes] = []
-        self.ids: list[bytes] = []
         self.pubs: list[int] = []
         self.events: list[int | None] = []
         self.props: list[list[tuple[str, str]]] = []
-        self.blob: bytes | None = None
-        self.width = 0
+        self.id_runs: list[tuple[int, int, int, int, int]] = []
+        self.raw_ids: list[bytes] = []
+        self.chunks: list[list[bytes] | Any] = []
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.n
 
-    def value_list(self) -> list[bytes]:
-        """The values, one bytes each."""
-        if self.blob is None:
-            return self.values
-        w = self.width
-        return [self.blob[i : i + w] for i in range(0, w * len(self.ids), w)]
+    def extend(self, other: Columns) -> None:
+        """Append ``other``'s rows."""
+        self.n += other.n
+        self.runs += other.runs
+        self.keys += other.keys
+        self.pubs += other.pubs
+        self.events += other.events
+        self.props += other.props
+        self.id_runs += other.id_runs
+        self.raw_ids += other.raw_ids
+        self.chunks += other.chunks
 
-    def rows(self) -> list[Row]:
-        """The rows one by one (for tests and the typed columns)."""
+    def _expand(self, column: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        for v, k in zip(column, self.runs, strict=True):
+            out += [v] * k
+        return out
+
+    def rows(self, partition: int = -1) -> list[Row]:
+        """The rows one by one (for tests)."""
+        values: list[bytes] = []
+        for c in self.chunks:
+            values += list(c) if isinstance(c, list) else [bytes(r) for r in c]
+        ids = self.raw_ids or message_ids(self.id_runs, partition).to_pylist()
         return list(
             zip(
-                self.keys,
-                self.value_list(),
-                self.ids,
-                self.pubs,
-                self.events,
-                self.props,
+                self._expand(self.keys),
+                values,
+                ids,
+                self._expand(self.pubs),
+                self._expand(self.events),
+                self._expand(self.props),
                 strict=True,
             )
         )
 
+    def arrays(self, partition: int, ts: Any, props_type: Any) -> list[Any]:
+        """The key, value, message id, publish time, event time and properties columns as
+        Arrow arrays (``ts``: the timestamp type; ``partition``: the topic partition index)."""
+        import pyarrow as pa
 
-def _batch_index(count: int) -> None:
-    """Make ``_BATCH_INDEX`` hold at least ``count`` items."""
-    while len(_BATCH_INDEX) < count:
-        _BATCH_INDEX.append(_BATCH_TAG + _varint(len(_BATCH_INDEX)))
+        n = self.n
+        runs = self.runs
+        index = None if len(runs) == n else pa.array(np.repeat(np.arange(len(runs)), runs))
+
+        def spread(column: list[Any], type_: Any) -> Any:
+            if column.count(None) == len(column):
+                return pa.nulls(n, type_)
+            arr = pa.array(column, type_)
+            return arr if index is None else arr.take(index)
+
+        if any(self.props):
+            props = spread(self.props, props_type)
+        else:
+            props = pa.MapArray.from_arrays(
+                pa.array(np.zeros(n + 1, np.int32)),
+                pa.array([], pa.string()),
+                pa.array([], pa.string()),
+            )
+        ids = (
+            pa.array(self.raw_ids, pa.binary())
+            if self.raw_ids
+            else message_ids(self.id_runs, partition)
+        )
+        return [
+            spread(self.keys, pa.binary()),
+            _values(self.chunks, n),
+            ids,
+            pa.array(np.repeat(np.array(self.pubs, np.int64), runs), ts),
+            spread(self.events, ts),
+            props,
+        ]
+
+
+def _values(chunks: list[list[bytes] | Any], n: int) -> Any:
+    """One binary array of the values in ``chunks`` (see ``Columns``)."""
+    import pyarrow as pa
+
+    lengths = []
+    datas = []
+    for c in chunks:
+        if isinstance(c, list):
+            lengths.append(np.fromiter(map(len, c), np.int64, len(c)))
+            datas.append(np.frombuffer(b"".join(c), np.uint8))
+        else:
+            lengths.append(np.full(c.shape[0], c.shape[1], np.int64))
+            datas.append(c.reshape(-1))
+    offsets = np.zeros(n + 1, np.int64)
+    if lengths:
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+    if offsets[-1] >= 1 << 31:
+        raise messages.MessageFormatError("values of one batch exceed 2 GiB")
+    data = np.concatenate(datas) if datas else np.zeros(0, np.uint8)
+    return pa.BinaryArray.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)]
+    )
+
+
+def _varint_columns(v: Any, keep: Any) -> tuple[list[Any], list[Any]]:
+    """Protobuf varints of the non-negative int64 column ``v`` as byte columns, with the mask
+    of the bytes each row's varint has (for rows where ``keep``)."""
+    top = int(v.max()) if len(v) else 0
+    cols, masks = [], []
+    shifted = v
+    for _ in range(max(1, (top.bit_length() + 6) // 7)):
+        more = shifted >> 7
+        cols.append(((shifted & 0x7F) | np.where(more != 0, 0x80, 0)).astype(np.uint8))
+        masks.append(keep & ((shifted != 0) | (not masks)))
+        shifted = more
+    return cols, masks
+
+
+def message_ids(id_runs: Sequence[tuple[int, int, int, int, int]], partition: int) -> Any:
+    """The client's serialized message ids (``message_id_bytes``) of ``id_runs`` (see
+    ``Columns``) as one Arrow binary array, built column by column."""
+    import pyarrow as pa
+
+    if not id_runs:
+        return pa.array([], pa.binary())
+    runs = np.array(id_runs, np.int64).reshape(-1, 5)
+    counts = runs[:, 3]
+    n = int(counts.sum())
+    within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+    ledger = np.repeat(runs[:, 0], counts)
+    entry = np.repeat(runs[:, 1], counts)
+    first = np.repeat(runs[:, 2], counts)
+    batched = first >= 0
+    batch = np.where(batched, first + within, 0)
+    size = np.where(batched, np.repeat(runs[:, 4], counts), 0)
+    everyone = np.ones(n, bool)
+    cols: list[Any] = []
+    masks: list[Any] = []
+
+    def tag(byte: int, keep: Any) -> None:
+        cols.append(np.full(n, byte, np.uint8))
+        masks.append(keep)
+
+    def varint(v: Any, keep: Any) -> None:
+        c, m = _varint_columns(v, keep)
+        cols.extend(c)
+        masks.extend(m)
+
+    tag(0x08, everyone)
+    varint(ledger, everyone)
+    tag(0x10, everyone)
+    varint(entry, everyone)
+    if partition >= 0:
+        tag(0x18, everyone)
+        varint(np.full(n, partition, np.int64), everyone)
+    tag(0x20, batched)
+    varint(batch, batched)
+    tag(0x30, batched)
+    varint(size, batched)
+    matrix = np.stack(cols, axis=1)
+    mask = np.stack(masks, axis=1)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(mask.sum(axis=1), out=offsets[1:])
+    return pa.BinaryArray.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(matrix[mask])]
+    )
 
 
 def _uvarint(n: int) -> bytes:
@@ -176,74 +317,41 @@ def _uvarint(n: int) -> bytes:
     return _varint(n)
 
 
-#: Maps a byte to 1 if it continues a varint (high bit set), else 0.
-_CONTINUES = bytes(1 if b >= 0x80 else 0 for b in range(256))
-
-
-try:  # numpy, when installed, checks and copies a uniform batch as one n x stride matrix
-    import numpy as _np
-except ImportError:  # pragma: no cover - exercised where numpy is absent
-    _np = None
-
-
-def _strided(body: bytes, n: int, stride: int, fixed: int, width: int, skip: int) -> bytes | None:
-    """The payloads of ``n`` messages of ``stride`` bytes each (``body[skip:stride]`` of each)
-    if every message has the first one's ``fixed`` bytes and then a ``width``-byte varint;
-    None otherwise."""
-    if _np is not None:
-        rows = _np.frombuffer(body, dtype=_np.uint8).reshape(n, stride)
-        if not (rows[:, :fixed] == rows[0, :fixed]).all():
-            return None
-        if width > 1 and not (rows[:, fixed : fixed + width - 1] >= 0x80).all():
-            return None
-        if not (rows[:, fixed + width - 1] < 0x80).all():
-            return None
-        return rows[:, skip:].tobytes()
-    starts = range(0, len(body), stride)
-    if b"".join([body[p : p + fixed] for p in starts]) != body[:fixed] * n:
+def _strided(body: bytes, n: int, stride: int, fixed: int, width: int, skip: int) -> Any:
+    """The payloads of ``n`` messages of ``stride`` bytes each (``body[skip:stride]`` of each,
+    an ``n x (stride - skip)`` matrix) if every message has the first one's ``fixed`` bytes and
+    then a ``width``-byte varint; None otherwise."""
+    rows = np.frombuffer(body, dtype=np.uint8).reshape(n, stride)
+    if not (rows[:, :fixed] == rows[0, :fixed]).all():
         return None
-    varints = b"".join([body[p + fixed : p + fixed + width] for p in starts])
-    if varints.translate(_CONTINUES) != (b"\x01" * (width - 1) + b"\x00") * n:
+    if width > 1 and not (rows[:, fixed : fixed + width - 1] >= 0x80).all():
         return None
-    return b"".join([body[p + skip : p + stride] for p in starts])
+    if not (rows[:, fixed + width - 1] < 0x80).all():
+        return None
+    return rows[:, skip:]
 
 
-def _uniform(
-    body: bytes, n: int, seq: int, cache: _SingleCache, out: Columns, pub: int, ids: list[bytes]
-) -> bool:
-    """Take a whole batch at once when every message is the first one's shape: the same
+def _uniform(body: bytes, n: int, seq: int, cache: _SingleCache) -> tuple[Any, _Single] | None:
+    """A whole batch at once when every message is the first one's shape: the same
     SingleMetadata but for a sequence id of the same width, and the same payload size. Checked
-    byte for byte; False (nothing taken) otherwise."""
+    byte for byte; the payloads (an ``n x size`` matrix) and the shared fields, or None."""
     if n < 2 or len(body) < 4:
-        return False
+        return None
     (size,) = _U32.unpack_from(body, 0)
     raw = body[4 : 4 + size]
     seq_field = _SEQ_TAG + _uvarint(seq)
     if len(raw) != size or not raw.endswith(seq_field):
-        return False
+        return None
     info = cache.parse(raw, seq)
     head = raw[: -len(seq_field)]
     if cache.known(head) is not info:
-        return False  # the prefix did not parse alone to the same fields: not cached
+        return None  # the prefix did not parse alone to the same fields: not cached
     width = len(seq_field) - 1
-    length = info[1]
-    stride = 4 + size + length
+    stride = 4 + size + info[1]
     if n * stride != len(body):
-        return False
-    fixed = 4 + len(head) + 1
-    skip = 4 + size
-    blob = _strided(body, n, stride, fixed, width, skip)
-    if blob is None:
-        return False
-    out.blob = blob
-    out.width = length
-    key, _, prop, event = info
-    out.keys += [key] * n
-    out.ids += ids
-    out.pubs += [pub] * n
-    out.events += [event] * n
-    out.props += [prop] * n
-    return True
+        return None
+    payloads = _strided(body, n, stride, 4 + len(head) + 1, width, 4 + size)
+    return None if payloads is None else (payloads, info)
 
 
 def _key(smm: Any) -> bytes | None:
@@ -303,7 +411,9 @@ class _SingleCache:
         return info
 
 
-def _pulsar_batch(md: Any, payload: bytes, lo: int, hi: int, prefix: bytes, out: Columns) -> None:
+def _pulsar_batch(
+    md: Any, payload: bytes, lo: int, hi: int, ledger: int, entry: int, out: Columns
+) -> None:
     """Messages ``lo..hi-1`` of a Pulsar batch (the common case, fast)."""
     n = md.num_messages_in_batch
     body = messages.decompress(
@@ -312,20 +422,28 @@ def _pulsar_batch(md: Any, payload: bytes, lo: int, hi: int, prefix: bytes, out:
     if n < 0 or n > len(body) // 4 + 1:
         raise messages.MessageFormatError(f"batch claims {n} messages in {len(body)} bytes")
     cache = _SingleCache(int(md.event_time))
-    known = cache.known
-    parse = cache.parse
     seq = int(md.sequence_id)
     pub = int(md.publish_time) * _US
-    tail = _SIZE_TAG + _uvarint(n)
-    unpack = _U32.unpack_from
     count = max(0, min(hi, n))
-    _batch_index(count)
-    index = _BATCH_INDEX
-    if lo == 0 and count == n and not out.ids:
-        all_ids = [prefix + x + tail for x in index[:n]]
-        if _uniform(body, n, seq, cache, out, pub, all_ids):
+    if lo == 0 and count == n:
+        whole = _uniform(body, n, seq, cache)
+        if whole is not None:
+            payloads, (key, _, prop, event) = whole
+            out.n += n
+            out.runs.append(n)
+            out.keys.append(key)
+            out.pubs.append(pub)
+            out.events.append(event)
+            out.props.append(prop)
+            out.id_runs.append((ledger, entry, 0, n, n))
+            out.chunks.append(payloads)
             return
-    keys, values, ids, events, props = out.keys, out.values, out.ids, out.events, out.props
+    known = cache.known
+    parse = cache.parse
+    unpack = _U32.unpack_from
+    runs, keys, events, props = out.runs, out.keys, out.events, out.props
+    values: list[bytes] = []
+    last: _Single | None = None
     pos = 0
     end = len(body)
     for i in range(count):
@@ -341,23 +459,33 @@ def _pulsar_batch(md: Any, payload: bytes, lo: int, hi: int, prefix: bytes, out:
         s = seq + i
         seq_field = _SEQ_TAG + (bytes((s,)) if s < 0x80 else _uvarint(s))
         info = known(raw[: -len(seq_field)]) if raw.endswith(seq_field) else None
-        key, length, prop, event = info or parse(raw, s)
+        if info is None:
+            info = parse(raw, s)
+        length = info[1]
         if length < 0 or length > end - pos:
             raise messages.MessageFormatError("message payload runs past the batch")
         if i >= lo:
-            keys.append(key)
             values.append(body[pos : pos + length])
-            ids.append(prefix + index[i] + tail)
-            events.append(event)
-            props.append(prop)
+            if info is last:
+                runs[-1] += 1
+            else:
+                last = info
+                key, _, prop, event = info
+                runs.append(1)
+                keys.append(key)
+                out.pubs.append(pub)
+                events.append(event)
+                props.append(prop)
         pos += length
-    out.pubs.extend([pub] * max(0, min(hi, n) - lo))
+    if values:
+        out.n += len(values)
+        out.chunks.append(values)
+        out.id_runs.append((ledger, entry, lo, len(values), n))
 
 
 def entry_columns(
     ledger: int,
     entry: int,
-    partition: int,
     data: bytes,
     start: Boundary,
     end: Boundary,
@@ -371,29 +499,30 @@ def entry_columns(
     # Batch indexes of this entry inside [start, end): lo <= i < hi.
     lo = max(start[2], 0) if (start[0], start[1]) == (ledger, entry) else 0
     hi = max(end[2], 0) if (end[0], end[1]) == (ledger, entry) else 1 << 31
-    prefix = b"\x08" + _varint(ledger) + b"\x10" + _varint(entry)
-    if partition >= 0:
-        prefix += b"\x18" + _varint(partition)
     md, payload = messages.split_entry(body)
     if (
         md.HasField("num_messages_in_batch")
         and messages.entry_format(body) == messages.PULSAR_FORMAT
     ):
-        _pulsar_batch(md, payload, lo, hi, prefix, out)
+        _pulsar_batch(md, payload, lo, hi, ledger, entry, out)
         return
     decoded, batched = _decode(body)
     n = len(decoded)
+    values: list[bytes] = []
     for i, m in enumerate(decoded):
         b = i if batched else -1
         pos = (ledger, entry, b)
         if pos < start or pos >= end:
             continue
+        out.runs.append(1)
         out.keys.append(m.key or None)
-        out.values.append(m.payload)
-        out.ids.append(message_id_bytes(ledger, entry, partition, b, n))
+        values.append(m.payload)
+        out.id_runs.append((ledger, entry, b, 1, n))
         out.pubs.append(m.publish_time_ms * _US)
         out.events.append(m.event_time_ms * _US if m.event_time_ms else None)
         out.props.append(sorted(dict(m.properties).items()) if m.properties else [])
+    out.n += len(values)
+    out.chunks.append(values)
 
 
 def entry_rows(
@@ -401,8 +530,8 @@ def entry_rows(
 ) -> list[Row]:
     """``entry_columns`` as a list of rows."""
     out = Columns()
-    entry_columns(ledger, entry, partition, data, start, end, out)
-    return out.rows()
+    entry_columns(ledger, entry, data, start, end, out)
+    return out.rows(partition)
 
 
 def read_rows(
@@ -414,11 +543,11 @@ def read_rows(
 ) -> Iterator[Columns]:
     """Yield the rows of ``rng`` entry by entry, read from the bookies.
 
-    ``ledgers`` are the ``(ledger id, entries)`` of the sealed ledgers the range covers. If an
+    ``ledgers`` are the ``(ledger id, entries)`` of the ledgers the range covers (entries that
+    can no longer change: ``DirectLedgerReader``'s Rule 1). If an
     entry cannot be read or decoded, append a ``Stop`` to ``stop`` and return: the caller reads
     from ``Stop.resume`` on through the broker."""
     by_id = {layout.ledger_id: layout for layout in layouts}
-    partition = partition_index(rng.topic)
     for ledger, first, stop_entry in entries_between(ledgers, rng.start, rng.end):
         layout = by_id.get(ledger)
         if layout is None:
@@ -428,7 +557,7 @@ def read_rows(
         try:
             for entry, data in reader.read(layout, first, stop_entry - 1):
                 out = Columns()
-                entry_columns(ledger, entry, partition, data, rng.start, rng.end, out)
+                entry_columns(ledger, entry, data, rng.start, rng.end, out)
                 expected = entry + 1
                 yield out
         except (DirectReadError, messages.MessageFormatError, entry_format.EntryFormatError) as e:

@@ -43,11 +43,16 @@ class FakeAdmin:
     #: Ledger ids told as sealed, with one bookie each.
     sealed: frozenset[int] = frozenset()
 
-    def storage(self, topic: str) -> tuple[list[tuple[int, int]], dict[int, LedgerLayout]]:
+    #: The open ledger's last add confirmed, when told (with its layout).
+    confirmed: tuple[int, int] | None = None
+
+    def storage(
+        self, topic: str
+    ) -> tuple[list[tuple[int, int]], dict[int, LedgerLayout], off.Boundary]:
         ledgers = self.ledgers(topic)
-        return ledgers, {
-            i: LedgerLayout(i, 1, 1, ((0, ("b:1",)),)) for i, _ in ledgers if i in self.sealed
-        }
+        told = set(self.sealed) | ({self.confirmed[0]} if self.confirmed else set())
+        layouts = {i: LedgerLayout(i, 1, 1, ((0, ("b:1",)),)) for i, _ in ledgers if i in told}
+        return ledgers, layouts, off.readable_end(ledgers, self.sealed, self.confirmed)
 
 
 @pytest.fixture
@@ -63,7 +68,12 @@ def admin(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Any]], FakeAdm
 
 
 def _options(**extra: str) -> dict[str, str]:
-    base = {"service.url": "pulsar://x:1", "admin.url": "http://x:2", "topic": "t"}
+    base = {
+        "service.url": "pulsar://x:1",
+        "admin.url": "http://x:2",
+        "topic": "t",
+        "minPartitions": "1",
+    }
     return {k.lower(): v for k, v in {**base, **extra}.items()}
 
 
@@ -107,6 +117,59 @@ def test_sealed_ledgers_are_planned_for_storage_reads_and_the_open_one_for_the_b
     fake.sealed = frozenset({2})
     assert off.sealed_end([(1, 3), (2, 2)], fake.sealed) == off.EARLIEST
     assert all(not p.layouts for p in PulsarBatchReader(_options()).partitions())  # type: ignore[attr-defined]
+
+
+def test_the_open_ledger_is_read_from_storage_up_to_its_last_add_confirmed(
+    admin: Callable[..., FakeAdmin],
+) -> None:
+    """Entries up to the open ledger's last add confirmed are as final as a sealed ledger's:
+    planned for storage with its layout; any entry past it goes through the broker."""
+    fake = admin({T: [(1, 3), (4, 3)]})
+    fake.sealed = frozenset({1})
+    fake.confirmed = (4, 1)
+    parts = PulsarBatchReader(_options()).partitions()
+    got = [(p.rng.start, p.rng.end, [x.ledger_id for x in p.layouts]) for p in parts]  # type: ignore[attr-defined]
+    assert got == [(off.EARLIEST, (4, 2, -1), [1, 4]), ((4, 2, -1), (4, 3, -1), [])]
+    assert off.readable_end([(1, 3), (4, 3)], {1}, (4, 2)) == (4, 3, -1)
+    # Only the first open ledger counts; so does an open ledger with nothing confirmed.
+    assert off.readable_end([(1, 3), (4, 3)], set(), (4, 2)) == off.EARLIEST
+    assert off.readable_end([(4, 3)], set(), (4, 2)) == (4, 3, -1)
+    assert off.readable_end([(1, 3), (4, 0)], {1}, (4, -1)) == (4, 0, -1)
+    assert off.readable_end([(1, 3)], {1}, None) == (2, 0, -1)
+
+
+def test_min_partitions_cuts_a_read_into_shares_of_about_equal_size(
+    admin: Callable[..., FakeAdmin],
+) -> None:
+    """A backlog is cut into at least minPartitions ranges, shared between topic partitions by
+    their size; maxEntriesPerPartition still caps each range; tiny reads stay whole."""
+    admin({f"{T}-partition-0": [(1, 90)], f"{T}-partition-1": [(2, 30)]})
+
+    def sizes(**extra: str) -> list[tuple[str, int]]:
+        parts = PulsarBatchReader(_options(**extra)).partitions()
+        return [(p.rng.topic[-1], p.rng.entries) for p in parts]  # type: ignore[attr-defined]
+
+    assert sizes() == [("0", 90), ("1", 30)]
+    assert sizes(minPartitions="4") == [("0", 30), ("0", 30), ("0", 30), ("1", 30)]
+    # Shares round up: 3.75 and 1.25 of 5 become 4 and 2.
+    assert sizes(minPartitions="5") == [
+        ("0", 23),
+        ("0", 23),
+        ("0", 23),
+        ("0", 21),
+        ("1", 15),
+        ("1", 15),
+    ]
+    assert sizes(minPartitions="2", maxEntriesPerPartition="40") == [
+        ("0", 40),
+        ("0", 40),
+        ("0", 10),
+        ("1", 30),
+    ]
+    admin({T: [(1, 1)]})
+    assert sizes(minPartitions="8") == [("t", 1)]
+    with pytest.raises(OptionError, match="positive"):
+        ReadConfig.of(_options(minPartitions="0"))
 
 
 def test_fail_on_data_loss_refuses_or_skips_a_trimmed_start(

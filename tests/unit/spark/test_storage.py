@@ -109,33 +109,28 @@ def test_read_rows_stops_where_storage_fails_so_the_broker_reads_on() -> None:
     rng = ReadRange("t", (3, 1, -1), (3, 6, -1), (3, 5), 5)
     stops: list[Stop] = []
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries), stops))  # type: ignore[arg-type]
-    assert [c.values[0] for c in got] == [b"1", b"2", b"3", b"4", b"5"]
+    assert [c.rows()[0][1] for c in got] == [b"1", b"2", b"3", b"4", b"5"]
     assert stops == []
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries, 4), stops))  # type: ignore[arg-type]
-    assert [c.values[0] for c in got] == [b"1", b"2", b"3"]
+    assert [c.rows()[0][1] for c in got] == [b"1", b"2", b"3"]
     assert stops[0].resume == (3, 4, -1)
     # A corrupt entry stops there too.
     entries[2] = b"junk"
     stops.clear()
     got = list(read_rows(rng, [layout], [(3, 6)], _Reader(entries), stops))  # type: ignore[arg-type]
-    assert [c.values[0] for c in got] == [b"1"]
+    assert [c.rows()[0][1] for c in got] == [b"1"]
     assert stops[0].resume == (3, 2, -1)
 
 
-@pytest.mark.parametrize("with_numpy", [True, False])
 @pytest.mark.parametrize("odd", [None, "key", "size", "seq"])
 def test_uniform_batches_are_taken_whole_and_any_odd_message_is_decoded_one_by_one(
-    odd: str | None, with_numpy: bool, monkeypatch: pytest.MonkeyPatch
+    odd: str | None,
 ) -> None:
     """Equal-shaped messages (sequence ids of one width) take the fast path; a message of
     another key of the same length, another payload size or another sequence id width does
-    not, and the rows are the same as ``decode_entry`` gives either way (numpy or not)."""
+    not, and the rows are the same as ``decode_entry`` gives either way."""
     from polybroker.broker_core.messages import decode_entry
-    from polybroker.spark import storage
     from polybroker.spark.storage import Columns, entry_columns
-
-    if not with_numpy:
-        monkeypatch.setattr(storage, "_np", None)
 
     msgs = [Message(b"%03d" % i, key=b"a") for i in range(300)]
     seq = 1000  # 1000..1299: two-byte varints
@@ -147,9 +142,67 @@ def test_uniform_batches_are_taken_whole_and_any_odd_message_is_decoded_one_by_o
         seq = 16384 - 100  # crosses into three-byte varints
     entry = encode_entry(msgs, producer_name="p", sequence_id=seq, publish_time_ms=3)
     out = Columns()
-    entry_columns(7, 1, -1, _stored(entry, n=300), EARLIEST, END, out)
-    assert (out.blob is not None) == (odd is None)
+    entry_columns(7, 1, _stored(entry, n=300), EARLIEST, END, out)
+    # The fast path: one run of rows and one payload matrix; else a list of payloads.
+    assert (not isinstance(out.chunks[0], list)) == (odd is None)
+    assert len(out.runs) == (1 if odd is None else 3 if odd == "key" else len(out.runs))
     expected = decode_entry(entry)
     assert [(r[0], r[1]) for r in out.rows()] == [(m.key, m.payload) for m in expected]
     ids = [pulsar.MessageId.deserialize(r[2]) for r in out.rows()]
     assert [m.batch_index() for m in ids] == list(range(300))
+
+
+def test_message_ids_built_in_bulk_are_the_one_by_one_ids() -> None:
+    """Runs of ids (lone messages, whole and cut batches, large ids) give the same bytes as
+    ``message_id_bytes`` one by one, for a partition and for a topic that is not one."""
+    from polybroker.spark.storage import message_ids
+
+    runs = [
+        (0, 0, -1, 1, 1),
+        (5, 7, 0, 3, 3),
+        (300, 1 << 33, 126, 4, 200),
+        (1 << 40, 2, 16380, 6, 20000),
+        (9, 128, -1, 1, 1),
+    ]
+    for partition in (-1, 0, 3, 200):
+        expected = [
+            message_id_bytes(ledger, entry, partition, -1 if b < 0 else b + i, size)
+            for ledger, entry, b, count, size in runs
+            for i in range(count)
+        ]
+        assert message_ids(runs, partition).to_pylist() == expected
+    assert message_ids([], 0).to_pylist() == []
+
+
+def test_columns_become_arrow_arrays_row_for_row() -> None:
+    """Runs of keys, times and properties, and value lists and matrices, come out per row."""
+    import numpy as np
+    import pyarrow as pa
+
+    from polybroker.spark.storage import Columns
+
+    ts = pa.timestamp("us", tz="UTC")
+    props_type = pa.map_(pa.string(), pa.string())
+    c = Columns()
+    c.n = 5
+    c.runs += [2, 1, 2]
+    c.keys += [None, b"k", None]
+    c.pubs += [10, 20, 30]
+    c.events += [None, 7, None]
+    c.props += [[], [("a", "1")], []]
+    c.id_runs += [(1, 2, 0, 2, 2), (1, 3, -1, 1, 1), (1, 4, 0, 2, 2)]
+    c.chunks += [[b"x", b"yy"], np.frombuffer(b"abcdef", np.uint8).reshape(3, 2)]
+    key, value, mid, pub, event, props = c.arrays(1, ts, props_type)
+    assert key.to_pylist() == [None, None, b"k", None, None]
+    assert value.to_pylist() == [b"x", b"yy", b"ab", b"cd", b"ef"]
+    assert mid.to_pylist() == [
+        message_id_bytes(1, 2, 1, 0, 2),
+        message_id_bytes(1, 2, 1, 1, 2),
+        message_id_bytes(1, 3, 1, -1, 1),
+        message_id_bytes(1, 4, 1, 0, 2),
+        message_id_bytes(1, 4, 1, 1, 2),
+    ]
+    assert pub.cast(pa.int64()).to_pylist() == [10, 10, 20, 30, 30]
+    assert event.cast(pa.int64()).to_pylist() == [None, None, 7, None, None]
+    assert props.to_pylist() == [[], [], [("a", "1")], [], []]
+    assert [r[:2] for r in c.rows(1)] == list(zip(key.to_pylist(), value.to_pylist(), strict=True))
