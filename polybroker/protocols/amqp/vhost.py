@@ -259,8 +259,8 @@ class _Source:
         """Subscribe (creating the subscription if it is new); fires once subscribed.
 
         The log may live on another broker of a cluster (the subscription is forwarded to
-        its owner). While the subscription is still held by another consumer (a previous
-        owner of the vhost letting go) it is tried again for ``BUSY_RETRY_S``."""
+        its owner). In a cluster, while the subscription is still held by another consumer
+        (a previous owner of the vhost letting go) it is tried again for ``BUSY_RETRY_S``."""
         vh = self.queue.vhost
         return Deferred.fromCoroutine(self._attach(vh.clock.seconds() + BUSY_RETRY_S))
 
@@ -280,7 +280,7 @@ class _Source:
                 )
                 break
             except ConsumerBusyError:
-                if self.closed or vh.clock.seconds() + delay > deadline:
+                if not vh.clustered or self.closed or vh.clock.seconds() + delay > deadline:
                     raise
             await _sleep(vh.clock, delay)
             delay = min(delay * 2, 1.0)
@@ -1099,6 +1099,9 @@ class VirtualHost:
         #: Closed (broker stopping, or the vhost moved to another broker of the cluster): its
         #: state is dropped, and nothing it held is deleted any more.
         self.closed = False
+        ownership = getattr(service, "ownership", None)
+        #: Other brokers of a cluster may hold this vhost's subscriptions while it moves here.
+        self.clustered = bool(ownership is not None and ownership.clustered)
 
     # -- persistence -------------------------------------------------------------------------
 

@@ -432,3 +432,17 @@ def test_an_owner_offering_smaller_limits_than_the_client_agreed_is_refused() ->
     assert link.transport.disconnecting
     (close,) = peer.methods()
     assert close.reply_code == c.INTERNAL_ERROR
+
+
+def test_standalone_a_held_queue_subscription_fails_the_declare_at_once() -> None:
+    """Outside a cluster nobody else may be letting go of a queue's subscription: a busy one
+    fails the declare at once, as before (no retries)."""
+    peer = Peer()
+    peer.handshake()
+    topic = "persistent://public/default/amqp.queue.held"
+    result_of(peer.service.subscribe(topic, "amqp", Sink()))
+    peer.method(1, c.ChannelOpen())
+    peer.method(1, c.QueueDeclare(queue="held", durable=True))
+    methods = peer.methods()
+    assert not any(isinstance(m, c.QueueDeclareOk) for m in methods)
+    assert any(isinstance(m, c.ChannelClose | c.ConnectionClose) for m in methods), methods
