@@ -232,6 +232,30 @@ def test_a_fanout_through_the_relay(shared: Cluster) -> None:
         relayed.close()
 
 
+def test_heartbeats_and_large_messages_pass_the_relay(shared: Cluster) -> None:
+    """Through the relay, a client with 1 s heartbeats stays connected while idle (the two
+    ends exchange heartbeats through it), and a 3 MB message goes and comes back whole."""
+    owner = shared.owner()
+    p = params(shared.other(owner))
+    p.heartbeat = 1
+    relayed = pika.BlockingConnection(p)
+    try:
+        deadline = time.monotonic() + 4  # four heartbeat intervals, idle
+        while time.monotonic() < deadline:
+            relayed.process_data_events(time_limit=0.2)
+        assert relayed.is_open
+        ch = relayed.channel()
+        ch.queue_declare("big", durable=True)
+        ch.confirm_delivery()
+        body = bytes(range(256)) * (3 * 4096)
+        ch.basic_publish("", "big", body, pika.BasicProperties(delivery_mode=2))
+        method, _, got = poll_get(ch, "big")
+        ch.basic_ack(method.delivery_tag)
+        assert got == body
+    finally:
+        relayed.close()
+
+
 def test_amq_topic_bridges_to_pulsar_clients_of_the_other_broker(shared: Cluster) -> None:
     """What a Pulsar producer connected to one broker writes to topic R reaches an AMQP queue
     bound to amq.topic with R through the other broker, and the other way round."""
