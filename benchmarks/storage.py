@@ -8,6 +8,8 @@ In one run, alternating the cases (the machine is noisy, so medians and ratios a
 (b) ml-1:     managed-ledger appends of 1 KiB entries, 256 outstanding, over 1 bookie process
               (E=1, Qw=1, Qa=1), journal fsync on;
 (c) ml-3:     the same over 3 bookie processes (E=3, Qw=2, Qa=2).
+(d) ml-1-many: (b) through ``ManagedLedger.append_many``, groups of 64 entries, 4 groups
+              outstanding (each entry's latency is its group's); only when asked (--cases).
 Then the restart time and RSS of a bookie holding --fill-gb of data after kill -9.
 
 Prints a human-readable table, then one JSON line as the last line.
@@ -187,8 +189,10 @@ async def _ml_appends(
     ensemble: tuple[int, int, int],
     seconds: float,
     freeze_gc: bool = True,
+    group: int = 0,
 ) -> dict[str, float]:
-    """(b)/(c): managed-ledger appends of 1 KiB with 256 outstanding for ``seconds``."""
+    """(b)/(c): managed-ledger appends of 1 KiB with 256 outstanding for ``seconds``; (d) with
+    ``group``: ``append_many`` of that many entries, as many groups as make 256."""
     from twisted.internet.defer import Deferred
 
     from polybroker.ledger.api import ManagedLedgerConfig
@@ -236,14 +240,40 @@ async def _ml_appends(
 
         ml.append(payload).addCallbacks(ok, failed)
 
+    batch = [payload] * max(group, 1)
+
+    def issue_group() -> None:
+        t0 = time.perf_counter()
+        state["outstanding"] += 1
+
+        def ok(entries: list[object]) -> None:
+            now = time.perf_counter()
+            latencies.extend([now - t0] * len(entries))
+            state["outstanding"] -= 1
+            if now < deadline:
+                issue_group()
+            elif state["outstanding"] == 0 and not done.called:
+                done.callback(None)
+
+        def failed(f: object) -> None:
+            if not done.called:
+                done.errback(f)
+
+        ml.append_many(batch).addCallbacks(ok, failed)
+
     cpu0 = time.process_time()
-    for _ in range(OUTSTANDING):
-        issue()
+    if group:
+        for _ in range(OUTSTANDING // group):
+            issue_group()
+    else:
+        for _ in range(OUTSTANDING):
+            issue()
     await done
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu0
     await factory.close()
-    result = summarize(f"ml-{len(addresses)}", len(latencies), elapsed, latencies)
+    name = f"ml-{len(addresses)}" + ("-many" if group else "")
+    result = summarize(name, len(latencies), elapsed, latencies)
     # CPU per entry does not depend on what else the machine runs, unlike entries/s.
     result["client_cpu_us"] = cpu / len(latencies) * 1e6
     return result
@@ -257,8 +287,9 @@ def case_main(args: argparse.Namespace) -> None:
             window = args.window_ms / 1e3 if args.case == "raw" else 0.0
             print(json.dumps(run_raw(root, args.seconds, window)))
             return
-        count = 1 if args.case == "ml-1" else 3
+        count = 3 if args.case == "ml-3" else 1
         ensemble = (1, 1, 1) if count == 1 else (3, 2, 2)
+        group = 64 if args.case == "ml-1-many" else 0
         bookies = [BookieProcess(root / f"bookie-{i}") for i in range(count)]
         try:
             for b in bookies:
@@ -266,7 +297,9 @@ def case_main(args: argparse.Namespace) -> None:
             cpu0 = sum(b.cpu_s() for b in bookies)
             addresses = [b.address for b in bookies]
             result = run_on_reactor(
-                lambda r: _ml_appends(r, addresses, ensemble, args.seconds, not args.no_freeze)
+                lambda r: _ml_appends(
+                    r, addresses, ensemble, args.seconds, not args.no_freeze, group
+                )
             )
             assert isinstance(result, dict)
             cpu = sum(b.cpu_s() for b in bookies) - cpu0
@@ -344,6 +377,7 @@ def main() -> None:
     parser.add_argument(
         "--cases", default=",".join(cases), help="comma-separated cases (raw is always run)"
     )
+    cases.append("ml-1-many")
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)
     parser.add_argument("--fill", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)
@@ -393,7 +427,7 @@ def main() -> None:
     for case in runs:
         keys = ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms", "client_cpu_us", "bookie_cpu_us")
         result[case] = {k: med(case, k) for k in keys if k in runs[case][0]}
-    for case in ("ml-1", "ml-3"):
+    for case in ("ml-1", "ml-3", "ml-1-many"):
         if case not in runs:
             continue
         result[f"{case}_vs_raw_throughput"] = med(case, "entries_per_s") / med(
@@ -402,12 +436,12 @@ def main() -> None:
         result[f"{case}_vs_raw_p99"] = med(case, "p99_ms") / med("raw", "p99_ms")
     if args.fill_gb > 0:
         result["restart"] = restart_case(args.fill_gb)
-    print(f"{'case':8} {'entries/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'case':9} {'entries/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for case in runs:
         r = result[case]
         assert isinstance(r, dict)
         print(
-            f"{case:8} {r['entries_per_s']:10.0f} {r['mb_per_s']:8.1f} "
+            f"{case:9} {r['entries_per_s']:10.0f} {r['mb_per_s']:8.1f} "
             f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}"
         )
     print(json.dumps(result))
