@@ -17,7 +17,7 @@ then one JSON line as the last line. Every process it starts is stopped by its P
 
     python benchmarks/kafka.py [--count N] [--repeat R] [--rate MSGS_PER_S] [--no-tansu]
                                [--entry-format pulsar|kafka] [--clients ck,kp,pulsar]
-                               [--no-latency]
+                               [--no-latency] [--fetch-queue-backoff-ms MS]
 """
 
 from __future__ import annotations
@@ -122,14 +122,15 @@ def role_ck_produce(a: argparse.Namespace) -> dict[str, Any]:
 def role_ck_consume(a: argparse.Namespace) -> dict[str, Any]:
     from confluent_kafka import Consumer, TopicPartition
 
-    c = Consumer(
-        {
-            "bootstrap.servers": a.bootstrap,
-            "group.id": "bench",
-            "enable.auto.commit": False,
-            "fetch.wait.max.ms": 100,
-        }
-    )
+    conf: dict[str, Any] = {
+        "bootstrap.servers": a.bootstrap,
+        "group.id": "bench",
+        "enable.auto.commit": False,
+        "fetch.wait.max.ms": 100,
+    }
+    if a.fetch_queue_backoff_ms >= 0:
+        conf["fetch.queue.backoff.ms"] = a.fetch_queue_backoff_ms
+    c = Consumer(conf)
     c.assign([TopicPartition(a.topic, 0, 0)])
     got = 0
     lat: list[float] = []
@@ -271,7 +272,7 @@ def run_role(role: str, bootstrap: str, topic: str, count: int, size: int, **kw:
         str(size),
     ]
     for k, v in kw.items():
-        args += [f"--{k}", str(v)]
+        args += [f"--{k.replace('_', '-')}", str(v)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -376,6 +377,7 @@ def throughput(
     tag: str,
     timeout: float,
     server_pid: int,
+    fetch_queue_backoff_ms: int = -1,
 ) -> tuple[float, float, float, float]:
     """(produce msgs/s, consume msgs/s, server CPU us per message produced, ... consumed)."""
     topic = f"bench-{client}-{size}-{tag}"
@@ -385,7 +387,15 @@ def throughput(
     produced = result_of(run_role(f"{client}-produce", bootstrap, topic, count, size))
     cpu1 = cpu_seconds(server_pid)
     consumed = result_of(
-        run_role(f"{client}-consume", bootstrap, topic, count, size, timeout=timeout)
+        run_role(
+            f"{client}-consume",
+            bootstrap,
+            topic,
+            count,
+            size,
+            timeout=timeout,
+            fetch_queue_backoff_ms=fetch_queue_backoff_ms,
+        )
     )
     cpu2 = cpu_seconds(server_pid)
     if produced["errors"] or consumed["received"] != count:
@@ -431,6 +441,13 @@ def main() -> None:
     )
     ap.add_argument("--no-latency", action="store_true", help="skip the paced end-to-end runs")
     ap.add_argument(
+        "--fetch-queue-backoff-ms",
+        type=int,
+        default=-1,
+        help="confluent-kafka consumer's fetch.queue.backoff.ms (default: the client's, 1000 ms: "
+        "a consumer whose local queue fills sleeps that long before fetching again)",
+    )
+    ap.add_argument(
         "--entry-format", default="kafka", choices=["pulsar", "kafka"], help="kafkaEntryFormat"
     )
     a = ap.parse_args()
@@ -471,7 +488,15 @@ def main() -> None:
                     key = f"{target}/{client}/{size}"
                     rows.setdefault(key, []).append(
                         throughput(
-                            target, client, bs, count, size, f"r{rep}", a.timeout, pids[target]
+                            target,
+                            client,
+                            bs,
+                            count,
+                            size,
+                            f"r{rep}",
+                            a.timeout,
+                            pids[target],
+                            a.fetch_queue_backoff_ms,
                         )
                     )
                 for target, bs in (
