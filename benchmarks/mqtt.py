@@ -4,7 +4,8 @@ One run starts ``polybroker standalone`` (MQTT enabled, scratch data dir: QoS 1 
 acknowledged after the fsync'd bookie write), Mosquitto (no persistence, no queue limit) and the
 amqtt broker, each on a free loopback port, and runs the shared paho benchmark
 (``bench_mqtt.py``) against each, alternating brokers case by case: burst QoS 0 and QoS 1
-(end-to-end msgs/s, lost, duplicates) and QoS 1 paced at 2k msgs/s (latency percentiles).
+(end-to-end msgs/s, lost, duplicates, and the broker process's CPU per message, which moves
+less than msgs/s on a shared machine) and QoS 1 paced at 2k msgs/s (latency percentiles).
 Then it opens ``--idle-clients`` MQTT connections with keep-alive to polybroker and reports its
 RSS and CPU while they sit idle. The machine is shared and noisy: quote medians of ``--repeat``
 runs and ratios.
@@ -245,7 +246,12 @@ def main() -> None:
                 if case not in wanted:
                     continue
                 for s in servers:
+                    assert s.proc is not None
+                    _, cpu0 = proc_stats(s.proc.pid)
                     r = run_case(s.port, case_args, args.n // div, args.timeout)
+                    _, cpu1 = proc_stats(s.proc.pid)
+                    if r.get("received"):
+                        r["cpu_us_per_msg"] = round(1e6 * (cpu1 - cpu0) / r["received"], 1)
                     results[s.name].setdefault(case, []).append(r)
         if args.idle_clients > 0:
             idle = idle_clients(servers[0], args.idle_clients, args.idle_seconds)
@@ -259,7 +265,10 @@ def main() -> None:
         return round(statistics.median(vals), 3) if vals else None
 
     summary: dict[str, Any] = {"n": args.n, "repeat": args.repeat, "cases": {}}
-    print(f"{'case':16} {'broker':11} {'e2e msg/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'lost':>6}")
+    print(
+        f"{'case':16} {'broker':11} {'e2e msg/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'lost':>6}"
+        f" {'cpu us/msg':>10}"
+    )
     for case, _a, div in CASES:
         if case not in wanted:
             continue
@@ -271,6 +280,7 @@ def main() -> None:
                 "e2e_msgs_per_s": med(s.name, case, "e2e_msgs_per_s"),
                 "lat_ms_p50": med(s.name, case, "lat_ms_p50"),
                 "lat_ms_p99": med(s.name, case, "lat_ms_p99"),
+                "cpu_us_per_msg": med(s.name, case, "cpu_us_per_msg"),
                 "lost_max": lost,
                 "dups_max": max((r.get("dups", 0) for r in runs), default=None),
                 "errors": [r["error"] for r in runs if "error" in r],
@@ -278,7 +288,7 @@ def main() -> None:
             v = row[s.name]
             print(
                 f"{case:16} {s.name:11} {v['e2e_msgs_per_s']!s:>10} {v['lat_ms_p50']!s:>9} "
-                f"{v['lat_ms_p99']!s:>9} {lost!s:>6}"
+                f"{v['lat_ms_p99']!s:>9} {lost!s:>6} {v['cpu_us_per_msg']!s:>10}"
             )
         pb, mq, am = (row[k]["e2e_msgs_per_s"] for k in ("polybroker", "mosquitto", "amqtt"))
         if pb and mq:

@@ -1008,7 +1008,10 @@ class PidScan:
 
     PERMITS = 1000
 
-    def __init__(self, producer: str, after: Position | None, end: Position) -> None:
+    def __init__(
+        self, producer: str, after: Position | None, end: Position, consumer_id: int
+    ) -> None:
+        self.consumer_id = consumer_id
         self.producer = producer
         self.after = after
         self.end = end
@@ -1016,7 +1019,6 @@ class PidScan:
         self.found: dict[int, list[Position]] = {}
         self.done: Deferred[dict[int, list[Position]]] = Deferred()
 
-    consumer_id = 0
     consumer_name = "mqtt-qos2-check"
     priority_level = 0
 
@@ -1534,7 +1536,7 @@ class MqttBroker:
         start = None if None in starts else min(a for a in starts if a is not None)
         if start is not None and not start < last.position:
             return set()
-        scan = PidScan(producer, start, last.position)
+        scan = PidScan(producer, start, last.position, self.next_consumer_id())
         server = await self.service.subscribe(
             full,
             "mqtt-qos2-check-" + secrets.token_hex(4),
