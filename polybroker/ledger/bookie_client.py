@@ -15,12 +15,12 @@ Rule 4: answers map to the api's errors: FENCED -> ``LedgerFencedError``, NO_SUC
         TOO_LARGE -> ``BookieProtocolError``, ERROR -> ``BookieError``. A frame the client cannot
         decode drops the connection (pending requests fail as in Rule 3).
 Rule 5: ``add_entry_batched`` (``add_record_batched``: of ready records) stages adds and
-        sends those of one ledger made in one reactor turn as one ADD_MULTI frame (sent early
-        once it holds ``batch_bytes``, so the bookie journals it while the turn goes on; never
-        above the frame limit) to a bookie that negotiated wire version 2, as single ADD frames
-        to an older one; the listener hears once per frame which entries were acknowledged or
-        failed, with no Deferred per entry. Staged adds that cannot be sent (the connection
-        failed, the client closed) fail like pending ones.
+        sends those of one ledger made in one reactor turn as one ADD_MULTI frame (sent early,
+        handed to the kernel at once, when it holds ``batch_bytes``, so the bookie journals it
+        while the turn goes on; never above the frame limit) to a bookie that negotiated wire
+        version 2, as single ADD frames to an older one; the listener hears once per frame
+        which entries were acknowledged or failed, with no Deferred per entry. Staged adds
+        that cannot be sent (the connection failed, the client closed) fail like pending ones.
 """
 
 from __future__ import annotations
@@ -338,6 +338,7 @@ class TcpBookieClient(BookieClient):
             # Send now: the bookie journals this frame while the rest of the turn is encoded.
             del self._staged[ledger_id]
             self._flush_group(ledger_id, group)
+            self._push()
         elif self._flush_call is None:
             self._flush_call = self._reactor.callLater(0, self._flush)
 
@@ -461,6 +462,18 @@ class TcpBookieClient(BookieClient):
 
     def _write_sequence(self, parts: list[Buffer]) -> None:
         self._proto.transport.writeSequence(parts)  # type: ignore[union-attr, arg-type]
+
+    def _push(self) -> None:
+        """Hand what the transport buffered to the kernel now: a transport writes only when
+        the reactor next polls, after the turn, and a frame sent early is worth nothing
+        unless it leaves early (Rule 5). A transport that cannot (no ``doWrite``) writes
+        when the turn ends, as always; an error is left to the reactor, which meets it at
+        its next write."""
+        if self._proto is None or self._write is None:
+            return
+        do_write = getattr(self._proto.transport, "doWrite", None)
+        if do_write is not None:
+            do_write()
 
     def _connect(self) -> None:
         self._state = _CONNECTING

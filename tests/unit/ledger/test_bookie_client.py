@@ -571,3 +571,54 @@ def test_ready_records_join_the_adds_of_their_turn_and_oversize_ones_are_refused
     small.add_record_batched(1, 3, encode_add_record(1, 3, 2, b"x" * 1000), listener)
     ((_, ids, error),) = listener.failed
     assert (ids, type(error)) == ([3], BookieProtocolError)
+
+
+class _PushingTransport(StringTransport):
+    """A transport that, like a socket's, buffers writes until ``doWrite`` hands them over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffered: list[bytes] = []
+        self.do_writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.buffered.append(bytes(data))
+
+    def writeSequence(self, seq: Any) -> None:
+        self.buffered.append(b"".join(bytes(p) for p in seq))
+
+    def doWrite(self) -> None:
+        self.do_writes += 1
+        for data in self.buffered:
+            super().write(data)
+        self.buffered = []
+
+
+def test_a_frame_sent_early_leaves_at_once_and_the_rest_at_the_end_of_the_turn(
+    reactor: MemoryReactorClock,
+) -> None:
+    """Once staged adds reach ``batch_bytes`` their frame is handed to the kernel during the
+    turn (the bookie journals it meanwhile); what stays staged goes with the turn's end."""
+    client = TcpBookieClient("127.0.0.1:3181", reactor, timeout_s=5.0, batch_bytes=300)
+    listener = Listener()
+    client.add_entry_batched(1, 0, -1, b"warm-up", listener)
+    reactor.advance(0)
+    _, _, factory, _, _ = reactor.tcpClients[-1]
+    proto = factory.buildProtocol(None)
+    transport = _PushingTransport()
+    proto.makeConnection(transport)
+    transport.doWrite()
+    (hello,) = decode_all(transport.value())
+    transport.clear()
+    proto.dataReceived(HelloResponse(hello.request_id, Status.OK, "", 2, "bookie-A").encode())
+    transport.doWrite()  # the staged warm-up frame, as the reactor would write it
+    transport.clear()
+    for e in range(1, 4):
+        client.add_entry_batched(1, e, e - 1, b"x" * 100, listener)
+    assert transport.buffered == []  # 3 records of 133 bytes passed 300: pushed already
+    (early,) = decode_all(transport.value())
+    assert isinstance(early, MultiAddRequest)
+    assert [e for e, _, _ in early.entries] == [1, 2, 3]
+    client.add_entry_batched(1, 4, 3, b"y", listener)
+    reactor.advance(0)
+    assert len(transport.buffered) == 1  # the turn's rest waits for the reactor's write
