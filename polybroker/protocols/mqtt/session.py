@@ -83,8 +83,9 @@ RETAINED_ROOT = "/mqtt/retained"
 QOS2_ROOT = "/mqtt/qos2"
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
-#: Entries whose messages ``MqttBroker.written`` keeps.
+#: Entries (and their bytes) whose messages ``MqttBroker.written`` keeps at most.
 WRITTEN_CACHE = 256
+WRITTEN_CACHE_BYTES = 4 * 1024 * 1024
 #: How long a listing of the namespace's topics serves wildcard SUBSCRIBEs.
 LISTING_TTL_S = 5.0
 #: Session expiry meaning "never".
@@ -1084,6 +1085,7 @@ class MqttBroker:
         #: The messages of the entries written here lately, by entry bytes: a subscriber
         #: reading an entry this broker just wrote skips decoding it.
         self.written: dict[bytes, list[Message]] = {}
+        self._written_bytes = 0
         self._consumer_ids = 0
         self._partitions: dict[str, int] = {}
         # The namespace's topics, listed at most every LISTING_TTL_S (wildcard SUBSCRIBEs of a
@@ -1414,9 +1416,16 @@ class MqttBroker:
             msgs, producer_name="mqtt-" + client_id, sequence_id=0, publish_time_ms=now_ms
         )
         written = self.written
-        if len(written) >= WRITTEN_CACHE:
-            del written[next(iter(written))]
-        written[data] = msgs
+        if len(data) <= WRITTEN_CACHE_BYTES // 4 and data not in written:
+            while written and (
+                len(written) >= WRITTEN_CACHE
+                or self._written_bytes + len(data) > WRITTEN_CACHE_BYTES
+            ):
+                oldest = next(iter(written))
+                del written[oldest]
+                self._written_bytes -= len(oldest)
+            written[data] = msgs
+            self._written_bytes += len(data)
         full = topics.to_pulsar(pubs[0].topic)
         n = len(pubs)
         known = self._partitions.get(full)

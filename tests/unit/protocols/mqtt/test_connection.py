@@ -703,3 +703,29 @@ def test_one_read_of_acknowledgements_is_answered_with_one_write() -> None:
     assert [x.payload for x in sub.packets() if isinstance(x, c.Publish)] == [
         b"%d" % i for i in range(5, 10)
     ]
+
+
+def test_the_cache_of_written_entries_is_bounded_in_bytes(monkeypatch: Any) -> None:
+    """Entries this broker wrote are remembered for their readers only up to the cache's
+    byte bound; entries it does not hold are delivered all the same (decoded)."""
+    from polybroker.protocols.mqtt import session as s
+
+    env = Env()
+    sub = env.peer("s")
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 0)]))
+    sub.packets()
+    pub = env.peer("p")
+    pub.packets()
+    big = b"b" * (s.WRITTEN_CACHE_BYTES // 5)
+    for _ in range(8):
+        pub.send(c.Publish("a/b", big, 0))
+    assert env.broker._written_bytes <= s.WRITTEN_CACHE_BYTES
+    assert env.broker._written_bytes == sum(len(d) for d in env.broker.written)
+    assert len(env.broker.written) < 8
+    assert [x.payload for x in sub.packets() if isinstance(x, c.Publish)] == [big] * 8
+    monkeypatch.setattr(s, "WRITTEN_CACHE_BYTES", 16)  # nothing is kept from now on
+    env.broker.written.clear()
+    env.broker._written_bytes = 0
+    pub.send(c.Publish("a/b", b"not cached", 0))
+    assert env.broker.written == {}
+    assert [x.payload for x in sub.packets() if isinstance(x, c.Publish)] == [b"not cached"]
