@@ -68,11 +68,11 @@ SWEEP_INTERVAL_S = 1.0
 _TOPIC_ID_NAMESPACE = uuid.UUID("5c0f9d4e-6a55-4b8e-9a43-4b6b2f1d7a01")
 _NO_TOPIC_ID = uuid.UUID(int=0)
 _LATEST = -1
+_EARLIEST = -2
+_MAX_TIMESTAMP = -3
 #: Entries asked of the log per read while filling a Fetch (each read is one Deferred).
 _READ_ENTRIES = 64
 _I64 = struct.Struct(">q")
-_EARLIEST = -2
-_MAX_TIMESTAMP = -3
 #: Kafka batch codecs -> the stored message format's (gzip has no Pulsar twin: zlib is close).
 _PULSAR_COMPRESSION = {
     rec.COMPRESSION_GZIP: "zlib",

@@ -1,4 +1,4 @@
-"""Kafka record batches (magic v2): split, verify, decode and build (sans-IO).
+"""Kafka record batches (magic v2): split, verify, check, decode and build (sans-IO).
 
 A produced ``records`` field is a sequence of batches::
 
@@ -14,6 +14,9 @@ Rule 1: every length read from the wire is checked against the bytes that are th
         decompressed body is bounded by ``limit``; a malformed batch raises ``RecordError``.
 Rule 2: ``decode_batch`` and ``build_batch`` are inverse for key, value (or null), headers and
         timestamps.
+Rule 3: ``check_batch`` accepts what a batch stored verbatim needs (records that tile the body,
+        offset deltas 0..count-1) without building any record; ``decode_batch`` is the full
+        check.
 """
 
 from __future__ import annotations
