@@ -912,7 +912,7 @@ class AmqpConnection(Protocol):
             tags = [tag]
         return tags
 
-    def _settle(self, ch: Channel, tags: list[int], how: str) -> None:
+    def _settle(self, ch: Channel, tags: list[int], how: str) -> list[Queue]:
         requeue: dict[int, tuple[Queue, list[QueuedMessage]]] = {}
         touched: dict[int, Queue] = {}
         for t in tags:
@@ -933,26 +933,32 @@ class AmqpConnection(Protocol):
             q.requeue(msgs)
         for q in touched.values():
             q.dispatch()
+        return list(touched.values())
 
-    def _maybe_tx(self, ch: Channel, work: Callable[[], None]) -> None:
-        if ch.tx:
-            ch.tx_work.append(lambda: work())  # type: ignore[func-returns-value]
-        else:
-            work()
+    def _maybe_tx(self, ch: Channel, tags: list[int], how: str) -> None:
+        """Settle now, or at ``tx.commit``, whose reply then waits until the settlements
+        are durable (acknowledged messages do not come back after a crash)."""
+        if not ch.tx:
+            self._settle(ch, tags, how)
+            return
+
+        def commit() -> Deferred[Any]:
+            ds = [q.sync() for q in self._settle(ch, tags, how)]
+            return DeferredList(ds, consumeErrors=True)
+
+        ch.tx_work.append(commit)
 
     def on_BasicAck(self, ch: Channel, m: c.BasicAck) -> None:
         tags = self._take_tags(ch, m.delivery_tag, m.multiple, m)
-        self._maybe_tx(ch, lambda: self._settle(ch, tags, "ack"))
+        self._maybe_tx(ch, tags, "ack")
 
     def on_BasicNack(self, ch: Channel, m: c.BasicNack) -> None:
         tags = self._take_tags(ch, m.delivery_tag, m.multiple, m)
-        how = "requeue" if m.requeue else "drop"
-        self._maybe_tx(ch, lambda: self._settle(ch, tags, how))
+        self._maybe_tx(ch, tags, "requeue" if m.requeue else "drop")
 
     def on_BasicReject(self, ch: Channel, m: c.BasicReject) -> None:
         tags = self._take_tags(ch, m.delivery_tag, False, m)
-        how = "requeue" if m.requeue else "drop"
-        self._maybe_tx(ch, lambda: self._settle(ch, tags, how))
+        self._maybe_tx(ch, tags, "requeue" if m.requeue else "drop")
 
     def on_BasicRecover(self, ch: Channel, m: c.BasicRecover) -> None:
         self._settle(ch, list(ch.unacked), "requeue")

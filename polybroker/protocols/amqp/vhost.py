@@ -61,6 +61,7 @@ from urllib.parse import quote, unquote
 from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
+from twisted.python.failure import Failure
 
 from polybroker.broker_core.consumer import Delivery, LastMessageId, SubType
 from polybroker.broker_core.errors import ConsumerBusyError
@@ -116,6 +117,9 @@ REATTACH_S = 1.0
 #: most this many messages and bytes.
 BATCH_MAX_MESSAGES = 500
 BATCH_MAX_BYTES = 512 * 1024
+#: How often a queue writes which messages of its partly settled entries are settled (the
+#: cursor's own mark-delete rate: acknowledgements are durable at that pace, or at a tx.commit).
+SETTLED_PERSIST_S = 1.0
 
 
 def _now_ms(clock: IReactorTime) -> int:
@@ -162,13 +166,14 @@ class _EntryRef:
 
 @dataclass(slots=True)
 class QueuedMessage:
-    """One message of a queue's window."""
+    """One message of a queue's window (``index``: its place in the stored entry)."""
 
     ref: _EntryRef
     message: AmqpMessage
     redelivered: bool = False
     expires_at_ms: int = 0
     settled: bool = False
+    index: int = 0
 
 
 class _Source:
@@ -224,6 +229,17 @@ class _Source:
         self.retiring = False
         self.retire_known = False
         self.retire_at: Position | None = None
+        #: The settled messages of entries partly settled (bit i = message i of the entry),
+        #: kept in the metadata store (``SETTLED_PERSIST_S``) so that neither a restart nor
+        #: a new subscription hands them out again; an entry leaves once its ack is durable.
+        self.partial: dict[Position, int] = {}
+        self.partial_loaded = False
+        self._partial_dirty = False
+        self._partial_writing = False
+        self._partial_timer: IDelayedCall | None = None
+        self._partial_last = 0.0
+        self._partial_next: list[Deferred[None]] = []
+        self._partial_inflight: list[Deferred[None]] = []
         self._id = next(self._ids)
 
     # -- Consumer ----------------------------------------------------------------------------
@@ -266,6 +282,10 @@ class _Source:
 
     async def _attach(self, deadline: float) -> None:
         vh = self.queue.vhost
+        if not self.partial_loaded and self.queue.recorded:
+            self.partial_loaded = True
+            for position, bits in (await vh.load_settled(self)).items():
+                self.partial[position] = self.partial.get(position, 0) | bits
         delay = 0.1
         while True:
             try:
@@ -321,15 +341,108 @@ class _Source:
         if len(self.acks) == 1:
             self.queue.vhost.clock.callLater(0, self._flush_acks)
 
-    def _flush_acks(self) -> None:
+    def _flush_acks(self) -> Deferred[None] | None:
         acks, self.acks = self.acks, []
-        if acks and self.server_consumer is not None:
-            self.server_consumer.ack(acks).addErrback(lambda f: None)
+        if not acks or self.server_consumer is None:
+            return None
+        d = self.server_consumer.ack(acks)
+        if self.partial:
+            d.addCallback(lambda _: self._forget_partial(acks))
+        d.addErrback(lambda f: None)
+        return d
+
+    # -- settled messages of partly settled entries ----------------------------------------
+
+    def settle_part(self, position: Position, index: int) -> None:
+        """Message ``index`` of the entry at ``position`` is settled, others of it are not."""
+        self.partial[position] = self.partial.get(position, 0) | (1 << index)
+        if self.queue.recorded:
+            self._partial_changed()
+
+    def _forget_partial(self, acks: list[Position]) -> None:
+        """These entries are acknowledged durably: their settled messages need no record."""
+        changed = False
+        for p in acks:
+            if self.partial.pop(p, None) is not None:
+                changed = True
+        if changed and self.queue.recorded:
+            self._partial_changed()
+
+    def _partial_changed(self) -> None:
+        self._partial_dirty = True
+        if self._partial_writing or self._partial_timer is not None or self.dropped:
+            return
+        clock = self.queue.vhost.clock
+        delay = self._partial_last + SETTLED_PERSIST_S - clock.seconds()
+        if delay <= 0:
+            self._write_partial()
+        else:
+            self._partial_timer = clock.callLater(delay, self._write_partial)
+
+    def _write_partial(self) -> None:
+        if self._partial_timer is not None and self._partial_timer.active():
+            self._partial_timer.cancel()
+        self._partial_timer = None
+        self._partial_dirty = False
+        self._partial_writing = True
+        self._partial_inflight.extend(self._partial_next)
+        self._partial_next = []
+        vh = self.queue.vhost
+        self._partial_last = vh.clock.seconds()
+        d = vh.save_settled(self)
+
+        def written(result: Any) -> None:
+            if isinstance(result, Failure):
+                log.warning("AMQP settled messages not recorded", extra=kv(error=str(result.value)))
+                self._partial_dirty = True
+            self._partial_writing = False
+            waiters, self._partial_inflight = self._partial_inflight, []
+            for w in waiters:
+                w.callback(None)
+            if self._partial_dirty and not self.dropped:
+                self._partial_changed()
+
+        d.addBoth(written)
+
+    def discard_settled(self) -> None:
+        """The subscription is gone: drop the record of partly settled entries."""
+        self.partial.clear()
+        self._partial_dirty = False
+        if self._partial_timer is not None and self._partial_timer.active():
+            self._partial_timer.cancel()
+        self._partial_timer = None
+        if self.queue.recorded:
+            self.queue.vhost.forget_settled(self)
+
+    def sync(self) -> Deferred[Any]:
+        """Fires once what the queue settled so far is durable: the acks of whole entries
+        on the subscription, and the record of partly settled ones."""
+        ds: list[Deferred[Any]] = []
+        acked = self._flush_acks()
+        if acked is not None:
+            ds.append(acked)
+        if self._partial_dirty or self._partial_writing:
+            d: Deferred[None] = Deferred()
+            if self._partial_dirty:
+                self._partial_next.append(d)
+                if not self._partial_writing:
+                    self._write_partial()
+            else:
+                self._partial_inflight.append(d)
+            ds.append(d)
+        return DeferredList(ds, consumeErrors=True) if ds else succeed(None)
 
     def close(self, unsubscribe: bool = False) -> None:
         """Stop reading; ``unsubscribe`` also deletes the subscription (the queue is gone)."""
         self.closed = True
         self.dropped = unsubscribe
+        if self._partial_timer is not None and self._partial_timer.active():
+            self._partial_timer.cancel()
+        self._partial_timer = None
+        if unsubscribe:
+            self.discard_settled()
+        elif self._partial_dirty and not self._partial_writing:
+            self._write_partial()  # the next owner reads on from here
         sc, self.server_consumer = self.server_consumer, None
         if sc is not None:
             (sc.unsubscribe() if unsubscribe else sc.close()).addErrback(lambda f: None)
@@ -577,19 +690,25 @@ class Queue:
                 log.warning("AMQP queue skips a malformed entry", extra=kv(topic=source.topic))
                 source.ack(entry.position)
                 continue
+            indexed = list(enumerate(messages))
             if source.kind != OWN:
                 source.read += len(messages)
-                messages = [m for m in messages if source.accepts(m)]
-                source.accepted += len(messages)
-            if not messages:
+                indexed = [(i, m) for i, m in indexed if source.accepts(m)]
+                source.accepted += len(indexed)
+            done = source.partial.get(entry.position, 0) | d.acked_indexes
+            if done:
+                # Settled before (a restart, or the subscription read again): not again.
+                indexed = [(i, m) for i, m in indexed if not done >> i & 1]
+            if not indexed:
                 source.ack(entry.position)
                 continue
-            ref = _EntryRef(entry.position, len(messages), source)
-            for m in messages:
+            ref = _EntryRef(entry.position, len(indexed), source)
+            redelivered = d.redelivery_count > 0
+            for i, m in indexed:
                 am = from_stored(m)
                 if not am.publish_time_ms:
                     am.publish_time_ms = entry.publish_time_ms
-                qm = QueuedMessage(ref, am, redelivered=d.redelivery_count > 0)
+                qm = QueuedMessage(ref, am, redelivered, 0, False, i)
                 self.in_memory += 1
                 source.in_memory += 1
                 if am.incarnation and am.incarnation != self.vhost.incarnation:
@@ -681,6 +800,8 @@ class Queue:
         source.in_memory -= 1
         if ref.remaining == 0:
             source.ack(ref.position)
+        else:
+            source.settle_part(ref.position, qm.index)
         self._flow()
         if source.retiring:
             self.maybe_retire(source)
@@ -845,6 +966,11 @@ class Queue:
             if s.held and self._barrier_passed(s):
                 held, s.held = s.held, []
                 self.fed(s, held)
+
+    def sync(self) -> Deferred[Any]:
+        """Fires once what this queue settled so far is durable (``tx.commit``)."""
+        ds = [s.sync() for s in self.sources.values()]
+        return DeferredList(ds, consumeErrors=True) if ds else succeed(None)
 
     @property
     def message_count(self) -> int:
@@ -1129,6 +1255,38 @@ class VirtualHost:
             {"kind": s.kind, "subscription": s.subscription, "exchange": s.exchange}
         ).encode()
         return self.service.metadata_store.put(self._source_path(q, s.topic), body)
+
+    def _settled_path(self, s: _Source) -> str:
+        q = quote(s.queue.name, safe="")
+        return f"{self._root}/settled/{q}/{quote(s.topic, safe='')}"
+
+    def save_settled(self, s: _Source) -> Deferred[Any]:
+        """Record the settled messages of the partly settled entries ``s`` holds."""
+        if not s.partial:
+            return self.service.metadata_store.delete_recursive(self._settled_path(s))
+        body = {
+            "subscription": s.subscription,
+            "entries": [[p.ledger_id, p.entry_id, bits] for p, bits in s.partial.items()],
+        }
+        return self.service.metadata_store.put(self._settled_path(s), json.dumps(body).encode())
+
+    def forget_settled(self, s: _Source) -> None:
+        d = self.service.metadata_store.delete_recursive(self._settled_path(s))
+        d.addErrback(lambda f: None)
+
+    async def load_settled(self, s: _Source) -> dict[Position, int]:
+        """The settled messages of partly settled entries of ``s`` as last recorded."""
+        try:
+            got = await self.service.metadata_store.get(self._settled_path(s))
+        except Exception as e:
+            log.warning("AMQP settled messages not read", extra=kv(error=str(e)))
+            return {}
+        if got is None:
+            return {}
+        body = json.loads(got.value)
+        if body.get("subscription") != s.subscription:
+            return {}  # left by an older queue of the same name
+        return {Position(int(lid), int(eid)): int(bits) for lid, eid, bits in body["entries"]}
 
     def _forget_source(self, q: Queue, topic: str) -> Deferred[Any]:
         d = self.service.metadata_store.delete(self._source_path(q, topic))
@@ -1563,6 +1721,8 @@ class VirtualHost:
                 s.close(unsubscribe=True)
                 if q.recorded:
                     ds.append(self._forget_source(q, topic))
+            else:
+                s.discard_settled()
         q.close()
         if q.durable:
             ds.append(self._forget("queues", name))

@@ -213,3 +213,50 @@ def test_kill_9_keeps_every_queue_bound_to_one_exchange(tmp_path: Path) -> None:
     # Stored once: the exchange's log holds the 30 messages, the queues' own topics none.
     assert stored["amqp.exchange.fan"] == 30
     assert sum(stored.values()) == 30
+
+
+def test_kill_9_does_not_redeliver_acked_messages_of_a_partly_acked_entry(
+    tmp_path: Path,
+) -> None:
+    """Ten messages committed in one transaction share one stored entry; four of them acked
+    in a committed transaction do not come back after kill -9, the other six do, in order."""
+    data = tmp_path / "data"
+    log = tmp_path / "standalone.log"
+    proc, port = start(data, log)
+    try:
+        conn = connect(port)
+        ch = conn.channel()
+        ch.queue_declare("batch", durable=True)
+        ch.tx_select()
+        for i in range(10):
+            ch.basic_publish("", "batch", f"b{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        ch.tx_commit()
+        internal = admin(port, "/admin/v2/persistent/public/default/amqp.queue.batch/internalStats")
+        assert isinstance(internal, dict)
+        ch.tx_select()
+        taken = []
+        for _ in range(4):
+            method, _, body = ch.basic_get("batch")
+            taken.append(body)
+            ch.basic_ack(method.delivery_tag)
+        ch.tx_commit()  # replies once the acks are durable
+    finally:
+        stop(proc, signal.SIGKILL)
+    proc, port = start(data, log)
+    try:
+        conn = connect(port)
+        ch = conn.channel()
+        bodies: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(bodies) < 6:
+            _, _, body = ch.basic_get("batch", auto_ack=True)
+            if body is not None:
+                bodies.append(body)
+        extra = ch.basic_get("batch", auto_ack=True)[2]
+        conn.close()
+    finally:
+        stop(proc)
+    assert internal["numberOfEntries"] == 1
+    assert taken == [f"b{i}".encode() for i in range(4)]
+    assert bodies == [f"b{i}".encode() for i in range(4, 10)]
+    assert extra is None
