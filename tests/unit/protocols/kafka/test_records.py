@@ -151,3 +151,56 @@ def test_truncated_lz4_is_refused() -> None:
     [batch] = r.split_batches(_client_batch(3, n=50))
     with pytest.raises(r.RecordError):
         r.decompress(r.COMPRESSION_LZ4, batch.raw[r.HEADER_SIZE : -10], 1 << 20)
+
+
+def _uniform_body(n: int, value_size: int, ts_step: int = 0) -> tuple[bytes, int]:
+    records = [r.Record(i, 1000 + i * ts_step, None, b"x" * value_size, []) for i in range(n)]
+    [batch] = r.split_batches(r.build_batch(0, records))
+    return batch.raw[r.HEADER_SIZE :], n
+
+
+@pytest.mark.parametrize(
+    ("n", "value_size"),
+    [(1, 1), (5, 50), (64, 100), (65, 100), (1000, 100), (300, 1024), (8192, 9)],
+)
+def test_equal_sized_records_take_the_slice_check(n: int, value_size: int) -> None:
+    """Records of one layout are accepted by the slice check, which agrees with the walk."""
+    body, count = _uniform_body(n, value_size)
+    assert r._uniform(body, count)
+    r._check_records(body, count)
+
+
+def test_records_of_other_layouts_fall_back_to_the_walk() -> None:
+    """Different sizes or multi-byte timestamp deltas are left to the record-by-record walk."""
+    records = [r.Record(i, 1000, None, b"x" * (10 + i % 3), []) for i in range(100)]
+    [batch] = r.split_batches(r.build_batch(0, records))
+    assert not r._uniform(batch.raw[r.HEADER_SIZE :], 100)
+    r.check_batch(batch, limit=1 << 20)
+    body, count = _uniform_body(100, 10, ts_step=1)  # deltas past 63 ms take two bytes
+    assert not r._uniform(body, count)
+    r._check_records(body, count)
+
+
+def test_the_slice_check_never_accepts_what_the_walk_refuses() -> None:
+    """Fuzzed uniform batches: whenever the slice check says yes, the walk agrees."""
+    import random
+
+    rng = random.Random(5)
+    accepted = refused = 0
+    for n, size in [(3, 20), (64, 5), (70, 30), (200, 100)]:
+        body, count = _uniform_body(n, size)
+        for _ in range(400):
+            mutated = bytearray(body)
+            for _ in range(rng.randint(1, 3)):
+                mutated[rng.randrange(len(mutated))] = rng.getrandbits(8)
+            data = bytes(mutated)
+            claimed = rng.choice([count, count, count - 1, count + 1])
+            if r._uniform(data, claimed):
+                accepted += 1
+                r._check_records(data, claimed)
+            else:
+                refused += 1
+                with contextlib.suppress(r.RecordError):
+                    r._check_records(data, claimed)
+    assert accepted
+    assert refused
