@@ -285,6 +285,11 @@ class WriteHandle(ReadHandle):
 
         self.append(data).addCallbacks(done, failed)
 
+    def append_quiet_many(self, datas: Sequence[bytes], listener: WriteListener) -> None:
+        """``append_quiet`` of each of ``datas``, in order."""
+        for data in datas:
+            self.append_quiet(data, listener)
+
     @property
     @abc.abstractmethod
     def length(self) -> int:

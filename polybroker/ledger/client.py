@@ -424,6 +424,34 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         if self._sweep_call is None:
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
 
+    @override
+    def append_quiet_many(self, datas: Sequence[bytes], listener: WriteListener) -> None:
+        pending, encode, seconds = self._pending, encode_wire_record, self._seconds
+        for data in datas:
+            # ``append_quiet``'s body; the state is read afresh for every entry, as a send
+            # may fail at once and start an ensemble change or fail the ledger.
+            if self._error is not None or self._closing:
+                error = self._error or LedgerClosedError(f"ledger {self.ledger_id} is closed")
+                listener.adds_failed(self, error)
+                return
+            entry_id = self._next
+            self._next = entry_id + 1
+            length = self._sent_length = self._sent_length + len(data)
+            p = _PendingAdd(
+                encode(self.ledger_id, entry_id, self._lac, length, data),
+                length,
+                seconds(),
+                None,
+                None,
+                listener,
+            )
+            pending[entry_id] = p
+            if not self._changing:
+                p.write_set = ws = self._write_sets[entry_id % self._ensemble_size]
+                self._send(entry_id, p, ws)
+        if self._sweep_call is None and pending:
+            self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
+
     def _add(
         self, data: bytes, on_done: AddDone | None, on_failed: AddFailed | None, token: Any
     ) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import enum
+import itertools
 import json
 import logging
 from array import array
@@ -469,14 +470,21 @@ class ManagedLedgerImpl(ManagedLedger):
         if not datas:
             group.d.callback([])
             return group.d
+        adds = [
+            _Add(data, num, publish_time_ms, None, group)
+            for data, num in zip(datas, num_messages, strict=True)
+        ]
+        sent = 0
+        if self._state is _State.OPEN and not self._queued:
+            sent = self._send_many(adds)
         enqueue = self._enqueue
-        for data, num in zip(datas, num_messages, strict=True):
+        for add in itertools.islice(adds, sent, None):
             if not self._accepting:
                 # Refused half-way (fenced by a synchronous failure): the rest never goes.
                 if not group.d.called:
                     group.d.errback(self._refusal())
                 break
-            enqueue(_Add(data, num, publish_time_ms, None, group))
+            enqueue(add)
         return group.d
 
     def _enqueue(self, add: _Add) -> None:
@@ -530,6 +538,33 @@ class ManagedLedgerImpl(ManagedLedger):
         self._sent_bytes += size
         self._pending.append(add)
         handle.append_quiet(raw, self)
+
+    def _send_many(self, adds: list[_Add]) -> int:
+        """``_send`` the first of ``adds`` while the current ledger is surely not full (the
+        rest go by ``_enqueue``), with one call to the ledger; return how many were sent."""
+        handle = self._current
+        assert handle is not None
+        pending_append = self._pending.append
+        index, entry_id, nbytes = self._sent_index, self._sent_entries, self._sent_bytes
+        max_entries, max_bytes = self._max_entries, self._max_bytes
+        magic, version = entry_format.MAGIC, entry_format.VERSION
+        raws: list[bytes] = []
+        for add in adds:
+            if entry_id >= max_entries or nbytes >= max_bytes:
+                break
+            add.index = index
+            raw = _pack_header(magic, version, 0, add.time, index, add.num) + add.data
+            index += add.num
+            add.size = size = len(raw)
+            add.entry_id = entry_id
+            entry_id += 1
+            nbytes += size
+            pending_append(add)
+            raws.append(raw)
+        self._sent_index, self._sent_entries, self._sent_bytes = index, entry_id, nbytes
+        if raws:
+            handle.append_quiet_many(raws, self)
+        return len(raws)
 
     # The ``WriteListener`` of the current ledger.
 

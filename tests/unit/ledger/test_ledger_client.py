@@ -624,3 +624,30 @@ def test_the_wire_record_is_the_stored_record_inside_an_add_record() -> None:
     of the digest-protected record, so bookies store exactly what ``decode_record`` checks."""
     wire = encode_wire_record(5, 3, 2, 100, b"payload")
     assert wire == encode_add_record(5, 3, 2, encode_record(5, 3, 2, 100, b"payload"))
+
+
+def test_append_quiet_many_adds_in_order_and_is_refused_whole_once_closing() -> None:
+    """A group of quiet adds gets consecutive entries, each sent to its write set and
+    reported by runs in entry order; after ``close_ledger`` the listener hears a refusal
+    at once."""
+    rig = LedgerRig(3)
+    w = rig.create(3, 2, 2)
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    listener = _Listener()
+    w.append_quiet_many([b"a", b"b", b"c"], listener)
+    for b in rig.cluster.bookies.values():
+        assert sorted(e for _, e, _, _ in b.adds) == sorted(
+            e for e in range(3) if b.address in w.metadata.write_set(e)
+        )
+    for b in rig.cluster.bookies.values():
+        w.entries_acked(b.address, [0, 1, 2])  # each bookie answers its frame at once
+    assert [kind for kind, _ in listener.heard] == ["done"] * len(listener.heard)
+    done = [last for _, last in listener.heard]
+    assert done == sorted(set(done))
+    assert done[-1] == 2
+    assert w.length == 3
+    heard = len(listener.heard)
+    w.close_ledger()
+    w.append_quiet_many([b"d", b"e"], listener)
+    assert listener.heard[heard:] == [("failed", "LedgerClosedError")]
