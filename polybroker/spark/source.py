@@ -48,7 +48,6 @@ from pyspark.sql.types import (
 from polybroker.ledger.direct import LedgerLayout
 from polybroker.spark import offsets as off
 from polybroker.spark.admin import AdminError, PulsarAdmin
-from polybroker.spark.reading import read_batches
 from polybroker.spark.typed import typed_fields
 from polybroker.spark.writing import publish_rows
 
@@ -237,6 +236,22 @@ def plan(
     return parts
 
 
+def _read(cfg: ReadConfig, partition: InputPartition) -> Iterator[Any]:
+    """A partition's rows as Arrow record batches (executor side)."""
+    # Imported here: the driver's planning processes need none of it (nor numpy).
+    from polybroker.spark.reading import read_batches
+
+    assert isinstance(partition, PulsarPartition)
+    return read_batches(
+        cfg.service_url,
+        partition.rng,
+        fail_on_data_loss=cfg.fail_on_data_loss,
+        typed=cfg.typed,
+        layouts=partition.layouts,
+        ledgers=partition.ledgers,
+    )
+
+
 class PulsarBatchReader(DataSourceReader):
     """Reads ``[startingOffsets, endingOffsets)`` of every named topic partition."""
 
@@ -263,15 +278,7 @@ class PulsarBatchReader(DataSourceReader):
         return plan(self.cfg, admin, starts, ends)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        assert isinstance(partition, PulsarPartition)
-        yield from read_batches(
-            self.cfg.service_url,
-            partition.rng,
-            fail_on_data_loss=self.cfg.fail_on_data_loss,
-            typed=self.cfg.typed,
-            layouts=partition.layouts,
-            ledgers=partition.ledgers,
-        )
+        return _read(self.cfg, partition)
 
 
 class PulsarStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -336,15 +343,7 @@ class PulsarStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return plan(self.cfg, self.cfg.admin(), off.loads_offsets(start), off.loads_offsets(end))
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        assert isinstance(partition, PulsarPartition)
-        yield from read_batches(
-            self.cfg.service_url,
-            partition.rng,
-            fail_on_data_loss=self.cfg.fail_on_data_loss,
-            typed=self.cfg.typed,
-            layouts=partition.layouts,
-            ledgers=partition.ledgers,
-        )
+        return _read(self.cfg, partition)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: offsets live in Spark's checkpoint, the broker keeps no cursor."""

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from polybroker.spark.offsets import full_topic
-from polybroker.spark.reading import client
 
 
 class PublishError(RuntimeError):
@@ -82,6 +81,9 @@ def publish_rows(
             elif state["error"] is None:
                 state["error"] = str(res)
             done.notify_all()
+
+    # Imported here: the driver's planning processes need none of the read path.
+    from polybroker.spark.reading import client
 
     c = client(service_url)
     producers: dict[str, Any] = {}

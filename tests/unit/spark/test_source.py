@@ -12,7 +12,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from polybroker.ledger.direct import LedgerLayout
 from polybroker.spark import offsets as off
-from polybroker.spark import source, writing
+from polybroker.spark import reading, source
 from polybroker.spark.source import OptionError, PulsarBatchReader, PulsarStreamReader, ReadConfig
 from polybroker.spark.writing import PublishError, publish_rows
 
@@ -266,7 +266,7 @@ class FakeClient:
 def test_writer_publishes_rows_and_counts_acks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows go to their __topic with key, event time and properties; all acked, all closed."""
     fake = FakeClient()
-    monkeypatch.setattr(writing, "client", lambda url: fake)
+    monkeypatch.setattr(reading, "client", lambda url: fake)
     rows = [("a", "k1", b"v1", 1234, {"p": 1}), ("b", None, "v2", None, None)]
     cols = ["__topic", "key", "value", "__eventTime", "__messageProperties"]
     assert publish_rows("pulsar://x:1", cols, rows, topic=None) == 2
@@ -285,13 +285,13 @@ def test_writer_publishes_rows_and_counts_acks(monkeypatch: pytest.MonkeyPatch) 
 def test_writer_fails_when_a_message_is_not_acknowledged(monkeypatch: pytest.MonkeyPatch) -> None:
     """A refused send makes the task fail (Spark retries it) instead of returning a count."""
     fake = FakeClient(fail=True)
-    monkeypatch.setattr(writing, "client", lambda url: fake)
+    monkeypatch.setattr(reading, "client", lambda url: fake)
     with pytest.raises(PublishError, match="Timeout"):
         publish_rows("pulsar://x:1", ["value"], [(b"v",)], topic="t")
     assert fake.closed
     with pytest.raises(PublishError, match="value"):
         publish_rows("pulsar://x:1", ["key"], [("k",)], topic="t")
-    monkeypatch.setattr(writing, "client", lambda url: FakeClient())
+    monkeypatch.setattr(reading, "client", lambda url: FakeClient())
     with pytest.raises(PublishError, match="null"):
         publish_rows("pulsar://x:1", ["value"], [(None,)], topic="t")
 
