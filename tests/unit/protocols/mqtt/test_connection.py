@@ -729,3 +729,27 @@ def test_the_cache_of_written_entries_is_bounded_in_bytes(monkeypatch: Any) -> N
     pub.send(c.Publish("a/b", b"not cached", 0))
     assert env.broker.written == {}
     assert [x.payload for x in sub.packets() if isinstance(x, c.Publish)] == [b"not cached"]
+
+
+def test_a_topic_appearing_while_a_persistent_session_is_away_keeps_its_messages() -> None:
+    """A wildcard filter's topic created while its persistent session's client is away gets
+    the session's durable subscription (with no consumer reading it), so what is published
+    there meanwhile is delivered when the client returns."""
+    env = Env()
+    sub = env.peer("s", clean_start=False)
+    sub.send(c.Subscribe(1, [c.Subscription("w/#", 1)]))
+    sub.packets()
+    sub.send(c.Disconnect())
+    env.clock.advance(1)
+    pub = env.peer("p")
+    pub.packets()
+    pub.send(c.Publish("w/new", b"first", 1, packet_id=1))
+    pub.send(c.Publish("w/new", b"second", 1, packet_id=2))
+    assert pub.packets() == [c.PubAck(1), c.PubAck(2)]
+    session = env.broker.sessions["s"]
+    assert (session.subs, len(session.queue)) == ({}, 0)
+    assert env.factory.ledger("public/default/persistent/w%252Fnew").cursors["mqtt-s"].backlog()
+    back = env.peer("s", clean_start=False)
+    got = back.packets()
+    assert got[0] == c.ConnAck(True, 0)
+    assert [x.payload for x in got[1:] if isinstance(x, c.Publish)] == [b"first", b"second"]
