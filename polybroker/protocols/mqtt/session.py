@@ -573,6 +573,8 @@ class Session:
             if sub.group == f.group and not self.matching(sub.name, sub.group):
                 del self.subs[key]
                 self._close_sub(sub, delete=True)
+        for held in [k for k, t in self.held.items() if not self.matching(t.sub.name, k[1])]:
+            del self.held[held]  # its subscription is gone: never read again
         return True
 
     def topic_appeared(self, full: str, name: str) -> None:
