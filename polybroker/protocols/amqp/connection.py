@@ -47,6 +47,7 @@ from polybroker.protocols.amqp.vhost import (
     Queue,
     QueueConsumer,
     QueuedMessage,
+    QueueFullError,
     VirtualHost,
 )
 
@@ -843,9 +844,7 @@ class AmqpConnection(Protocol):
     def _deliver(self, ch: Channel, q: Queue, qc: QueueConsumer, qm: QueuedMessage) -> None:
         tag = ch.next_tag
         ch.next_tag += 1
-        if qc.no_ack:
-            q.settle(qm)
-        else:
+        if not qc.no_ack:
             ch.unacked[tag] = (qm, q, qc)
             qc.unacked += 1
         am = qm.message
@@ -858,6 +857,9 @@ class AmqpConnection(Protocol):
                 self.frame_max,
             )
         )
+        if qc.no_ack:
+            # After the write: settling lets more in, which may be delivered at once.
+            q.settle(qm)
 
     def _kick(self, ch: Channel) -> None:
         """Room may have opened on this channel: let its queues dispatch."""
@@ -880,9 +882,7 @@ class AmqpConnection(Protocol):
                 return
             tag = ch.next_tag
             ch.next_tag += 1
-            if m.no_ack:
-                q.settle(qm)
-            else:
+            if not m.no_ack:
                 ch.unacked[tag] = (qm, q, None)
             am = qm.message
             self.transport.write(
@@ -894,6 +894,8 @@ class AmqpConnection(Protocol):
                     self.frame_max,
                 )
             )
+            if m.no_ack:
+                q.settle(qm)  # after the write (see _deliver)
 
         d.addCallback(take)
         return d
@@ -1015,7 +1017,8 @@ class AmqpConnection(Protocol):
                 self._confirmed(ch, seq, True)
 
         def failed(f: Failure) -> Failure | None:
-            log.warning("AMQP publish failed", extra=kv(error=str(f.value)))
+            if not f.check(QueueFullError):
+                log.warning("AMQP publish failed", extra=kv(error=str(f.value)))
             if confirm:
                 self._confirmed(ch, seq, False)
                 return None

@@ -28,7 +28,10 @@ RabbitMQ allows).
 
 A queue keeps a bounded window of what it read in memory; AMQP consumers, ``basic.get``,
 prefetch, requeue and redelivered flags work on that window, and an entry is acknowledged on its
-subscription once every message of it for the queue is settled (acked, dropped or dead-lettered).
+subscription once every message of it for the queue is settled (acked, dropped or dead-lettered);
+the settled messages of a partly settled entry are recorded in the metadata store (at the cursor's
+pace, and before a ``tx.commit-ok``) so they are not handed out again. ``x-max-length`` counts
+the backlog beyond the window too (drop-head frees the window's head, letting the backlog in).
 A transient (non-durable) queue does not outlive this broker, so, as in RabbitMQ, it holds its
 messages in memory only, against the handler's ``MemoryGauge`` (publishers are blocked above
 its watermark).
@@ -234,6 +237,9 @@ class _Source:
         #: a new subscription hands them out again; an entry leaves once its ack is durable.
         self.partial: dict[Position, int] = {}
         self.partial_loaded = False
+        #: For x-max-length: the messages of each entry read and not yet acknowledged on
+        #: the subscription (what of its backlog the window has seen).
+        self.seen: dict[Position, int] | None = {} if queue.max_length is not None else None
         self._partial_dirty = False
         self._partial_writing = False
         self._partial_timer: IDelayedCall | None = None
@@ -346,6 +352,10 @@ class _Source:
         if not acks or self.server_consumer is None:
             return None
         d = self.server_consumer.ack(acks)
+        seen = self.seen
+        if seen:
+            for p in acks:
+                seen.pop(p, None)
         if self.partial:
             d.addCallback(lambda _: self._forget_partial(acks))
         d.addErrback(lambda f: None)
@@ -514,6 +524,18 @@ class Queue:
         self.ttl_ms = _int_arg(arguments, "x-message-ttl")
         self.expires_ms = _int_arg(arguments, "x-expires")
         self.max_length = _int_arg(arguments, "x-max-length")
+        overflow = arguments.get("x-overflow", "drop-head")
+        if overflow not in ("drop-head", "reject-publish"):
+            raise AmqpError(
+                PRECONDITION_FAILED, f"invalid arg 'x-overflow' for queue: {overflow!r}"
+            )
+        #: reject-publish: a full queue refuses new messages (nacked) instead of dropping
+        #: its oldest ones.
+        self.reject_publish = overflow == "reject-publish"
+        #: Messages routed here and stored that the window has not read yet (the backlog
+        #: in the logs, counted for ``x-max-length``; after a restart, taken from the own
+        #: topic's backlog).
+        self.unread = 0
         self.dlx: str | None = arguments.get("x-dead-letter-exchange")
         self.dlx_key: str | None = arguments.get("x-dead-letter-routing-key")
         self._expiry: IDelayedCall | None = None
@@ -535,7 +557,23 @@ class Queue:
             return succeed(None)
         own = _Source(self, self.topic, OWN, SUBSCRIPTION)
         self.sources[self.topic] = own
-        return own.attach()
+        d = own.attach()
+        if self.max_length is not None:
+            d.addCallback(lambda _: self._count_backlog(own))
+        return d
+
+    def _count_backlog(self, own: _Source) -> None:
+        """Count the own topic's backlog beyond the window (a restart), for x-max-length."""
+
+        def got(stats: dict[str, Any]) -> None:
+            sub = stats.get("subscriptions", {}).get(own.subscription, {})
+            backlog = int(sub.get("backlogMessages", 0))
+            seen = sum(own.seen.values()) if own.seen else 0
+            self.unread = max(self.unread, backlog - seen)
+            self._enforce_max_length()
+
+        d = self.vhost.service.stats(own.topic, forward=True)
+        d.addCallbacks(got, lambda f: None)
 
     def ensure_source(
         self,
@@ -674,9 +712,12 @@ class Queue:
             source.held.extend(deliveries)
             return
         now = _now_ms(self.vhost.clock)
+        seen = source.seen
         for d in deliveries:
             entry = d.entry
             source.received += entry.num_messages
+            if seen is not None:
+                seen[entry.position] = entry.num_messages
             if source.last_fed is None or source.last_fed < entry.position:
                 source.last_fed = entry.position
             purged = source.purged_to
@@ -709,6 +750,8 @@ class Queue:
                 if not am.publish_time_ms:
                     am.publish_time_ms = entry.publish_time_ms
                 qm = QueuedMessage(ref, am, redelivered, 0, False, i)
+                if self.unread:
+                    self.unread -= 1
                 self.in_memory += 1
                 source.in_memory += 1
                 if am.incarnation and am.incarnation != self.vhost.incarnation:
@@ -778,10 +821,23 @@ class Queue:
         return (am.publish_time_ms or _now_ms(self.vhost.clock)) + max(ttl, 0)
 
     def _enforce_max_length(self) -> None:
-        if self.max_length is None:
+        """Drop (or dead-letter) from the head while the ready messages, in the window and
+        in the backlog the window has not read, exceed x-max-length (drop-head); the head
+        is in the window, and the room that frees lets the backlog in behind it."""
+        if self.max_length is None or self.reject_publish:
             return
-        while len(self.ready) > self.max_length:
-            self.dead_letter(self.ready.popleft(), "maxlen")
+        while self.ready and len(self.ready) + self.unread > self.max_length:
+            qm = self.ready.popleft()
+            if not qm.settled:
+                self.dead_letter(qm, "maxlen")
+
+    def full(self) -> bool:
+        """A reject-publish queue at its x-max-length refuses new messages."""
+        return (
+            self.reject_publish
+            and self.max_length is not None
+            and len(self.ready) + self.unread >= self.max_length
+        )
 
     # -- settling ----------------------------------------------------------------------------
 
@@ -997,6 +1053,8 @@ class Queue:
                 backlog = int(sub.get("backlogMessages", 0))
                 in_window = sum(1 for qm in self.ready if qm.ref.source is s and not qm.settled)
                 unacked = s.in_memory - in_window  # delivered to clients, not yet acknowledged
+                # Settled messages of partly settled entries still count in the backlog.
+                backlog -= sum(bits.bit_count() for bits in s.partial.values())
                 if s.kind == OWN:
                     n += max(in_window, backlog - unacked) - in_window
                 else:
@@ -1776,6 +1834,11 @@ class VirtualHost:
         if not msg.persistent and not msg.incarnation:
             msg.incarnation = self.incarnation
         reached = len(queues)
+        refused = False
+        if any(q.reject_publish for q in queues):
+            kept = [q for q in queues if not q.full()]
+            refused = len(kept) != len(queues)
+            queues = kept
         stored = [q for q in queues if not q.memory_only and not q.deleted]
         if len(stored) != len(queues):
             msg.publish_time_ms = _now_ms(self.clock)
@@ -1790,13 +1853,13 @@ class VirtualHost:
             bridged = f"persistent://{self.namespace}/{msg.routing_key}"
             ds.append(self._store(bridged, to_stored(msg), size))
         if not ds:
-            return succeed(reached)
+            return fail(QueueFullError()) if refused else succeed(reached)
         if len(ds) == 1:
             d = ds[0]
         else:
             d = DeferredList(ds, fireOnOneErrback=True, consumeErrors=True)
             d.addErrback(_first_failure)
-        d.addCallback(lambda _: reached)
+        d.addCallback(lambda _: _raise(QueueFullError()) if refused else reached)
         return d
 
     def _route(self, msg: AmqpMessage, stored: list[Queue], size: int) -> Deferred[Any]:
@@ -1815,6 +1878,9 @@ class VirtualHost:
             target = stored[0].topic
         for q in stored:
             q.appending(target)
+            q.unread += 1
+            if q.max_length is not None:
+                q._enforce_max_length()
         previous = self._gates.get(target)
         if not waits and previous is None:
             d = self._store(target, stored_message, size)
@@ -1824,6 +1890,8 @@ class VirtualHost:
         def appended(result: Any) -> Any:
             entry = result if isinstance(result, Entry) else None
             for q in stored:
+                if entry is None and q.unread:
+                    q.unread -= 1
                 q.appended(target, entry)
             return result
 
@@ -1928,6 +1996,14 @@ class _Batch:
 
 #: Stands for "some binding may be gone" (every queue is looked at).
 _ANY_REMOVAL = routing.Binding("", "", routing.EXCHANGE, "")
+
+
+class QueueFullError(Exception):
+    """A reject-publish queue at its x-max-length refused the message (the publish is nacked)."""
+
+
+def _raise(e: Exception) -> Any:
+    raise e
 
 
 def _first_failure(f: Any) -> Any:
