@@ -248,6 +248,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._current: WriteHandle | None = None
         self._current_ledger: _Ledger | None = None
         self._created_at = 0.0
+        self._young_until = 0.0  # a full ledger younger than this is not rolled yet
         self._sent_entries = 0
         self._sent_bytes = 0
         self._sent_index = 0
@@ -276,6 +277,7 @@ class ManagedLedgerImpl(ManagedLedger):
     @config.setter
     def config(self, config: ManagedLedgerConfig) -> None:
         self._config = config
+        self._young_until = 0.0  # ``_is_full`` asks again under the new limits
         # Below these a ledger is never full (``_is_full``), whatever its age.
         self._max_entries = config.max_entries_per_ledger
         self._max_bytes = config.max_size_per_ledger_bytes
@@ -438,8 +440,10 @@ class ManagedLedgerImpl(ManagedLedger):
         if (
             self._state is _State.OPEN
             and not self._queued
-            and self._sent_entries < self._max_entries
-            and self._sent_bytes < self._max_bytes
+            and (
+                (self._sent_entries < self._max_entries and self._sent_bytes < self._max_bytes)
+                or self._reactor.seconds() < self._young_until
+            )
         ):
             self._send(add)  # the common case of ``_enqueue``, inlined
         else:
@@ -521,7 +525,11 @@ class ManagedLedgerImpl(ManagedLedger):
         ):
             return False
         age = self._reactor.seconds() - self._created_at
-        return age >= config.min_ledger_rollover_time_s
+        if age >= config.min_ledger_rollover_time_s:
+            return True
+        # Full but too young to roll: until then ``append`` need not ask again.
+        self._young_until = self._created_at + config.min_ledger_rollover_time_s
+        return False
 
     def _send(self, add: _Add) -> None:
         handle = self._current
@@ -760,6 +768,7 @@ class ManagedLedgerImpl(ManagedLedger):
             handle.after_completions = self._group_done
         self._current_ledger = ledger
         self._created_at = self._reactor.seconds()
+        self._young_until = 0.0
         self._sent_entries = 0
         self._sent_bytes = 0
         self._sent_index = self._next_index
