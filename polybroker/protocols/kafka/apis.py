@@ -280,19 +280,24 @@ class KafkaApis:
                 if not 0 <= partition < count:
                     return None
             full = f"{self._full(name)}-partition-{partition}"
-        if self.cluster is not None:
-            if not await self.cluster.serves_here(full):
-                raise NotOwnerError(f"{full} is served by another broker")
-            loading = self.cluster.bounded(self.service.get_topic(full, create=create))
-        else:
-            loading = self.service.get_topic(full, create=create)
+        if self.cluster is not None and not await self.cluster.serves_here(full):
+            raise NotOwnerError(f"{full} is served by another broker")
         try:
-            topic = await loading
+            topic = await self._load(full, create)
         except TopicNotFoundError:
-            return None
+            if n == 0 or partition >= await self.service.partitioned_topic_metadata(name):
+                return None
+            # A partition of a partitioned topic that nothing has written yet: Kafka shows it,
+            # empty, from the topic's creation on, so a reader brings it up (otherwise its
+            # client backs off on UNKNOWN_TOPIC_OR_PARTITION and misses the first messages).
+            topic = await self._load(full, True)
         if not getattr(topic, "persistent", False):
             return None
         return topic
+
+    def _load(self, full: str, create: bool) -> Deferred[Any]:
+        loading = self.service.get_topic(full, create=create)
+        return loading if self.cluster is None else self.cluster.bounded(loading)
 
     # -- dispatch -------------------------------------------------------------------------
 

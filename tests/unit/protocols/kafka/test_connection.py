@@ -299,6 +299,38 @@ def test_offsets_out_of_range_and_list_offsets() -> None:
     assert [p.offset for p in parts] == [0, 5, 2, -1]
 
 
+def test_partitions_nothing_wrote_yet_are_there_and_empty() -> None:
+    """A created topic's partitions fetch empty at offset 0 and list offsets 0 before any
+    produce (as in Kafka), instead of UNKNOWN_TOPIC_OR_PARTITION; a partition past the count
+    stays unknown."""
+    w = Wire()
+    result_of(w.service.create_partitioned_topic("made", 2))
+    part = w.call(fetch_request("made", 0)).responses[0].partitions[0]
+    assert (part.error_code, part.high_watermark, part.log_start_offset) == (c.NONE, 0, 0)
+    assert bytes(part.records or b"") == b""
+    req = ListOffsetsRequest[4](
+        replica_id=-1,
+        isolation_level=0,
+        topics=[
+            ListOffsetsRequest.ListOffsetsTopic(
+                name="made",
+                partitions=[
+                    ListOffsetsRequest.ListOffsetsTopic.ListOffsetsPartition(
+                        partition_index=i, current_leader_epoch=-1, timestamp=-1
+                    )
+                    for i in (1, 2)
+                ],
+            )
+        ],
+    )
+    parts = w.call(req).topics[0].partitions
+    assert [(p.error_code, p.offset) for p in parts] == [
+        (c.NONE, 0),
+        (c.UNKNOWN_TOPIC_OR_PARTITION, -1),
+    ]
+    assert w.produce(batch(2), topic="made").base_offset == 0
+
+
 def test_unknown_topics_are_reported_and_metadata_autocreates() -> None:
     """Fetch of a missing topic is UNKNOWN_TOPIC_OR_PARTITION; Metadata may create it."""
     w = Wire()
