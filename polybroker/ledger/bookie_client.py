@@ -471,7 +471,10 @@ class TcpBookieClient(BookieClient):
         its next write."""
         if self._proto is None or self._write is None:
             return
-        do_write = getattr(self._proto.transport, "doWrite", None)
+        transport = self._proto.transport
+        if getattr(transport, "disconnecting", False):
+            return  # the reactor's own write finishes the close
+        do_write = getattr(transport, "doWrite", None)
         if do_write is not None:
             do_write()
 
