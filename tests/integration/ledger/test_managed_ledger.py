@@ -237,3 +237,32 @@ async def test_a_tailing_read_wakes_on_the_next_append(tmp_path: Path) -> None:
         assert await waiting == [entry]
     finally:
         await cluster.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_append_many_over_three_bookies_interleaves_with_appends(tmp_path: Path) -> None:
+    """Groups appended with ``append_many`` (E=3, Qw=2, Qa=2, rolling over every 50 entries)
+    complete whole, in order with single appends made around them, and read back as written
+    from a second owner that recovered the log."""
+    cluster = Cluster(tmp_path)
+    await cluster.start(bookies=3)
+    try:
+        config = _config(
+            ensemble_size=3,
+            write_quorum=2,
+            ack_quorum=2,
+            max_entries_per_ledger=50,
+            retention_time_s=-1,  # no cursor: keep the consumed ledgers for the reader
+        )
+        ml = await cluster.factory(config).open(NAME)
+        groups = [ml.append_many([b"g%d-%d" % (g, i) for i in range(40)]) for g in range(4)]
+        singles = [ml.append(b"s%d" % i, 2) for i in range(10)]
+        done = await DeferredList([*groups, *singles], fireOnOneErrback=True)
+        written = [e for _, r in done[:4] for e in r] + [e for _, e in done[4:]]
+        assert [e.index for e in written] == list(range(160)) + list(range(160, 180, 2))
+        assert len({e.position.ledger_id for e in written}) == 4
+        reader = await cluster.factory(config).open(NAME)  # fences and recovers the first
+        got = await reader.read(reader.first_position, 500)
+        assert [e.data for e in got] == [e.data for e in written]
+    finally:
+        await cluster.stop()
