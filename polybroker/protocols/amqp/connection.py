@@ -140,6 +140,7 @@ class AmqpConnection(Protocol):
         self.publisher = False
         self._in_data = False
         self._flush_scheduled = False
+        self._flush_after = False
         self._confirming: list[Channel] = []
         self.blocked = False
         #: The handshake as the client made it, replayed to the vhost's broker by a relay.
@@ -1033,14 +1034,29 @@ class AmqpConnection(Protocol):
 
     def _confirmed(self, ch: Channel, seq: int, ok: bool) -> None:
         """Record a publish's outcome; outcomes of one reactor turn are sent together, a run
-        of consecutive acks as one basic.ack with multiple set."""
+        of consecutive acks as one basic.ack with multiple set. Completed outside our own
+        input (a storage reply), the newest publish of the channel is confirmed as soon as
+        the completion under way has told every publish of it (before the queues read the
+        entry: the publisher waits for it); others at the turn's end."""
         ch.outcomes[seq] = ok
         if len(ch.outcomes) == 1:
             self._confirming.append(ch)
-            if not self._in_data and not self._flush_scheduled:
-                # Completed outside our own input (a storage reply): send at the turn's end.
-                self._flush_scheduled = True
-                self.s.clock.callLater(0, self._flush_all_confirms)
+        if self._in_data:
+            return
+        vh = self.vhost
+        if vh is not None and vh.completing and seq == ch.publish_seq:
+            if not self._flush_after:
+                self._flush_after = True
+                vh.after_completion(self._flush_completed)
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.s.clock.callLater(0, self._flush_all_confirms)
+
+    def _flush_completed(self) -> None:
+        self._flush_after = False
+        channels, self._confirming = self._confirming, []
+        for ch in channels:
+            self._flush_confirms(ch)
 
     def _flush_all_confirms(self) -> None:
         self._flush_scheduled = False
@@ -1072,6 +1088,17 @@ class AmqpConnection(Protocol):
         if run:
             out.append(c.encode_method(ch.number, c.BasicAck(run, True)))
         self.transport.write(b"".join(out))
+        if not self._in_data:
+            self._push()
+
+    def _push(self) -> None:
+        """Hand what was written to the kernel now rather than when the reactor next polls
+        (a confirm outside our own input: the publisher is waiting for it). A transport
+        that cannot (no ``doWrite``), or one closing, writes when the reactor polls."""
+        t = self.transport
+        do_write = getattr(t, "doWrite", None)
+        if do_write is not None and not getattr(t, "disconnecting", True):
+            do_write()
 
     @staticmethod
     def _advance(ch: Channel, seq: int) -> None:

@@ -1280,6 +1280,9 @@ class VirtualHost:
         self._exchange_logs: dict[str, str] = {}
         #: Per log, the publish that waits to be stored there (later ones queue behind it).
         self._gates: dict[str, Deferred[None]] = {}
+        #: Inside the completion of stored batches: what waits for the end of it.
+        self.completing = 0
+        self._after: list[Callable[[], None]] = []
         #: Closed (broker stopping, or the vhost moved to another broker of the cluster): its
         #: state is dropped, and nothing it held is deleted any more.
         self.closed = False
@@ -1975,14 +1978,36 @@ class VirtualHost:
         d = self.service.publish(topic, data, count, publish_time_ms=now, forward=True)
 
         def done(entry: Any) -> None:
-            for w in batch.waiters:
-                w.callback(entry)
+            self.completing += 1
+            try:
+                for w in batch.waiters:
+                    w.callback(entry)
+            finally:
+                self.completing -= 1
+            if self._after and not self.completing:
+                self._completed()
 
         def failed(f: Any) -> None:
-            for w in batch.waiters:
-                w.errback(f)
+            self.completing += 1
+            try:
+                for w in batch.waiters:
+                    w.errback(f)
+            finally:
+                self.completing -= 1
+            if self._after and not self.completing:
+                self._completed()
 
         d.addCallbacks(done, failed)
+
+    def after_completion(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the batch completion under way has told every publish (the
+        confirms of all of them go out together, before the queues read the new entry)."""
+        self._after.append(fn)
+
+    def _completed(self) -> None:
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
 
 
 @dataclass

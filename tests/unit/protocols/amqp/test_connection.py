@@ -298,3 +298,50 @@ def test_publishes_of_one_input_share_a_batch_entry() -> None:
     p.clock.advance(0)
     p.method(1, c.QueueDeclare(queue="q", durable=True, passive=True))
     assert p.methods() == [c.QueueDeclareOk("q", 0, 1)]
+
+
+class _PushingTransport:
+    """Wraps the peer's StringTransport: writes are buffered, as a socket's are, until
+    ``doWrite`` hands them over."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.buffered: list[bytes] = []
+        self.disconnecting = False
+        self.pushes = 0
+
+    def write(self, data: bytes) -> None:
+        self.buffered.append(bytes(data))
+
+    def doWrite(self) -> None:
+        self.pushes += 1
+        for data in self.buffered:
+            self.inner.write(data)  # type: ignore[attr-defined]
+        self.buffered = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_the_newest_confirm_leaves_at_once_when_its_write_completes() -> None:
+    """A storage completion confirms the channel's newest publish at once, handed to the
+    kernel then (not when the reactor next polls); earlier ones of the completion go with it
+    as one basic.ack."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.ConfirmSelect())
+    p.clock.advance(0)
+    p.methods()
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    pushing = _PushingTransport(p.transport)
+    p.conn.transport = pushing
+    for body in (b"one", b"two"):
+        p.publish(1, "", "q", body, delivery_mode=2)
+    p.clock.advance(0)
+    assert (pushing.pushes, pushing.buffered) == (0, [])
+    ledger.release_appends()  # both batches complete: one confirm, pushed at once
+    assert (pushing.pushes, pushing.buffered) == (1, [])
+    assert p.methods() == [c.BasicAck(2, True)]
