@@ -200,10 +200,23 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add bytes; return the complete frames. Raise ``FrameTooLargeError``."""
-        self._buf += data
         frames: list[bytes] = []
         buf = self._buf
         pos = 0
+        if not buf:  # nothing pending: frames come straight out of ``data``, copied once
+            n = len(data)
+            while n - pos >= 4:
+                (size,) = _SIZE.unpack_from(data, pos)
+                if size < 0 or size > self.max_frame:
+                    raise FrameTooLargeError(f"frame of {size} bytes exceeds {self.max_frame}")
+                if n - pos - 4 < size:
+                    break
+                frames.append(data[pos + 4 : pos + 4 + size])
+                pos += 4 + size
+            if pos < n:
+                buf += memoryview(data)[pos:]
+            return frames
+        buf += data
         while len(buf) - pos >= 4:
             (size,) = _SIZE.unpack_from(buf, pos)
             if size < 0 or size > self.max_frame:
