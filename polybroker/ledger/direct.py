@@ -44,7 +44,7 @@ from polybroker.ledger.wire import (
 )
 
 #: Data asked for per range request (the bookie cuts an answer at this many bytes).
-DEFAULT_RANGE_BYTES = 4 * 1024 * 1024
+DEFAULT_RANGE_BYTES = 2 * 1024 * 1024
 #: Entries asked for per range request.
 DEFAULT_RANGE_ENTRIES = 256
 #: Range requests in flight on one connection.
