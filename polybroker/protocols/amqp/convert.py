@@ -95,8 +95,49 @@ def to_stored(msg: AmqpMessage) -> Message:
     )
 
 
+#: Basic properties (and their wire form) of stored AMQP publishes without headers, by their
+#: stored ``amqp.*`` entries and event time: a queue reading its log builds and encodes each
+#: distinct set once. The properties object is shared: it is never changed in place.
+_VIEWS: dict[tuple[Any, ...], tuple[BasicProperties, bytes]] = {}
+_VIEWS_MAX = 4096
+_NOT_PROPERTIES = (P_TO, P_INCARNATION)
+
+
 def from_stored(m: Message, default_exchange: str = "", default_key: str = "") -> AmqpMessage:
     """The AMQP view of any stored message (see the module docstring)."""
+    props = m.properties
+    if len(props) < 2 or props[0][0] != P_EXCHANGE or props[1][0] != P_ROUTING_KEY:
+        return _from_stored(m, default_exchange, default_key)
+    incarnation = ""
+    parts: list[tuple[str, str]] = []
+    for kv in props[2:]:
+        k = kv[0]
+        if not k.startswith(_PREFIX) or k == P_HEADERS:
+            return _from_stored(m, default_exchange, default_key)
+        if k == P_INCARNATION:
+            incarnation = kv[1]
+        elif k != P_TO:
+            parts.append(kv)
+    view_key = (*parts, m.event_time_ms)
+    view = _VIEWS.get(view_key)
+    if view is None:
+        am = _from_stored(m, default_exchange, default_key)
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        _VIEWS[view_key] = (am.properties, am.wire_properties())
+        return am
+    exchange = props[0][1]
+    routing_key = props[1][1]
+    if len(exchange) > 63:
+        exchange = _short(exchange)
+    if len(routing_key) > 63:
+        routing_key = _short(routing_key)
+    return AmqpMessage(
+        exchange, routing_key, view[0], m.payload, m.publish_time_ms, incarnation, view[1]
+    )
+
+
+def _from_stored(m: Message, default_exchange: str, default_key: str) -> AmqpMessage:
     p = BasicProperties()
     exchange = default_exchange
     routing_key = m.key.decode("utf-8", "replace") if m.key else default_key

@@ -713,6 +713,9 @@ class Queue:
             return
         now = _now_ms(self.vhost.clock)
         seen = source.seen
+        incarnation = self.vhost.incarnation
+        ttl = self.ttl_ms is not None
+        append = self.ready.append
         for d in deliveries:
             entry = d.entry
             source.received += entry.num_messages
@@ -743,22 +746,25 @@ class Queue:
             if not indexed:
                 source.ack(entry.position)
                 continue
-            ref = _EntryRef(entry.position, len(indexed), source)
+            count = len(indexed)
+            ref = _EntryRef(entry.position, count, source)
             redelivered = d.redelivery_count > 0
+            if self.unread:
+                self.unread = max(0, self.unread - count)
+            self.in_memory += count
+            source.in_memory += count
             for i, m in indexed:
                 am = from_stored(m)
                 if not am.publish_time_ms:
                     am.publish_time_ms = entry.publish_time_ms
                 qm = QueuedMessage(ref, am, redelivered, 0, False, i)
-                if self.unread:
-                    self.unread -= 1
-                self.in_memory += 1
-                source.in_memory += 1
-                if am.incarnation and am.incarnation != self.vhost.incarnation:
+                if am.incarnation and am.incarnation != incarnation:
                     self.settle(qm)  # a transient message from before a restart
+                    append = self.ready.append  # (settling may have let more in)
                     continue
-                qm.expires_at_ms = self._expiry_of(am)
-                self.ready.append(qm)
+                if ttl or am.properties.expiration:
+                    qm.expires_at_ms = self._expiry_of(am)
+                append(qm)
         self._enforce_max_length()
         self._wake_waiters()
         self.dispatch(now)

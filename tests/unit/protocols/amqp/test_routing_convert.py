@@ -108,3 +108,29 @@ def test_destination_lists_round_trip_and_bad_ones_name_no_queue() -> None:
     assert decode_to("not json") == frozenset()
     assert decode_to('{"a": 1}') == frozenset()
     assert decode_to('["a", 1]') == frozenset({"a"})
+
+
+def _entry(messages: list[Message]) -> bytes:
+    return encode_entry(messages, producer_name="t", sequence_id=0, publish_time_ms=1)
+
+
+def test_alike_publishes_read_back_with_shared_properties_and_their_own_keys() -> None:
+    """Stored publishes with the same basic properties read back through one properties
+    object and its wire form, each with its own exchange, routing key, body and incarnation;
+    one with headers or another timestamp gets its own."""
+    props = BasicProperties(delivery_mode=2, content_type="text/plain")
+    a = AmqpMessage("ex", "k1", props, b"one")
+    b = AmqpMessage("ex", "k2", BasicProperties(delivery_mode=2, content_type="text/plain"), b"two")
+    b.incarnation = "inc"
+    stored = decode_entry(_entry([to_stored(a), to_stored(b)]))
+    ra, rb = (from_stored(m) for m in stored)
+    assert (ra.exchange, ra.routing_key, ra.body, ra.incarnation) == ("ex", "k1", b"one", "")
+    assert (rb.exchange, rb.routing_key, rb.body, rb.incarnation) == ("ex", "k2", b"two", "inc")
+    assert rb.properties is ra.properties
+    assert ra.wire_properties() == props.encode()
+    h = AmqpMessage("ex", "k", BasicProperties(delivery_mode=2, headers={"n": 1}), b"h")
+    t = AmqpMessage("ex", "k", BasicProperties(delivery_mode=2, timestamp=7), b"t")
+    rh, rt = (from_stored(m) for m in decode_entry(_entry([to_stored(h), to_stored(t)])))
+    assert rh.properties.headers == {"n": 1}
+    assert rt.properties.timestamp == 7
+    assert rt.wire_properties() == BasicProperties(delivery_mode=2, timestamp=7).encode()
