@@ -6,7 +6,9 @@ One run starts a private RabbitMQ node (loopback only, its own epmd port, scratc
 per message, async confirms with a window, each transient and persistent (durable queue,
 delivery_mode 2), end to end with a concurrent consumer; and a backlog drain (publish first, then
 consume); and both for a fanout to five durable queues (rates count deliveries). The machine is
-shared and noisy: quote medians of ``--repeat`` runs and the ratios.
+shared and noisy: quote medians of ``--repeat`` runs and the ratios. Each case also records the
+broker's CPU time per message (user + system time of its processes, from ``/proc``, over the
+case; deliveries for the fanout cases), steadier than rates on a loaded machine.
 
 Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
 """
@@ -57,6 +59,25 @@ CASES: list[tuple[str, list[str], int]] = [
         5,
     ),
 ]
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(session: int) -> float:
+    """User + system CPU time of every process in session ``session`` (its leader's PID)."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # Fields after the command name (which may hold spaces) start at the state.
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:  # session id
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
 
 
 def free_port() -> int:
@@ -176,6 +197,7 @@ class Polybroker:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         wait_port(self.port, 60, self.proc)
 
@@ -231,6 +253,7 @@ def main() -> None:
         (scratch / "rabbit").mkdir()
         brokers["rabbitmq"] = Rabbit(scratch / "rabbit")
     results: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}
     try:
         for b in brokers.values():
             b.start()
@@ -239,11 +262,21 @@ def main() -> None:
                 if case not in wanted:
                     continue
                 for name, b in brokers.items():
-                    r = run_case(b.port, args, max(100, a.n // divisor), a.timeout)
+                    n = max(100, a.n // divisor)
+                    before = cpu_seconds(b.proc.pid)
+                    r = run_case(b.port, args, n, a.timeout)
+                    # Microseconds per delivery (a fanout delivers each message five times).
+                    us = (
+                        (cpu_seconds(b.proc.pid) - before)
+                        * 1e6
+                        / (n * (divisor if "fanout" in case else 1))
+                    )
                     rate = rate_of(r, case)
-                    print(f"{case:26} {name:10} {rate if rate is not None else r}", flush=True)
+                    shown = f"{rate:.1f} msg/s, {us:.0f} us CPU/msg" if rate is not None else r
+                    print(f"{case:26} {name:10} {shown}", flush=True)
                     if rate is not None:
                         results.setdefault(case, {}).setdefault(name, []).append(rate)
+                        cpu.setdefault(case, {}).setdefault(name, []).append(us)
     finally:
         for b in brokers.values():
             b.stop()
@@ -252,6 +285,8 @@ def main() -> None:
     for case, per in results.items():
         medians = {name: statistics.median(v) for name, v in per.items()}
         row: dict[str, Any] = {f"{k}_msgs_per_s": round(v, 1) for k, v in medians.items()}
+        for k, v in cpu.get(case, {}).items():
+            row[f"{k}_cpu_us_per_msg"] = round(statistics.median(v), 1)
         if medians.get("rabbitmq"):
             row["ratio"] = round(medians.get("polybroker", 0.0) / medians["rabbitmq"], 3)
         summary[case] = row
