@@ -11,8 +11,16 @@ is the batch's base offset. Entries written by other protocols are converted to 
 
 Idempotent producers: per (partition, producer id) the last few batches' sequence numbers and
 offsets are remembered; a batch seen again is acknowledged with its first offset and not
-appended twice, a gap is OUT_OF_ORDER_SEQUENCE_NUMBER. This state lives in memory: a broker
-restart forgets it (the producer then starts a new sequence after InitProducerId).
+appended twice, a gap is OUT_OF_ORDER_SEQUENCE_NUMBER. The state is rebuilt from the log when a
+partition is loaded (here: before the first idempotent produce to it on this broker object is
+answered), so a batch the previous owner stored but never acknowledged (a kill -9, a failover)
+is acknowledged, not stored twice, when the producer retries it. Every stored Kafka batch says
+who wrote it: a verbatim entry carries the batch header (producer id, epoch, base sequence,
+count); a converted entry's producer name is ``kafka-<id>-<epoch>`` and its sequence id the
+base sequence (the message count gives the last). Only the log's tail is read
+(``_REBUILD_MAX_ENTRIES`` entries, ``_REBUILD_MAX_BYTES`` bytes, ``_REBUILD_MAX_SECONDS``,
+newest first, with no hole): a producer whose last batch is older than that starts afresh, as
+one the broker never saw.
 
 Cluster mode (``cluster`` given: see ``cluster``): Metadata names each partition's owner as its
 leader and lists the live brokers; Produce, Fetch and ListOffsets on a partition another broker
@@ -20,7 +28,7 @@ owns answer NOT_LEADER_OR_FOLLOWER, so the client refreshes its metadata; FindCo
 the owner of the group's coordinator slot, and the group APIs on any other broker answer
 NOT_COORDINATOR. Groups whose slot this broker lost are forgotten (checked every
 ``SWEEP_INTERVAL_S`` and on each request); producer states are kept per loaded topic, so a
-partition that comes back after another broker served it starts afresh.
+partition that comes back after another broker served it is rebuilt from its log again.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import logging
 import struct
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +71,12 @@ FORMAT_TAG = "kafka"
 NO_RESPONSE = object()
 _DEDUP_WINDOW = 5
 _MAX_PRODUCER_STATES = 100_000
+#: Bounds on the log tail read to rebuild a loaded partition's producer states.
+_REBUILD_MAX_ENTRIES = 2048
+_REBUILD_MAX_BYTES = 32 * 1024 * 1024
+_REBUILD_MAX_SECONDS = 3.0
+#: Messages in the first (newest) window of the tail; each older window is 4 times larger.
+_REBUILD_FIRST_SPAN = 256
 #: How often (seconds) a cluster broker drops the groups whose coordinator slot it lost.
 SWEEP_INTERVAL_S = 1.0
 #: Topic ids are derived from the full topic name: stable across restarts with no stored state.
@@ -124,6 +139,40 @@ def entry_as_batch(index: int, data: bytes) -> bytes:
     if not records:
         return b""
     return rec.build_batch(index, records)
+
+
+def producer_name(producer_id: int, epoch: int, base_sequence: int) -> str:
+    """The producer name a stored Kafka batch carries: ``kafka-<id>-<epoch>`` for an idempotent
+    batch (what ``stored_producer_batch`` reads back), ``kafka-<id>`` otherwise."""
+    if producer_id >= 0 and base_sequence >= 0:
+        return f"kafka-{producer_id}-{epoch}"
+    return f"kafka-{producer_id}"
+
+
+def stored_producer_batch(data: bytes) -> tuple[int, int, int, int] | None:
+    """(producer id, epoch, base sequence, last sequence) of a stored entry an idempotent Kafka
+    producer wrote, or None (another writer, a non-idempotent batch, or unreadable)."""
+    try:
+        md, payload = messages.split_entry(data)
+    except MessageFormatError:
+        return None
+    if messages.metadata_format(md) == FORMAT_TAG:
+        if len(payload) < rec.HEADER_SIZE:
+            return None
+        fields = rec.HEADER.unpack_from(payload, 0)
+        pid, epoch, base, count = fields[9], fields[10], fields[11], fields[12]
+    else:
+        parts = md.producer_name.split("-")
+        if len(parts) != 3 or parts[0] != "kafka":
+            return None
+        try:
+            pid, epoch = int(parts[1]), int(parts[2])
+        except ValueError:
+            return None
+        base, count = md.sequence_id, md.num_messages_in_batch
+    if pid < 0 or epoch < 0 or base < 0 or count < 1:
+        return None
+    return pid, epoch, base, base + count - 1
 
 
 @dataclass
@@ -191,6 +240,10 @@ class KafkaApis:
             self._sweep.clock = clock
             self._sweep.start(SWEEP_INTERVAL_S, now=False)
         self.producers: dict[tuple[str, int], ProducerState] = {}
+        # Loaded topic -> None once its producer states are rebuilt, or the rebuild under way.
+        self._rebuilt: weakref.WeakKeyDictionary[Any, Deferred[None] | None] = (
+            weakref.WeakKeyDictionary()
+        )
         self._producer_ids = itertools.count(int(time.time() * 1000) << 8)
         self._partitions: dict[str, int] = {}  # Kafka name -> partition count (0: not partitioned)
         # Record batches converted from Pulsar-format entries, most recently used last: every
@@ -821,6 +874,10 @@ class KafkaApis:
             return c.NOT_LEADER_OR_FOLLOWER, -1, -1
         if topic is None:
             return c.UNKNOWN_TOPIC_OR_PARTITION, -1, -1
+        if batches[0].producer_id >= 0:
+            rebuilding = self._producers_ready(topic)
+            if rebuilding is not None:
+                await rebuilding
         first_base = -1
         for batch, found in zip(batches, decoded, strict=True):
             try:
@@ -839,7 +896,7 @@ class KafkaApis:
     def _entry(self, batch: rec.Batch, records: list[rec.Record]) -> bytes:
         """The stored entry of a batch: verbatim (tagged) or converted to the Pulsar format."""
         now = int(self.clock.seconds() * 1000)
-        name = f"kafka-{batch.producer_id}"
+        name = producer_name(batch.producer_id, batch.producer_epoch, batch.base_sequence)
         sequence = max(batch.base_sequence, 0)
         if self.settings.entry_format == FORMAT_TAG:
             return messages.encode_native_entry(
@@ -867,6 +924,101 @@ class KafkaApis:
             publish_time_ms=now,
             compression=_PULSAR_COMPRESSION.get(batch.compression, "none"),
         )
+
+    def _producers_ready(self, topic: Any) -> Deferred[None] | None:
+        """None when ``topic``'s producer states are rebuilt from its log; otherwise a Deferred
+        that fires (never fails) once they are. Waiters resume in the order they asked."""
+        try:
+            pending = self._rebuilt[topic]
+        except KeyError:
+            pending = Deferred.fromCoroutine(self._rebuild_producers(topic))
+            if pending.called:  # nothing to read (an empty log) answers at once
+                self._rebuilt[topic] = None
+                return None
+            self._rebuilt[topic] = pending
+        if pending is None:
+            return None
+        waiter: Deferred[None] = Deferred()
+
+        def ready(result: Any) -> Any:
+            waiter.callback(None)
+            return result
+
+        pending.addBoth(ready)
+        return waiter
+
+    async def _rebuild_producers(self, topic: Any) -> None:
+        found: dict[int, tuple[int, int, int, int]] = {}
+        try:
+            found = await self._tail_producer_batches(topic)
+        except Exception as e:
+            log.warning(
+                "could not rebuild Kafka producer states",
+                extra=kv(topic=topic.name, error=str(e)),
+            )
+        built: dict[int, ProducerState] = {}
+        for index, (pid, epoch, base, last) in sorted(found.items()):
+            state = built.get(pid)
+            if state is not None and epoch < state.epoch:
+                continue  # a fenced producer's batch
+            if state is None or epoch > state.epoch:
+                state = built[pid] = ProducerState(epoch, last, topic=topic)
+            state.last_sequence = last
+            state.recent.append((base, last, index))
+        for pid, state in built.items():
+            key = (topic.name, pid)
+            self.producers.pop(key, None)
+            self.producers[key] = state
+            if len(self.producers) > _MAX_PRODUCER_STATES:
+                del self.producers[next(iter(self.producers))]
+        if built:
+            log.info(
+                "rebuilt Kafka producer states from the log",
+                extra=kv(topic=topic.name, producers=len(built), batches=len(found)),
+            )
+        self._rebuilt[topic] = None
+
+    async def _tail_producer_batches(self, topic: Any) -> dict[int, tuple[int, int, int, int]]:
+        """Entry index -> (producer id, epoch, base, last sequence) of the idempotent batches in
+        the tail of ``topic``'s log. Windows are read newest first, each forward from its start;
+        a window cut short by a bound is dropped whole, so what is returned has no hole."""
+        found: dict[int, tuple[int, int, int, int]] = {}
+        started = self.clock.seconds()
+        upper = topic.next_index
+        span = _REBUILD_FIRST_SPAN
+        entries = size = 0
+        while upper > topic.first_index and entries < _REBUILD_MAX_ENTRIES:
+            # Each entry holds at least one message: the window cannot outgrow the entry budget.
+            lower = max(topic.first_index, upper - min(span, _REBUILD_MAX_ENTRIES - entries))
+            window: dict[int, tuple[int, int, int, int]] = {}
+            index = lower
+            complete = True
+            while index < upper:
+                if (
+                    size >= _REBUILD_MAX_BYTES
+                    or self.clock.seconds() - started > _REBUILD_MAX_SECONDS
+                ):
+                    complete = False
+                    break
+                read = await topic.read_from_index(index, _READ_ENTRIES)
+                if not read:
+                    break
+                for entry in read:
+                    if entry.index >= upper:
+                        index = upper
+                        break
+                    entries += 1
+                    size += len(entry.data)
+                    index = entry.last_index + 1
+                    summary = stored_producer_batch(entry.data)
+                    if summary is not None:
+                        window[entry.index] = summary
+            if not complete:
+                break
+            found.update(window)
+            upper = lower
+            span *= 4
+        return found
 
     async def _append(
         self, topic: Any, batch: rec.Batch, records: list[rec.Record]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
 
 from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
 
+from polybroker.broker_core import messages
 from polybroker.broker_core.errors import ServiceNotReadyError
 from polybroker.broker_core.ownership import BrokerInfo, NotOwnerError, Ownership
 from polybroker.broker_core.service import BrokerService
@@ -455,25 +456,44 @@ def test_data_requests_for_partitions_owned_elsewhere_are_not_leader() -> None:
     assert node.full("t", 1) not in node.service.topics
 
 
-def test_producer_state_starts_afresh_when_a_partition_comes_back() -> None:
+def test_producer_state_is_rebuilt_when_a_partition_comes_back() -> None:
     """An idempotent producer whose partition was served elsewhere meanwhile (the topic was
-    unloaded and loaded again) continues with its later sequence, not OUT_OF_ORDER."""
+    unloaded, another broker appended its later batches, the topic came back) continues with
+    its next sequence, and its retry of a batch the other broker stored is not stored again."""
     node, _, _ = cluster_pair()
     result_of(node.service.create_partitioned_topic("t", 1))
 
-    def batch(seq: int) -> Any:
+    def records(seq: int) -> bytes:
         b = MemoryRecordsBuilder(2, 0, 1 << 20)
         b.set_producer_state(77, 0, seq, False)
-        b.append(1000, None, b"x", [])
+        b.append(1000, None, b"x%d" % seq, [])
         b.close()
+        return bytes(b.buffer())
+
+    def batch(seq: int) -> Any:
         req = produce("t", 0)
-        req.topic_data[0].partition_data[0].records = bytes(b.buffer())
+        req.topic_data[0].partition_data[0].records = records(seq)
         return req
 
     assert node.call(batch(0)).responses[0].partition_responses[0].error_code == c.NONE
     result_of(node.service.unload_topic(node.full("t", 0)))  # served by another broker ...
-    answer = node.call(batch(5)).responses[0].partition_responses[0]  # ... then back here
-    assert (answer.error_code, answer.base_offset) == (c.NONE, 1)
+    elsewhere = result_of(node.service.get_topic(node.full("t", 0)))
+    for seq in range(1, 5):
+        data = messages.encode_native_entry(
+            "kafka",
+            records(seq),
+            num_messages=1,
+            producer_name="kafka-77",
+            sequence_id=seq,
+            publish_time_ms=1,
+        )
+        result_of(elsewhere.publish(data, 1))
+    result_of(node.service.unload_topic(node.full("t", 0)))
+    retried = node.call(batch(4)).responses[0].partition_responses[0]  # ... then back here
+    assert (retried.error_code, retried.base_offset) == (c.NONE, 4)
+    answer = node.call(batch(5)).responses[0].partition_responses[0]
+    assert (answer.error_code, answer.base_offset) == (c.NONE, 5)
+    assert result_of(node.service.get_topic(node.full("t", 0))).next_index == 6
 
 
 # -- coordinators ----------------------------------------------------------------------------

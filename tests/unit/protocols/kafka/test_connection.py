@@ -13,6 +13,7 @@ from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.metadata import MetadataRequest
 from kafka.protocol.producer import ProduceRequest
 from kafka.record.memory_records import MemoryRecords, MemoryRecordsBuilder
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
@@ -23,8 +24,14 @@ from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
 from polybroker.broker_core import messages
 from polybroker.broker_core.service import BrokerService
 from polybroker.config import Config
+from polybroker.protocols.kafka import apis as apis_module
 from polybroker.protocols.kafka import codec as c
-from polybroker.protocols.kafka.apis import KafkaApis, Settings
+from polybroker.protocols.kafka.apis import (
+    KafkaApis,
+    Settings,
+    producer_name,
+    stored_producer_batch,
+)
 from polybroker.protocols.kafka.connection import KafkaConnection
 
 
@@ -48,13 +55,20 @@ class Wire:
         entry_format: str = "pulsar",
         max_message_size: int = 1 << 20,
         api_versions: dict[int, tuple[int, int]] | None = None,
+        restarted: Wire | None = None,
     ) -> None:
         self.clock = Clock()
+        ledgers = FakeLedgerFactory(self.clock.seconds)
+        store = FakeMetadataStore()
+        if restarted is not None:  # a new broker on the stored logs and metadata of another
+            ledgers.logs = restarted.ledgers.logs
+            store = restarted.service.metadata_store
+        self.ledgers = ledgers
         self.service = BrokerService(
-            FakeLedgerFactory(self.clock.seconds),
+            ledgers,
             self.clock,
             Config({"statsUpdateFrequencyInSecs": 0}),
-            FakeMetadataStore(),
+            store,
         )
         self.apis = KafkaApis(
             self.service,
@@ -248,6 +262,133 @@ def test_idempotent_retries_are_acknowledged_once_and_gaps_refused() -> None:
     gap = w.produce(batch(1, pid=7, epoch=0, seq=9))
     assert gap.error_code == c.OUT_OF_ORDER_SEQUENCE_NUMBER
     assert result_of(w.service.get_topic("t-partition-0")).next_index == 4
+
+
+@pytest.mark.parametrize("entry_format", ["pulsar", "kafka"])
+def test_producer_states_are_rebuilt_from_the_log_after_a_restart(entry_format: str) -> None:
+    """A broker restarted on the stored log answers a retried batch the old one stored (but
+    never acknowledged) with its first offset and no second append; the next sequence follows,
+    a gap and a fenced epoch are refused as they were before the restart."""
+    old = Wire(entry_format)
+    old.produce(batch(2, pid=7, epoch=3, seq=0))
+    old.produce(batch(1))  # a plain producer in between
+    old.produce(batch(2, pid=8, epoch=0, seq=0))
+    old.produce(batch(2, pid=7, epoch=3, seq=2))  # offsets 5-6: stored, its answer lost
+    w = Wire(entry_format, restarted=old)
+    again = w.produce(batch(2, pid=7, epoch=3, seq=2))
+    assert (again.error_code, again.base_offset) == (c.NONE, 5)
+    earlier = w.produce(batch(2, pid=7, epoch=3, seq=0))
+    assert (earlier.error_code, earlier.base_offset) == (c.NONE, 0)
+    assert w.produce(batch(2, pid=8, epoch=0, seq=0)).base_offset == 3
+    assert w.produce(batch(1, pid=7, epoch=3, seq=9)).error_code == c.OUT_OF_ORDER_SEQUENCE_NUMBER
+    assert w.produce(batch(1, pid=7, epoch=2, seq=4)).error_code == c.INVALID_PRODUCER_EPOCH
+    topic = result_of(w.service.get_topic("t-partition-0"))
+    assert topic.next_index == 7
+    nxt = w.produce(batch(1, pid=7, epoch=3, seq=4))
+    assert (nxt.error_code, nxt.base_offset) == (c.NONE, 7)
+    assert topic.next_index == 8
+
+
+def test_the_first_idempotent_produce_waits_for_the_rebuild_and_answers_in_order() -> None:
+    """While the tail is still being read, idempotent produces wait (nothing is appended), then
+    are checked against the rebuilt state in the order they came."""
+    old = Wire()
+    old.produce(batch(1, pid=5, epoch=0, seq=0))
+    w = Wire(restarted=old)
+    topic = result_of(w.service.get_topic("t-partition-0"))
+    ledger = topic.ledger
+    pending: list[tuple[Deferred[list[Any]], Any, int]] = []
+    real_read = ledger.read
+
+    def held_read(position: Any, max_entries: int) -> Deferred[list[Any]]:
+        d: Deferred[list[Any]] = Deferred()
+        pending.append((d, position, max_entries))
+        return d
+
+    ledger.read = held_read  # type: ignore[method-assign]
+    corrs = []
+    for records in (batch(1, pid=5, epoch=0, seq=0), batch(1, pid=5, epoch=0, seq=1)):
+        req = ProduceRequest[7](
+            transactional_id=None,
+            acks=-1,
+            timeout_ms=1000,
+            topic_data=[
+                ProduceRequest.TopicProduceData(
+                    name="t",
+                    partition_data=[
+                        ProduceRequest.TopicProduceData.PartitionProduceData(
+                            index=0, records=records
+                        )
+                    ],
+                )
+            ],
+        )
+        corrs.append(w.send(req))
+    assert w.responses() == []  # nothing answered, nothing appended while the tail is read
+    assert topic.next_index == 1
+    assert pending
+    ledger.read = real_read  # type: ignore[method-assign]
+    while pending:
+        d, position, max_entries = pending.pop(0)
+        d.callback(result_of(real_read(position, max_entries)))
+    answers = w.responses()
+    assert [corr for corr, _ in answers] == corrs
+    decoded = [c.response_class(0)[7].decode(body) for _, body in answers]
+    offsets = [d.responses[0].partition_responses[0].base_offset for d in decoded]
+    assert offsets == [0, 1]  # the retry is acknowledged with its stored offset, then the next
+    assert topic.next_index == 2
+
+
+def test_the_rebuild_reads_only_a_bounded_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the newest entries are read (newest window first, no hole): a producer whose last
+    batch is older than the tail starts afresh, one in the tail is known."""
+    monkeypatch.setattr(apis_module, "_REBUILD_MAX_ENTRIES", 20)
+    monkeypatch.setattr(apis_module, "_REBUILD_FIRST_SPAN", 4)
+    old = Wire()
+    old.produce(batch(1, pid=1, epoch=0, seq=0))  # offset 0: beyond the tail after the rest
+    for i in range(40):
+        old.produce(batch(1, pid=2, epoch=0, seq=i))  # offsets 1-40
+    w = Wire(restarted=old)
+    topic = result_of(w.service.get_topic("t-partition-0"))
+    reads: list[int] = []
+    real = topic.read_from_index
+
+    def counted(index: int, max_entries: int) -> Any:
+        d = real(index, max_entries)
+        d.addCallback(lambda got: reads.append(len(got)) or got)
+        return d
+
+    topic.read_from_index = counted
+    retried = w.produce(batch(1, pid=2, epoch=0, seq=39))
+    assert (retried.error_code, retried.base_offset) == (c.NONE, 40)
+    assert sum(reads) <= 2 * 20  # windows read forward may run past their end once each
+    unknown = w.produce(batch(1, pid=1, epoch=0, seq=0))  # forgotten: stored again
+    assert (unknown.error_code, unknown.base_offset) == (c.NONE, 41)
+
+
+def test_stored_producer_batches_are_read_from_either_format() -> None:
+    """Verbatim entries give their batch header; converted ones their ``kafka-<id>-<epoch>``
+    name and sequence; other writers and plain producers give nothing."""
+    raw = batch(3, pid=9, epoch=2, seq=10)
+    verbatim = messages.encode_native_entry(
+        "kafka", raw, num_messages=3, producer_name="x", sequence_id=0, publish_time_ms=1
+    )
+    assert stored_producer_batch(verbatim) == (9, 2, 10, 12)
+    msgs = [messages.Message(b"a"), messages.Message(b"b")]
+    converted = messages.encode_entry(
+        msgs, producer_name=producer_name(9, 2, 10), sequence_id=10, publish_time_ms=1
+    )
+    assert stored_producer_batch(converted) == (9, 2, 10, 11)
+    for name in ("kafka-9", "kafka-x-1", "standalone-0-1", producer_name(-1, -1, -1)):
+        other = messages.encode_entry(
+            msgs[:1], producer_name=name, sequence_id=3, publish_time_ms=1
+        )
+        assert stored_producer_batch(other) is None
+    plain = messages.encode_native_entry(
+        "kafka", batch(1), num_messages=1, producer_name="x", sequence_id=0, publish_time_ms=1
+    )
+    assert stored_producer_batch(plain) is None
+    assert stored_producer_batch(b"garbage") is None
 
 
 def test_bad_batches_are_refused_with_kafka_errors_and_not_stored() -> None:
