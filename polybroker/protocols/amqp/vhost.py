@@ -246,6 +246,7 @@ class _Source:
         self._partial_last = 0.0
         self._partial_next: list[Deferred[None]] = []
         self._partial_inflight: list[Deferred[None]] = []
+        self._discarded = False
         self._id = next(self._ids)
 
     # -- Consumer ----------------------------------------------------------------------------
@@ -379,8 +380,10 @@ class _Source:
             self._partial_changed()
 
     def _partial_changed(self) -> None:
+        if self._discarded:
+            return
         self._partial_dirty = True
-        if self._partial_writing or self._partial_timer is not None or self.dropped:
+        if self._partial_writing or self._partial_timer is not None:
             return
         clock = self.queue.vhost.clock
         delay = self._partial_last + SETTLED_PERSIST_S - clock.seconds()
@@ -409,13 +412,16 @@ class _Source:
             waiters, self._partial_inflight = self._partial_inflight, []
             for w in waiters:
                 w.callback(None)
-            if self._partial_dirty and not self.dropped:
+            if self._discarded:
+                vh.forget_settled(self)  # the subscription went while this was written
+            elif self._partial_dirty:
                 self._partial_changed()
 
         d.addBoth(written)
 
     def discard_settled(self) -> None:
         """The subscription is gone: drop the record of partly settled entries."""
+        self._discarded = True
         self.partial.clear()
         self._partial_dirty = False
         if self._partial_timer is not None and self._partial_timer.active():
@@ -525,13 +531,13 @@ class Queue:
         self.expires_ms = _int_arg(arguments, "x-expires")
         self.max_length = _int_arg(arguments, "x-max-length")
         overflow = arguments.get("x-overflow", "drop-head")
-        if overflow not in ("drop-head", "reject-publish"):
+        if overflow not in ("drop-head", "reject-publish", "reject-publish-dlx"):
             raise AmqpError(
                 PRECONDITION_FAILED, f"invalid arg 'x-overflow' for queue: {overflow!r}"
             )
         #: reject-publish: a full queue refuses new messages (nacked) instead of dropping
         #: its oldest ones.
-        self.reject_publish = overflow == "reject-publish"
+        self.reject_publish = overflow != "drop-head"
         #: Messages routed here and stored that the window has not read yet (the backlog
         #: in the logs, counted for ``x-max-length``; after a restart, taken from the own
         #: topic's backlog).
