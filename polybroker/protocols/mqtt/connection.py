@@ -98,6 +98,8 @@ class MqttConnection(Protocol):
         #: waits for the read's end.
         self.reading = False
         self._out: list[bytes] = []
+        # PUBRELs of the read under way: (ack slot, packet id, PUBCOMP reason code).
+        self._releases: list[tuple[_AckSlot, int, int]] = []
         # PUBLISHes of the read under way, by topic, with their ack slots (None for QoS 0).
         self._batches: dict[str, list[tuple[c.Publish, _AckSlot | None]]] = {}
         # QoS 2 packet ids being stored, with the slots waiting for their PUBREC.
@@ -146,6 +148,8 @@ class MqttConnection(Protocol):
         """Deliver what the read's acknowledgements allow, then write everything at once."""
         session = self.session
         try:
+            if self._releases:
+                self._flush_releases()
             if session is not None and session.pump_due and session.link is self:
                 session.pump(at_read_end=True)
         finally:
@@ -510,6 +514,28 @@ class MqttConnection(Protocol):
             "mqtt publish failed", extra=kv(client=self.client_id, topic=topic, error=str(f.value))
         )
 
+    def _flush_releases(self) -> None:
+        """Forget the PUBRELed ids of the read (one durable write), then send their PUBCOMPs.
+        The ids are forgotten before PUBCOMP lets the client use them again; if that fails
+        the connection closes unanswered and the client sends PUBREL again."""
+        releases, self._releases = self._releases, []
+        session = self.session
+        if not releases or session is None:
+            return
+
+        def released(_: object) -> None:
+            for slot, pid, code in releases:
+                packet = c.PubComp(pid, code) if code else c.encode_ack(c.PUBCOMP, pid)
+                self._ack_ready(slot, packet, flush=False)
+            self._flush_acks()
+
+        def failed(f: Failure) -> None:
+            self._publish_failed(f, "PUBREL")
+            self.close()
+
+        d = self.broker.release_qos2(session, [pid for _, pid, _ in releases])
+        d.addCallbacks(released, failed)
+
     def _on_ack(self, p: c.PubAck) -> None:
         session = self.session
         assert session is not None
@@ -519,14 +545,9 @@ class MqttConnection(Protocol):
             if found:
                 self._inbound_pending = max(0, self._inbound_pending - 1)
             code = c.SUCCESS if found or self.level != c.LEVEL_5 else c.PACKET_ID_NOT_FOUND
-            slot = self._ack_slot()
-            # The id is forgotten durably before PUBCOMP lets the client use it again.
-            # If that fails the connection closes unanswered: the client sends PUBREL again.
-            d = self.broker.release_qos2(session, pid)
-            d.addCallbacks(
-                lambda _: self._ack_ready(slot, c.PubComp(pid, code)),
-                lambda f: (self._publish_failed(f, f"PUBREL {pid}"), self.close()),
-            )
+            self._releases.append((self._ack_slot(), pid, code))
+            if not self.reading:
+                self._flush_releases()
         elif isinstance(p, c.PubRec):
             if session.on_pubrec(p.packet_id, p.reason_code):
                 self.send(c.PubRel(p.packet_id))

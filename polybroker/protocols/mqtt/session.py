@@ -1493,12 +1493,14 @@ class MqttBroker:
         }
         return self.store.put(path, json.dumps(doc).encode())
 
-    def release_qos2(self, session: Session, pid: int) -> Deferred[Any]:
-        """PUBREL of ``pid``: forget it (durably first, for a persistent session)."""
-        session.inbound_qos2.discard(pid)
-        if session.qos2_record.pop(pid, None) is None:
-            return succeed(None)
-        return self.save_qos2(session)
+    def release_qos2(self, session: Session, pids: Iterable[int]) -> Deferred[Any]:
+        """PUBRELs of ``pids``: forget them (durably first, in one write, for a persistent
+        session)."""
+        changed = False
+        for pid in pids:
+            session.inbound_qos2.discard(pid)
+            changed = session.qos2_record.pop(pid, None) is not None or changed
+        return self.save_qos2(session) if changed else succeed(None)
 
     async def _restore_qos2(self, session: Session) -> None:
         """Rebuild a restored session's stored QoS 2 packet ids from its record and the log

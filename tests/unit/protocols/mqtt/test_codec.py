@@ -241,6 +241,12 @@ def test_encode_publish_matches_encode(size: int, level: int) -> None:
 
 def test_encode_ack_matches_encode() -> None:
     """The short acknowledgements are byte-identical to ``encode``'s at both levels."""
-    for ptype, cls in ((c.PUBACK, c.PubAck), (c.PUBREC, c.PubRec), (c.PUBREL, c.PubRel)):
+    acks = (
+        (c.PUBACK, c.PubAck),
+        (c.PUBREC, c.PubRec),
+        (c.PUBREL, c.PubRel),
+        (c.PUBCOMP, c.PubComp),
+    )
+    for ptype, cls in acks:
         for level in (c.LEVEL_311, c.LEVEL_5):
             assert c.encode_ack(ptype, 513) == c.encode(cls(513), level)

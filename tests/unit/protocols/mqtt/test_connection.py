@@ -753,3 +753,32 @@ def test_a_topic_appearing_while_a_persistent_session_is_away_keeps_its_messages
     got = back.packets()
     assert got[0] == c.ConnAck(True, 0)
     assert [x.payload for x in got[1:] if isinstance(x, c.Publish)] == [b"first", b"second"]
+
+
+def test_pubrels_of_one_read_forget_their_ids_in_one_write() -> None:
+    """Three PUBRELs in one read of a persistent session: one write of the QoS 2 record
+    (which is then gone), then the three PUBCOMPs in order."""
+    env = Env()
+    p = env.peer("dev", clean_start=False)
+    p.packets()
+    p.conn.dataReceived(
+        b"".join(c.encode(c.Publish("a/b", b"%d" % i, 2, packet_id=i)) for i in (1, 2, 3))
+    )
+    assert p.packets() == [c.PubRec(1), c.PubRec(2), c.PubRec(3)]
+    writes: list[str] = []
+    real_put, real_delete = env.store.put, env.store.delete
+
+    def put(path: str, *args: Any, **kwargs: Any) -> Any:
+        writes.append(path)
+        return real_put(path, *args, **kwargs)
+
+    def delete(path: str, *args: Any, **kwargs: Any) -> Any:
+        writes.append(path)
+        return real_delete(path, *args, **kwargs)
+
+    env.store.put = put  # type: ignore[method-assign]
+    env.store.delete = delete  # type: ignore[method-assign]
+    p.conn.dataReceived(b"".join(c.encode(c.PubRel(i)) for i in (1, 2, 3)))
+    assert p.packets() == [c.PubComp(1), c.PubComp(2), c.PubComp(3)]
+    assert writes == ["/mqtt/qos2/dev"]
+    assert not result_of(env.store.exists("/mqtt/qos2/dev"))
