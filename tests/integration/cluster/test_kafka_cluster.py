@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,6 +389,111 @@ def test_kill_9_of_a_partition_leader_under_confluent_kafka_clients(
     finally:
         consumer.close()
         producer.flush(5)
+
+
+def read_partitions(cluster: KafkaCluster, via: Broker, timeout: float) -> list[bytes]:
+    """Every record value of every partition, from the beginning to its end offset."""
+    consumer = ConfluentConsumer(
+        {
+            "bootstrap.servers": cluster.bootstrap(via),
+            "group.id": "exactly-once-check",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        ends = {
+            i: consumer.get_watermark_offsets(ConfluentTopicPartition(TOPIC, i), timeout=15)[1]
+            for i in range(PARTITIONS)
+        }
+        consumer.assign([ConfluentTopicPartition(TOPIC, i, 0) for i in range(PARTITIONS)])
+        read = dict.fromkeys(range(PARTITIONS), 0)
+        values: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while any(read[i] < ends[i] for i in read) and time.monotonic() < deadline:
+            for m in consumer.consume(num_messages=1000, timeout=0.5):
+                if m.error() is None and m.offset() < ends[m.partition()]:
+                    read[m.partition()] += 1
+                    values.append(m.value())
+        assert read == ends, f"read {read} of {ends} records"
+        return values
+    finally:
+        consumer.close()
+
+
+def test_kill_9_of_a_partition_leader_under_an_idempotent_producer_stores_each_once(
+    kafka_cluster: KafkaCluster, bookies: BookieProcesses
+) -> None:
+    """An idempotent confluent-kafka producer keeps sending to both brokers; one bookie is
+    paused (SIGSTOP), so the partition leader's appends reach the other bookie but are never
+    answered, and the leader is killed -9 then (the bookie resumes). The new owner recovers
+    those entries and rebuilds the producer's state from the partition's log, so the
+    producer's retries of them are acknowledged, not stored again: afterwards every sent
+    record is in the log exactly once."""
+    a, b = kafka_cluster.brokers
+    create_topic(kafka_cluster, a)
+    warm = ConfluentProducer({"bootstrap.servers": kafka_cluster.bootstrap(a), "acks": "all"})
+    for i in range(PARTITIONS):
+        warm.produce(TOPIC, value=b"warm-%d" % i, partition=i)
+    assert warm.flush(30) == 0
+    del warm
+    _, leaders_now = leaders(kafka_cluster, a)
+    assert len(set(leaders_now.values())) == 2, "both brokers lead some partitions"
+    victim, survivor = a, b
+    paused = bookies.running[-1]
+
+    acked: list[bytes] = []
+    failed: list[str] = []
+
+    def delivered(err: Any, msg: Any) -> None:
+        if err is None:
+            acked.append(msg.value())
+        else:
+            failed.append(str(err))
+
+    producer = ConfluentProducer(
+        {
+            "bootstrap.servers": f"{kafka_cluster.bootstrap(a)},{kafka_cluster.bootstrap(b)}",
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 2,
+            "batch.num.messages": 20,
+            "message.timeout.ms": int(RECOVERY_S * 1000),
+            "retry.backoff.ms": 100,
+            "reconnect.backoff.ms": 100,
+            "reconnect.backoff.max.ms": 1000,
+            "topic.metadata.refresh.interval.ms": 2000,
+        }
+    )
+
+    def send(values: list[bytes]) -> None:
+        for i, v in enumerate(values):
+            producer.produce(TOPIC, key=v[-2:], value=v, on_delivery=delivered)
+            producer.poll(0)
+            if i % 50 == 49:
+                time.sleep(0.01)  # paced: batches keep flowing to both brokers
+
+    sent = [b"idem-%05d" % i for i in range(3000)]
+    send(sent[:1000])
+    bookies.send(paused, signal.SIGSTOP)
+    try:
+        send(sent[1000:1500])  # appended on one bookie only: unanswered
+        producer.poll(0.3)
+        killed_at = time.monotonic()
+        kafka_cluster.procs.kill(victim)
+    finally:
+        bookies.send(paused, signal.SIGCONT)
+    send(sent[1500:])
+    assert producer.flush(RECOVERY_S + 5) == 0
+    produce_s = time.monotonic() - killed_at
+    assert failed == []
+    assert sorted(acked) == sorted(sent)
+
+    stored = Counter(read_partitions(kafka_cluster, survivor, RECOVERY_S))
+    repeated = {v: n for v, n in stored.items() if n > 1}
+    assert repeated == {}, f"{len(repeated)} records stored more than once"
+    assert set(stored) == set(sent) | {b"warm-%d" % i for i in range(PARTITIONS)}
+    rebuilt = survivor.log.read_text(errors="replace").count("rebuilt Kafka producer states")
+    print(f"\nkill -9 -> every send acknowledged {produce_s:.1f}s; {rebuilt} partitions rebuilt")
 
 
 def http(method: str, url: str) -> Any:
