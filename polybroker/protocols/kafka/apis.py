@@ -1000,7 +1000,8 @@ class KafkaApis:
                 ):
                     complete = False
                     break
-                read = await topic.read_from_index(index, _READ_ENTRIES)
+                # Entries hold a message or more: never ask for more than the window can hold.
+                read = await topic.read_from_index(index, min(_READ_ENTRIES, upper - index))
                 if not read:
                     break
                 for entry in read:
