@@ -36,11 +36,11 @@ import itertools
 import json
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
@@ -120,6 +120,15 @@ class TopicState(enum.Enum):
     DELETED = "deleted"
 
 
+class PublishItem(NamedTuple):
+    """One entry of ``publish_many``: what ``publish`` takes for it."""
+
+    data: bytes
+    num_messages: int = 1
+    sequence_id: int = -1
+    highest_sequence_id: int = -1
+
+
 @dataclass(frozen=True)
 class TopicSettings:
     """Broker settings a topic uses (built from the broker config)."""
@@ -183,6 +192,12 @@ class Producer:
             highest_sequence_id=highest_sequence_id,
             publish_time_ms=publish_time_ms,
         )
+
+    def publish_many(
+        self, items: Sequence[PublishItem], *, publish_time_ms: int | None = None
+    ) -> Deferred[list[Entry | None]]:
+        """``Topic.publish_many`` as this producer."""
+        return self.topic.publish_many(items, producer=self, publish_time_ms=publish_time_ms)
 
     def close(self) -> None:
         """Unregister (idempotent); a waiting exclusive producer may take the topic."""
@@ -396,6 +411,30 @@ class Topic(abc.ABC):
         publish_time_ms: int | None = None,
     ) -> Deferred[Entry | None]:
         """Store one entry; fire with it once durable, or with None for a duplicate."""
+
+    def publish_many(
+        self,
+        items: Sequence[PublishItem],
+        *,
+        producer: Producer | None = None,
+        publish_time_ms: int | None = None,
+    ) -> Deferred[list[Entry | None]]:
+        """Store the entries in order, as ``publish`` calls would, with one completion: fire
+        with their results (None for a duplicate) once all are durable, or fail with the first
+        failure (entries before it may then be stored, as with separate publishes)."""
+        ds = [
+            self.publish(
+                item.data,
+                item.num_messages,
+                producer=producer,
+                sequence_id=item.sequence_id,
+                highest_sequence_id=item.highest_sequence_id,
+                publish_time_ms=publish_time_ms,
+            )
+            for item in items
+        ]
+        out: Deferred[list[Entry | None]] = gatherResults(ds, consumeErrors=True)
+        return out.addErrback(lambda f: f.value.subFailure)
 
     @abc.abstractmethod
     def subscribe(
@@ -749,6 +788,47 @@ class PersistentTopic(Topic):
             errbackArgs=(dedup_name,),
         )
         return d  # type: ignore[return-value]
+
+    def publish_many(
+        self,
+        items: Sequence[PublishItem],
+        *,
+        producer: Producer | None = None,
+        publish_time_ms: int | None = None,
+    ) -> Deferred[list[Entry | None]]:
+        if self._dedup is not None or self.state is not TopicState.OPEN or not items:
+            # Sequence checks per entry (and the refusals) as single publishes make them.
+            return super().publish_many(items, producer=producer, publish_time_ms=publish_time_ms)
+        if self.ledger.terminated:
+            return fail(TopicTerminatedError(f"topic {self.name} is terminated"))
+        if producer is not None and (producer.closed or not producer.is_ready):
+            return fail(ProducerClosedError(f"producer {producer.name!r} may not publish"))
+        if publish_time_ms is None:
+            publish_time_ms = int(self.clock.seconds() * 1000)
+        count = len(items)
+        self.pending_publishes += count
+        d = self.ledger.append_many(
+            [item.data for item in items], [item.num_messages for item in items], publish_time_ms
+        )
+        d.addCallbacks(
+            self._published_many,
+            self._publish_many_failed,
+            callbackArgs=(producer,),
+            errbackArgs=(count,),
+        )
+        return d  # type: ignore[return-value]
+
+    def _published_many(
+        self, entries: list[Entry], producer: Producer | None
+    ) -> list[Entry | None]:
+        published = self._published
+        for entry in entries:
+            published(entry, producer, None, -1)
+        return entries  # type: ignore[return-value]
+
+    def _publish_many_failed(self, failure: Failure, count: int) -> Failure:
+        self.pending_publishes -= count - 1  # ``_publish_failed`` takes the last one
+        return self._publish_failed(failure, None)
 
     def _published(
         self, entry: Entry, producer: Producer | None, dedup_name: str | None, highest: int

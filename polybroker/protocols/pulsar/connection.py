@@ -38,7 +38,7 @@ from polybroker.broker_core.consumer import (
 from polybroker.broker_core.errors import BrokerError, TopicNotFoundError
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.broker_core.service import TopicListMode
-from polybroker.broker_core.topic import Producer, ProducerAccessMode
+from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
@@ -245,6 +245,9 @@ class PulsarConnection(Protocol):
         self.decoder = FrameDecoder(settings.max_message_size + FRAME_OVERHEAD)
         # Where each SEND's metadata is parsed to be checked (one object, reused).
         self._metadata_scratch = pb.MessageMetadata()
+        # SENDs of the read being handled, held per producer to be stored together (one
+        # ``publish_many`` each) when the read ends or another command comes.
+        self._held: dict[int, tuple[_ProducerState, list[tuple[PublishItem, _PendingSend]]]] = {}
         self.protocol_version = 0
         self.client_version = ""
         self.producers: dict[int, _ProducerState] = {}
@@ -278,6 +281,8 @@ class PulsarConnection(Protocol):
                 if self.state == self.CLOSED:
                     return
                 self._dispatch(frame)
+            if self._held:
+                self._store_held()
         except CodecError as e:
             self._protocol_error(str(e))
         except Exception as e:
@@ -360,7 +365,10 @@ class PulsarConnection(Protocol):
             return
         if attr == "send":
             self._on_send(cmd.send, frame)
-        elif attr is None:
+            return
+        if self._held:
+            self._store_held()  # what came before this command is handled before it
+        if attr is None:
             method(self)
         else:
             method(self, getattr(cmd, attr))
@@ -730,14 +738,59 @@ class PulsarConnection(Protocol):
         state.sends.append(pending)
         num = c.num_messages if c.num_messages > 0 else 1
         last_seq = max(highest, seq + num - 1) if num > 1 else max(highest, seq)
-        d = state.producer.publish(
-            frame.payload,
-            num,
-            sequence_id=seq,
-            highest_sequence_id=last_seq,
-        )
-        args = (state, pending)
-        d.addCallbacks(self._stored, self._store_failed, callbackArgs=args, errbackArgs=args)
+        item = PublishItem(frame.payload, num, seq, last_seq)
+        held = self._held.get(c.producer_id)
+        if held is None:
+            self._held[c.producer_id] = (state, [(item, pending)])
+        else:
+            held[1].append((item, pending))
+
+    def _store_held(self) -> None:
+        """Store the held SENDs: one ``publish_many`` per producer, in the order they came."""
+        held, self._held = self._held, {}
+        for state, sends in held.values():
+            producer = state.producer
+            if producer is None:  # gone since (the connection closed): nothing to answer
+                continue
+            if len(sends) == 1:
+                item, pending = sends[0]
+                d = producer.publish(
+                    item.data,
+                    item.num_messages,
+                    sequence_id=item.sequence_id,
+                    highest_sequence_id=item.highest_sequence_id,
+                )
+                args = (state, pending)
+                d.addCallbacks(
+                    self._stored, self._store_failed, callbackArgs=args, errbackArgs=args
+                )
+                continue
+            many = producer.publish_many([item for item, _ in sends])
+            pendings = [pending for _, pending in sends]
+            many.addCallbacks(
+                self._stored_many,
+                self._store_many_failed,
+                callbackArgs=(state, pendings),
+                errbackArgs=(state, pendings),
+            )
+
+    def _stored_many(
+        self, entries: list[Entry | None], state: _ProducerState, pendings: list[_PendingSend]
+    ) -> None:
+        for entry, pending in zip(entries, pendings, strict=True):
+            if entry is not None:  # None: a duplicate the broker already stored, id (-1, -1)
+                pending.ledger_id, pending.entry_id = entry.position
+            pending.done = True
+        self._flush_receipts(state)
+
+    def _store_many_failed(
+        self, f: Failure, state: _ProducerState, pendings: list[_PendingSend]
+    ) -> None:
+        error = server_error(f.value)
+        for pending in pendings:
+            pending.error = error
+            pending.done = True
+        self._flush_receipts(state)
 
     def _stored(self, entry: Entry | None, state: _ProducerState, pending: _PendingSend) -> None:
         if entry is not None:  # None: a duplicate the broker already stored, id (-1, -1)

@@ -31,6 +31,7 @@ from polybroker.broker_core.errors import (
 from polybroker.broker_core.topic import (
     NonPersistentTopic,
     ProducerAccessMode,
+    PublishItem,
     TopicSettings,
 )
 from polybroker.ledger.api import Entry, Position
@@ -84,6 +85,53 @@ def test_publish_on_closed_topic_fails_with_topic_closed() -> None:
     bench = make_topic()
     result_of(bench.topic.close())
     assert isinstance(failure_of(bench.topic.publish(b"x")), TopicClosedError)
+
+
+def test_publish_many_stores_in_order_with_one_completion() -> None:
+    """A group is stored in order and fires once, with every entry, when all are durable."""
+    bench = make_topic()
+    producer = bench.topic.add_producer("p")
+    bench.ledger.hold_appends = True
+    d = producer.publish_many([PublishItem(b"a", 1), PublishItem(b"bcd", 3)])
+    fired: list[object] = []
+    d.addCallback(fired.append)
+    bench.ledger.release_appends(1)
+    assert fired == []  # one entry is not the group
+    bench.ledger.release_appends()
+    (entries,) = fired
+    assert [(e.data, e.num_messages, e.index) for e in entries] == [(b"a", 1, 0), (b"bcd", 3, 1)]
+    assert (producer.msg_in, bench.topic.stats()["msgInCounter"]) == (4, 4)
+    assert bench.topic.internal_stats()["pendingAddEntriesCount"] == 0
+
+
+def test_publish_many_failure_fails_the_group_typed() -> None:
+    """A storage failure fails the whole group as a PersistenceError, with nothing pending."""
+    bench = make_topic()
+    bench.ledger.hold_appends = True
+    d = bench.topic.publish_many([PublishItem(b"x"), PublishItem(b"y")])
+    bench.ledger.release_appends(error=RuntimeError("disk on fire"))
+    assert isinstance(failure_of(d), PersistenceError)
+    assert bench.topic.internal_stats()["pendingAddEntriesCount"] == 0
+
+
+def test_publish_many_with_dedup_checks_every_sequence_id() -> None:
+    """With dedup on, each entry of a group is checked as a single publish would be."""
+    bench = make_topic(settings=DEDUP)
+    producer = bench.topic.add_producer("p")
+    result_of(producer.publish(b"m0", sequence_id=0))
+    got = result_of(
+        producer.publish_many([PublishItem(b"m0", 1, 0, 0), PublishItem(b"m1", 1, 1, 1)])
+    )
+    assert got[0] is None
+    assert isinstance(got[1], Entry)
+    assert bench.ledger.entries == 2
+
+
+def test_publish_many_on_a_closed_topic_fails_with_topic_closed() -> None:
+    bench = make_topic()
+    result_of(bench.topic.close())
+    failed = failure_of(bench.topic.publish_many([PublishItem(b"x"), PublishItem(b"y")]))
+    assert isinstance(failed, TopicClosedError)
 
 
 # -- producers and access modes -----------------------------------------------------------------

@@ -340,6 +340,54 @@ def test_send_receipts_follow_send_order(peer: Peer) -> None:
     assert all(r.message_id.partition == -1 for r in receipts)
 
 
+def test_sends_of_one_read_are_stored_together_before_a_later_command(peer: Peer) -> None:
+    """SENDs arriving in one read go to storage as one group, and a CLOSE_PRODUCER later in
+    that read is handled after them: every SEND is receipted, then the close answered."""
+    peer.producer(1, name="p")
+    ml = peer.factory.ledger(ML)
+    groups: list[int] = []
+    append_many = ml.append_many
+
+    def recording(datas: Any, *args: Any, **kwargs: Any) -> Any:
+        groups.append(len(datas))
+        return append_many(datas, *args, **kwargs)
+
+    ml.append_many = recording  # type: ignore[method-assign]
+    tails = [
+        build_tail(pb.MessageMetadata(producer_name="p", sequence_id=i, publish_time=1), b"m")
+        for i in range(3)
+    ]
+    sends = b"".join(
+        encode_payload_command(command(T.SEND, "send", producer_id=1, sequence_id=i), tails[i])
+        for i in range(3)
+    )
+    close = encode_command(command(T.CLOSE_PRODUCER, "close_producer", producer_id=1, request_id=9))
+    peer.write(sends + close)
+    assert groups == [3]
+    cmds = peer.commands()
+    assert [c.type for c in cmds] == [T.SEND_RECEIPT] * 3 + [T.SUCCESS]
+    assert [c.send_receipt.message_id.entryId for c in cmds[:3]] == [0, 1, 2]
+
+
+def test_a_failed_group_answers_a_send_error_for_each_send(peer: Peer) -> None:
+    peer.producer(1, name="p")
+    ml = peer.factory.ledger(ML)
+    ml.hold_appends = True
+    tails = [
+        build_tail(pb.MessageMetadata(producer_name="p", sequence_id=i, publish_time=1), b"m")
+        for i in range(2)
+    ]
+    peer.write(
+        b"".join(
+            encode_payload_command(command(T.SEND, "send", producer_id=1, sequence_id=i), t)
+            for i, t in enumerate(tails)
+        )
+    )
+    ml.release_appends(error=RuntimeError("disk gone"))
+    errors = [c.send_error.sequence_id for c in peer.commands() if c.type == T.SEND_ERROR]
+    assert errors == [0, 1]
+
+
 def test_storage_failure_is_a_send_error(peer: Peer) -> None:
     """A failed append answers SEND_ERROR for that sequence id."""
     peer.producer(1)
