@@ -2,7 +2,8 @@
 ``polybroker broker`` processes): metadata names each partition's owner as its leader and the
 owner of the group's slot as coordinator; kill -9 of the coordinator (which also leads some
 partitions) under kafka-python and confluent-kafka clients loses no acknowledged message, the
-clients serve again through metadata refresh, and the group resumes from its committed offsets.
+clients serve again through metadata refresh, and the group resumes from its committed offsets;
+an idempotent producer's records are stored exactly once across kill -9 of a partition leader.
 
 The clients block, so they run on the test's own thread against the broker processes."""
 
