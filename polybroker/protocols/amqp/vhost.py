@@ -414,6 +414,8 @@ class _Source:
                 w.callback(None)
             if self._discarded:
                 vh.forget_settled(self)  # the subscription went while this was written
+            elif self._partial_dirty and self._partial_next:
+                self._write_partial()  # a tx.commit waits for it
             elif self._partial_dirty:
                 self._partial_changed()
 
@@ -430,23 +432,25 @@ class _Source:
         if self.queue.recorded:
             self.queue.vhost.forget_settled(self)
 
-    def sync(self) -> Deferred[Any]:
-        """Fires once what the queue settled so far is durable: the acks of whole entries
-        on the subscription, and the record of partly settled ones."""
-        ds: list[Deferred[Any]] = []
-        acked = self._flush_acks()
-        if acked is not None:
-            ds.append(acked)
+    def sync(self) -> Deferred[None]:
+        """Fires once what the queue settled so far is durable: written now to the record
+        (entries settled whole since the last ack flush as well, marked -1, until their
+        acks on the subscription are durable), without waiting for the cursor's pace."""
+        if self.queue.recorded and not self._discarded:
+            for p in self.acks:
+                self.partial[p] = -1
+                self._partial_dirty = True
+        d: Deferred[None] = succeed(None)
         if self._partial_dirty or self._partial_writing:
-            d: Deferred[None] = Deferred()
+            d = Deferred()
             if self._partial_dirty:
                 self._partial_next.append(d)
                 if not self._partial_writing:
                     self._write_partial()
             else:
                 self._partial_inflight.append(d)
-            ds.append(d)
-        return DeferredList(ds, consumeErrors=True) if ds else succeed(None)
+        self._flush_acks()  # after the record holds them: it forgets them once durable
+        return d
 
     def close(self, unsubscribe: bool = False) -> None:
         """Stop reading; ``unsubscribe`` also deletes the subscription (the queue is gone)."""
@@ -1066,7 +1070,7 @@ class Queue:
                 in_window = sum(1 for qm in self.ready if qm.ref.source is s and not qm.settled)
                 unacked = s.in_memory - in_window  # delivered to clients, not yet acknowledged
                 # Settled messages of partly settled entries still count in the backlog.
-                backlog -= sum(bits.bit_count() for bits in s.partial.values())
+                backlog -= sum(bits.bit_count() for bits in s.partial.values() if bits > 0)
                 if s.kind == OWN:
                     n += max(in_window, backlog - unacked) - in_window
                 else:

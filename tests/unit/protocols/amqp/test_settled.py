@@ -4,6 +4,7 @@ hands them out a second time."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -148,3 +149,32 @@ def test_the_record_is_dropped_once_the_entry_is_acked_and_with_the_queue() -> N
     p.method(1, c.QueueDelete(queue="q"))
     p.clock.advance(0)
     assert p.store.children(root).result == []
+
+
+def test_tx_commit_records_entries_it_settled_whole() -> None:
+    """An entry settled whole in a transaction is written to the record (marked all settled,
+    until its ack on the subscription is durable) before commit-ok, which does not wait for
+    the cursor's pace (the clock does not move)."""
+    p = Peer()
+    setup(p)
+    publish_batch(p, 2)
+    p.method(1, c.TxSelect())
+    p.clock.advance(0)
+    p.methods()
+    for _ in range(2):
+        p.method(1, c.BasicGet(queue="q", no_ack=False))
+        p.clock.advance(0)
+        tag = next(f.method for f in p.received() if isinstance(f, c.MethodFrame)).delivery_tag
+        p.method(1, c.BasicAck(delivery_tag=tag))
+    written: list[bytes] = []
+    put = p.store.put
+
+    def recording_put(path: str, value: bytes, *args: object, **kwargs: object) -> object:
+        if "/settled/" in path:
+            written.append(value)
+        return put(path, value, *args, **kwargs)
+
+    p.store.put = recording_put  # type: ignore[method-assign]
+    p.method(1, c.TxCommit())
+    assert p.methods() == [c.TxCommitOk()]
+    assert any(json.loads(v)["entries"][0][2] == -1 for v in written)
