@@ -507,12 +507,18 @@ class ClusterOwnership(Ownership):
                 self._boundaries.pop(namespace, None)
 
             self._unwatch_policies[namespace] = self.store.watch(path, changed)
-        found = await self.store.get(path)
-        if found is None:
+        boundaries = await self._read_boundaries(namespace)
+        if boundaries is None:
             raise NotFoundError(f"namespace {namespace} does not exist")
+        return boundaries
+
+    async def _read_boundaries(self, namespace: str) -> list[str] | None:
+        """The namespace's boundaries read from the store (None: no such namespace), cached."""
+        found = await self.store.get(f"{POLICIES_ROOT}/{namespace}")
+        if found is None:
+            return None
         try:
-            policies = json.loads(found.value)
-            boundaries = list(policies["bundles"]["boundaries"])
+            boundaries = list(json.loads(found.value)["bundles"]["boundaries"])
             parse_boundaries(boundaries)
         except (ValueError, KeyError, TypeError):
             boundaries = even_boundaries(1)
@@ -533,6 +539,12 @@ class ClusterOwnership(Ownership):
     def acquire(self, topic: str) -> Deferred[None]:
         return Deferred.fromCoroutine(self._acquire(topic))
 
+    async def _current_bundle(self, namespace: str, bundle: str) -> bool:
+        """Whether ``bundle`` is one of the namespace's bundles now, read from the store (not
+        the cache, which a watch refreshes a moment after a split); the cache is updated."""
+        boundaries = await self._read_boundaries(namespace)
+        return boundaries is not None and bundle in bundle_names(boundaries)
+
     async def _acquire(self, topic: str) -> None:
         self._check_started()
         key = await self.bundle_key(topic)
@@ -546,6 +558,10 @@ class ClusterOwnership(Ownership):
                 if wanted in live:
                     raise NotOwnerError(f"{topic} is moving to {wanted}", live[wanted])
         state = await self._claim(key)
+        if state is ClaimState.RELEASED and await self.bundle_key(topic) != key:
+            # The bundle was split under a stale view: claim the topic's bundle now.
+            key = await self.bundle_key(topic)
+            state = await self._claim(key)
         bundle = self._bundles.get(key)
         if state is ClaimState.HELD and bundle is not None:
             bundle.topics.add(topic)
@@ -577,6 +593,14 @@ class ClusterOwnership(Ownership):
             state = await _wait(first)
         finally:
             bundle.ready = None
+        if state is ClaimState.HELD and not await self._current_bundle(namespace, name):
+            # Split meanwhile (the boundaries this broker had were stale): not a bundle any
+            # more, so serving it would let two brokers serve one topic. Give it up.
+            log.info("claimed bundle no longer exists", extra=kv(bundle=key))
+            if self._bundles.get(key) is bundle:
+                del self._bundles[key]
+            await claim.release()
+            return ClaimState.RELEASED
         if state is ClaimState.HELD:
             if self._assigned.pop(key, None) == self.local.broker_id:
                 mine = self._pending.get(self.local.broker_id, 0)

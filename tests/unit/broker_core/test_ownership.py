@@ -11,6 +11,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from polybroker.broker_core.ownership import (
+    OWNERS_ROOT,
     BrokerInfo,
     BundleLoad,
     ClusterOwnership,
@@ -246,6 +247,20 @@ def test_split_rewrites_boundaries_and_unloads_the_bundle() -> None:
     stored = json.loads(result(a.store.get(f"/admin/policies/{NS}")).value)
     assert stored["bundles"]["numBundles"] == 2
     assert result(Deferred.fromCoroutine(a.own.bundle_key(topic(1)))).rpartition("/")[2] in new
+
+
+def test_a_stale_view_of_a_split_never_claims_the_old_bundle() -> None:
+    """A broker whose cached boundaries predate a split (its watch has not fired yet) gives
+    back the old bundle it claimed and serves the topic from its new bundle instead."""
+    _, (a, b) = cluster(bundles=1)
+    whole = bundle_names(even_boundaries(1))[0]
+    new = result(Deferred.fromCoroutine(a.own.split(NS, whole)))
+    b.own._boundaries[NS] = even_boundaries(1)  # what b knew before the split
+    result(b.own.acquire(topic(1)))
+    held = b.own.owned_bundles()
+    assert held == [result(Deferred.fromCoroutine(a.own.bundle_key(topic(1))))]
+    assert held[0].rpartition("/")[2] in new
+    assert result(b.store.get(f"{OWNERS_ROOT}/{NS}/{whole}")) is None
 
 
 def test_stop_gives_everything_up() -> None:
