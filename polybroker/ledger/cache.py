@@ -5,6 +5,9 @@ Rule 2: each log's cache holds entries in append order, so the oldest is always 
         eviction behind the slowest reader and eviction by size both pop from the front.
 Rule 3: the caches of one factory share one byte budget; when it is exceeded, the largest caches
         give back their oldest entries until the total is under 90% of the budget.
+Rule 4: a log with no cursor still caches what it appends, for readers by position (Kafka
+        fetches, readers without a cursor), and drops what it appended longer ago than its tail
+        window (the log tracks when, by its clock); Rule 3's budget bounds it like any cache.
 """
 
 from __future__ import annotations

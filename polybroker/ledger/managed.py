@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE_BYTES = 256 * 1024 * 1024
 FORMAT_VERSION = 1
+# With no cursor, a log keeps the entries appended this recently (ms) for readers by position
+# (Pulsar's managedLedgerCacheEvictionTimeThresholdMillis).
+DEFAULT_TAIL_CACHE_MS = 1000
 # Reads that miss the cache fetch at most this many entries from a ledger in one request.
 READ_BATCH = 100
 # Sealed ledgers keep the index and time of every SPARSE_STEP-th entry (16 bytes per step).
@@ -262,6 +265,8 @@ class ManagedLedgerImpl(ManagedLedger):
         self._opening_handles: dict[int, list[Deferred[ReadHandle]]] = {}
         self._cursors: dict[str, ManagedCursorImpl] = {}
         self._waiting: list[ManagedCursorImpl] = []
+        # (when, first seq) of each completion cached with no cursor open (``_trim_tail``).
+        self._tail_marks: deque[tuple[float, int]] = deque()
         self._trimming = False
         self._trim_again = False
         self._reader_names = 0
@@ -586,7 +591,7 @@ class ManagedLedgerImpl(ManagedLedger):
         assert ledger.indexes is not None
         assert ledger.times is not None
         lid = ledger.ledger_id
-        cache = self._cache if self._cursors else None
+        cache = self._cache
         seq = self._next_seq
         size = messages = 0
         index_of, time_of = ledger.indexes.append, ledger.times.append
@@ -603,8 +608,7 @@ class ManagedLedgerImpl(ManagedLedger):
             time_of(a.time)
             size += a.size
             messages += a.num
-            if cache is not None:
-                cache.put(seq, entry)
+            cache.put(seq, entry)
             seq += 1
             done.append((a, entry))
         ledger.entries += len(done)
@@ -613,6 +617,8 @@ class ManagedLedgerImpl(ManagedLedger):
         ledger.last_time = done[-1][0].time
         self._next_seq = seq
         self._next_index += messages
+        if not self._cursors:
+            self._trim_tail(seq - len(done))
         for a, entry in done:
             d = a.d
             if d is not None:
@@ -633,6 +639,17 @@ class ManagedLedgerImpl(ManagedLedger):
             elif self._state is _State.OPEN and self._accepting and self._is_full():
                 self._begin_roll()
             self._check_idle()
+
+    def _trim_tail(self, first_seq: int) -> None:
+        """With no cursor holding entries back, keep only those cached within the tail window
+        (entries numbered from ``first_seq`` were cached just now)."""
+        now = self._reactor.seconds()
+        marks = self._tail_marks
+        marks.append((now, first_seq))
+        cutoff = now - self._factory.tail_cache_ms / 1000.0
+        while marks[0][0] < cutoff:
+            marks.popleft()
+        self._cache.evict_before(marks[0][1])
 
     def adds_failed(self, handle: WriteHandle, error: Exception) -> None:
         """The current ledger failed: resend what is pending to a new one (Rule 1)."""
@@ -1413,7 +1430,8 @@ class ManagedLedgerImpl(ManagedLedger):
 
 class ManagedLedgerFactoryImpl(ManagedLedgerFactory):
     """Opens managed ledgers over one ``LedgerClient`` and ``MetadataStore``; shares one entry
-    cache budget (``cache_size_bytes``) among them."""
+    cache budget (``cache_size_bytes``) among them; a log with no cursor keeps what it appended
+    in the last ``tail_cache_ms`` (within that budget)."""
 
     def __init__(
         self,
@@ -1423,8 +1441,10 @@ class ManagedLedgerFactoryImpl(ManagedLedgerFactory):
         *,
         default_config: ManagedLedgerConfig | None = None,
         cache_size_bytes: int = DEFAULT_CACHE_SIZE_BYTES,
+        tail_cache_ms: int = DEFAULT_TAIL_CACHE_MS,
     ) -> None:
         self.store = store
+        self.tail_cache_ms = tail_cache_ms
         self.client = client
         self.reactor = reactor
         self.default_config = default_config or ManagedLedgerConfig()

@@ -24,12 +24,56 @@ def test_tailing_reads_are_served_from_memory() -> None:
     assert rig.client.reads == 0
 
 
-def test_nothing_is_cached_without_readers() -> None:
-    """With no cursor, appends do not fill the cache."""
+def test_a_read_just_after_an_append_is_served_from_the_cache_with_no_cursor() -> None:
+    """A reader by position (a Kafka fetch) with no cursor open reads the tail from memory."""
     rig = Rig()
     ml = rig.open()
-    rig.append(ml, b"a", b"b")
-    assert rig.factory.cache_manager.size == 0
+    assert not ml._cursors
+    for i in range(20):
+        entry = result_of(ml.append(b"m%d" % i))
+        assert result_of(ml.read(entry.position, 10)) == [entry]
+    assert rig.client.reads == 0
+
+
+def test_without_cursors_entries_older_than_the_tail_window_are_evicted() -> None:
+    """With no cursor, an append drops entries published more than ``tail_cache_ms`` ago; an
+    evicted entry is read back from the ledger."""
+    rig = Rig()
+    ml = rig.open()
+    old = rig.append(ml, b"a", b"b")
+    rig.clock.advance(rig.factory.tail_cache_ms / 1000.0 + 0.001)
+    new = rig.append(ml, b"c")
+    assert len(ml._cache) == 1
+    assert ml._cache.get(ml._cache.first_seq() or 0) == new[0]
+    assert result_of(ml.read(old[0].position, 3)) == [*old, *new]
+    assert rig.client.reads == 1
+
+
+def test_without_cursors_the_cache_stays_within_its_budget() -> None:
+    """A burst of appends to logs without cursors never takes the shared cache over budget."""
+    budget = 10 * (100 + 24 + ENTRY_OVERHEAD)
+    rig = Rig(cache_size_bytes=budget)
+    a = rig.open("a/ns/persistent/x")
+    b = rig.open("b/ns/persistent/y")
+    manager = rig.factory.cache_manager
+    for i in range(200):
+        result_of(a.append(bytes([i % 256]) * 100))
+        result_of(b.append(bytes([i % 256]) * 100))
+        assert manager.size == a._cache.size + b._cache.size <= budget
+    assert manager.evictions > 0
+    last = result_of(b.append(b"z" * 100))
+    assert result_of(b.read(last.position, 1)) == [last]
+
+
+def test_a_cursor_still_evicts_behind_itself_once_opened() -> None:
+    """Entries cached with no cursor leave the cache once a cursor opened later reads them."""
+    rig = Rig()
+    ml = rig.open()
+    rig.append(ml, b"a", b"b", b"c")
+    c = result_of(ml.open_cursor("sub", InitialPosition.EARLIEST))
+    assert [e.data for e in result_of(c.read(10))] == [b"a", b"b", b"c"]
+    assert len(ml._cache) == 0
+    assert rig.client.reads == 0
 
 
 def test_cache_stays_within_its_budget_and_misses_go_to_the_ledger() -> None:
