@@ -15,8 +15,9 @@ lies in sealed ledgers but for the last one, as an older backlog does:
              collected result: the schema and planning calls to the admin API, Spark's planning,
              the tasks reading (from the bookies by default, ``spark_batch``; through the broker
              with ``readFromStorage=false``, ``spark_batch_broker``) and the aggregation. The
-             session and its Python workers are started and warmed before (a tiny read), as in
-             a running application: Spark's start-up is not in the figure;
+             session and its Python workers are started before, and every Spark case runs
+             ``--warmup`` times untimed (the JVM compiles its per-row code), as in a running
+             application: Spark's start-up and warm-up are not in the figures;
 (d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink,
              timed from ``start()`` to the end of the query (its planning and checkpoint writes
              included);
@@ -318,6 +319,9 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of each case (best)")
     parser.add_argument(
+        "--warmup", type=int, default=2, help="untimed runs of each Spark case before"
+    )
+    parser.add_argument(
         "--entries-per-ledger",
         type=int,
         default=100,
@@ -372,8 +376,15 @@ def main() -> None:
                 "spark_stream": (read_with_spark_stream, spark, options, n, root / "ckpt"),
                 "spark_in_memory": (read_in_memory, spark, n),
             }
-            # Alternate the cases, the client's too, and keep each one's best run (the JVM
-            # warms up as it goes; other jobs on the machine come and go).
+            # Untimed runs of every Spark case first: the JVM compiles its per-row code as a
+            # long-running application has. Then alternate the cases, the client's too, and keep
+            # each one's best run (other jobs on the machine come and go).
+            for w in range(args.warmup):
+                for name, (run, *run_args) in cases.items():
+                    if name == "spark_stream":
+                        run_args[-1] = root / f"warm{w}"
+                    if name != "client":
+                        run(*run_args)
             for r in range(args.repeat):
                 for name, (run, *run_args) in cases.items():
                     if name == "spark_stream":
