@@ -98,6 +98,13 @@ _KEYS: tuple[Key, ...] = (
     Key("loadBalancerNamespaceMaximumBundles", int, 128, "Never split beyond this"),
     # Bookie (BookKeeper's names)
     Key("bookiePort", int, 3181, "Bookie protocol port"),
+    Key(
+        "allowBookieAddressChange",
+        bool,
+        False,
+        "Let a bookie start under another address than its data dir was registered under "
+        "(ledgers naming the old address lose it and are re-replicated by the auditor)",
+    ),
     Key("journalSyncData", bool, True, "fdatasync the journal before acknowledging adds"),
     Key("journalMaxGroupWaitMSec", float, 1.0, "Longest an add waits for its group commit"),
     Key("journalBufferedWritesThreshold", int, 512 * 1024, "Flush a group at this many bytes"),

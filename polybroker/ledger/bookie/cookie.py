@@ -23,7 +23,7 @@ import json
 import time
 import uuid
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +53,17 @@ class Cookie:
     layout_version: int
     directories: tuple[str, ...]
     created_ms: int
+    address: str = ""  # where the bookie last served from ("" until recorded: Rule 5)
 
     def to_bytes(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "instance_id": self.instance_id,
             "layout_version": self.layout_version,
             "directories": list(self.directories),
             "created_ms": self.created_ms,
         }
+        if self.address:
+            doc["address"] = self.address
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
@@ -72,6 +75,7 @@ class Cookie:
                 int(doc["layout_version"]),
                 tuple(str(d) for d in doc["directories"]),
                 int(doc.get("created_ms", 0)),
+                str(doc.get("address") or ""),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise CookieError(f"cookie {source} is unreadable ({e})") from None
@@ -135,6 +139,38 @@ def check_or_create(data_dir: Path) -> Cookie:
                 f"{master.instance_id}: disks were swapped or mixed; refusing to start"
             )
     return master
+
+
+def recorded_port(cookie: Cookie) -> int:
+    """The port of the cookie's recorded address, or 0 if none is recorded (Rule 5)."""
+    if not cookie.address:
+        return 0
+    try:
+        return int(cookie.address.rpartition(":")[2])
+    except ValueError:
+        raise CookieError(f"cookie records an unreadable address {cookie.address!r}") from None
+
+
+def check_address(cookie: Cookie, address: str, *, allow_change: bool = False) -> Cookie:
+    """Return the cookie as it must be recorded for a start at ``address`` (Rule 5): the same
+    one, or one naming ``address``. Raises ``CookieError`` if the data dir was registered
+    under another address and ``allow_change`` is false. Changes nothing on disk."""
+    if cookie.address == address:
+        return cookie
+    if cookie.address and not allow_change:
+        raise CookieError(
+            f"this data dir is bookie {cookie.instance_id} at {cookie.address}, not {address}: "
+            "ledgers name their bookies by address, so its data would be unreachable under "
+            f"the new one. Start it as {cookie.address} again (same port, bind address and "
+            "advertisedAddress), or set allowBookieAddressChange=true to move it (the "
+            f"auditor then re-replicates the ledgers that name {cookie.address})"
+        )
+    return replace(cookie, address=address)
+
+
+def record_address(data_dir: Path, cookie: Cookie) -> None:
+    """Write ``cookie`` (with its address) as the data dir's master cookie, atomically."""
+    write_atomically(data_dir / COOKIE_FILE, cookie.to_bytes())
 
 
 @inlineCallbacks

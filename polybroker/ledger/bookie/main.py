@@ -2,7 +2,10 @@
 
 Prints ``bookie listening on HOST:PORT`` on stdout once it serves (tools wait for that line);
 exits 0 after a clean stop, 1 when it cannot start (a cookie mismatch, a bad config, a port in
-use), with the reason on stderr.
+use, an address other than the one its data dir was registered under), with the reason on
+stderr. ``--port 0`` means the data dir's recorded port (a free one on a first start); moving a
+bookie to another address takes ``allowBookieAddressChange=true`` (the auditor then
+re-replicates the ledgers that name the old address, since they cannot find it there).
 
 With a metadata store (``--metadata``) the bookie is announced by an ephemeral node under
 ``/bookies/available``; when the store's session is lost (ZooKeeper expired it, so the node is

@@ -822,7 +822,10 @@ class BookieServer:
     """A bookie embeddable in any process: ``start()`` listens, ``stop()`` shuts down cleanly.
 
     With a ``metadata_store`` it registers its cookie (refusing to start if another identity is
-    registered for its address) and announces itself under ``/bookies/available``."""
+    registered for its address) and announces itself under ``/bookies/available``. It serves
+    only under the address its data dir recorded (``port`` 0: the recorded port), unless
+    ``allow_address_change`` (default: the config's ``allowBookieAddressChange``); see the
+    cookie module's Rule 5."""
 
     def __init__(
         self,
@@ -833,9 +836,13 @@ class BookieServer:
         port: int = 0,
         bind: str = "127.0.0.1",
         metadata_store: MetadataStore | None = None,
+        allow_address_change: bool | None = None,
     ) -> None:
         self.config = config
         self.data_dir = Path(data_dir)
+        if allow_address_change is None:
+            allow_address_change = bool(config["allowBookieAddressChange"])
+        self.allow_address_change = allow_address_change
         self.reactor = reactor
         self.port = port
         self.bind = bind
@@ -868,14 +875,25 @@ class BookieServer:
             failure = Failure()
             self._teardown_local()
             return fail(failure)
+        assert self.cookie is not None
+        previous = self.cookie
+        try:
+            self.cookie = cookies.check_address(
+                previous, self.address, allow_change=self.allow_address_change
+            )
+        except cookies.CookieError:
+            # Checked before listening already unless the port was picked just now.
+            failure = Failure()
+            return self._shutdown().addBoth(lambda _: failure)
         if self.metadata_store is None:
+            self._record_address(previous)
             self._start_timers()
             return succeed(port)
-        assert self.cookie is not None
         d = cookies.register(self.metadata_store, self.address, self.cookie)
 
         def registered(_: object) -> int:
             self._registered = True
+            self._record_address(previous)
             self._start_timers()
             return port
 
@@ -884,8 +902,24 @@ class BookieServer:
 
         return d.addCallbacks(registered, refused)
 
+    def _record_address(self, previous: cookies.Cookie) -> None:
+        assert self.cookie is not None
+        if self.cookie.address != previous.address:
+            if previous.address:
+                log.warning(
+                    "bookie moved to another address: ledgers naming the old one will be "
+                    "re-replicated by the auditor",
+                    extra=kv(old=previous.address, new=self.cookie.address),
+                )
+            cookies.record_address(self.data_dir, self.cookie)
+
     def _start_local(self) -> int:
         self.cookie = cookies.check_or_create(self.data_dir)
+        # Rule 5 of the cookie module: refuse another address before anything changes.
+        if self.port == 0:
+            self.port = cookies.recorded_port(self.cookie)
+        if self.port != 0:
+            cookies.check_address(self.cookie, self.address, allow_change=self.allow_address_change)
         storage = LedgerStorage(
             self.data_dir / cookies.LEDGERS_DIR,
             entry_log_size_limit=self.config["entryLogSizeLimit"],

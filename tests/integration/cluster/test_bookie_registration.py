@@ -1,15 +1,17 @@
 """Real ``polybroker bookie`` processes registering in a real ZooKeeper, discovered through
 ``MetadataBookieRegistry``: a crashed bookie's node goes within its session timeout, a bookie
-whose session expired (the process was frozen) announces itself again, a stopped one withdraws."""
+whose session expired (the process was frozen) announces itself again, a stopped one withdraws;
+a data dir restarted under another address is refused unless the move is allowed."""
 
 from __future__ import annotations
 
 import json
 import signal
 import socket
+from pathlib import Path
 
 import pytest_twisted
-from cluster_harness import BookieProcesses, eventually
+from cluster_harness import BookieProcesses, eventually, port_of, run_to_exit
 from twisted.internet import reactor, threads
 
 from polybroker.ledger.bookie.cookie import AVAILABLE_PATH, COOKIES_PATH
@@ -135,3 +137,64 @@ async def test_a_bookie_whose_session_expired_announces_itself_again(
 def _connects(host: str, port: int) -> None:
     with socket.create_connection((host, port), timeout=5):
         pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bookie_restarted_under_another_address_is_refused(
+    zk_url: str, bookies: BookieProcesses
+) -> None:
+    """A bookie process restarted on another port exits 1 with the reason, its data dir and
+    ZooKeeper untouched; on port 0 it comes back under its recorded address; with
+    allowBookieAddressChange it moves, same identity, registered under the new address."""
+    first = await threads.deferToThread(bookies.start, zk_url, BOOKIE_CONFIG)
+    assert bookies.stop(first) == 0
+    store = await ZooKeeperMetadataStore.open(zk_url, reactor)
+    try:
+        cookies_before = sorted(await store.children(COOKIES_PATH))
+        assert first.address in cookies_before
+        disk_before = _snapshot(first.data_dir)
+        other = _free_port()
+        code, err = await threads.deferToThread(
+            run_to_exit, zk_url, first.data_dir, other, BOOKIE_CONFIG
+        )
+        assert code == 1, err
+        assert first.address in err, err
+        assert "allowBookieAddressChange" in err, err
+        assert _snapshot(first.data_dir) == disk_before
+        assert sorted(await store.children(COOKIES_PATH)) == cookies_before
+        assert await store.exists(f"{AVAILABLE_PATH}/127.0.0.1:{other}") is None
+
+        again = await threads.deferToThread(
+            lambda: bookies.start(zk_url, BOOKIE_CONFIG, data_dir=first.data_dir, port=0)
+        )
+        assert again.address == first.address
+        assert bookies.stop(again) == 0
+
+        moved = await threads.deferToThread(
+            lambda: bookies.start(
+                zk_url,
+                {**BOOKIE_CONFIG, "allowBookieAddressChange": "true"},
+                data_dir=first.data_dir,
+                port=other,
+            )
+        )
+        assert port_of(moved) == other
+        old = await store.get(f"{COOKIES_PATH}/{first.address}")
+        new = await store.get(f"{COOKIES_PATH}/{moved.address}")
+        assert old is not None
+        assert new is not None
+        assert json.loads(new.value)["instance_id"] == json.loads(old.value)["instance_id"]
+        assert json.loads(new.value)["address"] == moved.address
+        assert bookies.stop(moved) == 0
+    finally:
+        await store.close()

@@ -161,3 +161,64 @@ async def test_wiped_bookie_cannot_rejoin_under_its_registered_address(tmp_path:
     other_port = await again.start()
     assert f"/bookies/available/127.0.0.1:{other_port}" in store.nodes
     await again.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bookie_keeps_its_address_and_refuses_another(tmp_path: Path) -> None:
+    """A bookie first started on port 0 restarts on port 0 under the same address; a start on
+    another port refuses before touching the data dir or the store, and leaves the port free;
+    with the move allowed it starts there, same identity, and records the new address."""
+    store = MemoryStore()
+    data = tmp_path / "data"
+    first = BookieServer(Config(), data, reactor, metadata_store=store)  # type: ignore[arg-type]
+    port = await first.start()
+    client = TcpBookieClient(f"127.0.0.1:{port}", reactor, timeout_s=10)
+    await client.add_entry(7, 0, -1, b"kept")
+    await client.close()
+    await first.stop()
+
+    again = BookieServer(Config(), data, reactor, metadata_store=store)  # type: ignore[arg-type]
+    assert await again.start() == port
+    assert again.instance_id == first.instance_id
+    await again.stop()
+
+    other = _free_port()
+    before_disk, before_nodes = _snapshot(data), dict(store.nodes)
+    moved = BookieServer(Config(), data, reactor, port=other, metadata_store=store)  # type: ignore[arg-type]
+    with pytest.raises(CookieError, match=f"127.0.0.1:{port}"):
+        await moved.start()
+    assert _snapshot(data) == before_disk
+    assert store.nodes == before_nodes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", other))  # never listened there
+
+    allowed = BookieServer(
+        Config({"allowBookieAddressChange": True}),
+        data,
+        reactor,
+        port=other,
+        metadata_store=store,  # type: ignore[arg-type]
+    )
+    assert await allowed.start() == other
+    assert allowed.instance_id == first.instance_id
+    assert allowed.address == f"127.0.0.1:{other}"
+    assert f"/bookies/available/127.0.0.1:{other}" in store.nodes
+    client = TcpBookieClient(allowed.address, reactor, timeout_s=10)
+    assert await client.read_entry(7, 0) == b"kept"
+    await client.close()
+    await allowed.stop()
+
+    # The data dir now belongs at the new address: port 0 means that one.
+    last = BookieServer(Config(), data, reactor, metadata_store=store)  # type: ignore[arg-type]
+    assert await last.start() == other
+    await last.stop()

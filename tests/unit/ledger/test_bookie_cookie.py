@@ -14,7 +14,10 @@ from twisted.python.failure import Failure
 from polybroker.ledger.bookie.cookie import (
     Cookie,
     CookieError,
+    check_address,
     check_or_create,
+    record_address,
+    recorded_port,
     register,
     unregister,
 )
@@ -85,6 +88,67 @@ def test_half_done_first_start_is_initialised_afresh(tmp_path: Path) -> None:
     (tmp_path / "cookie").unlink()
     again = check_or_create(tmp_path)
     assert again.instance_id != first.instance_id
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_the_first_address_is_recorded_and_kept(tmp_path: Path) -> None:
+    """A first start records its address in the master cookie; later starts read it back, and
+    the same address passes the check unchanged."""
+    cookie = check_or_create(tmp_path)
+    assert cookie.address == ""
+    assert recorded_port(cookie) == 0
+    named = check_address(cookie, "127.0.0.1:4001")
+    assert named.address == "127.0.0.1:4001"
+    assert named.instance_id == cookie.instance_id
+    record_address(tmp_path, named)
+    again = check_or_create(tmp_path)
+    assert again == named
+    assert recorded_port(again) == 4001
+    assert check_address(again, "127.0.0.1:4001") is again
+
+
+def test_a_start_under_another_address_refuses_and_changes_nothing(tmp_path: Path) -> None:
+    """Another port or another host than the recorded address refuses with a message naming
+    both addresses and the way out; the data dir is left byte for byte as it was."""
+    record_address(tmp_path, check_address(check_or_create(tmp_path), "127.0.0.1:4001"))
+    before = _snapshot(tmp_path)
+    cookie = check_or_create(tmp_path)
+    for other in ("127.0.0.1:4002", "10.0.0.7:4001"):
+        with pytest.raises(CookieError) as refused:
+            check_address(cookie, other)
+        message = str(refused.value)
+        assert "127.0.0.1:4001" in message
+        assert other in message
+        assert "allowBookieAddressChange" in message
+    assert _snapshot(tmp_path) == before
+
+
+def test_an_allowed_move_names_the_new_address(tmp_path: Path) -> None:
+    """With the move allowed, the cookie to record names the new address, same identity."""
+    old = check_address(check_or_create(tmp_path), "127.0.0.1:4001")
+    moved = check_address(old, "127.0.0.1:4002", allow_change=True)
+    assert moved.address == "127.0.0.1:4002"
+    assert moved.instance_id == old.instance_id
+
+
+def test_a_cookie_without_an_address_adopts_the_next_one(tmp_path: Path) -> None:
+    """A cookie written before addresses were recorded reads as having none, and takes the
+    address of its next start."""
+    cookie = check_or_create(tmp_path)
+    raw = (tmp_path / "cookie").read_bytes()
+    assert b"address" not in raw
+    assert Cookie.from_bytes(raw, "x").address == ""
+    assert check_address(cookie, "h:9").address == "h:9"
+
+
+def test_an_unreadable_recorded_address_refuses(tmp_path: Path) -> None:
+    """A recorded address with no numeric port is reported, not guessed at."""
+    cookie = Cookie("id", 1, ("journal", "ledgers"), 0, "host-without-port")
+    with pytest.raises(CookieError, match="unreadable address"):
+        recorded_port(cookie)
 
 
 class FakeStore:
