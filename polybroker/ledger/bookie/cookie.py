@@ -175,16 +175,42 @@ def record_address(data_dir: Path, cookie: Cookie) -> None:
 
 
 @inlineCallbacks
+def _registered_elsewhere(
+    store: MetadataStore, cookie: Cookie, address: str
+) -> Generator[Deferred[Any], Any, str | None]:
+    """Another address under which ``cookie``'s instance id is registered, or None."""
+    names = yield store.children(COOKIES_PATH)
+    for name in names:
+        if name == address:
+            continue
+        got = yield store.get(f"{COOKIES_PATH}/{name}")
+        if got is not None and Cookie.from_bytes(got.value, name).instance_id == cookie.instance_id:
+            return str(name)
+    return None
+
+
+@inlineCallbacks
 def register(
-    store: MetadataStore, address: str, cookie: Cookie
+    store: MetadataStore, address: str, cookie: Cookie, *, allow_address_change: bool = False
 ) -> Generator[Deferred[Any], Any, None]:
     """Register the cookie for ``address`` and announce the bookie as available (Rule 3).
 
-    Fails with ``CookieError`` if another instance id is registered for the address."""
+    Fails with ``CookieError`` if another instance id is registered for the address, or (Rule
+    5, unless ``allow_address_change``) if this address is new and the instance id is
+    registered under another one; a refusal changes nothing in the store."""
     path = f"{COOKIES_PATH}/{address}"
     for _ in range(3):
         got = yield store.get(path)
         if got is None:
+            if not allow_address_change:
+                elsewhere = yield _registered_elsewhere(store, cookie, address)
+                if elsewhere is not None:
+                    raise CookieError(
+                        f"bookie {cookie.instance_id} is registered at {elsewhere} in the "
+                        f"metadata store, not at {address}: ledgers name their bookies by "
+                        f"address; start it as {elsewhere} again, or set "
+                        "allowBookieAddressChange=true to move it"
+                    )
             try:
                 yield store.put(path, cookie.to_bytes(), expected_version=-1)
             except BadVersionError:

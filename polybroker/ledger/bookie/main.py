@@ -105,7 +105,8 @@ class Reregistration:
         self._pending = None
         if self._stopped or generation != self._generation:
             return
-        d = cookies.register(self._store, self._address, self._cookie)
+        # The address was checked when the bookie started: this is the same identity there.
+        d = cookies.register(self._store, self._address, self._cookie, allow_address_change=True)
 
         def done(_: object) -> None:
             log.info("bookie announced again", extra=logs.kv(address=self._address))

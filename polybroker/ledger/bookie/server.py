@@ -889,7 +889,12 @@ class BookieServer:
             self._record_address(previous)
             self._start_timers()
             return succeed(port)
-        d = cookies.register(self.metadata_store, self.address, self.cookie)
+        d = cookies.register(
+            self.metadata_store,
+            self.address,
+            self.cookie,
+            allow_address_change=self.allow_address_change,
+        )
 
         def registered(_: object) -> int:
             self._registered = True

@@ -133,6 +133,16 @@ class MemoryStore:
             return fail(NotFoundError(path))
         return succeed(None)
 
+    def children(self, path: str) -> Deferred[list[str]]:
+        prefix = path + "/"
+        return succeed(
+            sorted(
+                p[len(prefix) :]
+                for p in self.nodes
+                if p.startswith(prefix) and "/" not in p[len(prefix) :]
+            )
+        )
+
 
 @pytest_twisted.ensureDeferred
 async def test_wiped_bookie_cannot_rejoin_under_its_registered_address(tmp_path: Path) -> None:

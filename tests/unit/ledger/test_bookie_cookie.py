@@ -187,6 +187,16 @@ class FakeStore:
             return fail(NotFoundError(path))
         return succeed(None)
 
+    def children(self, path: str) -> Deferred[list[str]]:
+        prefix = path + "/"
+        return succeed(
+            sorted(
+                p[len(prefix) :]
+                for p in self.nodes
+                if p.startswith(prefix) and "/" not in p[len(prefix) :]
+            )
+        )
+
 
 def _run(d: Deferred[Any]) -> Any:
     box: list[Any] = []
@@ -236,3 +246,21 @@ def test_a_registration_race_rereads_the_winner(tmp_path: Path) -> None:
     store.before_put = sneak_in
     with pytest.raises(CookieError):
         _run(register(_store(store), "h:2", check_or_create(tmp_path / "late")))
+
+
+def test_an_identity_registered_elsewhere_is_refused_at_a_new_address(tmp_path: Path) -> None:
+    """A data dir whose cookie records no address (written before addresses were recorded)
+    but whose identity is registered at another address is refused at a new one, with nothing
+    written to the store; allowed, it registers there too; the old address stays known."""
+    store = FakeStore()
+    cookie = check_or_create(tmp_path)
+    _run(register(_store(store), "h:1", cookie))
+    _run(unregister(_store(store), "h:1"))
+    before = dict(store.nodes)
+    with pytest.raises(CookieError, match="registered at h:1"):
+        _run(register(_store(store), "h:2", cookie))
+    assert store.nodes == before
+    _run(register(_store(store), "h:2", cookie, allow_address_change=True))
+    assert "/bookies/available/h:2" in store.nodes
+    assert "/bookies/cookies/h:1" in store.nodes
+    _run(register(_store(store), "h:2", cookie))  # registered there now: no scan refuses it
