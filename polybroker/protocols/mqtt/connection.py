@@ -8,7 +8,9 @@ clients get DISCONNECT with the reason code first); an unknown protocol level ge
 ``dataReceived``: whatever goes wrong is this connection's problem, never the broker's.
 
 Acknowledgements: PUBACK (QoS 1) and PUBREC (QoS 2) are sent only once the message (and, when
-retained, the retained copy) is durable, in the order of the PUBLISHes.
+retained, the retained copy) is durable, in the order of the PUBLISHes. A persistent session's
+PUBRELs (answering its client's PUBRECs) leave once the PUBRECs of the read are recorded
+(one write; see ``session``), in order with those acknowledgements.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -100,6 +102,10 @@ class MqttConnection(Protocol):
         self._out: list[bytes] = []
         # PUBRELs of the read under way: (ack slot, packet id, PUBCOMP reason code).
         self._releases: list[tuple[_AckSlot, int, int]] = []
+        # PUBRELs of the read under way (persistent session): (ack slot, packet id), and
+        # whether a PUBREC was recorded (the record is written before they leave).
+        self._pubrels: list[tuple[_AckSlot, int]] = []
+        self._pubrel_write = False
         # PUBLISHes of the read under way, by topic, with their ack slots (None for QoS 0).
         self._batches: dict[str, list[tuple[c.Publish, _AckSlot | None]]] = {}
         # QoS 2 packet ids being stored, with the slots waiting for their PUBREC.
@@ -150,6 +156,8 @@ class MqttConnection(Protocol):
         try:
             if self._releases:
                 self._flush_releases()
+            if self._pubrels:
+                self._flush_pubrels()
             if session is not None and session.pump_due and session.link is self:
                 session.pump(at_read_end=True)
         finally:
@@ -536,6 +544,30 @@ class MqttConnection(Protocol):
         d = self.broker.release_qos2(session, [pid for _, pid, _ in releases])
         d.addCallbacks(released, failed)
 
+    def _flush_pubrels(self) -> None:
+        """Write the record of the read's PUBRECs (one write), then send their PUBRELs. If
+        that fails the connection closes and they are resent as PUBLISHes with DUP."""
+        pubrels, self._pubrels = self._pubrels, []
+        write, self._pubrel_write = self._pubrel_write, False
+        session = self.session
+        if not pubrels or session is None:
+            return
+
+        def recorded(_: object) -> None:
+            for slot, pid in pubrels:
+                self._ack_ready(slot, c.encode_ack(c.PUBREL, pid), flush=False)
+            self._flush_acks()
+
+        def failed(f: Failure) -> None:
+            self._publish_failed(f, "PUBREC")
+            session.unrelease(pid for _, pid in pubrels)
+            self.close()
+
+        if not write:
+            recorded(None)
+            return
+        self.broker.save_qos2_out(session).addCallbacks(recorded, failed)
+
     def _on_ack(self, p: c.PubAck) -> None:
         session = self.session
         assert session is not None
@@ -550,7 +582,14 @@ class MqttConnection(Protocol):
                 self._flush_releases()
         elif isinstance(p, c.PubRec):
             if session.on_pubrec(p.packet_id, p.reason_code):
-                self.send(c.PubRel(p.packet_id))
+                if not session.persistent:
+                    self.send(c.PubRel(p.packet_id))
+                    return
+                if session.record_pubrec(p.packet_id):
+                    self._pubrel_write = True
+                self._pubrels.append((self._ack_slot(), p.packet_id))
+                if not self.reading:
+                    self._flush_pubrels()
             elif p.reason_code < 0x80:
                 code = c.PACKET_ID_NOT_FOUND if self.level == c.LEVEL_5 else c.SUCCESS
                 self.send(c.PubRel(p.packet_id, code))

@@ -25,8 +25,10 @@ seconds), ``mqtt.content-type``, ``mqtt.format``, ``mqtt.response-topic``,
 another protocol is delivered as QoS 1.
 
 Durable state in the metadata store: ``/mqtt/sessions/<client id>`` (a persistent session's
-filters), ``/mqtt/retained/<topic>`` (each retained message) and ``/mqtt/qos2/<client id>``
-(a persistent session's inbound QoS 2 packet ids awaiting PUBREL), names percent-encoded.
+filters), ``/mqtt/retained/<topic>`` (each retained message), ``/mqtt/qos2/<client id>``
+(a persistent session's inbound QoS 2 packet ids awaiting PUBREL) and
+``/mqtt/qos2-out/<client id>`` (its outbound QoS 2 messages the client has), names
+percent-encoded.
 
 Exactly-once inbound (persistent sessions), across a crash: before a QoS 2 message is stored,
 its packet id is recorded with its topic and that topic's last position at the time; the
@@ -34,6 +36,16 @@ message is stored with ``mqtt.pid``; PUBREC follows; at PUBREL the record is dro
 PUBCOMP. Restoring the session reads each recorded topic after the recorded position: a packet
 id found there (from this client) was stored, so a resent PUBLISH gets PUBREC and nothing is
 stored again; one not found was never stored and is forgotten (the resend stores it).
+
+Exactly-once outbound (persistent sessions, the client's own subscriptions), across a crash:
+an entry is acknowledged only once all its messages are done, and durably at the cursor's
+pace. So at PUBREC, before PUBREL, each message the client now has is recorded as (topic,
+position, index in the entry, packet id) in ``/mqtt/qos2-out`` (one write per read of the
+client's bytes); PUBCOMP marks it done (packet id 0) and the entry's durable acknowledgement
+drops it (written lazily). Restoring the session puts each recorded message in flight as
+released (PUBREL is sent again for its packet id on attach, never the message) and, when the
+cursor delivers its entry again, sends only the entry's other messages. A recorded entry the
+cursor passes over without delivering it was acknowledged before the crash: its record goes.
 """
 
 from __future__ import annotations
@@ -81,6 +93,9 @@ log = logging.getLogger(__name__)
 SESSIONS_ROOT = "/mqtt/sessions"
 RETAINED_ROOT = "/mqtt/retained"
 QOS2_ROOT = "/mqtt/qos2"
+QOS2_OUT_ROOT = "/mqtt/qos2-out"
+#: How long after a recorded outbound QoS 2 message is dropped its record is written again.
+QOS2_OUT_LAZY_S = 1.0
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
 #: Entries (and their bytes) whose messages ``MqttBroker.written`` keeps at most.
@@ -333,6 +348,8 @@ class TopicSub:
                 self._done(entry.position, entry.num_messages)
                 continue
             self.seen = entry.position
+            if session.restored_out and self.group is None:
+                session.passed_restored(self.full, entry.position)
             filters = session.matching(self.name, self.group)
             if filters and any(f.no_local for f in filters) and self._own(entry.data):
                 filters = [f for f in filters if not f.no_local]
@@ -361,6 +378,7 @@ class TopicSub:
                 # Read again after the client came back: only what it never got is sent.
                 track = held
                 track.sub = self
+                track.size = entry.num_messages
                 track.remaining += len(todo)
                 if track.remaining <= 0:
                     self._done(entry.position, entry.num_messages)
@@ -396,7 +414,12 @@ class TopicSub:
         server = self.server
         if server is None or self.closed:
             return
-        server.ack([position]).addErrback(lambda f: None)
+        d = server.ack([position])
+        if self.group is None and self.session.qos2_out:
+            key = (self.full, position)
+            if key in self.session.qos2_out:
+                d.addCallback(lambda _: self.session.qos2_acked(key))
+        d.addErrback(lambda f: None)
         self.to_flow += size
         if self.to_flow >= FLOW_WINDOW // 2:
             server.flow(self.to_flow)
@@ -451,6 +474,17 @@ class Session:
         self.inbound_qos2: set[int] = set()
         #: A persistent session's recorded QoS 2 packet ids: pid -> (topic, position before).
         self.qos2_record: dict[int, tuple[str, Position | None]] = {}
+        #: Outbound QoS 2 messages the client has (PUBRECed), by (topic, entry position):
+        #: index in the entry -> packet id (0: PUBCOMPed, the entry's ack not yet durable).
+        self.qos2_out: dict[tuple[str, Position], dict[int, int]] = {}
+        #: Restored entries of ``qos2_out`` not delivered again yet: topic -> positions.
+        self.restored_out: dict[str, set[Position]] = {}
+        #: Restored entries the cursor passed over whose messages are still in flight.
+        self._stale_out: set[tuple[str, Position]] = set()
+        # Writes of the ``qos2_out`` record: one at a time; the next one's waiters.
+        self.out_writing = False
+        self.out_waiters: list[Deferred[None]] = []
+        self.out_lazy: IDelayedCall | None = None
         self.ended = False
         #: When an absent session expires (epoch ms; None while connected or never).
         self.expires_at_ms: int | None = None
@@ -575,7 +609,19 @@ class Session:
                 self._close_sub(sub, delete=True)
         for held in [k for k, t in self.held.items() if not self.matching(t.sub.name, k[1])]:
             del self.held[held]  # its subscription is gone: never read again
+        if self.qos2_out:
+            gone = [k for k in self.qos2_out if k not in self.held and not self._subscribed(k[0])]
+            for k in gone:
+                del self.qos2_out[k]
+                self.restored_out.pop(k[0], None)
+            if gone:
+                self.broker.save_qos2_out_later(self)
         return True
+
+    def _subscribed(self, full: str) -> bool:
+        """Whether one of the client's own filters matches topic (or partition) ``full``."""
+        name = topics.from_pulsar(topics.split_partition(full)[0])
+        return name is not None and bool(self.matching(name, None))
 
     def topic_appeared(self, full: str, name: str) -> None:
         """A topic (or partition) was loaded: cover it if a filter matches it.
@@ -860,12 +906,113 @@ class Session:
         out.released = True
         return True
 
+    def record_pubrec(self, pid: int) -> bool:
+        """The client has in-flight message ``pid`` (its PUBREC was accepted): note it in
+        ``qos2_out``; return whether it was (the record is then written before PUBREL)."""
+        out = self.inflight.get(pid)
+        track = out.track if out is not None else None
+        if (
+            out is None
+            or track is None
+            or not self.persistent
+            or track.sub.group is not None
+            or not track.sub.durable
+        ):
+            return False
+        self.qos2_out.setdefault((track.sub.full, track.position), {})[out.index] = pid
+        return True
+
     def on_pubcomp(self, pid: int) -> None:
         out = self.inflight.get(pid)
         if out is not None and out.qos == 2:
             del self.inflight[pid]
+            if self.qos2_out and out.track is not None:
+                self._out_completed(out, out.track)
             self._complete(out)
             self.pump()
+
+    def _out_completed(self, out: Outgoing, track: EntryTrack) -> None:
+        """A recorded message is PUBCOMPed: done (0) until its entry's ack is durable."""
+        key = (track.sub.full, track.position)
+        got = self.qos2_out.get(key)
+        if got is None or got.get(out.index) != out.packet_id:
+            return
+        got[out.index] = 0
+        if key in self._stale_out and not any(got.values()):
+            self._stale_out.discard(key)
+            del self.qos2_out[key]
+            self.broker.save_qos2_out_later(self)
+
+    def qos2_acked(self, key: tuple[str, Position]) -> None:
+        """The entry ``key`` is durably acknowledged: its record goes (written lazily)."""
+        if self.qos2_out.pop(key, None) is not None:
+            self.broker.save_qos2_out_later(self)
+
+    def passed_restored(self, full: str, position: Position) -> None:
+        """The cursor of ``full`` delivers ``position``: restored entries before it that it did
+        not deliver again were acknowledged before the crash (Exclusive: in order)."""
+        waiting = self.restored_out.get(full)
+        if not waiting:
+            return
+        waiting.discard(position)
+        changed = False
+        for p in [p for p in waiting if p < position]:
+            waiting.discard(p)
+            self.held.pop((full, None, p), None)
+            key = (full, p)
+            got = self.qos2_out.get(key)
+            if got is not None and any(got.values()):
+                self._stale_out.add(key)  # dropped at the last PUBCOMP
+            elif got is not None:
+                del self.qos2_out[key]
+                changed = True
+        if not waiting:
+            del self.restored_out[full]
+        if changed:
+            self.broker.save_qos2_out_later(self)
+
+    def restore_out(self, rows: Iterable[tuple[str, Position, int, int]]) -> None:
+        """Rebuild the outbound QoS 2 state from its record: every recorded message counts
+        as handed over (``held``), and those awaiting PUBCOMP are in flight as released."""
+        for full, pos, index, pid in rows:
+            if 0 <= index < 65536 and 0 <= pid <= 65535:
+                self.qos2_out.setdefault((full, pos), {})[index] = pid
+        subs: dict[str, TopicSub] = {}
+        for (full, pos), got in self.qos2_out.items():
+            sub = subs.get(full)
+            if sub is None:
+                name = topics.from_pulsar(topics.split_partition(full)[0]) or full
+                # Stands in until the topic's subscription is attached and reads the entry.
+                sub = TopicSub(self, full, name, None, self.broker.next_consumer_id(), 0)
+                sub.closed = True
+                sub.durable = True
+                subs[full] = sub
+            track = EntryTrack(sub, pos, 0, 0)
+            for index, pid in got.items():
+                track.sent |= 1 << index
+                if pid:
+                    track.remaining += 1
+                    self.inflight[pid] = Outgoing(
+                        sub.name,
+                        b"",
+                        2,
+                        False,
+                        {},
+                        track=track,
+                        packet_id=pid,
+                        released=True,
+                        index=index,
+                    )
+            self.held[(full, None, pos)] = track
+            self.restored_out.setdefault(full, set()).add(pos)
+
+    def unrelease(self, pids: Iterable[int]) -> None:
+        """The record of these PUBRECs could not be written: they are not released (a return
+        resends the PUBLISH with DUP, whose PUBREC records them again)."""
+        for pid in pids:
+            out = self.inflight.get(pid)
+            if out is not None and out.qos == 2:
+                out.released = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -993,6 +1140,15 @@ class Session:
         self.queue.clear()
         self.inflight.clear()
         self.held.clear()
+        self._drop_out_state()
+
+    def _drop_out_state(self) -> None:
+        self.qos2_out.clear()
+        self.restored_out.clear()
+        self._stale_out.clear()
+        if self.out_lazy is not None and self.out_lazy.active():
+            self.out_lazy.cancel()
+        self.out_lazy = None
 
     def snapshot(self) -> bytes:
         return json.dumps(
@@ -1190,7 +1346,7 @@ class MqttBroker:
                 call.cancel()
         self._stored_expiry.clear()
         for session in list(self.sessions.values()):
-            for call in (session._expiry_call, session.will_call):
+            for call in (session._expiry_call, session.will_call, session.out_lazy):
                 if call is not None and call.active():
                     call.cancel()
 
@@ -1306,11 +1462,13 @@ class MqttBroker:
             await self._forget(client_id)
             return None
         await self._restore_qos2(session)
+        rows = await self._stored_qos2_out(client_id)
         if client_id in self.sessions:  # restored concurrently
             return self.sessions[client_id]
         self.sessions[client_id] = session
         for f in filters:
             session.filters[f.topic_filter] = f
+        session.restore_out(rows)
         # Nothing is attached until the client is (``attach``): the backlog stays in the log.
         session.parked = True
         return session
@@ -1386,6 +1544,7 @@ class MqttBroker:
         session.subs.clear()
         session.queue.clear()
         session.inflight.clear()
+        session._drop_out_state()
 
     def _forget(self, client_id: str) -> Deferred[None]:
         self.stored_ids.discard(client_id)
@@ -1394,6 +1553,7 @@ class MqttBroker:
             unwatch()
         path = f"{SESSIONS_ROOT}/{quote(client_id, safe='')}"
         self.store.delete(f"{QOS2_ROOT}/{quote(client_id, safe='')}").addErrback(lambda _: None)
+        self.store.delete(f"{QOS2_OUT_ROOT}/{quote(client_id, safe='')}").addErrback(lambda _: None)
         d = self.store.delete(path)
         d.addErrback(lambda _: None)
         return d
@@ -1501,6 +1661,81 @@ class MqttBroker:
             session.inbound_qos2.discard(pid)
             changed = session.qos2_record.pop(pid, None) is not None or changed
         return self.save_qos2(session) if changed else succeed(None)
+
+    def save_qos2_out(self, session: Session) -> Deferred[None]:
+        """Store a session's outbound QoS 2 record as it is now (deleted when empty); fire
+        once stored. One write at a time per session: calls during a write share the next."""
+        if session.released or session.ended:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        session.out_waiters.append(d)
+        if not session.out_writing:
+            self._write_qos2_out(session)
+        return d
+
+    def save_qos2_out_later(self, session: Session) -> None:
+        """Store the record within ``QOS2_OUT_LAZY_S`` (what is dropped from it is not
+        urgent: a stale row only sends a PUBREL again or skips a message already done)."""
+        if session.out_lazy is not None and session.out_lazy.active():
+            return
+
+        def write() -> None:
+            session.out_lazy = None
+            self.save_qos2_out(session).addErrback(
+                lambda f: log.warning(
+                    "writing an mqtt qos2 record failed",
+                    extra=kv(client=session.client_id, error=str(f.value)),
+                )
+            )
+
+        session.out_lazy = self.clock.callLater(QOS2_OUT_LAZY_S, write)
+
+    def _write_qos2_out(self, session: Session) -> None:
+        waiters, session.out_waiters = session.out_waiters, []
+        session.out_writing = True
+        if session.out_lazy is not None and session.out_lazy.active():
+            session.out_lazy.cancel()
+        session.out_lazy = None
+        path = f"{QOS2_OUT_ROOT}/{quote(session.client_id, safe='')}"
+        rows = [
+            [full, p.ledger_id, p.entry_id, i, pid]
+            for (full, p), got in session.qos2_out.items()
+            for i, pid in got.items()
+        ]
+        if rows:
+            d: Deferred[Any] = self.store.put(path, json.dumps(rows).encode())
+        else:
+            d = self.store.delete(path)
+            d.addErrback(lambda _: None)
+
+        def done(result: object) -> None:
+            session.out_writing = False
+            for w in waiters:
+                if isinstance(result, Failure):
+                    w.errback(result)
+                else:
+                    w.callback(None)
+            if session.ended and not session.released:
+                # Ended while writing: its record must not outlive it.
+                self.store.delete(path).addErrback(lambda _: None)
+            elif session.out_waiters:
+                self._write_qos2_out(session)
+
+        d.addBoth(done)
+
+    async def _stored_qos2_out(self, client_id: str) -> list[tuple[str, Position, int, int]]:
+        """The rows of a stored session's outbound QoS 2 record (see ``restore_out``)."""
+        got = await self.store.get(f"{QOS2_OUT_ROOT}/{quote(client_id, safe='')}")
+        if got is None:
+            return []
+        try:
+            return [
+                (str(t), Position(int(ledger), int(entry)), int(i), int(pid))
+                for t, ledger, entry, i, pid in json.loads(got.value)
+            ]
+        except (ValueError, TypeError):
+            log.warning("bad stored mqtt qos2 record dropped", extra=kv(client=client_id))
+            return []
 
     async def _restore_qos2(self, session: Session) -> None:
         """Rebuild a restored session's stored QoS 2 packet ids from its record and the log

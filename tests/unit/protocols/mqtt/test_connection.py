@@ -782,3 +782,150 @@ def test_pubrels_of_one_read_forget_their_ids_in_one_write() -> None:
     assert p.packets() == [c.PubComp(1), c.PubComp(2), c.PubComp(3)]
     assert writes == ["/mqtt/qos2/dev"]
     assert not result_of(env.store.exists("/mqtt/qos2/dev"))
+
+
+def _qos2_subscriber(env: Env, **connect: Any) -> Peer:
+    sub = env.peer("s", clean_start=False, **connect)
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 2)]))
+    sub.packets()
+    return sub
+
+
+def _publishes(got: list[c.Packet]) -> list[c.Publish]:
+    return [x for x in got if isinstance(x, c.Publish)]
+
+
+def test_qos2_delivery_pubreced_before_a_crash_gets_only_pubrel_after_restart() -> None:
+    """A QoS 2 message the client PUBRECed (PUBREL sent, no PUBCOMP) before a crash: the
+    restarted broker sends PUBREL for the same packet id on return, never the message again;
+    after PUBCOMP the entry is acknowledged, the record is gone and delivery goes on."""
+    env = Env()
+    sub = _qos2_subscriber(env)
+    env.peer("p").send(c.Publish("a/b", b"once", 2, packet_id=3))
+    (pub,) = _publishes(sub.packets())
+    assert pub.packet_id is not None
+    sub.send(c.PubRec(pub.packet_id))
+    assert sub.packets() == [c.PubRel(pub.packet_id)]
+    assert result_of(env.store.exists("/mqtt/qos2-out/s"))
+    restarted = Env(after=env)  # no clean stop: the in-memory state is gone
+    back = restarted.peer("s", clean_start=False)
+    assert back.packets() == [c.ConnAck(True, 0), c.PubRel(pub.packet_id)]
+    back.send(c.PubComp(pub.packet_id))
+    assert back.packets() == []
+    assert restarted.broker.sessions["s"].inflight == {}
+    assert restarted.factory.ledger(ML_AB).cursors["mqtt-s"].backlog() == 0
+    restarted.clock.advance(2)
+    assert not result_of(restarted.store.exists("/mqtt/qos2-out/s"))
+    restarted.peer("p2").send(c.Publish("a/b", b"next", 2, packet_id=4))
+    (nxt,) = _publishes(back.packets())
+    assert (nxt.payload, nxt.dup) == (b"next", False)
+
+
+def test_an_entry_partly_completed_before_a_crash_sends_only_its_other_messages() -> None:
+    """Three QoS 2 messages in one entry, one in flight at a time: the first PUBCOMPed, the
+    second PUBRECed when the broker crashes (nothing of the entry acknowledged). After the
+    restart the client gets PUBREL for the second and then only the third, as a new PUBLISH;
+    the entry is acknowledged once that completes."""
+    env = Env()
+    props = {c.SESSION_EXPIRY: 600, c.RECEIVE_MAXIMUM: 1}
+    sub = _qos2_subscriber(env, level=c.LEVEL_5, properties=props)
+    pub = env.peer("p")
+    pub.packets()
+    pub.conn.dataReceived(
+        b"".join(
+            c.encode(c.Publish("a/b", m, 2, packet_id=i + 1), c.LEVEL_311)
+            for i, m in enumerate([b"m0", b"m1", b"m2"])
+        )
+    )
+    assert len(env.factory.ledger(ML_AB).data.entries) == 1
+    (m0,) = _publishes(sub.packets())
+    assert m0.packet_id is not None
+    sub.send(c.PubRec(m0.packet_id))
+    sub.send(c.PubComp(m0.packet_id))
+    (rel0, m1) = sub.packets()
+    assert rel0 == c.PubRel(m0.packet_id)
+    assert isinstance(m1, c.Publish)
+    assert m1.packet_id is not None
+    assert m1.payload == b"m1"
+    sub.send(c.PubRec(m1.packet_id))
+    assert sub.packets() == [c.PubRel(m1.packet_id)]
+    restarted = Env(after=env)
+    back = restarted.peer("s", c.LEVEL_5, clean_start=False, properties=props)
+    got = back.packets()
+    assert isinstance(got[0], c.ConnAck)
+    assert got[0].session_present
+    assert got[1:] == [c.PubRel(m1.packet_id)]
+    back.send(c.PubComp(m1.packet_id))
+    (m2,) = _publishes(back.packets())
+    assert (m2.payload, m2.dup) == (b"m2", False)
+    assert m2.packet_id is not None
+    ml = restarted.factory.ledger(ML_AB)
+    assert ml.cursors["mqtt-s"].backlog() == 3
+    back.send(c.PubRec(m2.packet_id))
+    back.send(c.PubComp(m2.packet_id))
+    assert back.packets() == [c.PubRel(m2.packet_id)]
+    assert ml.cursors["mqtt-s"].backlog() == 0
+
+
+def test_a_stale_record_of_an_acknowledged_entry_is_dropped_after_a_restart() -> None:
+    """An entry completed and durably acknowledged whose record was not yet rewritten when
+    the broker crashed: on return its PUBREL comes again (the client answers PUBCOMP), the
+    cursor passes the entry over, and its record is dropped once the cursor has delivered a
+    later entry and the PUBCOMP came."""
+    env = Env()
+    sub = _qos2_subscriber(env)
+    env.peer("p").send(c.Publish("a/b", b"done", 2, packet_id=3))
+    (pub,) = _publishes(sub.packets())
+    assert pub.packet_id is not None
+    sub.send(c.PubRec(pub.packet_id))
+    sub.send(c.PubComp(pub.packet_id))
+    assert sub.packets() == [c.PubRel(pub.packet_id)]
+    sub.send(c.Disconnect())  # the cursor's acknowledgement is stored; the record not yet
+    assert result_of(env.store.exists("/mqtt/qos2-out/s"))
+    restarted = Env(after=env)
+    restarted.peer("p").send(c.Publish("a/b", b"later", 2, packet_id=4))
+    back = restarted.peer("s", clean_start=False)
+    got = back.packets()
+    assert got[0] == c.ConnAck(True, 0)
+    assert got[1] == c.PubRel(pub.packet_id)
+    assert [x.payload for x in _publishes(got[2:])] == [b"later"]
+    session = restarted.broker.sessions["s"]
+    assert session.qos2_out  # the stale row waits for its PUBCOMP
+    back.send(c.PubComp(pub.packet_id))
+    assert (session.held, session.qos2_out, session.restored_out) == ({}, {}, {})
+    restarted.clock.advance(2)
+    assert not result_of(restarted.store.exists("/mqtt/qos2-out/s"))
+
+
+def test_pubrecs_of_one_read_are_recorded_in_one_write_before_their_pubrels() -> None:
+    """Three PUBRECs in one read of a persistent session: one write of the outbound QoS 2
+    record, then the three PUBRELs in order; a clean session records nothing."""
+    env = Env()
+    sub = _qos2_subscriber(env)
+    pub = env.peer("p")
+    pub.packets()
+    for i in (1, 2, 3):
+        pub.send(c.Publish("a/b", b"%d" % i, 2, packet_id=i))
+    pids = [x.packet_id or 0 for x in _publishes(sub.packets())]
+    assert len(pids) == 3
+    writes: list[str] = []
+    real_put = env.store.put
+
+    def put(path: str, *args: Any, **kwargs: Any) -> Any:
+        writes.append(path)
+        return real_put(path, *args, **kwargs)
+
+    env.store.put = put  # type: ignore[method-assign]
+    sub.conn.dataReceived(b"".join(c.encode(c.PubRec(pid)) for pid in pids))
+    assert sub.packets() == [c.PubRel(pid) for pid in pids]
+    assert writes == ["/mqtt/qos2-out/s"]
+    clean = env.peer("cl")
+    clean.send(c.Subscribe(1, [c.Subscription("a/b", 2)]))
+    clean.packets()
+    pub.send(c.Publish("a/b", b"x", 2, packet_id=9))
+    (x,) = _publishes(clean.packets())
+    assert x.packet_id is not None
+    writes.clear()
+    clean.send(c.PubRec(x.packet_id))
+    assert clean.packets() == [c.PubRel(x.packet_id)]
+    assert writes == []
