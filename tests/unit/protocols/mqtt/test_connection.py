@@ -929,3 +929,63 @@ def test_pubrecs_of_one_read_are_recorded_in_one_write_before_their_pubrels() ->
     clean.send(c.PubRec(x.packet_id))
     assert clean.packets() == [c.PubRel(x.packet_id)]
     assert writes == []
+
+
+def test_a_pubrec_whose_record_cannot_be_written_gets_no_pubrel() -> None:
+    """When the record of a PUBREC cannot be written the connection closes without PUBREL;
+    the returning client gets the PUBLISH again with DUP, and its new PUBREC gets PUBREL."""
+    from twisted.internet.defer import fail
+
+    env = Env()
+    sub = _qos2_subscriber(env)
+    env.peer("p").send(c.Publish("a/b", b"x", 2, packet_id=3))
+    (pub,) = _publishes(sub.packets())
+    assert pub.packet_id is not None
+    real_put = env.store.put
+
+    def failing(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path.startswith("/mqtt/qos2-out/"):
+            return fail(RuntimeError("metadata store down"))
+        return real_put(path, *args, **kwargs)
+
+    env.store.put = failing  # type: ignore[method-assign]
+    sub.send(c.PubRec(pub.packet_id))
+    assert sub.packets() == []
+    assert sub.closed
+    env.store.put = real_put  # type: ignore[method-assign]
+    back = env.peer("s", clean_start=False)
+    got = back.packets()
+    assert got[0] == c.ConnAck(True, 0)
+    (again,) = _publishes(got[1:])
+    assert (again.payload, again.dup, again.packet_id) == (b"x", True, pub.packet_id)
+    back.send(c.PubRec(pub.packet_id))
+    assert back.packets() == [c.PubRel(pub.packet_id)]
+    assert result_of(env.store.exists("/mqtt/qos2-out/s"))
+
+
+def test_unsubscribing_drops_the_record_of_the_topic() -> None:
+    """An UNSUBSCRIBE forgets the recorded QoS 2 deliveries of the topics it no longer
+    covers; ending the session deletes the record."""
+    env = Env()
+    sub = _qos2_subscriber(env)
+    env.peer("p").send(c.Publish("a/b", b"x", 2, packet_id=3))
+    (pub,) = _publishes(sub.packets())
+    assert pub.packet_id is not None
+    sub.send(c.PubRec(pub.packet_id))
+    sub.packets()
+    session = env.broker.sessions["s"]
+    assert session.qos2_out
+    sub.send(c.Unsubscribe(2, ["a/b"]))
+    sub.packets()
+    assert session.qos2_out == {}
+    env.clock.advance(2)
+    assert not result_of(env.store.exists("/mqtt/qos2-out/s"))
+    sub.send(c.Subscribe(3, [c.Subscription("a/b", 2)]))
+    env.peer("p").send(c.Publish("a/b", b"y", 2, packet_id=4))
+    (y,) = _publishes(sub.packets())
+    assert y.packet_id is not None
+    sub.send(c.PubRec(y.packet_id))
+    assert result_of(env.store.exists("/mqtt/qos2-out/s"))
+    sub.send(c.Disconnect())
+    env.peer("s", clean_start=True)
+    assert not result_of(env.store.exists("/mqtt/qos2-out/s"))
