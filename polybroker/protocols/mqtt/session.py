@@ -27,7 +27,7 @@ another protocol is delivered as QoS 1.
 Durable state in the metadata store: ``/mqtt/sessions/<client id>`` (a persistent session's
 filters), ``/mqtt/retained/<topic>`` (each retained message), ``/mqtt/qos2/<client id>``
 (a persistent session's inbound QoS 2 packet ids awaiting PUBREL) and
-``/mqtt/qos2-out/<client id>`` (its outbound QoS 2 messages the client has), names
+``/mqtt/qos2-out/<client id>/<n>`` (its outbound QoS 2 messages the client has), names
 percent-encoded.
 
 Exactly-once inbound (persistent sessions), across a crash: before a QoS 2 message is stored,
@@ -40,12 +40,16 @@ stored again; one not found was never stored and is forgotten (the resend stores
 Exactly-once outbound (persistent sessions, the client's own subscriptions), across a crash:
 an entry is acknowledged only once all its messages are done, and durably at the cursor's
 pace. So at PUBREC, before PUBREL, each message the client now has is recorded as (topic,
-position, index in the entry, packet id) in ``/mqtt/qos2-out`` (one write per read of the
-client's bytes); PUBCOMP marks it done (packet id 0) and the entry's durable acknowledgement
-drops it (written lazily). Restoring the session puts each recorded message in flight as
-released (PUBREL is sent again for its packet id on attach, never the message) and, when the
-cursor delivers its entry again, sends only the entry's other messages. A recorded entry the
-cursor passes over without delivering it was acknowledged before the crash: its record goes.
+position, index in the entry, packet id): the PUBRECs of one read of the client's bytes make
+one small node ``/mqtt/qos2-out/<client id>/<n>`` (n increasing), deleted once every entry it
+names is durably acknowledged, so a write costs what its read brought, not what is in flight.
+PUBCOMP is not written: a restored row whose packet id a later node reuses was completed (ids
+are reused only after PUBCOMP); any other restored row counts as awaiting PUBCOMP. Restoring
+the session puts each such message in flight as released (PUBREL is sent again for its packet
+id on attach, never the message; a client answers PUBCOMP even for an id it completed) and,
+when the cursor delivers its entry again, sends only the entry's other messages. A recorded
+entry the cursor passes over without delivering it was acknowledged before the crash: its
+record goes.
 """
 
 from __future__ import annotations
@@ -94,8 +98,6 @@ SESSIONS_ROOT = "/mqtt/sessions"
 RETAINED_ROOT = "/mqtt/retained"
 QOS2_ROOT = "/mqtt/qos2"
 QOS2_OUT_ROOT = "/mqtt/qos2-out"
-#: How long after a recorded outbound QoS 2 message is dropped its record is written again.
-QOS2_OUT_LAZY_S = 1.0
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
 #: Entries (and their bytes) whose messages ``MqttBroker.written`` keeps at most.
@@ -481,10 +483,14 @@ class Session:
         self.restored_out: dict[str, set[Position]] = {}
         #: Restored entries the cursor passed over whose messages are still in flight.
         self._stale_out: set[tuple[str, Position]] = set()
-        # Writes of the ``qos2_out`` record: one at a time; the next one's waiters.
-        self.out_writing = False
-        self.out_waiters: list[Deferred[None]] = []
-        self.out_lazy: IDelayedCall | None = None
+        #: Rows recorded since the last write: (topic, position), index, packet id.
+        self.out_new: list[tuple[tuple[str, Position], int, int]] = []
+        #: The stored nodes of the record: number -> the entries it names still recorded,
+        #: and the other way round; the nodes being written; the next node's number.
+        self.out_nodes: dict[int, set[tuple[str, Position]]] = {}
+        self.out_key_nodes: dict[tuple[str, Position], set[int]] = {}
+        self.out_writing: set[int] = set()
+        self.out_seq = 0
         self.ended = False
         #: When an absent session expires (epoch ms; None while connected or never).
         self.expires_at_ms: int | None = None
@@ -612,11 +618,21 @@ class Session:
         if self.qos2_out:
             gone = [k for k in self.qos2_out if k not in self.held and not self._subscribed(k[0])]
             for k in gone:
-                del self.qos2_out[k]
+                self.drop_out(k)
                 self.restored_out.pop(k[0], None)
-            if gone:
-                self.broker.save_qos2_out_later(self)
         return True
+
+    def drop_out(self, key: tuple[str, Position]) -> None:
+        """Forget the recorded messages of entry ``key``; delete nodes left naming nothing."""
+        self.qos2_out.pop(key, None)
+        for seq in self.out_key_nodes.pop(key, ()):
+            keys = self.out_nodes.get(seq)
+            if keys is None:
+                continue
+            keys.discard(key)
+            if not keys:
+                del self.out_nodes[seq]
+                self.broker.delete_qos2_out_node(self, seq)
 
     def _subscribed(self, full: str) -> bool:
         """Whether one of the client's own filters matches topic (or partition) ``full``."""
@@ -919,7 +935,9 @@ class Session:
             or not track.sub.durable
         ):
             return False
-        self.qos2_out.setdefault((track.sub.full, track.position), {})[out.index] = pid
+        key = (track.sub.full, track.position)
+        self.qos2_out.setdefault(key, {})[out.index] = pid
+        self.out_new.append((key, out.index, pid))
         return True
 
     def on_pubcomp(self, pid: int) -> None:
@@ -940,13 +958,11 @@ class Session:
         got[out.index] = 0
         if key in self._stale_out and not any(got.values()):
             self._stale_out.discard(key)
-            del self.qos2_out[key]
-            self.broker.save_qos2_out_later(self)
+            self.drop_out(key)
 
     def qos2_acked(self, key: tuple[str, Position]) -> None:
-        """The entry ``key`` is durably acknowledged: its record goes (written lazily)."""
-        if self.qos2_out.pop(key, None) is not None:
-            self.broker.save_qos2_out_later(self)
+        """The entry ``key`` is durably acknowledged: its record goes."""
+        self.drop_out(key)
 
     def passed_restored(self, full: str, position: Position) -> None:
         """The cursor of ``full`` delivers ``position``: restored entries before it that it did
@@ -955,7 +971,6 @@ class Session:
         if not waiting:
             return
         waiting.discard(position)
-        changed = False
         for p in [p for p in waiting if p < position]:
             waiting.discard(p)
             self.held.pop((full, None, p), None)
@@ -964,19 +979,29 @@ class Session:
             if got is not None and any(got.values()):
                 self._stale_out.add(key)  # dropped at the last PUBCOMP
             elif got is not None:
-                del self.qos2_out[key]
-                changed = True
+                self.drop_out(key)
         if not waiting:
             del self.restored_out[full]
-        if changed:
-            self.broker.save_qos2_out_later(self)
 
-    def restore_out(self, rows: Iterable[tuple[str, Position, int, int]]) -> None:
-        """Rebuild the outbound QoS 2 state from its record: every recorded message counts
-        as handed over (``held``), and those awaiting PUBCOMP are in flight as released."""
-        for full, pos, index, pid in rows:
-            if 0 <= index < 65536 and 0 <= pid <= 65535:
-                self.qos2_out.setdefault((full, pos), {})[index] = pid
+    def restore_out(self, nodes: list[tuple[int, list[tuple[str, Position, int, int]]]]) -> None:
+        """Rebuild the outbound QoS 2 state from its record's nodes (ascending): every
+        recorded message counts as handed over (``held``), and those awaiting PUBCOMP are in
+        flight as released."""
+        owner: dict[int, tuple[tuple[str, Position], int]] = {}
+        for seq, rows in nodes:
+            self.out_seq = max(self.out_seq, seq + 1)
+            for full, pos, index, pid in rows:
+                if not (0 <= index < 65536 and 0 <= pid <= 65535):
+                    continue
+                key = (full, pos)
+                if pid:
+                    earlier = owner.get(pid)
+                    if earlier is not None and earlier != (key, index):
+                        self.qos2_out[earlier[0]][earlier[1]] = 0  # completed, id reused
+                    owner[pid] = (key, index)
+                self.qos2_out.setdefault(key, {})[index] = pid
+                self.out_nodes.setdefault(seq, set()).add(key)
+                self.out_key_nodes.setdefault(key, set()).add(seq)
         subs: dict[str, TopicSub] = {}
         for (full, pos), got in self.qos2_out.items():
             sub = subs.get(full)
@@ -1146,9 +1171,9 @@ class Session:
         self.qos2_out.clear()
         self.restored_out.clear()
         self._stale_out.clear()
-        if self.out_lazy is not None and self.out_lazy.active():
-            self.out_lazy.cancel()
-        self.out_lazy = None
+        self.out_new.clear()
+        self.out_nodes.clear()
+        self.out_key_nodes.clear()
 
     def snapshot(self) -> bytes:
         return json.dumps(
@@ -1346,7 +1371,7 @@ class MqttBroker:
                 call.cancel()
         self._stored_expiry.clear()
         for session in list(self.sessions.values()):
-            for call in (session._expiry_call, session.will_call, session.out_lazy):
+            for call in (session._expiry_call, session.will_call):
                 if call is not None and call.active():
                     call.cancel()
 
@@ -1462,13 +1487,13 @@ class MqttBroker:
             await self._forget(client_id)
             return None
         await self._restore_qos2(session)
-        rows = await self._stored_qos2_out(client_id)
+        out_nodes = await self._stored_qos2_out(client_id)
         if client_id in self.sessions:  # restored concurrently
             return self.sessions[client_id]
         self.sessions[client_id] = session
         for f in filters:
             session.filters[f.topic_filter] = f
-        session.restore_out(rows)
+        session.restore_out(out_nodes)
         # Nothing is attached until the client is (``attach``): the backlog stays in the log.
         session.parked = True
         return session
@@ -1553,7 +1578,7 @@ class MqttBroker:
             unwatch()
         path = f"{SESSIONS_ROOT}/{quote(client_id, safe='')}"
         self.store.delete(f"{QOS2_ROOT}/{quote(client_id, safe='')}").addErrback(lambda _: None)
-        self.store.delete(f"{QOS2_OUT_ROOT}/{quote(client_id, safe='')}").addErrback(lambda _: None)
+        Deferred.fromCoroutine(self._delete_qos2_out(client_id)).addErrback(lambda _: None)
         d = self.store.delete(path)
         d.addErrback(lambda _: None)
         return d
@@ -1662,80 +1687,75 @@ class MqttBroker:
             changed = session.qos2_record.pop(pid, None) is not None or changed
         return self.save_qos2(session) if changed else succeed(None)
 
+    def _qos2_out_path(self, client_id: str, seq: int | None = None) -> str:
+        path = f"{QOS2_OUT_ROOT}/{quote(client_id, safe='')}"
+        return path if seq is None else f"{path}/{seq:010d}"
+
     def save_qos2_out(self, session: Session) -> Deferred[None]:
-        """Store a session's outbound QoS 2 record as it is now (deleted when empty); fire
-        once stored. One write at a time per session: calls during a write share the next."""
-        if session.released or session.ended:
+        """Store the rows recorded since the last call as the record's next node; fire once
+        stored (at once when there are none)."""
+        rows = [r for r in session.out_new if r[0] in session.qos2_out]
+        session.out_new = []
+        if not rows or session.released or session.ended:
             return succeed(None)
-        d: Deferred[None] = Deferred()
-        session.out_waiters.append(d)
-        if not session.out_writing:
-            self._write_qos2_out(session)
+        seq = session.out_seq
+        session.out_seq += 1
+        keys = {key for key, _, _ in rows}
+        session.out_nodes[seq] = keys
+        for key in keys:
+            session.out_key_nodes.setdefault(key, set()).add(seq)
+        session.out_writing.add(seq)
+        path = self._qos2_out_path(session.client_id, seq)
+        doc = [[full, p.ledger_id, p.entry_id, i, pid] for (full, p), i, pid in rows]
+        d: Deferred[Any] = self.store.put(path, json.dumps(doc).encode())
+
+        def written(result: object) -> object:
+            session.out_writing.discard(seq)
+            if not session.released and (session.ended or seq not in session.out_nodes):
+                # Dropped (or the session ended) while being written: it must not stay.
+                self.store.delete(path).addErrback(lambda _: None)
+            return result
+
+        d.addBoth(written)
+        d.addCallback(lambda _: None)
         return d
 
-    def save_qos2_out_later(self, session: Session) -> None:
-        """Store the record within ``QOS2_OUT_LAZY_S`` (what is dropped from it is not
-        urgent: a stale row only sends a PUBREL again or skips a message already done)."""
-        if session.out_lazy is not None and session.out_lazy.active():
+    def delete_qos2_out_node(self, session: Session, seq: int) -> None:
+        """Delete a node of the record that names nothing any more (one being written is
+        deleted when its write completes)."""
+        if seq in session.out_writing or session.released:
             return
+        self.store.delete(self._qos2_out_path(session.client_id, seq)).addErrback(lambda _: None)
 
-        def write() -> None:
-            session.out_lazy = None
-            self.save_qos2_out(session).addErrback(
-                lambda f: log.warning(
-                    "writing an mqtt qos2 record failed",
-                    extra=kv(client=session.client_id, error=str(f.value)),
-                )
-            )
+    async def _delete_qos2_out(self, client_id: str) -> None:
+        path = self._qos2_out_path(client_id)
+        for child in await self.store.children(path):
+            with contextlib.suppress(Exception):
+                await self.store.delete(f"{path}/{child}")
+        with contextlib.suppress(Exception):
+            await self.store.delete(path)
 
-        session.out_lazy = self.clock.callLater(QOS2_OUT_LAZY_S, write)
-
-    def _write_qos2_out(self, session: Session) -> None:
-        waiters, session.out_waiters = session.out_waiters, []
-        session.out_writing = True
-        if session.out_lazy is not None and session.out_lazy.active():
-            session.out_lazy.cancel()
-        session.out_lazy = None
-        path = f"{QOS2_OUT_ROOT}/{quote(session.client_id, safe='')}"
-        rows = [
-            [full, p.ledger_id, p.entry_id, i, pid]
-            for (full, p), got in session.qos2_out.items()
-            for i, pid in got.items()
-        ]
-        if rows:
-            d: Deferred[Any] = self.store.put(path, json.dumps(rows).encode())
-        else:
-            d = self.store.delete(path)
-            d.addErrback(lambda _: None)
-
-        def done(result: object) -> None:
-            session.out_writing = False
-            for w in waiters:
-                if isinstance(result, Failure):
-                    w.errback(result)
-                else:
-                    w.callback(None)
-            if session.ended and not session.released:
-                # Ended while writing: its record must not outlive it.
-                self.store.delete(path).addErrback(lambda _: None)
-            elif session.out_waiters:
-                self._write_qos2_out(session)
-
-        d.addBoth(done)
-
-    async def _stored_qos2_out(self, client_id: str) -> list[tuple[str, Position, int, int]]:
-        """The rows of a stored session's outbound QoS 2 record (see ``restore_out``)."""
-        got = await self.store.get(f"{QOS2_OUT_ROOT}/{quote(client_id, safe='')}")
-        if got is None:
-            return []
-        try:
-            return [
-                (str(t), Position(int(ledger), int(entry)), int(i), int(pid))
-                for t, ledger, entry, i, pid in json.loads(got.value)
-            ]
-        except (ValueError, TypeError):
-            log.warning("bad stored mqtt qos2 record dropped", extra=kv(client=client_id))
-            return []
+    async def _stored_qos2_out(
+        self, client_id: str
+    ) -> list[tuple[int, list[tuple[str, Position, int, int]]]]:
+        """The nodes of a stored session's outbound QoS 2 record, ascending (see
+        ``restore_out``); a node that does not decode is skipped."""
+        path = self._qos2_out_path(client_id)
+        out = []
+        for child in await self.store.children(path):
+            got = await self.store.get(f"{path}/{child}")
+            if got is None:
+                continue
+            try:
+                rows = [
+                    (str(t), Position(int(ledger), int(entry)), int(i), int(pid))
+                    for t, ledger, entry, i, pid in json.loads(got.value)
+                ]
+                out.append((int(child), rows))
+            except (ValueError, TypeError):
+                log.warning("bad stored mqtt qos2 record skipped", extra=kv(client=client_id))
+        out.sort(key=lambda n: n[0])
+        return out
 
     async def _restore_qos2(self, session: Session) -> None:
         """Rebuild a restored session's stored QoS 2 packet ids from its record and the log
