@@ -491,6 +491,9 @@ class Session:
         self.out_key_nodes: dict[tuple[str, Position], set[int]] = {}
         self.out_writing: set[int] = set()
         self.out_seq = 0
+        #: Waiting for the next node, written once the one being written is stored (so a
+        #: busy client's PUBRECs are grouped as the store's writes allow).
+        self.out_waiters: list[Deferred[None]] = []
         self.ended = False
         #: When an absent session expires (epoch ms; None while connected or never).
         self.expires_at_ms: int | None = None
@@ -1174,6 +1177,9 @@ class Session:
         self.out_new.clear()
         self.out_nodes.clear()
         self.out_key_nodes.clear()
+        waiters, self.out_waiters = self.out_waiters, []
+        for w in waiters:
+            w.callback(None)
 
     def snapshot(self) -> bytes:
         return json.dumps(
@@ -1692,12 +1698,25 @@ class MqttBroker:
         return path if seq is None else f"{path}/{seq:010d}"
 
     def save_qos2_out(self, session: Session) -> Deferred[None]:
-        """Store the rows recorded since the last call as the record's next node; fire once
-        stored (at once when there are none)."""
+        """Store the rows recorded so far as the record's next node; fire once stored (at
+        once when there are none). While a node is being written the next one waits for it,
+        taking every row recorded meanwhile."""
+        if not session.out_new or session.released or session.ended:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        session.out_waiters.append(d)
+        if not session.out_writing:
+            self._write_qos2_out_node(session)
+        return d
+
+    def _write_qos2_out_node(self, session: Session) -> None:
+        waiters, session.out_waiters = session.out_waiters, []
         rows = [r for r in session.out_new if r[0] in session.qos2_out]
         session.out_new = []
         if not rows or session.released or session.ended:
-            return succeed(None)
+            for w in waiters:
+                w.callback(None)
+            return
         seq = session.out_seq
         session.out_seq += 1
         keys = {key for key, _, _ in rows}
@@ -1709,16 +1728,20 @@ class MqttBroker:
         doc = [[full, p.ledger_id, p.entry_id, i, pid] for (full, p), i, pid in rows]
         d: Deferred[Any] = self.store.put(path, json.dumps(doc).encode())
 
-        def written(result: object) -> object:
+        def written(result: object) -> None:
             session.out_writing.discard(seq)
             if not session.released and (session.ended or seq not in session.out_nodes):
                 # Dropped (or the session ended) while being written: it must not stay.
                 self.store.delete(path).addErrback(lambda _: None)
-            return result
+            for w in waiters:
+                if isinstance(result, Failure):
+                    w.errback(result)
+                else:
+                    w.callback(None)
+            if session.out_waiters:
+                self._write_qos2_out_node(session)
 
         d.addBoth(written)
-        d.addCallback(lambda _: None)
-        return d
 
     def delete_qos2_out_node(self, session: Session, seq: int) -> None:
         """Delete a node of the record that names nothing any more (one being written is

@@ -1002,3 +1002,45 @@ def test_unsubscribing_drops_the_record_of_the_topic() -> None:
     sub.send(c.Disconnect())
     env.peer("s", clean_start=True)
     assert not result_of(env.store.exists("/mqtt/qos2-out/s"))
+
+
+def test_pubrecs_arriving_while_their_record_is_written_share_the_next_write() -> None:
+    """While one node of the record is being written, the PUBRECs of the next reads wait
+    and are recorded together in one more node; each read's PUBRELs leave once their own
+    node is stored."""
+    env = Env()
+    sub = _qos2_subscriber(env)
+    pub = env.peer("p")
+    pub.packets()
+    for i in (1, 2, 3):
+        pub.send(c.Publish("a/b", b"%d" % i, 2, packet_id=i))
+    pids = [x.packet_id or 0 for x in _publishes(sub.packets())]
+    assert len(pids) == 3
+    held: list[tuple[str, Deferred[Any]]] = []
+    real_put = env.store.put
+
+    def slow_put(path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
+        if not path.startswith("/mqtt/qos2-out/"):
+            return real_put(path, value, *args, **kwargs)
+        d: Deferred[Any] = Deferred()
+        held.append((path, d))
+        d.addCallback(lambda _: result_of(real_put(path, value, *args, **kwargs)))
+        return d
+
+    env.store.put = slow_put  # type: ignore[method-assign]
+    sub.send(c.PubRec(pids[0]))
+    sub.send(c.PubRec(pids[1]))
+    sub.send(c.PubRec(pids[2]))
+    assert [p for p, _ in held] == ["/mqtt/qos2-out/s/0000000000"]
+    assert sub.packets() == []
+    held[0][1].callback(None)
+    assert sub.packets() == [c.PubRel(pids[0])]
+    assert [p for p, _ in held] == [
+        "/mqtt/qos2-out/s/0000000000",
+        "/mqtt/qos2-out/s/0000000001",
+    ]
+    held[1][1].callback(None)
+    assert sub.packets() == [c.PubRel(pids[1]), c.PubRel(pids[2])]
+    for pid in pids:
+        sub.send(c.PubComp(pid))
+    assert _out_nodes(env) == []
