@@ -21,6 +21,13 @@ def _add_bookie(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--port", type=int, default=None, help="listen port (bookiePort; 0 = any)")
     p.add_argument("--bind", default=None, help="bind address (bindAddress)")
     p.add_argument("--metadata", default=None, help="metadata store URL to register with")
+    p.add_argument(
+        "--allow-address-change",
+        action="store_true",
+        default=None,
+        help="serve this data dir under a new address (allowBookieAddressChange): ledgers that "
+        "name the old address lose this copy and are re-replicated from their other copies",
+    )
     p.add_argument("--config", default=None, help="broker.conf-style key=value file")
 
     def run(args: argparse.Namespace) -> int:

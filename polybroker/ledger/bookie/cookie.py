@@ -162,9 +162,10 @@ def check_address(cookie: Cookie, address: str, *, allow_change: bool = False) -
             f"this data dir is bookie {cookie.instance_id} at {cookie.address}, not {address}: "
             "ledgers name their bookies by address, so its data would be unreachable under "
             f"the new one. Start it as {cookie.address} again (same port, bind address and "
-            "advertisedAddress), or set allowBookieAddressChange=true to move it (ledgers "
-            f"that name {cookie.address} then lose that copy: a cluster's auditor re-replicates "
-            "them from their other copies; a ledger with no other copy becomes unreadable)"
+            "advertisedAddress), or set allowBookieAddressChange=true (--allow-address-change) "
+            f"to move it (ledgers that name {cookie.address} then lose that copy: a cluster's "
+            "auditor re-replicates them from their other copies; a ledger with no other copy "
+            "becomes unreadable)"
         )
     return replace(cookie, address=address)
 

@@ -158,6 +158,7 @@ def run_bookie(args: argparse.Namespace) -> int:
                 "bookiePort": args.port,
                 "bindAddress": args.bind,
                 "metadataStoreUrl": args.metadata,
+                "allowBookieAddressChange": getattr(args, "allow_address_change", None),
             },
         )
         logs.setup(config["logLevel"], config["logFormat"])
