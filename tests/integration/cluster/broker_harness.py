@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster_harness import wait_for_line
+from standalone_process import wait_for_line
 
 READY = "polybroker broker ready "
 #: Short ZooKeeper sessions, so a killed broker's bundles are free within seconds.

@@ -11,7 +11,6 @@ can also read what one bookie itself holds.
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from standalone_process import wait_for_line
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
@@ -35,34 +35,6 @@ async def eventually(check: Callable[[], bool], timeout: float, what: str) -> fl
         assert time.monotonic() - start < timeout, f"{what}: not within {timeout}s"
         await deferLater(reactor, 0.01, lambda: None)
     return time.monotonic() - start
-
-
-def wait_for_line(
-    process: subprocess.Popen[bytes], marker: str, log: Path, timeout: float, what: str
-) -> str:
-    """The first line ``process`` prints on stdout that starts with ``marker`` (bounded); the
-    process is killed if it takes longer, and its log is in the error if it exits first."""
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    seen = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(process.stdout, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                process.kill()
-                process.wait(10)
-                raise TimeoutError(f"{what} did not start in {timeout}s: {log.read_text()}")
-            if not sel.select(remaining):
-                continue
-            chunk = os.read(process.stdout.fileno(), 4096)
-            if not chunk:
-                code = process.wait(10)
-                raise RuntimeError(f"{what} exited with {code}: {log.read_text()}")
-            seen += chunk
-            for line in seen.decode(errors="replace").splitlines():
-                if line.startswith(marker):
-                    return line
 
 
 @dataclass

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import selectors
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -16,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pulsar
-
-_READY = "polybroker standalone ready "
+from standalone_process import start_standalone
 
 
 @dataclass
@@ -39,40 +34,14 @@ def start_broker(
     data_dir: Path, log: Path, timeout: float = 60, config: dict[str, str] | None = None
 ) -> Broker:
     """Start ``polybroker standalone`` on free ports (with ``config`` keys, if given)."""
-    cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
-    if config:
-        conf = log.with_suffix(".conf")
-        conf.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
-        cmd += ["--config", str(conf)]
-    for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
-        cmd += [flag, "0"]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buffered = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(deadline - time.monotonic()):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            buffered += chunk
-            for line in buffered.decode(errors="replace").splitlines():
-                if line.startswith(_READY):
-                    ports = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
-                    return Broker(
-                        proc,
-                        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
-                        f"http://127.0.0.1:{ports['webServicePort']}",
-                        log,
-                        ports.get("kafkaListenerPort", 0),
-                    )
-    proc.kill()
-    proc.wait(10)
-    raise RuntimeError(f"standalone not ready: {log.read_text(errors='replace')[-2000:]}")
+    proc, ports = start_standalone(data_dir, log, dict(config or {}), timeout)
+    return Broker(
+        proc,
+        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
+        f"http://127.0.0.1:{ports['webServicePort']}",
+        log,
+        ports.get("kafkaListenerPort", 0),
+    )
 
 
 def wait_healthy(broker: Broker, timeout: float = 30) -> None:

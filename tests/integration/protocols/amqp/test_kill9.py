@@ -4,12 +4,8 @@ embedded metadata store) is killed and restarted on the same data directory."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import selectors
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -17,57 +13,21 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-
-READY = "polybroker standalone ready "
-
+from standalone_process import start_standalone, stop_process
 
 WEB_PORTS: dict[int, int] = {}  # AMQP port -> admin HTTP port of the same standalone
 
 
-def start(
-    data_dir: Path, log: Path, timeout_s: float = 60.0
-) -> tuple[subprocess.Popen[bytes], int]:
+def start(data_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start a standalone with AMQP on a free port; return it and its AMQP port (its admin
     HTTP port is in ``WEB_PORTS``)."""
-    conf = data_dir.parent / "broker.conf"
-    conf.write_text("messagingProtocols=amqp\n")
-    cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
-    for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
-        cmd += [flag, "0"]
-    cmd += ["--config", str(conf)]
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    seen = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(deadline - time.monotonic()):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            seen += chunk
-            for line in seen.decode(errors="replace").splitlines():
-                if line.startswith(READY):
-                    port = int(re.findall(r"amqpListenerPort=(\d+)", line)[0])
-                    WEB_PORTS[port] = int(re.findall(r"webServicePort=(\d+)", line)[0])
-                    return proc, port
-    stop(proc, signal.SIGKILL)
-    raise RuntimeError(f"standalone not ready: {log.read_text()[-2000:]}")
+    proc, ports = start_standalone(data_dir, log, {"messagingProtocols": "amqp"})
+    WEB_PORTS[ports["amqpListenerPort"]] = ports["webServicePort"]
+    return proc, ports["amqpListenerPort"]
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    stop_process(proc, sig)
 
 
 def admin(port: int, path: str) -> object:

@@ -6,14 +6,10 @@ consumer see every record exactly once."""
 
 from __future__ import annotations
 
-import os
-import re
-import selectors
 import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,57 +19,28 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from kafka.protocol.producer import ProduceRequest
 from kafka.record.memory_records import MemoryRecordsBuilder
+from standalone_process import start_standalone, stop_process
 
 from polybroker.protocols.kafka import codec as c
 
-READY = "polybroker standalone ready "
 TOPIC = "idem"
 PID, EPOCH = 4242, 0
 
 
-def start(data_dir: Path, entry_format: str, log: Path, timeout_s: float = 60.0) -> Any:
+def start(data_dir: Path, entry_format: str, log: Path) -> tuple[Any, int]:
     """A standalone serving Kafka on a free port; returns (process, Kafka port)."""
-    conf = data_dir.parent / "broker.conf"
     # Kafka consumers read by offset: keep what no subscription holds (as Kafka does).
-    conf.write_text(
-        f"messagingProtocols=kafka\nkafkaEntryFormat={entry_format}\n"
-        "defaultRetentionTimeInMinutes=-1\n"
-    )
-    cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
-    for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
-        cmd += [flag, "0"]
-    cmd += ["--config", str(conf)]
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    seen = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(deadline - time.monotonic()):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            seen += chunk
-            for line in seen.decode(errors="replace").splitlines():
-                if line.startswith(READY):
-                    return proc, int(re.findall(r"kafkaListenerPort=(\d+)", line)[0])
-    kill(proc)
-    raise RuntimeError(f"standalone not ready: {log.read_text()[-2000:]}")
+    config = {
+        "messagingProtocols": "kafka",
+        "kafkaEntryFormat": entry_format,
+        "defaultRetentionTimeInMinutes": -1,
+    }
+    proc, ports = start_standalone(data_dir, log, config)
+    return proc, ports["kafkaListenerPort"]
 
 
 def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    stop_process(proc, sig)
 
 
 def records(seq: int, n: int) -> bytes:
