@@ -693,16 +693,7 @@ class Session:
         self.subs[key] = sub
         durable = group is not None or self.persistent or self.durable_subs
         sub.durable = durable
-        d = self.broker.service.subscribe(
-            full,
-            sub.subscription,
-            sub,
-            SubType.SHARED if group is not None else SubType.EXCLUSIVE,
-            InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
-            durable=durable,
-            create_topic=create,
-            forward=True,
-        )
+        d = self._subscribe(sub, group, not_before_ms, durable, create)
 
         def attached(server: ConsumerHandle) -> None:
             sub.server = server
@@ -743,6 +734,27 @@ class Session:
         d.addCallbacks(attached, failed)
         return d
 
+    def _subscribe(
+        self,
+        sub: TopicSub,
+        group: str | None,
+        not_before_ms: int | None,
+        durable: bool,
+        create: bool,
+    ) -> Deferred[ConsumerHandle]:
+        """Attach ``sub`` to its topic (forwarded to the owner in a cluster): a shared
+        subscription for a ``$share`` group, from the earliest entry when a start time is set."""
+        return self.broker.service.subscribe(
+            sub.full,
+            sub.subscription,
+            sub,
+            SubType.SHARED if group is not None else SubType.EXCLUSIVE,
+            InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
+            durable=durable,
+            create_topic=create,
+            forward=True,
+        )
+
     def _touch_sub(
         self,
         full: str,
@@ -756,16 +768,7 @@ class Session:
         consumer that never reads."""
         sub = TopicSub(self, full, name, group, self.broker.next_consumer_id(), 0)
         sub.closed = True
-        d = self.broker.service.subscribe(
-            full,
-            sub.subscription,
-            sub,
-            SubType.SHARED if group is not None else SubType.EXCLUSIVE,
-            InitialPosition.EARLIEST if not_before_ms is not None else InitialPosition.LATEST,
-            durable=True,
-            create_topic=create,
-            forward=True,
-        )
+        d = self._subscribe(sub, group, not_before_ms, True, create)
 
         def attached(server: ConsumerHandle) -> None:
             done = server.unsubscribe() if then == "delete" else server.close()
