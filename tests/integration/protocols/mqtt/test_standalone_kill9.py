@@ -6,16 +6,10 @@ message a subscriber PUBRECed before kill -9 reaches its application once."""
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import re
-import selectors
 import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,52 +18,19 @@ import paho.mqtt.client as paho
 import pytest
 from mqtt_harness import WAIT_S, Client
 from paho.mqtt.enums import CallbackAPIVersion
-
-_READY = "polybroker standalone ready "
+from standalone_process import start_standalone, stop_process
 
 
 class Process:
-    """A standalone process started with every port 0; stopped by PID at teardown."""
+    """A standalone process serving MQTT on free ports; stopped by PID at teardown."""
 
     def __init__(self, data_dir: Path, log: Path) -> None:
-        conf = data_dir.parent / "broker.conf"
-        conf.write_text("messagingProtocols=mqtt\nstatsUpdateFrequencyInSecs=0\n")
-        cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(data_dir)]
-        for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
-            cmd += [flag, "0"]
-        cmd += ["--config", str(conf)]
-        self.log = log
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-        self.mqtt_port = self._ready(60.0)["mqttListenerPort"]
-
-    def _ready(self, timeout: float) -> dict[str, int]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffered = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(max(0.0, deadline - time.monotonic())):
-                    continue
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                assert chunk, f"standalone exited: {self.log.read_text(errors='replace')[-2000:]}"
-                buffered += chunk
-                for line in buffered.decode(errors="replace").splitlines():
-                    if line.startswith(_READY):
-                        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
-        raise AssertionError(f"not ready in {timeout}s")
+        config = {"messagingProtocols": "mqtt", "statsUpdateFrequencyInSecs": 0}
+        self.proc, ports = start_standalone(data_dir, log, config)
+        self.mqtt_port = ports["mqttListenerPort"]
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        stop_process(self.proc, sig)
 
 
 @pytest.fixture
