@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import re
-import selectors
 import signal
 import socket
 import subprocess
@@ -24,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from standalone_process import READY, wait_for_line
 
-_READY = "polybroker standalone ready "
 _PLUGIN_INSTALL = Path(__file__).parent.parent / "plugins" / "echo_protocol" / "install.py"
 
 
@@ -107,27 +106,9 @@ class Standalones:
     ) -> Broker:
         """Start one and wait (bounded) for its ready line."""
         proc = self.spawn(data_dir, *extra, env=env)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffered = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.stop(proc.pid, signal.SIGKILL)
-                    raise TimeoutError(f"not ready in {timeout}s: {self.log(proc.pid)}")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    code = proc.wait(10)
-                    raise RuntimeError(f"standalone exited with {code}: {self.log(proc.pid)}")
-                buffered += chunk
-                for line in buffered.decode(errors="replace").splitlines():
-                    if line.startswith(_READY):
-                        ports = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
-                        return Broker(proc.pid, ports, data_dir)
+        line = wait_for_line(proc, READY, self.logs[proc.pid], timeout, "standalone")
+        ports = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+        return Broker(proc.pid, ports, data_dir)
 
     def run_to_exit(self, data_dir: Path, *extra: str, timeout: float = 60) -> tuple[int, str]:
         """Run one expected to refuse to start; return (exit status, stderr)."""

@@ -1,0 +1,6 @@
+"""Integration tests: ``standalone_process`` (the shared process launcher) is importable."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
