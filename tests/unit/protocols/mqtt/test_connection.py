@@ -4,6 +4,7 @@ ledger and the fake metadata store."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,18 @@ class Peer:
         self.transport.clear()
         self.reader.feed(data)
         return self.reader.packets()
+
+    def count_writes(self) -> list[bytes]:
+        """What each later ``transport.write`` is given, one item per call."""
+        writes: list[bytes] = []
+        real = self.transport.write
+
+        def write(data: bytes) -> None:
+            writes.append(data)
+            real(data)
+
+        self.transport.write = write  # type: ignore[method-assign]
+        return writes
 
     def one(self) -> c.Packet:
         got = self.packets()
@@ -676,14 +689,7 @@ def test_one_read_of_acknowledgements_is_answered_with_one_write() -> None:
     sub.packets()
     pub = env.peer("p")
     pub.packets()
-    writes: list[bytes] = []
-    real_write = pub.transport.write
-
-    def counted(data: bytes) -> None:
-        writes.append(data)
-        real_write(data)
-
-    pub.transport.write = counted  # type: ignore[method-assign]
+    writes = pub.count_writes()
     pub.conn.dataReceived(
         b"".join(c.encode(c.Publish("a/b", b"%d" % i, 1, packet_id=i + 1)) for i in range(10))
     )
@@ -691,14 +697,7 @@ def test_one_read_of_acknowledgements_is_answered_with_one_write() -> None:
     assert pub.packets() == [c.PubAck(i + 1) for i in range(10)]
     first = [x for x in sub.packets() if isinstance(x, c.Publish)]
     assert [x.payload for x in first] == [b"%d" % i for i in range(5)]
-    sub_writes: list[bytes] = []
-    sub_write = sub.transport.write
-
-    def sub_counted(data: bytes) -> None:
-        sub_writes.append(data)
-        sub_write(data)
-
-    sub.transport.write = sub_counted  # type: ignore[method-assign]
+    sub_writes = sub.count_writes()
     sub.conn.dataReceived(b"".join(c.encode(c.PubAck(x.packet_id or 0), c.LEVEL_5) for x in first))
     assert len(sub_writes) == 1
     assert [x.payload for x in sub.packets() if isinstance(x, c.Publish)] == [
@@ -766,23 +765,39 @@ def test_pubrels_of_one_read_forget_their_ids_in_one_write() -> None:
         b"".join(c.encode(c.Publish("a/b", b"%d" % i, 2, packet_id=i)) for i in (1, 2, 3))
     )
     assert p.packets() == [c.PubRec(1), c.PubRec(2), c.PubRec(3)]
-    writes: list[str] = []
-    real_put, real_delete = env.store.put, env.store.delete
-
-    def put(path: str, *args: Any, **kwargs: Any) -> Any:
-        writes.append(path)
-        return real_put(path, *args, **kwargs)
-
-    def delete(path: str, *args: Any, **kwargs: Any) -> Any:
-        writes.append(path)
-        return real_delete(path, *args, **kwargs)
-
-    env.store.put = put  # type: ignore[method-assign]
-    env.store.delete = delete  # type: ignore[method-assign]
+    writes = _record_writes(env, "put", "delete")
     p.conn.dataReceived(b"".join(c.encode(c.PubRel(i)) for i in (1, 2, 3)))
     assert p.packets() == [c.PubComp(1), c.PubComp(2), c.PubComp(3)]
     assert writes == ["/mqtt/qos2/dev"]
     assert not result_of(env.store.exists("/mqtt/qos2/dev"))
+
+
+def _record_writes(env: Env, *methods: str) -> list[str]:
+    """The paths of every later call of the store's ``methods`` (the calls still go through)."""
+    writes: list[str] = []
+
+    def recording(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(path: str, *args: Any, **kwargs: Any) -> Any:
+            writes.append(path)
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in methods:
+        setattr(env.store, name, recording(getattr(env.store, name)))
+    return writes
+
+
+def _divert(env: Env, method: str, prefix: str, fake: Callable[..., Any]) -> Callable[[], None]:
+    """Calls of the store's ``method`` on paths under ``prefix`` go to ``fake`` (others reach
+    the store) until the returned function is called."""
+    real = getattr(env.store, method)
+
+    def diverted(path: str, *args: Any, **kwargs: Any) -> Any:
+        return (fake if path.startswith(prefix) else real)(path, *args, **kwargs)
+
+    setattr(env.store, method, diverted)
+    return lambda: setattr(env.store, method, real)
 
 
 def _qos2_subscriber(env: Env, **connect: Any) -> Peer:
@@ -790,6 +805,17 @@ def _qos2_subscriber(env: Env, **connect: Any) -> Peer:
     sub.send(c.Subscribe(1, [c.Subscription("a/b", 2)]))
     sub.packets()
     return sub
+
+
+def _three_qos2_deliveries(pub: Peer, sub: Peer) -> list[int]:
+    """Publish three QoS 2 messages on a/b through ``pub``; the packet ids ``sub`` got them
+    with."""
+    pub.packets()
+    for i in (1, 2, 3):
+        pub.send(c.Publish("a/b", b"%d" % i, 2, packet_id=i))
+    pids = [x.packet_id or 0 for x in _publishes(sub.packets())]
+    assert len(pids) == 3
+    return pids
 
 
 def _out_nodes(env: Env) -> list[str]:
@@ -883,19 +909,13 @@ def test_a_stale_record_of_an_acknowledged_entry_is_dropped_after_a_restart() ->
     env.peer("p").send(c.Publish("a/b", b"done", 2, packet_id=3))
     (pub,) = _publishes(sub.packets())
     assert pub.packet_id is not None
-    real_delete = env.store.delete
-
-    def lost(path: str, *args: Any, **kwargs: Any) -> Any:
-        if path.startswith("/mqtt/qos2-out/"):
-            return Deferred()  # never reaches the store before the crash
-        return real_delete(path, *args, **kwargs)
-
-    env.store.delete = lost  # type: ignore[method-assign]
+    # The record's deletion never reaches the store before the crash.
+    restore = _divert(env, "delete", "/mqtt/qos2-out/", lambda *_, **__: Deferred())
     sub.send(c.PubRec(pub.packet_id))
     sub.send(c.PubComp(pub.packet_id))
     assert sub.packets() == [c.PubRel(pub.packet_id)]
     sub.send(c.Disconnect())  # the cursor's acknowledgement is stored; the record not dropped
-    env.store.delete = real_delete  # type: ignore[method-assign]
+    restore()
     assert len(_out_nodes(env)) == 1
     restarted = Env(after=env)
     restarted.peer("p").send(c.Publish("a/b", b"later", 2, packet_id=4))
@@ -917,19 +937,8 @@ def test_pubrecs_of_one_read_are_recorded_in_one_write_before_their_pubrels() ->
     env = Env()
     sub = _qos2_subscriber(env)
     pub = env.peer("p")
-    pub.packets()
-    for i in (1, 2, 3):
-        pub.send(c.Publish("a/b", b"%d" % i, 2, packet_id=i))
-    pids = [x.packet_id or 0 for x in _publishes(sub.packets())]
-    assert len(pids) == 3
-    writes: list[str] = []
-    real_put = env.store.put
-
-    def put(path: str, *args: Any, **kwargs: Any) -> Any:
-        writes.append(path)
-        return real_put(path, *args, **kwargs)
-
-    env.store.put = put  # type: ignore[method-assign]
+    pids = _three_qos2_deliveries(pub, sub)
+    writes = _record_writes(env, "put")
     sub.conn.dataReceived(b"".join(c.encode(c.PubRec(pid)) for pid in pids))
     assert sub.packets() == [c.PubRel(pid) for pid in pids]
     assert writes == ["/mqtt/qos2-out/s/0000000000"]
@@ -955,18 +964,12 @@ def test_a_pubrec_whose_record_cannot_be_written_gets_no_pubrel() -> None:
     env.peer("p").send(c.Publish("a/b", b"x", 2, packet_id=3))
     (pub,) = _publishes(sub.packets())
     assert pub.packet_id is not None
-    real_put = env.store.put
-
-    def failing(path: str, *args: Any, **kwargs: Any) -> Any:
-        if path.startswith("/mqtt/qos2-out/"):
-            return fail(RuntimeError("metadata store down"))
-        return real_put(path, *args, **kwargs)
-
-    env.store.put = failing  # type: ignore[method-assign]
+    down = RuntimeError("metadata store down")
+    restore = _divert(env, "put", "/mqtt/qos2-out/", lambda *_, **__: fail(down))
     sub.send(c.PubRec(pub.packet_id))
     assert sub.packets() == []
     assert sub.closed
-    env.store.put = real_put  # type: ignore[method-assign]
+    restore()
     back = env.peer("s", clean_start=False)
     got = back.packets()
     assert got[0] == c.ConnAck(True, 0)
@@ -1011,23 +1014,17 @@ def test_pubrecs_arriving_while_their_record_is_written_share_the_next_write() -
     env = Env()
     sub = _qos2_subscriber(env)
     pub = env.peer("p")
-    pub.packets()
-    for i in (1, 2, 3):
-        pub.send(c.Publish("a/b", b"%d" % i, 2, packet_id=i))
-    pids = [x.packet_id or 0 for x in _publishes(sub.packets())]
-    assert len(pids) == 3
+    pids = _three_qos2_deliveries(pub, sub)
     held: list[tuple[str, Deferred[Any]]] = []
     real_put = env.store.put
 
     def slow_put(path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
-        if not path.startswith("/mqtt/qos2-out/"):
-            return real_put(path, value, *args, **kwargs)
         d: Deferred[Any] = Deferred()
         held.append((path, d))
         d.addCallback(lambda _: result_of(real_put(path, value, *args, **kwargs)))
         return d
 
-    env.store.put = slow_put  # type: ignore[method-assign]
+    _divert(env, "put", "/mqtt/qos2-out/", slow_put)
     sub.send(c.PubRec(pids[0]))
     sub.send(c.PubRec(pids[1]))
     sub.send(c.PubRec(pids[2]))
