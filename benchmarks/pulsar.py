@@ -77,6 +77,12 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time ``pid`` has used so far, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # -- brokers ------------------------------------------------------------------------------------
 
 
@@ -370,10 +376,25 @@ class Run:
     seconds: float
     publish_ms: list[float] = field(default_factory=list)
     e2e_ms: list[float] = field(default_factory=list)
+    #: The broker process's CPU time over the run, s.
+    broker_cpu_s: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.count / self.seconds if self.seconds > 0 else 0.0
+
+
+#: Where py-spy profiles of polybroker go (--profile-dir); None: no profiling.
+_PROFILE_DIR: Path | None = None
+
+
+def _start_profile(broker: Broker, topic: str) -> subprocess.Popen[bytes] | None:
+    """Start ``py-spy record`` (raw stacks, 1000 Hz) on the polybroker standalone, if asked."""
+    if _PROFILE_DIR is None or broker.name != "polybroker":
+        return None
+    out = _PROFILE_DIR / f"{topic.rsplit('/', 1)[-1]}.txt"
+    cmd = ["py-spy", "record", "-p", str(broker.proc.pid), "-r", "1000", "-f", "raw", "-o"]
+    return subprocess.Popen([*cmd, str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def run_pair(
@@ -382,6 +403,8 @@ def run_pair(
     """Start a consumer, then a producer, in their own processes; return what they measured."""
     common = ["--url", broker.url, "--topic", topic, "--count", str(count)]
     consumer = _role("--role", "consumer", *common, "--timeout", str(timeout))
+    cpu_before = cpu_seconds(broker.proc.pid)
+    spy = _start_profile(broker, topic)
     try:
         if _read_line(consumer, 120).strip() != "ready":
             raise RuntimeError("consumer did not subscribe")
@@ -396,12 +419,20 @@ def run_pair(
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            try:
+                spy.wait(60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait(10)
     if cons["got"] < count or prod["failed"]:
         raise RuntimeError(
             f"{broker.name}: consumer got {cons['got']} of {count}, {prod['failed']} send failures"
         )
     seconds = (cons["last_ns"] - prod["start_ns"]) / 1e9
-    return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"])
+    cpu = cpu_seconds(broker.proc.pid) - cpu_before
+    return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"], cpu)
 
 
 def run_topics(broker: Broker, count: int, tag: str, timeout: float) -> dict[str, Any]:
@@ -469,6 +500,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each throughput case")
     parser.add_argument("--brokers", default="polybroker,pulsar-lite")
     parser.add_argument("--cases", default="batched,unbatched,paced,topics")
+    parser.add_argument(
+        "--profile-dir", default="", help="py-spy raw profiles of polybroker, one per run"
+    )
     args = parser.parse_args()
     if args.role == "consumer":
         role_consumer(args)
@@ -483,6 +517,10 @@ def main() -> int:
     # Stop the brokers (finally below) on SIGTERM and on Ctrl+C, even when started in background.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    global _PROFILE_DIR
+    if args.profile_dir:
+        _PROFILE_DIR = Path(args.profile_dir)
+        _PROFILE_DIR.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.brokers.split(",") if n]
     wanted = {c for c in args.cases.split(",") if c}
     notes = []
@@ -516,7 +554,8 @@ def main() -> int:
                         runs[n].append(run)
                         print(
                             f"{n:12} {case:9} run {r}: {run.count} msgs in {run.seconds:.2f} s"
-                            f" = {run.rate:,.0f} msg/s",
+                            f" = {run.rate:,.0f} msg/s,"
+                            f" broker CPU {run.broker_cpu_s * 1e6 / run.count:.1f} us/msg",
                             file=sys.stderr,
                             flush=True,
                         )
@@ -526,6 +565,9 @@ def main() -> int:
                         "messages": count,
                         "msgs_per_s": round(_median(rates)),
                         "mb_per_s": round(_median(rates) * SIZE / 1e6, 2),
+                        "cpu_us_per_msg": round(
+                            _median([x.broker_cpu_s * 1e6 / x.count for x in runs[n]]), 2
+                        ),
                     }
                     if case == "paced":
                         last = runs[n][-1]
@@ -543,7 +585,7 @@ def main() -> int:
             for b in brokers.values():
                 b.stop()
 
-    print(f"{'broker':12} {'case':10} {'msgs/s':>10} {'MB/s':>7}  latency (ms)")
+    print(f"{'broker':12} {'case':10} {'msgs/s':>10} {'MB/s':>7} {'CPU us/msg':>10}  latency (ms)")
     for n in names:
         for case in ("batched", "unbatched", "paced"):
             if case not in results[n]:
@@ -555,7 +597,10 @@ def main() -> int:
                     f"publish p50 {e['publish_p50_ms']} p99 {e['publish_p99_ms']}, "
                     f"e2e p50 {e['e2e_p50_ms']} p99 {e['e2e_p99_ms']}"
                 )
-            print(f"{n:12} {case:10} {e['msgs_per_s']:>10,} {e['mb_per_s']:>7}  {lat}")
+            print(
+                f"{n:12} {case:10} {e['msgs_per_s']:>10,} {e['mb_per_s']:>7}"
+                f" {e['cpu_us_per_msg']:>10}  {lat}"
+            )
         if "topics" in results[n]:
             t = results[n]["topics"]
             if t.get("setup_s") is None:
@@ -586,6 +631,8 @@ def main() -> int:
         summary["ratios"] = {
             "batched_throughput": versus("batched", "msgs_per_s"),
             "unbatched_throughput": versus("unbatched", "msgs_per_s"),
+            "batched_cpu_per_msg": versus("batched", "cpu_us_per_msg"),
+            "unbatched_cpu_per_msg": versus("unbatched", "cpu_us_per_msg"),
             "publish_p99": versus("paced", "publish_p99_ms"),
             "e2e_p99": versus("paced", "e2e_p99_ms"),
             "topics_rss": versus("topics", "rss_mb"),
