@@ -216,11 +216,17 @@ def http_get(url: str) -> Any:
 
 
 def throughput(
-    service_url: str, http_url: str, topic: str, n: int, pids: list[int]
+    service_url: str, http_url: str, topic: str, n: int, roles: dict[str, list[int]]
 ) -> dict[str, float]:
-    """Send ``n`` messages through a fresh partitioned topic and receive them all."""
+    """Send ``n`` messages through a fresh partitioned topic and receive them all; CPU of the
+    processes in ``roles`` (role name -> pids), per message and per stored entry."""
     http_put(f"{http_url}/admin/v2/persistent/public/default/{topic}/partitions", PARTITIONS)
-    client = pulsar.Client(service_url, operation_timeout_seconds=60, io_threads=2)
+    client = pulsar.Client(
+        service_url,
+        operation_timeout_seconds=60,
+        io_threads=2,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
+    )
     full = f"persistent://public/default/{topic}"
     latencies: list[float] = []
     done = threading.Event()
@@ -249,7 +255,7 @@ def throughput(
         max_pending_messages=2000,
     )
     filler = b"x" * (SIZE - 8)
-    cpu0 = sum(cpu_seconds(p) for p in pids)
+    cpu0 = {p: cpu_seconds(p) for pids in roles.values() for p in pids}
     start = time.monotonic()
     for i in range(n):
         producer.send_async(
@@ -258,21 +264,45 @@ def throughput(
     producer.flush()
     if not done.wait(300):
         raise RuntimeError(f"received {len(latencies)} of {n}")
-    cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+    cpu_by_pid = {p: cpu_seconds(p) - c for p, c in cpu0.items()}
+    cpu = sum(cpu_by_pid.values())
     client.close()
-    return {
+    entries = stored_entries(http_url, topic)
+    out = {
         "msgs_per_s": n / (last[0] - start),
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
         "cpu_us_per_msg": cpu / n * 1e6,
+        "entries": float(entries),
+        "msgs_per_entry": n / entries,
+        "cpu_us_per_entry": cpu / entries * 1e6,
     }
+    for role, role_pids in roles.items():
+        out[f"{role}_us_per_entry"] = sum(cpu_by_pid[p] for p in role_pids) / entries * 1e6
+    return out
+
+
+def stored_entries(http_url: str, topic: str) -> int:
+    """Entries the partitions of ``topic`` stored (each partition's internal stats; a cluster
+    broker redirects to the owner)."""
+    total = 0
+    for i in range(PARTITIONS):
+        stats = http_get(
+            f"{http_url}/admin/v2/persistent/public/default/{topic}-partition-{i}/internalStats"
+        )
+        total += int(stats["entriesAddedCounter"])
+    return total
 
 
 class PacedSender:
     """Sends to a partitioned topic at a fixed rate; records acknowledgement times per partition."""
 
     def __init__(self, service_url: str, topic: str, rate: int) -> None:
-        self.client = pulsar.Client(service_url, operation_timeout_seconds=60)
+        self.client = pulsar.Client(
+            service_url,
+            operation_timeout_seconds=60,
+            logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
+        )
         self.producer = self.client.create_producer(
             topic, batching_enabled=False, send_timeout_millis=60_000, block_if_queue_full=True
         )
@@ -324,7 +354,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate", type=int, default=500, help="paced rate of the kill cases")
     parser.add_argument("--session-ms", type=int, default=2000)
+    parser.add_argument(
+        "--cases",
+        default="throughput,broker-kill,bookie-kill",
+        help="comma-separated cases to run (throughput, broker-kill, bookie-kill)",
+    )
     args = parser.parse_args()
+    cases = set(args.cases.split(","))
+    unknown = cases - {"throughput", "broker-kill", "bookie-kill"}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}")
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
@@ -352,73 +391,117 @@ def main() -> None:
             s_http = f"http://127.0.0.1:{standalone.port('webServicePort')}"
             c_url = f"pulsar://127.0.0.1:{a.port('brokerServicePort')}"
             c_http = f"http://127.0.0.1:{a.port('webServicePort')}"
-            runs: dict[str, list[dict[str, float]]] = {"standalone": [], "cluster": []}
-            for r in range(args.repeat):
-                order = ["standalone", "cluster"] if r % 2 == 0 else ["cluster", "standalone"]
-                for which in order:
-                    if which == "standalone":
-                        res = throughput(s_url, s_http, f"s{r}", args.messages, [standalone.pid])
-                    else:
-                        res = throughput(c_url, c_http, f"c{r}", args.messages, cluster.pids())
-                    runs[which].append(res)
-                    print(
-                        f"{which:10s} run {r}: " + " ".join(f"{k}={v:.1f}" for k, v in res.items()),
-                        flush=True,
-                    )
-            for which, rs in runs.items():
-                results[which] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-            results["cpu_ratio"] = (
-                results["cluster"]["cpu_us_per_msg"] / results["standalone"]["cpu_us_per_msg"]
-            )
-            results["throughput_ratio"] = (
-                results["cluster"]["msgs_per_s"] / results["standalone"]["msgs_per_s"]
-            )
+            if "throughput" in cases:
+                roles = {
+                    "brokers": [p.pid for p in cluster.brokers],
+                    "bookies": [p.pid for p in cluster.bookies],
+                }
+                results.update(
+                    compare(args, (s_url, s_http, standalone.pid), (c_url, c_http, roles))
+                )
             standalone.stop()
 
-            # -- broker kill -9
-            topic = "persistent://public/default/failover"
-            http_put(f"{c_http}/admin/v2/persistent/public/default/failover/partitions", PARTITIONS)
-            sender = PacedSender(c_url, topic, args.rate)
-            time.sleep(3)  # warm up: every partition has a producer and has acknowledged sends
-            owners = http_get(f"{c_http}/admin/v2/namespaces/public/default/owners")
-            b_id = f"127.0.0.1:{b.port('webServicePort')}"
-            if b_id not in owners.values():
-                raise RuntimeError(f"the second broker owns no bundle: {owners}")
-            killed = time.monotonic()
-            b.kill()
-            results["broker_kill_resume_s"] = sender.resumed_after(killed)
-            print(
-                f"broker kill -9: every partition serving again after "
-                f"{results['broker_kill_resume_s']:.2f}s",
-                flush=True,
-            )
-
-            # -- bookie kill -9 (a spare bookie lets every ensemble change find a replacement)
-            cluster.add_bookie()
-            time.sleep(2)
-            killed = time.monotonic()
-            cluster.bookies[0].kill()
-            results["bookie_kill_resume_s"] = sender.resumed_after(killed)
-            results["paced_send_errors"] = sender.errors
-            sender.close()
-            print(
-                f"bookie kill -9: every partition writing again after "
-                f"{results['bookie_kill_resume_s']:.2f}s",
-                flush=True,
-            )
+            if "broker-kill" in cases or "bookie-kill" in cases:
+                results.update(failover(args, cluster, c_url, c_http, b))
         finally:
             standalone.stop()
             cluster.close()
 
-    print(f"{'':12s}{'msgs/s':>10s}{'p50 ms':>9s}{'p99 ms':>9s}{'CPU us/msg':>12s}")
-    for which in ("standalone", "cluster"):
-        r = results[which]
+    if "standalone" in results:
         print(
-            f"{which:12s}{r['msgs_per_s']:10.0f}{r['p50_ms']:9.1f}{r['p99_ms']:9.1f}"
-            f"{r['cpu_us_per_msg']:12.0f}"
+            f"{'':12s}{'msgs/s':>10s}{'p50 ms':>9s}{'p99 ms':>9s}{'CPU us/msg':>12s}"
+            f"{'msgs/entry':>12s}{'CPU us/entry':>14s}"
         )
-    print(f"CPU per message, cluster / standalone: {results['cpu_ratio']:.2f}x (target <= 1.5x)")
+        for which in ("standalone", "cluster"):
+            r = results[which]
+            print(
+                f"{which:12s}{r['msgs_per_s']:10.0f}{r['p50_ms']:9.1f}{r['p99_ms']:9.1f}"
+                f"{r['cpu_us_per_msg']:12.1f}{r['msgs_per_entry']:12.1f}"
+                f"{r['cpu_us_per_entry']:14.0f}"
+            )
+        print(
+            f"CPU per message, cluster / standalone: {results['cpu_ratio']:.2f}x (target <= 1.5x; "
+            f"median of the rounds' ratios {results['cpu_ratio_median_round']:.2f}x); "
+            f"per entry {results['cpu_ratio_per_entry']:.2f}x"
+        )
     print(json.dumps({"benchmark": "cluster", **results}))
+
+
+def compare(
+    args: argparse.Namespace,
+    standalone: tuple[str, str, int],
+    cluster: tuple[str, str, dict[str, list[int]]],
+) -> dict[str, Any]:
+    """The throughput case: ``--repeat`` rounds, each one run on both sides (alternating which
+    goes first), then medians per side and the cluster / standalone ratios."""
+    s_url, s_http, s_pid = standalone
+    c_url, c_http, c_roles = cluster
+    runs: dict[str, list[dict[str, float]]] = {"standalone": [], "cluster": []}
+    for r in range(args.repeat):
+        order = ["standalone", "cluster"] if r % 2 == 0 else ["cluster", "standalone"]
+        for which in order:
+            if which == "standalone":
+                res = throughput(s_url, s_http, f"s{r}", args.messages, {"standalone": [s_pid]})
+            else:
+                res = throughput(c_url, c_http, f"c{r}", args.messages, c_roles)
+            runs[which].append(res)
+            print(
+                f"{which:10s} run {r}: " + " ".join(f"{k}={v:.1f}" for k, v in res.items()),
+                flush=True,
+            )
+    out: dict[str, Any] = {}
+    for which, rs in runs.items():
+        out[which] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+    c, s = out["cluster"], out["standalone"]
+    rounds = [
+        x["cpu_us_per_msg"] / y["cpu_us_per_msg"]
+        for x, y in zip(runs["cluster"], runs["standalone"], strict=True)
+    ]
+    out["cpu_ratio"] = c["cpu_us_per_msg"] / s["cpu_us_per_msg"]
+    out["cpu_ratio_rounds"] = [round(x, 3) for x in rounds]
+    out["cpu_ratio_median_round"] = statistics.median(rounds)
+    out["cpu_ratio_per_entry"] = c["cpu_us_per_entry"] / s["cpu_us_per_entry"]
+    out["throughput_ratio"] = c["msgs_per_s"] / s["msgs_per_s"]
+    return out
+
+
+def failover(
+    args: argparse.Namespace, cluster: Cluster, c_url: str, c_http: str, b: Proc
+) -> dict[str, Any]:
+    """The kill cases, under one paced sender: kill -9 of broker ``b``, then of a bookie."""
+    results: dict[str, Any] = {}
+    # -- broker kill -9
+    topic = "persistent://public/default/failover"
+    http_put(f"{c_http}/admin/v2/persistent/public/default/failover/partitions", PARTITIONS)
+    sender = PacedSender(c_url, topic, args.rate)
+    time.sleep(3)  # warm up: every partition has a producer and has acknowledged sends
+    owners = http_get(f"{c_http}/admin/v2/namespaces/public/default/owners")
+    b_id = f"127.0.0.1:{b.port('webServicePort')}"
+    if b_id not in owners.values():
+        raise RuntimeError(f"the second broker owns no bundle: {owners}")
+    killed = time.monotonic()
+    b.kill()
+    results["broker_kill_resume_s"] = sender.resumed_after(killed)
+    print(
+        f"broker kill -9: every partition serving again after "
+        f"{results['broker_kill_resume_s']:.2f}s",
+        flush=True,
+    )
+
+    # -- bookie kill -9 (a spare bookie lets every ensemble change find a replacement)
+    cluster.add_bookie()
+    time.sleep(2)
+    killed = time.monotonic()
+    cluster.bookies[0].kill()
+    results["bookie_kill_resume_s"] = sender.resumed_after(killed)
+    results["paced_send_errors"] = sender.errors
+    sender.close()
+    print(
+        f"bookie kill -9: every partition writing again after "
+        f"{results['bookie_kill_resume_s']:.2f}s",
+        flush=True,
+    )
+    return results
 
 
 if __name__ == "__main__":
