@@ -14,9 +14,10 @@ Rule 1: every length read from the wire is checked against the bytes that are th
         decompressed body is bounded by ``limit``; a malformed batch raises ``RecordError``.
 Rule 2: ``decode_batch`` and ``build_batch`` are inverse for key, value (or null), headers and
         timestamps.
-Rule 3: ``check_batch`` accepts what a batch stored verbatim needs (records that tile the body,
-        offset deltas 0..count-1) without building any record; ``decode_batch`` is the full
-        check.
+Rule 3: ``check_batch`` validates every record of a batch as Kafka's broker does (fields that
+        fill each record exactly, lengths in bounds, offset deltas 0..count-1) in one pass over
+        the decompressed bytes, without building any record; what it accepts ``decode_batch``
+        decodes.
 """
 
 from __future__ import annotations
@@ -281,80 +282,158 @@ def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
 
 
 def check_batch(batch: Batch, *, limit: int) -> None:
-    """Check a batch's record area without decoding its records; raise ``RecordError``.
+    """Validate a batch's records without building any; raise ``RecordError``.
 
-    The body (decompressed within ``limit`` bytes) must hold exactly ``count`` records whose
-    length prefixes tile it, each with offset delta equal to its position: what a broker needs
-    to store the batch verbatim and serve every record at its own offset. Keys, values and
-    headers are left to the reader (``decode_batch`` raises on a malformed one)."""
+    The body (decompressed within ``limit`` bytes) must hold exactly ``count`` records that
+    tile it, each one well formed as Kafka's broker reads it: its fields (attributes,
+    timestamp delta, offset delta, key, value, headers) fill exactly its length, its unused
+    attributes byte has no high bit (kafka-python reads it as a varint), key and value
+    lengths are -1 (null) or fit the record, the header count is not negative and every header
+    has a non-null UTF-8 key; the offset delta of record ``i`` is ``i`` (``OffsetDeltaError``
+    otherwise). What passes decodes with ``decode_batch`` and with every client."""
     count = batch.count
     if count < 1 or count > len(batch.raw) * 64:
         raise RecordError(f"record count {count} is implausible")
     body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
-    if count <= _UNIFORM_MAX and _uniform(body, count):
-        return
     _check_records(body, count)
 
 
-def _uniform(body: bytes, count: int) -> bool:
-    """Whether the records of ``body`` pass ``_check_records`` by sharing one layout per
-    offset-delta width (equal lengths, one-byte timestamp deltas): checked with a few slices of
-    every S-th byte (S the record size) instead of record by record. False when they do not
-    share it, whether or not they are valid (``_check_records`` then decides)."""
-    n = len(body)
-    pos = 0
-    i = 0
-    try:
-        while i < count:
-            wide = i >= 64  # offset deltas from 64 on take two bytes
-            m = min(count, _UNIFORM_MAX if wide else 64) - i
-            v = body[pos]
-            if v < 0x80:
-                head = 1
-                length = _LEN1[v]
-                prefix = bytes((v,))
-            elif body[pos + 1] < 0x80:
-                head = 2
-                length = _LEN2[v & 0x7F][body[pos + 1]]
-                prefix = body[pos : pos + 2]
-            else:
-                return False
-            size = head + length
-            end = pos + size * m
-            if length < 4 or end > n:
-                return False
-            # Every record's length prefix is the first one's.
-            if body[pos:end:size] != prefix[:1] * m:
-                return False
-            if head == 2 and body[pos + 1 : end : size] != prefix[1:] * m:
-                return False
-            t = pos + head + 1  # each record's timestamp delta, after its attributes
-            if body[t:end:size].translate(None, _ONE_BYTE):  # a continuation bit somewhere
-                return False
-            k = i - 64
-            if not wide:
-                if body[t + 1 : end : size] != _DELTAS_1[i : i + m]:
-                    return False
-            elif (
-                body[t + 1 : end : size] != _DELTAS_2_LOW[k : k + m]
-                or body[t + 2 : end : size] != _DELTAS_2_HIGH[k : k + m]
-            ):
-                return False
-            pos = end
-            i += m
-    except IndexError:
-        return False
-    return pos == n
-
-
 def _check_records(body: bytes, count: int) -> None:
-    """Walk the records of ``body`` one by one (see ``check_batch``); raise ``RecordError``."""
+    """Validate the ``count`` records of ``body`` (see ``check_batch``); raise ``RecordError``.
+
+    Runs of records that share one layout are checked a few slices at a time
+    (``_uniform_run``); where none starts, a few records are walked one by one (``_walk``)."""
     n = len(body)
-    pos = 0
-    small = min(count, _SMALL - 1)
-    len1, len2 = _LEN1, _LEN2
+    pos = i = 0
+    while i < count:
+        run = _uniform_run(body, pos, i, count) if i < _UNIFORM_MAX else None
+        if run is not None:
+            pos, i = run
+            continue
+        stop = min(count, i + _WALK_STEP)
+        pos = _walk(body, pos, i, stop)
+        i = stop
+    if pos != n:
+        raise RecordError("bytes left over after the last record")
+
+
+def _uniform(body: bytes, count: int) -> bool:
+    """Whether runs of one layout (``_uniform_run``) cover every record of ``body`` exactly.
+    False when they do not, whether or not the records are valid."""
+    pos = i = 0
+    while i < count:
+        run = _uniform_run(body, pos, i, count) if i < _UNIFORM_MAX else None
+        if run is None:
+            return False
+        pos, i = run
+    return pos == len(body)
+
+
+def _walk_records(body: bytes, count: int) -> None:
+    """The record-by-record check of all of ``body`` (no runs); raise ``RecordError``."""
+    if _walk(body, 0, 0, count) != len(body):
+        raise RecordError("bytes left over after the last record")
+
+
+def _uniform_run(body: bytes, pos: int, i: int, count: int) -> tuple[int, int] | None:
+    """Records ``i``, ``i + 1``, ... from ``pos`` that share the first one's layout: its size
+    S, its timestamp-delta width, key and value length prefixes and no headers, with offset
+    deltas counting up. Checked on every S-th byte, a few slices for the whole run, never
+    record by record. Returns (position, index) after the run, or None when fewer than
+    ``_MIN_RUN`` records share a layout; a None says nothing about validity."""
+    n = len(body)
+    if i < 64:
+        width, low, high = 1, 0, 64
+    elif i < 8192:
+        width, low, high = 2, 64, 8192
+    else:
+        width, low, high = 3, 8192, _UNIFORM_MAX
     try:
-        for expected in _ZIGZAG[1 : small + 1]:  # offset delta i as a zigzag varint
+        v = body[pos]
+        if v < 0x80:
+            head = 1
+            length = _LEN1[v]
+        elif body[pos + 1] < 0x80:
+            head = 2
+            length = _LEN2[v & 0x7F][body[pos + 1]]
+        else:
+            return None
+        size = head + length
+        if length < 6:
+            return None
+        m = min(min(count, high) - i, (n - pos) // size)
+        if m < 1:
+            return None
+        end = pos + size * m
+        # The run: the records whose length prefix is the first one's (each then starts
+        # where the S-th byte stride puts it).
+        lead = body[pos:end:size]
+        m -= len(lead.lstrip(lead[:1]))
+        if head == 2:
+            lead = body[pos + 1 : end : size]
+            m = min(m, len(lead) - len(lead.lstrip(lead[:1])))
+        if m < _MIN_RUN and m < count - i:
+            return None
+        end = pos + size * m
+        a = pos + head  # the attributes: no high bit (some readers take them for a varint)
+        if body[a:end:size].translate(None, _ONE_BYTE):
+            return None
+        t = a + 1  # the timestamp delta: one byte, or two (first with its high bit)
+        if body[t] < 0x80:
+            if body[t:end:size].translate(None, _ONE_BYTE):
+                return None
+            d = t + 1
+        elif body[t + 1] < 0x80:
+            if body[t:end:size].translate(None, _HIGH_BYTES) or body[t + 1 : end : size].translate(
+                None, _ONE_BYTE
+            ):
+                return None
+            d = t + 2
+        else:
+            return None
+        k = i - low
+        for j, table in enumerate(_DELTAS[width]):  # the offset deltas, byte by byte
+            if body[d + j : end : size] != table[k : k + m]:
+                return None
+        # The first record's key length (one byte) and value length (one or two) and a zero
+        # header count must end it exactly; then every record has the same prefixes.
+        q = d + width
+        key_len = _LEN1[body[q]] if body[q] < 0x80 else -2
+        if key_len < -1:
+            return None
+        qv = q + 1 + max(key_len, 0)
+        b0 = body[qv]
+        if b0 < 0x80:
+            value_width = 1
+            value_len = _LEN1[b0]
+        elif body[qv + 1] < 0x80:
+            value_width = 2
+            value_len = _LEN2[b0 & 0x7F][body[qv + 1]]
+        else:
+            return None
+        h = qv + value_width + max(value_len, 0)  # the header count: the record's last byte
+        if value_len < -1 or h != pos + size - 1 or body[h]:
+            return None
+        if (
+            body[q:end:size] != body[q : q + 1] * m
+            or body[qv:end:size] != body[qv : qv + 1] * m
+            or (value_width == 2 and body[qv + 1 : end : size] != body[qv + 1 : qv + 2] * m)
+            or body[h:end:size].count(0) != m
+        ):
+            return None
+    except IndexError:
+        return None
+    return end, i + m
+
+
+def _walk(body: bytes, pos: int, first: int, stop: int) -> int:
+    """Check records ``first`` .. ``stop - 1`` one by one from ``pos`` and return the position
+    after them; raise ``RecordError``. One pass, no per-record objects: one- and two-byte
+    varints come from tables, longer ones from ``_varint``."""
+    n = len(body)
+    len1, len2, zigzag = _LEN1, _LEN2, _ZIGZAG
+    try:
+        for i in range(first, stop):
             # Record length: a zigzag varint, one or two bytes below 8 KiB (tables).
             v = body[pos]
             if v < 0x80:
@@ -366,30 +445,79 @@ def _check_records(body: bytes, count: int) -> None:
             else:
                 length, pos = _varint(body, pos)
                 end = pos + length
-            if end - pos < 4 or end > n:  # attributes, timestamp, offset delta, key at least
+            # attributes, timestamp delta, offset delta, key, value, header count: 6 at least
+            if end - pos < 6 or end > n:
                 raise RecordError("record runs past the batch")
+            if body[pos] & 0x80:  # unused, but some readers take it for a varint
+                raise RecordError("record attributes have the high bit set")
             p = pos + 2  # past the attributes and the timestamp delta's first byte
             if body[p - 1] & 0x80:
                 p += 1
                 while body[p - 1] & 0x80:
                     p += 1
+                if p - pos > 11:
+                    raise RecordError("timestamp delta varint too long")
+            expected = zigzag[i + 1] if i < _SMALL - 1 else _zigzag_slow(i)
             if not body.startswith(expected, p, end):
                 raise OffsetDeltaError("record offset deltas are not 0, 1, 2, ...")
-            pos = end
-        for i in range(small, count):
-            length, pos = _varint(body, pos)
-            end = pos + length
-            if length < 4 or end > n:
-                raise RecordError("record runs past the batch")
-            _, p = _varint(body, pos + 1)
-            delta, p = _varint(body, p)
-            if delta != i or p > end:
-                raise OffsetDeltaError("record offset deltas are not 0, 1, 2, ...")
+            p += len(expected)
+            v = body[p]  # key length
+            if v < 0x80:
+                size = len1[v]
+                p += 1
+            else:
+                size, p = _varint(body, p)
+            if size > 0:
+                p += size
+            elif size < -1:
+                raise RecordError("invalid key length")
+            v = body[p]  # value length
+            if v < 0x80:
+                size = len1[v]
+                p += 1
+            elif body[p + 1] < 0x80:
+                size = len2[v & 0x7F][body[p + 1]]
+                p += 2
+            else:
+                size, p = _varint(body, p)
+            if size > 0:
+                p += size
+            elif size < -1:
+                raise RecordError("invalid value length")
+            if body[p] == 0:  # no headers: the common case
+                p += 1
+            else:
+                p = _skip_headers(body, p, end)
+            if p != end:
+                raise RecordError("record length does not match its fields")
             pos = end
     except IndexError:
         raise RecordError("record runs past the batch") from None
-    if pos != n:
-        raise RecordError("bytes left over after the last record")
+    return pos
+
+
+def _skip_headers(body: bytes, p: int, end: int) -> int:
+    """Past the headers of a record ending at ``end``; raise ``RecordError``."""
+    count, p = _varint(body, p)
+    if count < 0 or count > end - p:
+        raise RecordError("invalid header count")
+    for _ in range(count):
+        size, p = _varint(body, p)
+        if size < 0 or p + size > end:
+            raise RecordError("invalid header key")
+        try:
+            body[p : p + size].decode("utf-8")
+        except UnicodeDecodeError:
+            raise RecordError("header key is not UTF-8") from None
+        p += size
+        size, p = _varint(body, p)
+        if size > 0:
+            p += size
+        elif size < -1:
+            raise RecordError("invalid header value length")
+        if p > end:
+            raise RecordError("header runs past the record")
+    return p
 
 
 def _zigzag_slow(value: int) -> bytes:
@@ -404,11 +532,24 @@ def _zigzag_slow(value: int) -> bytes:
 
 _SMALL = 1 << 14
 _ZIGZAG = [_zigzag_slow(v) for v in range(-1, _SMALL)]  # index v + 1
-# Offset deltas 0..63 as one-byte zigzag varints, 64..8191 as two bytes (low, high).
-_UNIFORM_MAX = 8192
-_DELTAS_1 = bytes(range(0, 128, 2))
-_DELTAS_2_LOW = bytes(((2 * i) & 0x7F) | 0x80 for i in range(64, _UNIFORM_MAX))
-_DELTAS_2_HIGH = bytes((2 * i) >> 7 for i in range(64, _UNIFORM_MAX))
+# Offset deltas as zigzag varints, one table per byte: 0..63 take one byte, 64..8191 two,
+# 8192.. three (a run is checked against a slice of each).
+_UNIFORM_MAX = 1 << 17
+_MIN_RUN = 4  # shorter runs are walked
+_WALK_STEP = 16  # records walked where no run starts
+_DELTAS = {
+    1: [bytes(range(0, 128, 2))],
+    2: [
+        bytes(((2 * i) & 0x7F) | 0x80 for i in range(64, 8192)),
+        bytes((2 * i) >> 7 for i in range(64, 8192)),
+    ],
+    3: [
+        bytes(((2 * i) & 0x7F) | 0x80 for i in range(8192, _UNIFORM_MAX)),
+        bytes(((2 * i) >> 7 & 0x7F) | 0x80 for i in range(8192, _UNIFORM_MAX)),
+        bytes((2 * i) >> 14 for i in range(8192, _UNIFORM_MAX)),
+    ],
+}
+_HIGH_BYTES = bytes(range(0x80, 0x100))
 _ONE_BYTE = bytes(range(0x80))
 # Zigzag varints of one byte (b) and two bytes (b0 without its continuation bit, b1).
 _LEN1 = [(b >> 1) ^ -(b & 1) for b in range(0x80)]

@@ -167,18 +167,24 @@ def test_equal_sized_records_take_the_slice_check(n: int, value_size: int) -> No
     """Records of one layout are accepted by the slice check, which agrees with the walk."""
     body, count = _uniform_body(n, value_size)
     assert r._uniform(body, count)
-    r._check_records(body, count)
+    r._walk_records(body, count)
 
 
 def test_records_of_other_layouts_fall_back_to_the_walk() -> None:
-    """Different sizes or multi-byte timestamp deltas are left to the record-by-record walk."""
+    """Records of changing sizes, or a timestamp delta width that changes within a run of one
+    size, are left (in part) to the record-by-record walk; the whole check still accepts."""
     records = [r.Record(i, 1000, None, b"x" * (10 + i % 3), []) for i in range(100)]
     [batch] = r.split_batches(r.build_batch(0, records))
     assert not r._uniform(batch.raw[r.HEADER_SIZE :], 100)
     r.check_batch(batch, limit=1 << 20)
-    body, count = _uniform_body(100, 10, ts_step=1)  # deltas past 63 ms take two bytes
-    assert not r._uniform(body, count)
-    r._check_records(body, count)
+    # From record 32 the timestamp delta takes two bytes and the value one byte less: one size,
+    # two layouts.
+    records = [r.Record(i, 1000 + 2 * i, None, b"x" * (11 - (i >= 32)), []) for i in range(64)]
+    [batch] = r.split_batches(r.build_batch(0, records))
+    body = batch.raw[r.HEADER_SIZE :]
+    assert not r._uniform(body, 64)
+    r._walk_records(body, 64)
+    r._check_records(body, 64)
 
 
 def test_the_slice_check_never_accepts_what_the_walk_refuses() -> None:
@@ -197,10 +203,221 @@ def test_the_slice_check_never_accepts_what_the_walk_refuses() -> None:
             claimed = rng.choice([count, count, count - 1, count + 1])
             if r._uniform(data, claimed):
                 accepted += 1
-                r._check_records(data, claimed)
+                r._walk_records(data, claimed)
             else:
                 refused += 1
                 with contextlib.suppress(r.RecordError):
-                    r._check_records(data, claimed)
+                    r._walk_records(data, claimed)
     assert accepted
     assert refused
+
+
+# -- inner record validation: crafted records that tile the batch but are malformed inside --
+
+
+def _zz(v: int) -> bytes:
+    return r._zigzag_slow(v)
+
+
+def _record(delta: int, fields: bytes, extra: bytes = b"") -> bytes:
+    """One record: attributes, timestamp delta 0, offset delta, then ``fields`` as given."""
+    body = b"\x00" + _zz(0) + _zz(delta) + fields + extra
+    return _zz(len(body)) + body
+
+
+def _good(delta: int) -> bytes:
+    return _record(delta, _zz(-1) + _zz(3) + b"abc" + _zz(0))
+
+
+def _crafted_batch(records: list[bytes], codec: int, count: int | None = None) -> r.Batch:
+    """A batch around raw record bytes (compressed with ``codec``), with a valid CRC."""
+    import struct
+
+    import lz4.frame
+    import zstandard
+
+    body = b"".join(records)
+    if codec == r.COMPRESSION_LZ4:
+        body = lz4.frame.compress(body)
+    elif codec == r.COMPRESSION_ZSTD:
+        body = zstandard.ZstdCompressor().compress(body)
+    elif codec == r.COMPRESSION_GZIP:
+        import gzip
+
+        body = gzip.compress(body)
+    n = len(records) if count is None else count
+    after = struct.pack(">hiqqqhii", codec, n - 1, 1000, 1000, -1, -1, -1, n)
+    crc = r.crc32c(after + body)
+    head = struct.pack(">qiibI", 0, 9 + len(after) + len(body), -1, 2, crc)
+    [batch] = r.split_batches(head + after + body)
+    assert batch.crc_ok()
+    return batch
+
+
+_BAD_RECORDS = {
+    # The key claims more bytes than the record holds (the value then runs into the next).
+    "key past record": _record(1, _zz(40) + b"k" + _zz(3) + b"abc" + _zz(0)),
+    "value past record": _record(1, _zz(-1) + _zz(60) + b"abc" + _zz(0)),
+    "key length below -1": _record(1, _zz(-5) + _zz(3) + b"abc" + _zz(0)),
+    "value length below -1": _record(1, _zz(-1) + _zz(-3) + b"abc" + _zz(0)),
+    "negative header count": _record(1, _zz(-1) + _zz(3) + b"abc" + _zz(-1)),
+    "header count past record": _record(1, _zz(-1) + _zz(3) + b"abc" + _zz(30)),
+    "null header key": _record(1, _zz(-1) + _zz(3) + b"abc" + _zz(1) + _zz(-1) + _zz(-1)),
+    "header key not UTF-8": _record(
+        1, _zz(-1) + _zz(3) + b"abc" + _zz(1) + _zz(2) + b"\xff\xfe" + _zz(-1)
+    ),
+    "header value past record": _record(
+        1, _zz(-1) + _zz(3) + b"abc" + _zz(1) + _zz(1) + b"h" + _zz(50) + b"v"
+    ),
+    # Unused, but kafka-python reads the attributes as a varint: a high bit shifts every field.
+    "attributes high bit": (lambda b: _zz(len(b)) + b)(
+        b"\x80\x00" + _zz(1) + _zz(-1) + _zz(3) + b"abc" + _zz(0)
+    ),
+    # Fields end before the record does: a stray byte the length prefix covers.
+    "bytes after the fields": _record(1, _zz(-1) + _zz(3) + b"abc" + _zz(0), b"\x07"),
+    # Fields end after it: the value length says 4, the record holds 3 bytes of value.
+    "fields past the length": _good(1)[:-1],
+}
+
+
+@pytest.mark.parametrize("codec", [0, 1, 3, 4])
+@pytest.mark.parametrize("case", sorted(_BAD_RECORDS))
+def test_check_batch_refuses_malformed_inner_records(case: str, codec: int) -> None:
+    """A record whose key, value or headers do not fit it is refused, compressed or not, and
+    also when it is the last record, whose overrun would otherwise end at the batch's end."""
+    bad = _BAD_RECORDS[case]
+    if case == "fields past the length":
+        # Keep the tiling intact: the shortened record is re-prefixed with its new length.
+        inner = bad[1:]
+        bad = _zz(len(inner)) + inner
+    for records in ([_good(0), bad, _good(2)], [_good(0), bad]):
+        batch = _crafted_batch(records, codec)
+        with pytest.raises(r.RecordError) as e:
+            r.check_batch(batch, limit=1 << 20)
+        assert not isinstance(e.value, r.OffsetDeltaError)
+
+
+@pytest.mark.parametrize("codec", [0, 3])
+def test_check_batch_accepts_crafted_records_with_headers_and_nulls(codec: int) -> None:
+    """The walk accepts well-formed records of every shape (null key, null value, headers with
+    a null value, multi-byte lengths), and kafka-python reads the batch back the same."""
+    records = [
+        _good(0),
+        _record(
+            1,
+            _zz(2)
+            + b"kk"
+            + _zz(-1)
+            + _zz(2)
+            + _zz(1)
+            + b"a"
+            + _zz(-1)
+            + _zz(1)
+            + b"b"
+            + _zz(2)
+            + b"xy",
+        ),
+        _record(2, _zz(0) + _zz(300) + b"v" * 300 + _zz(0)),
+    ]
+    batch = _crafted_batch(records, codec)
+    r.check_batch(batch, limit=1 << 20)
+    decoded = r.decode_batch(batch, limit=1 << 20)
+    assert [(x.key, x.value, x.headers) for x in decoded] == [
+        (None, b"abc", []),
+        (b"kk", None, [("a", None), ("b", b"xy")]),
+        (b"", b"v" * 300, []),
+    ]
+    client_view = MemoryRecords(batch.raw).next_batch()
+    assert [(x.key, x.value) for x in client_view] == [(x.key, x.value) for x in decoded]
+
+
+@pytest.mark.parametrize("n", [10, 64, 100])
+def test_the_slice_check_refuses_equal_sized_records_with_bad_fields(n: int) -> None:
+    """Records of one size whose key or value prefixes disagree, or whose header count is not
+    zero, leave the slice check, and the walk refuses the malformed one."""
+    body, count = _uniform_body(n, 20)
+    narrow = len(_uniform_body(1, 20)[0])  # records from offset delta 64 on are one byte longer
+    for index in (0, n // 2, n - 1):
+        at = index * narrow + max(0, index - 64)
+        size = narrow + (index >= 64)
+        wrong_value = bytearray(body)
+        # key length stays -1; the value length grows by one byte into the header count.
+        prefix = 1 + 1 + 1 + (1 if index < 64 else 2) + 1
+        wrong_value[at + prefix] = _zz(21)[0]
+        assert not r._uniform(bytes(wrong_value), count)
+        with pytest.raises(r.RecordError):
+            r._walk_records(bytes(wrong_value), count)
+        headers = bytearray(body)
+        headers[at + size - 1] = _zz(1)[0]
+        assert not r._uniform(bytes(headers), count)
+        with pytest.raises(r.RecordError):
+            r._walk_records(bytes(headers), count)
+
+
+def test_what_check_batch_accepts_every_reader_decodes() -> None:
+    """Fuzzed batches with keys and headers: whatever check_batch accepts, decode_batch and
+    kafka-python's reader decode to ``count`` records."""
+    import random
+
+    rng = random.Random(13)
+    raw = _client_batch(0, n=12)
+    accepted = 0
+    for _ in range(3000):
+        body = bytearray(raw)
+        for _ in range(rng.randint(1, 3)):
+            body[rng.randrange(r.HEADER_SIZE, len(body))] = rng.getrandbits(8)
+        [batch] = r.split_batches(bytes(body))
+        try:
+            r.check_batch(batch, limit=1 << 16)
+        except r.RecordError:
+            continue
+        accepted += 1
+        assert len(r.decode_batch(batch, limit=1 << 16)) == batch.count
+        assert len(list(MemoryRecords(bytes(body)).next_batch())) == batch.count
+    assert accepted
+
+
+@pytest.mark.parametrize(("n", "ts_step"), [(200, 0.5), (3000, 0.05), (20_000, 0.01)])
+def test_runs_cover_timestamp_deltas_of_two_bytes_and_long_batches(n: int, ts_step: float) -> None:
+    """A batch whose timestamp deltas grow past one byte, or whose offset deltas take three
+    bytes, is covered by runs of one layout (no record-by-record walk), and is valid."""
+    records = [r.Record(i, 1000 + int(i * ts_step), None, b"x" * 90, []) for i in range(n)]
+    [batch] = r.split_batches(r.build_batch(0, records, compression=r.COMPRESSION_LZ4))
+    body = r.decompress(batch.compression, batch.raw[r.HEADER_SIZE :], 1 << 24)
+    assert r._uniform(body, n)
+    r._walk_records(body, n)
+    r.check_batch(batch, limit=1 << 24)
+
+
+def test_runs_and_walks_agree_on_fuzzed_batches_of_mixed_layouts() -> None:
+    """Fuzzed batches whose layout changes (sizes, timestamp widths, keys): the check that
+    mixes runs and walks accepts exactly what the walk alone accepts."""
+    import random
+
+    rng = random.Random(17)
+    records = [
+        r.Record(i, 1000 + i * 3, b"k" if i % 50 == 7 else None, b"x" * (20 + (i // 40) % 2), [])
+        for i in range(150)
+    ]
+    [batch] = r.split_batches(r.build_batch(0, records))
+    body = batch.raw[r.HEADER_SIZE :]
+    r._check_records(body, 150)
+    verdicts = set()
+    for _ in range(600):
+        mutated = bytearray(body)
+        for _ in range(rng.randint(1, 2)):
+            mutated[rng.randrange(len(mutated))] = rng.getrandbits(8)
+        data = bytes(mutated)
+        try:
+            r._walk_records(data, 150)
+            walk = True
+        except r.RecordError:
+            walk = False
+        try:
+            r._check_records(data, 150)
+            mixed = True
+        except r.RecordError:
+            mixed = False
+        assert walk == mixed
+        verdicts.add(walk)
+    assert verdicts == {True, False}
