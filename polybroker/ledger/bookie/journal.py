@@ -18,6 +18,14 @@ Rule 4 (I3): journal files are named by increasing id and never appended to afte
         before it are the only ones ever deleted.
 Rule 5 (I2): a write or sync error fails the journal for good: nothing queued is acknowledged,
         every pending and later record fails.
+Rule 6: the space ahead of the writer is made of written blocks, not merely allocated ones: a
+        second thread writes zeros there (``zero_ahead`` bytes ahead, through its own file
+        descriptor, so a sync error it meets is still reported to the writer's) and syncs them.
+        Writing into fallocated space converts unwritten extents, so every group sync would
+        also commit the file system's journal; overwriting written blocks syncs data only.
+        The zeros never reach a byte the writer reserved (both hold ``_space`` for that), and
+        zeros read back as preallocated space, so replay is unchanged. An error there only
+        stops the zeroing: groups then go to fallocated space as before.
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ _MARK_MAGIC = b"PBMK"
 
 DeliverFn = Callable[..., Any]
 
+_ZERO_CHUNK = 256 * 1024  # zeros written at a time, holding ``_space`` (the writer may wait)
+_ZERO_SYNC = 4 * 1024 * 1024  # zeros synced at a time (each sync commits the extent changes)
+_ZEROS = bytes(_ZERO_CHUNK)
+
 
 class JournalError(StorageError):
     """The journal failed (a write or sync error) or is corrupt before its end."""
@@ -84,6 +96,7 @@ class JournalConfig:
     prealloc_size: int = 16 * 1024 * 1024  # journalPreAllocSizeMB
     sync_data: bool = True  # journalSyncData
     max_record_size: int = 6 * 1024 * 1024  # a record body never exceeds a wire frame
+    zero_ahead: int = 32 * 1024 * 1024  # written (zeroed) space kept ahead (Rule 6); 0: off
 
 
 def file_name(file_id: int) -> str:
@@ -357,6 +370,18 @@ class Journal:
         self._allocated = 0
         self._thread: threading.Thread | None = None
         self.groups_written = 0
+        # Shared by the writer and the zeroing thread (Rule 6), under _space.
+        self._space = threading.Condition(threading.Lock())
+        self._space_file = -1  # the file the fields below are about
+        self._reserved = 0  # the writer wrote or is writing everything before this offset
+        self._zero_written = 0  # blocks before this are written (zeros or records)
+        self._zeroed = 0  # ... and synced (for stats and tests)
+        self._zero_target = 0  # the zeroing thread writes zeros up to here
+        self._zero_fd = -1  # the zeroing side's own descriptor of file _zero_fd_file
+        self._zero_fd_file = -1
+        self._zero_stopped = False
+        self._zero_thread: threading.Thread | None = None
+        self.zero_error: BaseException | None = None
         self._open_file(first_file_id)
 
     # -- reactor side ---------------------------------------------------------------------
@@ -399,9 +424,14 @@ class Journal:
     # -- writer side ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run the writer on its own thread."""
+        """Run the writer on its own thread (and the zeroing of Rule 6 on another)."""
         self._thread = threading.Thread(target=self._run, name="bookie-journal", daemon=True)
         self._thread.start()
+        if self.config.zero_ahead > 0:
+            self._zero_thread = threading.Thread(
+                target=self._zero_run, name="bookie-journal-zeros", daemon=True
+            )
+            self._zero_thread.start()
 
     def stop(self) -> None:
         """Write what is queued, stop the writer and close the file (blocks; call off-reactor
@@ -415,12 +445,14 @@ class Journal:
         else:
             while self.write_pending(block=False):
                 pass
+        self._stop_zeroing()
         self._close_file(trim=True)
 
     def close(self) -> None:
         """Close the file without writing what is queued (what a crash leaves behind)."""
         with self._cond:
             self._stopping = True
+        self._stop_zeroing()
         self._close_file(trim=False)
 
     def _run(self) -> None:
@@ -491,7 +523,15 @@ class Journal:
         if self._offset + nbytes > self.config.max_file_size and self._offset > FILE_HEADER_SIZE:
             self._roll()
         end = self._offset + nbytes
-        if end > self._allocated and self.config.prealloc_size > 0:
+        ahead = self.config.zero_ahead
+        with self._space:
+            # From here on the zeroing thread keeps off these bytes (Rule 6).
+            self._reserved = end
+            written = self._zero_written
+            if ahead > 0 and end + ahead // 2 > self._zero_target:
+                self._zero_target = end + ahead
+                self._space.notify()
+        if end > self._allocated and end > written and self.config.prealloc_size > 0:
             grow = max(self.config.prealloc_size, end - self._allocated)
             os.posix_fallocate(self._fd, self._allocated, grow)
             self._allocated += grow
@@ -524,10 +564,18 @@ class Journal:
         self._file_id = file_id
         self._offset = FILE_HEADER_SIZE
         self._allocated = allocated
+        with self._space:
+            self._space_file = file_id
+            self._reserved = FILE_HEADER_SIZE
+            self._zero_written = self._zeroed = FILE_HEADER_SIZE
+            self._zero_target = FILE_HEADER_SIZE + self.config.zero_ahead
+            self._space.notify()
 
     def _close_file(self, trim: bool) -> None:
         if self._fd < 0:
             return
+        with self._space:
+            self._space_file = -1  # no zeros after the end of a file being closed
         try:
             if trim:
                 os.ftruncate(self._fd, self._offset)
@@ -540,6 +588,80 @@ class Journal:
         self._close_file(trim=True)
         self._open_file(self._file_id + 1)
         log.info("journal rolled", extra=kv(file=file_name(self._file_id)))
+
+    # -- zeroing side (Rule 6) ------------------------------------------------------------
+
+    def _zero_run(self) -> None:
+        try:
+            while self.zero_step(block=True):
+                pass
+        except OSError as e:
+            # Only an optimisation stops: the writer's own syncs still report any loss.
+            self.zero_error = e
+            log.warning("journal zeroing stopped", extra=kv(error=str(e)))
+        finally:
+            with self._space:
+                self._zero_stopped = True
+                self._close_zero_fd()
+
+    def zero_step(self, block: bool = False) -> bool:
+        """Write zeros ahead of the writer up to ``_ZERO_SYNC`` bytes, then sync them.
+
+        Returns False when there is nothing to zero (and, with ``block``, the journal stops);
+        with ``block`` it waits for the writer to ask for more. Runs on the zeroing thread;
+        tests call it directly."""
+        with self._space:
+            while True:
+                if self._zero_stopped or self._stopping:
+                    return False
+                start = max(self._zero_written, self._reserved)
+                if self._space_file >= 0 and start < self._zero_target:
+                    break
+                if not block:
+                    return False
+                self._space.wait()
+            file_id = self._space_file
+            if self._zero_fd_file != file_id:
+                self._close_zero_fd()
+                self._zero_fd = os.open(self.directory / file_name(file_id), os.O_WRONLY)
+                self._zero_fd_file = file_id
+            fd = self._zero_fd
+        stop = start + _ZERO_SYNC
+        end = start
+        while True:
+            with self._space:
+                # The writer may have reserved more, or moved to another file, meanwhile.
+                if self._space_file != file_id or self._stopping:
+                    return True
+                pos = max(self._zero_written, self._reserved)
+                chunk_end = min(pos + _ZERO_CHUNK, self._zero_target, stop)
+                if pos >= chunk_end:
+                    break
+                os.pwrite(fd, _ZEROS[: chunk_end - pos], pos)
+                self._zero_written = end = chunk_end
+        if end == start:
+            return True  # the writer got there first
+        os.fdatasync(fd)
+        with self._space:
+            if self._space_file == file_id:
+                self._zeroed = max(self._zeroed, min(end, self._zero_written))
+        return True
+
+    def _close_zero_fd(self) -> None:
+        if self._zero_fd >= 0:
+            os.close(self._zero_fd)
+            self._zero_fd = -1
+            self._zero_fd_file = -1
+
+    def _stop_zeroing(self) -> None:
+        with self._space:
+            self._zero_stopped = True
+            self._space.notify_all()
+        if self._zero_thread is not None:
+            self._zero_thread.join()
+            self._zero_thread = None
+        with self._space:
+            self._close_zero_fd()
 
     @property
     def position(self) -> JournalPosition:
