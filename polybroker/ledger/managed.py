@@ -601,14 +601,16 @@ class ManagedLedgerImpl(ManagedLedger):
         popleft = pending.popleft
         # Record every completed entry first, then tell the callers: whatever their callbacks
         # do (append, read, close) sees the log with all of them.
+        put = cache.put_fields
         while pending and pending[0].entry_id <= last_entry_id:
             a = popleft()
-            entry = _new(Entry, (_new(Position, (lid, a.entry_id)), a.index, a.num, a.time, a.data))
-            index_of(a.index)
-            time_of(a.time)
+            eid, index, num, t, data = a.entry_id, a.index, a.num, a.time, a.data
+            entry = _new(Entry, (_new(Position, (lid, eid)), index, num, t, data))
+            index_of(index)
+            time_of(t)
             size += a.size
-            messages += a.num
-            cache.put(seq, entry)
+            messages += num
+            put(seq, lid, eid, index, num, t, data)
             seq += 1
             done.append((a, entry))
         ledger.entries += len(done)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -161,3 +162,20 @@ def test_manager_accounts_every_put_and_eviction() -> None:
     two.close()
     assert manager.size == one.size
     assert two.get(29) is None
+
+
+def test_cached_entries_leave_the_garbage_collectors_lists() -> None:
+    """What the cache holds for an entry is untracked by the collector after one collection
+    (Rule 5), and ``get`` gives back an ``Entry`` equal to the one appended."""
+    rig = Rig()
+    ml = rig.open()
+    appended = rig.append(ml, b"a", b"b", b"c")
+    gc.collect()
+    held = list(ml._cache._entries.values())
+    assert len(held) == 3
+    assert not any(gc.is_tracked(fields) for fields in held)
+    seq = ml._cache.first_seq()
+    assert seq is not None
+    got = [ml._cache.get(seq + i) for i in range(3)]
+    assert got == appended
+    assert all(type(e) is Entry and type(e.position) is Position for e in got)
