@@ -2,13 +2,14 @@
 
 One run starts a private RabbitMQ node (loopback only, its own epmd port, scratch dirs) and a
 ``polybroker standalone`` (AMQP enabled, scratch data dir), then runs the shared pika benchmark
-(``bench_amqp.py``) against each, alternating brokers case by case, for: no confirms, a confirm
-per message, async confirms with a window, each transient and persistent (durable queue,
-delivery_mode 2), end to end with a concurrent consumer; and a backlog drain (publish first, then
-consume); and both for a fanout to five durable queues (rates count deliveries). The machine is
-shared and noisy: quote medians of ``--repeat`` runs and the ratios. Each case also records the
-broker's CPU time per message (user + system time of its processes, from ``/proc``, over the
-case; deliveries for the fanout cases), steadier than rates on a loaded machine.
+(``bench_amqp.py``) against each, case by case (each broker first in every other case), for:
+no confirms, a confirm per message, async confirms with a window, each transient and persistent
+(durable queue, delivery_mode 2), end to end with a concurrent consumer; and a backlog drain
+(publish first, then consume); and both for a fanout to five durable queues (rates count
+deliveries). The machine is shared and noisy: quote medians of ``--repeat`` runs and the ratios.
+Each case also records the broker's CPU time per message (user + system time of its processes,
+from ``/proc``, over the case; deliveries for the fanout cases), steadier than rates on a loaded
+machine.
 
 Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
 """
@@ -257,11 +258,18 @@ def main() -> None:
     try:
         for b in brokers.values():
             b.start()
+        turn = 0
         for _ in range(a.repeat):
             for case, args, divisor in CASES:
                 if case not in wanted:
                     continue
-                for name, b in brokers.items():
+                # Each broker goes first every other case: neither always meets the other's
+                # leftovers (queue deletion, compaction, a warm page cache) or a quieter moment.
+                order = list(brokers.items())
+                if turn % 2:
+                    order.reverse()
+                turn += 1
+                for name, b in order:
                     n = max(100, a.n // divisor)
                     before = cpu_seconds(b.proc.pid)
                     r = run_case(b.port, args, n, a.timeout)
