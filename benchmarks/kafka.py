@@ -39,6 +39,17 @@ from typing import Any
 
 SIZES = (100, 1024)
 
+FETCH_NOTE = """\
+note: 'max gap s' is the consumer's longest wait between two arrivals. librdkafka asks for 1 MB
+per partition (max.partition.fetch.bytes) within 50 MB per response (fetch.max.bytes) and, once
+more than queued.min.messages (100k) wait in its local queue, sleeps fetch.queue.backoff.ms
+(1 s) before fetching again. polybroker answers each fetch with at most 1 MB of stored batches
+(KIP-74: more only when the first batch alone is larger), as Kafka does, so a backlog of small
+well-compressed messages takes several fetches and the client sleeps once; Tansu ignores the
+partition limit and sends the whole backlog in one answer, so its consumer never waits. The
+b10 columns consume the same topic with the backoff at 10 ms: the gap between the two is the
+client's own sleep, not the broker's work (see 'srv us out')."""
+
 # This file is named like the kafka-python package: keep its folder off the import path.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -100,6 +111,7 @@ def role_ck_produce(a: argparse.Namespace) -> dict[str, Any]:
             errors.append(str(err))
 
     interval = 1.0 / a.rate if a.rate else 0.0
+    cpu0 = time.process_time()
     start = time.perf_counter()
     for i in range(a.count):
         if interval:
@@ -114,9 +126,15 @@ def role_ck_produce(a: argparse.Namespace) -> dict[str, Any]:
             except BufferError:
                 p.poll(0.01)
         p.poll(0)
+    queued = time.perf_counter()
     left = p.flush(120)
     elapsed = time.perf_counter() - start
-    return {"msgs_per_s": a.count / elapsed, "errors": len(errors) + left}
+    return {
+        "msgs_per_s": a.count / elapsed,
+        "errors": len(errors) + left,
+        "flush_s": round(elapsed - (queued - start), 3),
+        "client_cpu_us": (time.process_time() - cpu0) * 1e6 / a.count,
+    }
 
 
 def role_ck_consume(a: argparse.Namespace) -> dict[str, Any]:
@@ -136,20 +154,26 @@ def role_ck_consume(a: argparse.Namespace) -> dict[str, Any]:
     lat: list[float] = []
     start = 0.0 if a.latency else time.perf_counter()
     last = start
+    gap = 0.0  # the longest wait between two arrivals: the client's fetch backoff shows here
     deadline = time.monotonic() + a.timeout
     while got < a.count and time.monotonic() < deadline:
         # A short timeout: consume() otherwise holds what arrived until it has them all.
         for m in c.consume(10_000, 0.005):
             if m.error():
                 continue
-            last = time.perf_counter()
+            now = time.perf_counter()
+            if start:
+                gap = max(gap, now - last)
+            last = now
             if not start:
                 start = last
             got += 1
             if a.latency:
                 lat.append(time.time() - float(m.value().split(b"|", 1)[0]))
     c.close()
-    return _consumed(got, last - start, lat)
+    out = _consumed(got, last - start, lat)
+    out["max_gap_s"] = round(gap, 3)
+    return out
 
 
 def _consumed(got: int, elapsed: float, lat: list[float]) -> dict[str, Any]:
@@ -378,38 +402,56 @@ def throughput(
     timeout: float,
     server_pid: int,
     fetch_queue_backoff_ms: int = -1,
-) -> tuple[float, float, float, float]:
-    """(produce msgs/s, consume msgs/s, server CPU us per message produced, ... consumed)."""
+) -> dict[str, float]:
+    """Produce then consume ``count`` messages: msgs/s both ways, the server's CPU per message
+    produced and consumed, the producer's own CPU per message, the consumer's longest wait
+    between arrivals; for confluent-kafka with its default ``fetch.queue.backoff.ms``, the
+    same topic consumed again with it at 10 ms (``*_b10``)."""
     topic = f"bench-{client}-{size}-{tag}"
     if client != "pulsar":
         create_topic(bootstrap, topic)
     cpu0 = cpu_seconds(server_pid)
     produced = result_of(run_role(f"{client}-produce", bootstrap, topic, count, size))
     cpu1 = cpu_seconds(server_pid)
-    consumed = result_of(
-        run_role(
-            f"{client}-consume",
-            bootstrap,
-            topic,
-            count,
-            size,
-            timeout=timeout,
-            fetch_queue_backoff_ms=fetch_queue_backoff_ms,
+
+    def consume(backoff_ms: int) -> tuple[dict[str, Any], float]:
+        before = cpu_seconds(server_pid)
+        found = result_of(
+            run_role(
+                f"{client}-consume",
+                bootstrap,
+                topic,
+                count,
+                size,
+                timeout=timeout,
+                fetch_queue_backoff_ms=backoff_ms,
+            )
         )
-    )
-    cpu2 = cpu_seconds(server_pid)
-    if produced["errors"] or consumed["received"] != count:
-        print(
-            f"  ! {target}/{client}/{size}: errors={produced['errors']} "
-            f"received={consumed['received']}/{count}",
-            file=sys.stderr,
-        )
-    return (
-        produced["msgs_per_s"],
-        consumed["msgs_per_s"],
-        (cpu1 - cpu0) * 1e6 / count,
-        (cpu2 - cpu1) * 1e6 / max(1, consumed["received"]),
-    )
+        used = (cpu_seconds(server_pid) - before) * 1e6 / max(1, found["received"])
+        if found["received"] != count:
+            print(
+                f"  ! {target}/{client}/{size}: received {found['received']}/{count}",
+                file=sys.stderr,
+            )
+        return found, used
+
+    consumed, cpu_out = consume(fetch_queue_backoff_ms)
+    if produced["errors"]:
+        print(f"  ! {target}/{client}/{size}: errors={produced['errors']}", file=sys.stderr)
+    row = {
+        "produce": produced["msgs_per_s"],
+        "consume": consumed["msgs_per_s"],
+        "cpu_in": (cpu1 - cpu0) * 1e6 / count,
+        "cpu_out": cpu_out,
+        "client_cpu_in": produced.get("client_cpu_us", float("nan")),
+        "gap": consumed.get("max_gap_s", float("nan")),
+    }
+    if client == "ck" and fetch_queue_backoff_ms < 0:
+        again, cpu_again = consume(10)
+        row["consume_b10"] = again["msgs_per_s"]
+        row["cpu_out_b10"] = cpu_again
+        row["gap_b10"] = again.get("max_gap_s", float("nan"))
+    return row
 
 
 def latency(bootstrap: str, size: int, rate: int, seconds: float, tag: str) -> dict[str, Any]:
@@ -457,7 +499,7 @@ def main() -> None:
     rate = a.rate or 2000
     tmp = Path(tempfile.mkdtemp(prefix="bench-kafka-"))
     procs: list[subprocess.Popen[bytes]] = []
-    rows: dict[str, list[tuple[float, float, float, float]]] = {}
+    rows: dict[str, list[dict[str, float]]] = {}
     lat: dict[str, list[dict[str, Any]]] = {}
     try:
         poly, kport, pport = start_polybroker(tmp, a.entry_format)
@@ -484,7 +526,8 @@ def main() -> None:
                 cases = [case for case in cases if case[1] in wanted]
                 if tansu_bs:
                     cases.append(("tansu", "ck", tansu_bs))
-                for target, client, bs in cases:
+                shift = rep % len(cases)  # each repeat starts with another case
+                for target, client, bs in cases[shift:] + cases[:shift]:
                     key = f"{target}/{client}/{size}"
                     rows.setdefault(key, []).append(
                         throughput(
@@ -514,21 +557,36 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     summary: dict[str, Any] = {}
     print(
-        f"{'case':34} {'produce msg/s':>14} {'consume msg/s':>14}"
-        f" {'server us/msg in':>17} {'server us/msg out':>18}"
+        f"{'case':30} {'produce/s':>10} {'consume/s':>10} {'srv us in':>9} {'srv us out':>10}"
+        f" {'cli us in':>9} {'max gap s':>9} {'consume/s b10':>13} {'gap b10':>7}"
     )
     for key, vals in rows.items():
-        prod = statistics.median(v[0] for v in vals)
-        cons = statistics.median(v[1] for v in vals)
-        cpu_in = statistics.median(v[2] for v in vals)
-        cpu_out = statistics.median(v[3] for v in vals)
-        summary[key] = {
-            "produce": round(prod),
-            "consume": round(cons),
-            "server_cpu_us_per_msg_produced": round(cpu_in, 2),
-            "server_cpu_us_per_msg_consumed": round(cpu_out, 2),
+
+        def med(name: str, vals: list[dict[str, float]] = vals) -> float:
+            found = [v[name] for v in vals if name in v]
+            return statistics.median(found) if found else float("nan")
+
+        row = {
+            "produce": round(med("produce")),
+            "consume": round(med("consume")),
+            "server_cpu_us_per_msg_produced": round(med("cpu_in"), 2),
+            "server_cpu_us_per_msg_consumed": round(med("cpu_out"), 2),
+            "client_cpu_us_per_msg_produced": round(med("client_cpu_in"), 2),
+            "consumer_max_gap_s": round(med("gap"), 3),
         }
-        print(f"{key:34} {prod:14.0f} {cons:14.0f} {cpu_in:17.2f} {cpu_out:18.2f}")
+        if "consume_b10" in vals[0]:
+            row["consume_backoff_10ms"] = round(med("consume_b10"))
+            row["server_cpu_us_per_msg_consumed_backoff_10ms"] = round(med("cpu_out_b10"), 2)
+            row["consumer_max_gap_s_backoff_10ms"] = round(med("gap_b10"), 3)
+        summary[key] = row
+        print(
+            f"{key:30} {row['produce']:10} {row['consume']:10}"
+            f" {row['server_cpu_us_per_msg_produced']:9.2f}"
+            f" {row['server_cpu_us_per_msg_consumed']:10.2f}"
+            f" {row['client_cpu_us_per_msg_produced']:9.2f} {row['consumer_max_gap_s']:9.3f}"
+            f" {row.get('consume_backoff_10ms', float('nan')):13}"
+            f" {row.get('consumer_max_gap_s_backoff_10ms', float('nan')):7}"
+        )
     print(f"\nend-to-end at {rate} msg/s (confluent-kafka):")
     for key, vals in lat.items():
         p50 = statistics.median(v.get("p50_ms", float("nan")) for v in vals)
@@ -550,7 +608,13 @@ def main() -> None:
         if tansu_row and ck:
             ratios[f"vs_tansu_produce_{size}"] = round(ck["produce"] / tansu_row["produce"], 2)
             ratios[f"vs_tansu_fetch_{size}"] = round(ck["consume"] / tansu_row["consume"], 2)
+            if "consume_backoff_10ms" in ck and "consume_backoff_10ms" in tansu_row:
+                ratios[f"vs_tansu_fetch_{size}_backoff_10ms"] = round(
+                    ck["consume_backoff_10ms"] / tansu_row["consume_backoff_10ms"], 2
+                )
     print("\nratios:", json.dumps(ratios))
+    if a.fetch_queue_backoff_ms < 0:
+        print(FETCH_NOTE)
     print(json.dumps({"results": summary, "ratios": ratios}))
 
 
