@@ -17,7 +17,7 @@ All integers are big-endian.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import crc32c as _crc32c
@@ -187,6 +187,100 @@ def encode_message(
         parts += (b"\x20", _varint(word))
     cmd = _frame_command(_MESSAGE_KEY, b"".join(parts))
     return _U32U32.pack(4 + len(cmd) + len(tail), len(cmd)) + cmd + tail
+
+
+def _id_tail(partition: int) -> bytes:
+    """The ``partition`` and ``batch_index`` (-1) fields of a message id sent."""
+    tail = _ID_TAIL_CACHE.get(partition)
+    if tail is None:
+        tail = b"\x18" + _varint(partition) + _NO_BATCH_INDEX
+        if len(_ID_TAIL_CACHE) < 4096:
+            _ID_TAIL_CACHE[partition] = tail
+    return tail
+
+
+def encode_messages(
+    consumer_id: int,
+    partition: int,
+    rows: Iterable[tuple[int, int, int, list[int], bytes]],
+) -> bytes:
+    """The MESSAGE frames of ``rows`` (ledger id, entry id, redelivery count, ack set, stored
+    entry), joined: for each the bytes of ``encode_message`` with these arguments. What is
+    the same for every frame of the consumer (or of a ledger) is encoded once."""
+    varint = _varint
+    small = _VARINT_1
+    pack = _U32U32.pack
+    head = b"\x08" + varint(consumer_id) + b"\x12"
+    id_tail = _id_tail(partition)
+    last_ledger: int | None = None
+    ledger_part = b""
+    fixed = 0
+    out: list[bytes] = []
+    append = out.append
+    for ledger_id, entry_id, redelivery_count, ack_set, tail in rows:
+        if ledger_id != last_ledger:
+            last_ledger = ledger_id
+            ledger_part = b"\x08" + varint(ledger_id) + b"\x10"
+            fixed = len(ledger_part) + len(id_tail)
+        entry = varint(entry_id)
+        if redelivery_count or ack_set:
+            rest = b"\x18" + varint(redelivery_count)
+            if ack_set:
+                rest += b"".join([b"\x20" + varint(word) for word in ack_set])
+        else:
+            rest = b"\x18\x00"
+        # The message id is at most 44 bytes: its size is one varint byte.
+        body = head + small[fixed + len(entry)] + ledger_part + entry + id_tail + rest
+        size = len(body)
+        cmd = _MESSAGE_KEY + (small[size] if size < 0x80 else varint(size)) + body
+        append(pack(4 + len(cmd) + len(tail), len(cmd)))
+        append(cmd)
+        append(tail)
+    return b"".join(out)
+
+
+def encode_send_receipts(
+    producer_id: int, partition: int, rows: Iterable[tuple[int, int, int, int]]
+) -> bytes:
+    """The SEND_RECEIPT frames of ``rows`` (sequence id, ledger id, entry id, highest
+    sequence id), joined: for each the bytes of ``encode_send_receipt`` with these
+    arguments. What is the same for every receipt of the producer (or of a ledger) is
+    encoded once."""
+    varint = _varint
+    small = _VARINT_1
+    pack = _U32U32.pack
+    head = b"\x08" + varint(producer_id) + b"\x10"
+    id_tail = _id_tail(partition)
+    last_ledger: int | None = None
+    ledger_part = b""
+    fixed = 0
+    out: list[bytes] = []
+    append = out.append
+    for sequence_id, ledger_id, entry_id, highest in rows:
+        if ledger_id != last_ledger:
+            last_ledger = ledger_id
+            ledger_part = b"\x08" + varint(ledger_id) + b"\x10"
+            fixed = len(ledger_part) + len(id_tail)
+        entry = varint(entry_id)
+        body = (
+            head
+            + varint(sequence_id)
+            + b"\x1a"
+            + small[fixed + len(entry)]  # a message id is at most 44 bytes
+            + ledger_part
+            + entry
+            + id_tail
+            + b"\x20"
+            + varint(highest)
+        )
+        # At most 12 + 10 + 2 + 44 + 11 bytes: the body's size is one varint byte, and the
+        # command is the 3-byte key, that byte and the body.
+        size = len(body)
+        append(pack(size + 8, size + 4))
+        append(_SEND_RECEIPT_KEY)
+        append(small[size])
+        append(body)
+    return b"".join(out)
 
 
 def build_tail(metadata: pb.MessageMetadata, payload: bytes) -> bytes:

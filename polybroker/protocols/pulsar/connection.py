@@ -52,8 +52,8 @@ from polybroker.protocols.pulsar.codec import (
     ack_set_words,
     command,
     encode_command,
-    encode_message,
-    encode_send_receipt,
+    encode_messages,
+    encode_send_receipts,
     message_id,
     metadata_is_complete,
     to_signed64,
@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 T = pb.BaseCommand
 SERVER_VERSION = "polybroker-pulsar"
 _INT64_MAX = (1 << 63) - 1
+#: The ack set of an entry delivered whole (shared, never changed).
+_NO_WORDS: list[int] = []
 
 _SUB_TYPES = {
     pb.CommandSubscribe.Exclusive: SubType.EXCLUSIVE,
@@ -182,27 +184,15 @@ class PulsarConsumer:
     def send_entries(self, deliveries: list[Delivery]) -> None:
         if self.closed:
             return
-        cid = self._consumer_id
-        partition = self.partition
-        out: list[bytes] = []
+        rows = []
         for entry, redelivery_count, acked in deliveries:
-            pos = entry.position
-            words: list[int] = []
+            ledger_id, entry_id = entry.position
+            words: list[int] = _NO_WORDS
             if acked:
                 n = entry.num_messages
                 words = ack_set_words(~acked & ((1 << n) - 1), n)
-            out.append(
-                encode_message(
-                    cid,
-                    pos.ledger_id,
-                    pos.entry_id,
-                    partition,
-                    redelivery_count,
-                    words,
-                    _pulsar_format(entry),
-                )
-            )
-        self.conn.write_raw(b"".join(out))
+            rows.append((ledger_id, entry_id, redelivery_count, words, _pulsar_format(entry)))
+        self.conn.write_raw(encode_messages(self._consumer_id, self.partition, rows))
 
     def active_changed(self, is_active: bool) -> None:
         if not self.closed:
@@ -808,27 +798,18 @@ class PulsarConnection(Protocol):
     def _flush_receipts(self, state: _ProducerState) -> None:
         # Receipts ready together leave in one write, in order.
         sends = state.sends
-        out: list[bytes] = []
+        rows: list[tuple[int, int, int, int]] = []
         while sends and sends[0].done:
             p = sends.popleft()
             if p.error is not None:
-                if out:
-                    self.write_raw(b"".join(out))
-                    out.clear()
+                if rows:
+                    self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
+                    rows = []
                 self._send_error(state.producer_id, p.sequence_id, *p.error)
                 continue
-            out.append(
-                encode_send_receipt(
-                    state.producer_id,
-                    p.sequence_id,
-                    p.ledger_id,
-                    p.entry_id,
-                    state.partition,
-                    p.highest,
-                )
-            )
-        if out:
-            self.write_raw(b"".join(out))
+            rows.append((p.sequence_id, p.ledger_id, p.entry_id, p.highest))
+        if rows:
+            self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
 
     def _send_error(self, producer_id: int, seq: int, code: int, message: str) -> None:
         self.send(

@@ -31,8 +31,10 @@ from polybroker.protocols.pulsar.codec import (
     encode_batch,
     encode_command,
     encode_message,
+    encode_messages,
     encode_payload_command,
     encode_send_receipt,
+    encode_send_receipts,
     message_id,
     metadata_is_complete,
     normalize_tail,
@@ -298,6 +300,55 @@ def test_message_encoding_matches_protobuf() -> None:
         frame = next(FrameDecoder().feed(got))
         assert frame.command == cmd
         assert frame.payload == tail
+
+
+def test_bulk_message_encoding_matches_one_by_one() -> None:
+    """``encode_messages`` gives the frames ``encode_message`` gives one by one, joined, over
+    runs of entries in one ledger and across ledgers, redeliveries, ack sets and odd ids."""
+    rng = random.Random(14)
+    for i in range(300):
+        ids = [*_ID_VALUES, rng.randrange(2**64), rng.randrange(1000)]
+        cid = rng.choice(ids)
+        partition = rng.choice([-1, 0, 7, 2**31 - 1])
+        ledger = rng.choice([-1, *ids])
+        rows = []
+        for _ in range(rng.randrange(0, 20)):
+            if rng.random() < 0.2:
+                ledger = rng.choice([-1, *ids])
+            entry = rng.choice([-1, *ids])
+            redeliveries = rng.choice([0, 0, 1, 127, 128, 2**32 - 1])
+            n = rng.randrange(1, 200)
+            words = ack_set_words(rng.randrange(2**n), n) if rng.random() < 0.3 else []
+            tail = build_tail(metadata(), b"m" * rng.randrange(300))
+            rows.append((ledger, entry, redeliveries, words, tail))
+        expected = b"".join(encode_message(cid, r[0], r[1], partition, *r[2:]) for r in rows)
+        assert encode_messages(cid, partition, rows) == expected, i
+
+
+def test_bulk_send_receipt_encoding_matches_one_by_one() -> None:
+    """``encode_send_receipts`` gives the frames ``encode_send_receipt`` gives one by one,
+    joined (and so the protobuf encoding of each), across ledgers and with odd ids."""
+    rng = random.Random(15)
+    for i in range(300):
+        ids = [*_ID_VALUES, rng.randrange(2**64), rng.randrange(1000)]
+        pid = rng.choice(ids)
+        partition = rng.choice([-1, 0, 7, 2**31 - 1])
+        ledger = rng.choice([-1, *ids])
+        rows = []
+        for _ in range(rng.randrange(0, 20)):
+            if rng.random() < 0.2:
+                ledger = rng.choice([-1, *ids])
+            entry = rng.choice([-1, *ids])
+            rows.append((rng.choice(ids), ledger, entry, rng.choice(ids)))
+        expected = b"".join(
+            encode_send_receipt(pid, seq, ledger_id, entry_id, partition, highest)
+            for seq, ledger_id, entry_id, highest in rows
+        )
+        got = encode_send_receipts(pid, partition, rows)
+        assert got == expected, i
+        assert [f.command.send_receipt.sequence_id for f in FrameDecoder().feed(got)] == [
+            r[0] for r in rows
+        ]
 
 
 def test_frames_split_at_random_points_reassemble() -> None:
