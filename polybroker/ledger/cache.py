@@ -17,15 +17,20 @@ Rule 5: an entry is held as a plain tuple of its fields (ledger, entry, index, m
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left
+from typing import Any
 
 from polybroker.ledger.api import Entry, Position
 
 _new = tuple.__new__  # builds a named tuple without the Python-level __new__ of namedtuple
 
-# Per-entry bookkeeping (dict slot, Entry and Position objects) counted against the budget.
+# Per-entry bookkeeping (its list slot and tuple of fields) counted against the budget.
 ENTRY_OVERHEAD = 96
 EVICTION_WATERMARK = 0.9
+
+
+def _bytes_before(slot: Any) -> int:
+    return slot[6]  # type: ignore[no-any-return]
 
 
 class EntryCacheManager:
@@ -58,17 +63,27 @@ class EntryCacheManager:
 
 
 class EntryCache:
-    """One log's cached entries, keyed by the log's entry sequence number (append order)."""
+    """One log's cached entries, keyed by the log's entry sequence number (append order).
+
+    The numbers cached are consecutive (Rule 2, and a log numbers its entries one by one), so
+    they live in a list from ``_head`` on, entry ``seq`` at ``seq - _base``; evicting is moving
+    ``_head`` (the dropped slots are cleared at once, the list is compacted now and then). Each
+    slot holds the entry's fields (Rule 5) and the bytes put before it, so the bytes of any
+    run of entries are one subtraction."""
 
     def __init__(self, manager: EntryCacheManager, name: str) -> None:
         self.name = name
         self.size = 0
         self._manager = manager
-        # Rule 5: (ledger id, entry id, index, num messages, publish time ms, data).
-        self._entries: OrderedDict[int, tuple[int, int, int, int, int, bytes]] = OrderedDict()
+        # Rule 5: (ledger id, entry id, index, num messages, publish time ms, data, bytes put
+        # before it); None once evicted.
+        self._slots: list[tuple[int, int, int, int, int, bytes, int] | None] = []
+        self._base = 0  # the number of the entry in ``_slots[0]``
+        self._head = 0  # the index in ``_slots`` of the oldest cached entry
+        self._put_bytes = 0  # the cost of everything ever put
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._slots) - self._head
 
     def put(self, seq: int, entry: Entry) -> None:
         """Cache ``entry`` as number ``seq``; ``seq`` must exceed every cached one (Rule 2)."""
@@ -97,8 +112,16 @@ class EntryCache:
         manager = self._manager
         if manager.max_bytes == 0:
             return
+        slots = self._slots
+        if seq != self._base + len(slots):
+            # Not the next number (nothing cached yet, or a gap): start afresh from ``seq``.
+            self.clear()
+            self._base = seq
+            slots = self._slots
         cost = len(data) + ENTRY_OVERHEAD
-        self._entries[seq] = (ledger_id, entry_id, index, num_messages, publish_time_ms, data)
+        before = self._put_bytes
+        slots.append((ledger_id, entry_id, index, num_messages, publish_time_ms, data, before))
+        self._put_bytes = before + cost
         self.size += cost
         manager.size += cost
         if manager.size > manager.max_bytes:
@@ -106,47 +129,65 @@ class EntryCache:
 
     def get(self, seq: int) -> Entry | None:
         """Return the cached entry number ``seq``, or None."""
-        t = self._entries.get(seq)
-        if t is None:
+        i = seq - self._base
+        if i < self._head or i >= len(self._slots):
             return None
+        t = self._slots[i]
+        assert t is not None
         return _new(Entry, (_new(Position, (t[0], t[1])), t[2], t[3], t[4], t[5]))
 
     def first_seq(self) -> int | None:
         """The oldest cached entry's number, or None if empty."""
-        for seq in self._entries:
-            return seq
-        return None
+        if self._head == len(self._slots):
+            return None
+        return self._base + self._head
 
     def evict_before(self, seq: int) -> None:
         """Drop every entry numbered below ``seq`` (no reader needs them from memory)."""
-        entries = self._entries
-        while entries:
-            first = next(iter(entries))
-            if first >= seq:
-                break
-            self._drop_first()
+        self._drop_to(min(seq - self._base, len(self._slots)))
 
     def evict_bytes(self, wanted: int) -> None:
         """Drop the oldest entries until ``wanted`` bytes were freed or the cache is empty."""
-        freed = 0
-        while self._entries and freed < wanted:
-            freed += self._drop_first()
+        slots, head = self._slots, self._head
+        if head < len(slots):
+            first = slots[head]
+            assert first is not None
+            # Keep the first entry with at least ``wanted`` bytes put between it and the oldest.
+            goal = first[6] + wanted
+            self._drop_to(bisect_left(slots, goal, lo=head, key=_bytes_before))
         self._manager.evictions += 1
 
     def clear(self) -> None:
         """Drop everything."""
         self._manager.size -= self.size
         self.size = 0
-        self._entries.clear()
+        self._base += len(self._slots)
+        self._slots = []
+        self._head = 0
 
     def close(self) -> None:
         """Drop everything and leave the manager."""
         self.clear()
         self._manager._forget(self)
 
-    def _drop_first(self) -> int:
-        _, fields = self._entries.popitem(last=False)
-        cost = len(fields[5]) + ENTRY_OVERHEAD
-        self.size -= cost
-        self._manager.size -= cost
-        return cost
+    def _drop_to(self, end: int) -> None:
+        """Drop the entries before index ``end`` of ``_slots``."""
+        slots, head = self._slots, self._head
+        if end <= head:
+            return
+        first = slots[head]
+        assert first is not None
+        if end < len(slots):
+            after = slots[end]
+            assert after is not None
+            freed = after[6] - first[6]
+        else:
+            freed = self._put_bytes - first[6]
+        slots[head:end] = [None] * (end - head)
+        self.size -= freed
+        self._manager.size -= freed
+        if end >= 4096 and end * 2 >= len(slots):
+            del slots[:end]
+            self._base += end
+            end = 0
+        self._head = end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import sys
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def test_cached_entries_leave_the_garbage_collectors_lists() -> None:
     ml = rig.open()
     appended = rig.append(ml, b"a", b"b", b"c")
     gc.collect()
-    held = list(ml._cache._entries.values())
+    held = ml._cache._slots[ml._cache._head :]
     assert len(held) == 3
     assert not any(gc.is_tracked(fields) for fields in held)
     seq = ml._cache.first_seq()
@@ -179,3 +180,53 @@ def test_cached_entries_leave_the_garbage_collectors_lists() -> None:
     got = [ml._cache.get(seq + i) for i in range(3)]
     assert got == appended
     assert all(type(e) is Entry and type(e.position) is Position for e in got)
+
+
+def test_entry_cache_agrees_with_a_plain_model() -> None:
+    """Puts (with an occasional gap), evictions by number and by bytes, and clears, checked
+    against a dict after every step: same entries, same bytes, the manager's total in step,
+    across many compactions of the slot list."""
+    rng = random.Random(7)
+    manager = EntryCacheManager(1 << 40)
+    cache = manager.new_cache("t")
+    model: dict[int, Entry] = {}
+    seq = 0
+
+    def cost(e: Entry) -> int:
+        return len(e.data) + ENTRY_OVERHEAD
+
+    for _ in range(30_000):
+        op = rng.random()
+        if op < 0.7:
+            if rng.random() < 0.002:
+                seq += rng.randint(1, 5)  # a gap: the cache starts afresh
+                model.clear()
+            e = Entry(Position(3, seq), seq * 2, 2, 1000 + seq, bytes(rng.randint(0, 40)))
+            cache.put(seq, e)
+            model[seq] = e
+            seq += 1
+        elif op < 0.9:
+            cut = seq - rng.randint(0, 3000)
+            cache.evict_before(cut)
+            for k in [k for k in model if k < cut]:
+                del model[k]
+        elif op < 0.999:
+            wanted = rng.randint(0, 3000)
+            cache.evict_bytes(wanted)
+            freed = 0
+            for k in sorted(model):
+                if freed >= wanted:
+                    break
+                freed += cost(model.pop(k))
+        else:
+            cache.clear()
+            model.clear()
+        assert len(cache) == len(model)
+        assert cache.size == manager.size == sum(cost(e) for e in model.values())
+        assert cache.first_seq() == (min(model) if model else None)
+        if model:
+            for k in (min(model), max(model), rng.choice(list(model))):
+                assert cache.get(k) == model[k]
+            assert cache.get(min(model) - 1) is None
+            assert cache.get(max(model) + 1) is None
+    assert len(cache._slots) < 20_000  # evicted slots were compacted away
