@@ -97,7 +97,7 @@ class Batch:
         return bool(self.attributes & CONTROL)
 
     def crc_ok(self) -> bool:
-        return crc32c(self.raw[_CRC_START:]) == self.crc
+        return crc32c(memoryview(self.raw)[_CRC_START:]) == self.crc  # no copy of the bytes
 
 
 def split_batches(data: bytes | memoryview, *, max_batches: int = 10_000) -> list[Batch]:
@@ -145,10 +145,10 @@ def _snappy_length(block: bytes) -> int:
     raise RecordError("malformed snappy block")
 
 
-def _snappy(data: bytes, limit: int) -> bytes:
+def _snappy(data: bytes | memoryview, limit: int) -> bytes:
     import snappy
 
-    if not data.startswith(_XERIAL_MAGIC):
+    if data[: len(_XERIAL_MAGIC)] != _XERIAL_MAGIC:
         if _snappy_length(data) > limit:
             raise RecordError(f"decompressed record batch exceeds {limit} bytes")
         return bytes(snappy.uncompress(data))
@@ -169,7 +169,7 @@ def _snappy(data: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
-def _lz4(data: bytes, limit: int) -> bytes:
+def _lz4(data: bytes | memoryview, limit: int) -> bytes:
     # One decompressor per LZ4 frame (clients write one; concatenated frames are legal), each
     # told how much it may produce, so a bomb stops at the limit without a file wrapper.
     import lz4.frame
@@ -190,11 +190,12 @@ def _lz4(data: bytes, limit: int) -> bytes:
             return out
 
 
-def decompress(kind: int, data: bytes, limit: int) -> bytes:
-    """Decompress a batch body, bounded by ``limit``; raise ``RecordError``."""
+def decompress(kind: int, data: bytes | memoryview, limit: int) -> bytes:
+    """Decompress a batch body, bounded by ``limit``; raise ``RecordError``. An uncompressed
+    body comes back as bytes (a view is copied)."""
     try:
         if kind == COMPRESSION_NONE:
-            return data
+            return data if isinstance(data, bytes) else bytes(data)
         if kind == COMPRESSION_GZIP:
             return _bounded(gzip.GzipFile(fileobj=io.BytesIO(data)), limit)
         if kind == COMPRESSION_SNAPPY:
@@ -294,7 +295,14 @@ def check_batch(batch: Batch, *, limit: int) -> None:
     count = batch.count
     if count < 1 or count > len(batch.raw) * 64:
         raise RecordError(f"record count {count} is implausible")
-    body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
+    raw = batch.raw
+    # A compressed body is read through a view (no copy); an uncompressed one is sliced once.
+    area = (
+        raw[HEADER_SIZE:]
+        if batch.compression == COMPRESSION_NONE
+        else memoryview(raw)[HEADER_SIZE:]
+    )
+    body = decompress(batch.compression, area, limit)
     _check_records(body, count)
 
 
