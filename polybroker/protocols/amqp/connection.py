@@ -935,7 +935,14 @@ class AmqpConnection(Protocol):
 
     def _take_tags(self, ch: Channel, tag: int, multiple: bool, m: c.Method) -> list[int]:
         if multiple:
-            tags = [t for t in ch.unacked if tag == 0 or t <= tag]
+            if tag == 0:
+                return list(ch.unacked)
+            # Tags are handed out increasing and kept in that order: stop at the first above.
+            tags = []
+            for t in ch.unacked:
+                if t > tag:
+                    break
+                tags.append(t)
         else:
             if tag not in ch.unacked:
                 raise c.AmqpError(

@@ -385,3 +385,27 @@ def test_a_full_consumer_is_refilled_in_runs_and_never_waits_long() -> None:
     assert _delivered(p) == [1, 2]
     p.method(2, c.BasicAck(1, False))
     assert _delivered(p) == [3]
+
+
+def test_a_multiple_ack_settles_exactly_the_tags_up_to_it() -> None:
+    """basic.ack with multiple settles every unacknowledged tag up to its own and none above,
+    also when a requeued message came back under a newer tag."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="t"))
+    for i in range(6):
+        p.publish(1, "", "t", f"m{i}".encode())
+    p.method(1, c.BasicConsume(queue="t", consumer_tag="ct"))
+    assert _delivered(p) == [1, 2, 3, 4, 5, 6]
+    unacked = p.conn.channels[1].unacked
+    p.method(1, c.BasicAck(2, True))
+    assert list(unacked) == [3, 4, 5, 6]
+    p.method(1, c.BasicNack(4, False, True))  # back to the queue, redelivered as tag 7
+    assert _delivered(p) == [7]
+    p.method(1, c.BasicAck(6, True))
+    assert list(unacked) == [7]
+    p.method(1, c.BasicAck(0, True))  # tag 0 with multiple: everything
+    assert list(unacked) == []
+    p.method(1, c.QueueDeclare(queue="t", passive=True))
+    assert p.methods() == [c.QueueDeclareOk("t", 0, 1)]
