@@ -467,6 +467,7 @@ class Dispatcher:
     ) -> None:
         p = entry.position
         n = entry.num_messages
+        size = len(entry.data)
         consumer.permits -= n
         consumer.pending[p] = entry
         consumer.pending_messages += n
@@ -474,7 +475,11 @@ class Dispatcher:
             consumer.blocked = True
             self._blocked_any = True
         consumer.msg_out += n
-        consumer.bytes_out += len(entry.data)
+        consumer.bytes_out += size
+        self._entries_sent += 1
+        self._messages_sent += n
+        self.msg_out += n
+        self.bytes_out += size
         self._owner[p] = consumer
         delivery = Delivery(
             entry,
@@ -487,18 +492,49 @@ class Dispatcher:
         else:
             batch.append(delivery)
 
+    def _assign_run(
+        self,
+        consumer: ServerConsumer,
+        entries: list[Entry],
+        out: dict[ServerConsumer, list[Delivery]],
+    ) -> None:
+        """``_assign`` of each of ``entries`` to ``consumer``, in order, with the counters
+        updated once for the run."""
+        pending = consumer.pending
+        owner = self._owner
+        redeliveries = self.redeliveries
+        batch_acks = self.batch_acks
+        batch = out.get(consumer)
+        if batch is None:
+            batch = out[consumer] = []
+        append = batch.append
+        messages = 0
+        size = 0
+        for entry in entries:
+            p = entry.position
+            messages += entry.num_messages
+            size += len(entry.data)
+            pending[p] = entry
+            owner[p] = consumer
+            if redeliveries or batch_acks:
+                append(Delivery(entry, redeliveries.get(p, 0), batch_acks.get(p, 0)))
+            else:
+                append(Delivery(entry, 0, 0))
+        consumer.permits -= messages
+        consumer.pending_messages += messages
+        if self._unacked_limit and consumer.pending_messages >= self._unacked_limit:
+            consumer.blocked = True
+            self._blocked_any = True
+        consumer.msg_out += messages
+        consumer.bytes_out += size
+        self._entries_sent += len(entries)
+        self._messages_sent += messages
+        self.msg_out += messages
+        self.bytes_out += size
+
     def _flush(self, out: dict[ServerConsumer, list[Delivery]]) -> None:
+        # The counters were updated as the entries were assigned.
         for consumer, deliveries in out.items():
-            entries = len(deliveries)
-            messages = 0
-            size = 0
-            for d in deliveries:
-                messages += d.entry.num_messages
-                size += len(d.entry.data)
-            self._entries_sent += entries
-            self._messages_sent += messages
-            self.msg_out += messages
-            self.bytes_out += size
             try:
                 consumer.consumer.send_entries(deliveries)
             except Exception:
@@ -728,14 +764,22 @@ class _SingleActiveDispatcher(Dispatcher):
         if consumer is None or consumer.permits <= 0:
             return
         buffer = self._buffer
+        stale = self._stale
+        permits = consumer.permits
+        run: list[Entry] = []
         i = 0
         n = len(buffer)
-        while i < n and consumer.permits > 0:
+        while i < n and permits > 0:
             entry = buffer[i]
             i += 1
-            if not self._is_stale(entry):
-                self._assign(consumer, entry, out)
+            if stale and entry.position in stale:
+                stale.discard(entry.position)
+                continue
+            run.append(entry)
+            permits -= entry.num_messages
         del buffer[:i]
+        if run:
+            self._assign_run(consumer, run, out)
 
     def _available_permits(self) -> int:
         active = self.active

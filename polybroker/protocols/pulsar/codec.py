@@ -65,6 +65,8 @@ class Frame(NamedTuple):
     checksum_ok: bool = True
 
 
+_new_tuple = tuple.__new__
+
 # -- encoding ------------------------------------------------------------------------------
 
 
@@ -374,10 +376,11 @@ def _decode_body(buf: bytes, start: int, end: int) -> Frame:
         raise CodecError(f"command size {cmd_size} runs past the frame of {end - start} bytes")
     cmd_end = start + 4 + cmd_size
     cmd = _parse_command(buf[start + 4 : cmd_end])
+    # ``tuple.__new__`` builds the named tuple without its Python-level ``__new__``.
     if cmd_end == end:
-        return Frame(cmd)
+        return _new_tuple(Frame, (cmd, None, True))
     stored, ok = normalize_tail(buf[cmd_end:end])
-    return Frame(cmd, stored, ok)
+    return _new_tuple(Frame, (cmd, stored, ok))
 
 
 class FrameDecoder:

@@ -69,6 +69,7 @@ from polybroker.protocols.pulsar.schemas import (
 log = logging.getLogger(__name__)
 
 T = pb.BaseCommand
+_SEND = T.SEND
 SERVER_VERSION = "polybroker-pulsar"
 _INT64_MAX = (1 << 63) - 1
 #: The ack set of an entry delivered whole (shared, never changed).
@@ -338,6 +339,9 @@ class PulsarConnection(Protocol):
     def _dispatch(self, frame: Frame) -> None:
         cmd = frame.command
         kind = cmd.type
+        if kind == _SEND and self.state == self.READY and cmd.HasField("send"):
+            self._on_send(cmd.send, frame)  # the one command per message: straight there
+            return
         if self.state == self.AWAIT_CONNECT:
             if kind != T.CONNECT or not cmd.HasField("connect"):
                 self._protocol_error(f"expected CONNECT, got {T.Type.Name(kind)}")
