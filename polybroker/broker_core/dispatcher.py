@@ -508,6 +508,7 @@ class Dispatcher:
         if batch is None:
             batch = out[consumer] = []
         append = batch.append
+        new = tuple.__new__
         messages = 0
         size = 0
         for entry in entries:
@@ -516,10 +517,11 @@ class Dispatcher:
             size += len(entry.data)
             pending[p] = entry
             owner[p] = consumer
+            # ``tuple.__new__`` builds the named tuple without its Python-level ``__new__``.
             if redeliveries or batch_acks:
-                append(Delivery(entry, redeliveries.get(p, 0), batch_acks.get(p, 0)))
+                append(new(Delivery, (entry, redeliveries.get(p, 0), batch_acks.get(p, 0))))
             else:
-                append(Delivery(entry, 0, 0))
+                append(new(Delivery, (entry, 0, 0)))
         consumer.permits -= messages
         consumer.pending_messages += messages
         if self._unacked_limit and consumer.pending_messages >= self._unacked_limit:

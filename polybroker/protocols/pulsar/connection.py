@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 T = pb.BaseCommand
 _SEND = T.SEND
+_new_tuple = tuple.__new__
 SERVER_VERSION = "polybroker-pulsar"
 _INT64_MAX = (1 << 63) - 1
 #: The ack set of an entry delivered whole (shared, never changed).
@@ -238,7 +239,8 @@ class PulsarConnection(Protocol):
         self._metadata_scratch = pb.MessageMetadata()
         # SENDs of the read being handled, held per producer to be stored together (one
         # ``publish_many`` each) when the read ends or another command comes.
-        self._held: dict[int, tuple[_ProducerState, list[tuple[PublishItem, _PendingSend]]]] = {}
+        # (producer, its PublishItems, their pending receipts), by producer id.
+        self._held: dict[int, tuple[_ProducerState, list[PublishItem], list[_PendingSend]]] = {}
         self.protocol_version = 0
         self.client_version = ""
         self.producers: dict[int, _ProducerState] = {}
@@ -706,22 +708,24 @@ class PulsarConnection(Protocol):
         self._success(c.request_id)
 
     def _on_send(self, c: pb.CommandSend, frame: Frame) -> None:
-        state = self.producers.get(c.producer_id)
+        pid = c.producer_id
+        state = self.producers.get(pid)
         seq = c.sequence_id
         highest = c.highest_sequence_id  # 0 when absent
-        if state is None and c.producer_id in self._dropped_producers:
+        if state is None and pid in self._dropped_producers:
             return
         if state is None or state.producer is None or not state.producer.is_ready:
-            self._send_error(c.producer_id, seq, pb.NotAllowedError, "producer is not ready")
+            self._send_error(pid, seq, pb.NotAllowedError, "producer is not ready")
             return
-        if frame.payload is None:
-            self._send_error(c.producer_id, seq, pb.UnknownError, "SEND without a payload")
+        _, payload, checksum_ok = frame
+        if payload is None:
+            self._send_error(pid, seq, pb.UnknownError, "SEND without a payload")
             return
-        if not frame.checksum_ok:
-            self._send_error(c.producer_id, seq, pb.ChecksumError, "payload checksum mismatch")
+        if not checksum_ok:
+            self._send_error(pid, seq, pb.ChecksumError, "payload checksum mismatch")
             return
         try:
-            complete = metadata_is_complete(frame.payload, self._metadata_scratch)
+            complete = metadata_is_complete(payload, self._metadata_scratch)
         except CodecError as e:
             self._protocol_error(f"SEND with a bad payload: {e}")
             return
@@ -730,24 +734,33 @@ class PulsarConnection(Protocol):
             return
         pending = _PendingSend(seq, highest)
         state.sends.append(pending)
-        num = c.num_messages if c.num_messages > 0 else 1
-        last_seq = max(highest, seq + num - 1) if num > 1 else max(highest, seq)
-        item = PublishItem(frame.payload, num, seq, last_seq)
-        held = self._held.get(c.producer_id)
-        if held is None:
-            self._held[c.producer_id] = (state, [(item, pending)])
+        num = c.num_messages
+        if num > 1:
+            last_seq = seq + num - 1
         else:
-            held[1].append((item, pending))
+            num = 1
+            last_seq = seq
+        # ``tuple.__new__`` builds the named tuple without its Python-level ``__new__``.
+        item = _new_tuple(
+            PublishItem, (payload, num, seq, highest if highest > last_seq else last_seq)
+        )
+        held = self._held.get(pid)
+        if held is None:
+            self._held[pid] = (state, [item], [pending])
+        else:
+            held[1].append(item)
+            held[2].append(pending)
 
     def _store_held(self) -> None:
         """Store the held SENDs: one ``publish_many`` per producer, in the order they came."""
         held, self._held = self._held, {}
-        for state, sends in held.values():
+        for state, items, pendings in held.values():
             producer = state.producer
             if producer is None:  # gone since (the connection closed): nothing to answer
                 continue
-            if len(sends) == 1:
-                item, pending = sends[0]
+            if len(items) == 1:
+                item = items[0]
+                pending = pendings[0]
                 d = producer.publish(
                     item.data,
                     item.num_messages,
@@ -759,8 +772,7 @@ class PulsarConnection(Protocol):
                     self._stored, self._store_failed, callbackArgs=args, errbackArgs=args
                 )
                 continue
-            many = producer.publish_many([item for item, _ in sends])
-            pendings = [pending for _, pending in sends]
+            many = producer.publish_many(items)
             many.addCallbacks(
                 self._stored_many,
                 self._store_many_failed,
