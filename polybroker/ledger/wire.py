@@ -91,6 +91,8 @@ RECORD_HEAD = struct.Struct(">II")  # a journal record's length and crc32c (Rule
 RECORD_HEAD_SIZE = RECORD_HEAD.size  # 8
 _RECORD_AND_FIELDS = struct.Struct(">IIQqqB")  # a record head and the ADD fields after it
 _MULTI_RESP = struct.Struct(">QI")  # ledger, count
+# One struct for a whole ADD_MULTI answer's body: status, empty message, ledger, count.
+_MULTI_RESP_BODY = struct.Struct(">BHQI")
 
 _MAX_MESSAGE_TEXT = 1024
 
@@ -1024,6 +1026,7 @@ class FrameDecoder:
         unpack_header = HEADER.unpack_from
         unpack_add = ADD_FIELDS.unpack_from
         unpack_add_resp = _ADD_RESP_BODY.unpack_from
+        unpack_multi_resp = _MULTI_RESP_BODY.unpack_from
         statuses = _STATUSES
         n_statuses = len(statuses)
         max_frame = self._max
@@ -1066,6 +1069,14 @@ class FrameDecoder:
                                 out.append(AddResponse(rid, statuses[code], "", ledger, entry))
                             else:
                                 out.append(_decode_body(mtype, rid, body, buf, pos, crc))
+                        elif mtype == _ADD_MULTI_RESPONSE and length == _MULTI_RESPONSE_LENGTH:
+                            code, text_len, ledger, count = unpack_multi_resp(
+                                buf, pos + HEADER_SIZE
+                            )
+                            if text_len == 0 and code < n_statuses:
+                                out.append(MultiAddResponse(rid, statuses[code], "", ledger, count))
+                            else:
+                                out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         else:
                             out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         pos = end
@@ -1099,6 +1110,8 @@ _ADD = int(MsgType.ADD)
 _ADD_MULTI = int(MsgType.ADD_MULTI)
 _MIN_ADD_LENGTH = _LENGTH_AFTER_PREFIX + ADD_FIELDS_SIZE
 _ADD_RESPONSE_LENGTH = _LENGTH_AFTER_PREFIX + _ADD_RESP_BODY.size
+_ADD_MULTI_RESPONSE = int(MsgType.ADD_MULTI_RESPONSE)
+_MULTI_RESPONSE_LENGTH = _LENGTH_AFTER_PREFIX + _MULTI_RESP_BODY.size
 
 
 def _decode_body(mtype: int, rid: int, body: memoryview, buf: bytes, pos: int, crc: int) -> Message:

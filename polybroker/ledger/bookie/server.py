@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from twisted.internet import interfaces
+from twisted.internet import interfaces, tcp
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import LoopingCall
@@ -769,12 +769,12 @@ class BookieProtocol(Protocol):
     def send(self, frame: bytes) -> None:
         """Write one frame (dropped if the connection is gone)."""
         if self.transport is not None and self.connected:
-            self.transport.write(frame)
+            write_now(self.transport, frame)
 
     def send_many(self, frames: list[bytes]) -> None:
-        """Write several frames in one call."""
+        """Write several frames in one call (one send when the socket takes them)."""
         if self.transport is not None and self.connected:
-            self.transport.writeSequence(frames)
+            write_now(self.transport, frames[0] if len(frames) == 1 else b"".join(frames))
 
     def set_paused(self, reason: str, paused: bool) -> None:
         """Stop or resume reading for ``reason``; reading resumes when no reason is left."""
@@ -789,6 +789,37 @@ class BookieProtocol(Protocol):
                 self.transport.pauseProducing()  # type: ignore[attr-defined]
             else:
                 self.transport.resumeProducing()  # type: ignore[attr-defined]
+
+
+def write_now(transport: Any, data: bytes) -> None:
+    """Write ``data`` on ``transport``, in order with what was written before.
+
+    On a plain TCP connection with nothing queued, the bytes go to the socket at once and only
+    what it does not take is queued: Twisted's ``write`` would register the socket for
+    writability and send on the next reactor turn, two ``epoll_ctl`` calls and one more turn
+    per answer. Any other transport (TLS too), or one with queued bytes, a closing one or an
+    error other than a full socket buffer, takes the ordinary ``write`` (which reports the error
+    its way)."""
+    if (
+        type(transport) is not tcp.Server
+        or transport.TLS
+        or transport.dataBuffer
+        or transport._tempDataBuffer
+        or not transport.connected
+        or transport.disconnecting
+        or transport._writeDisconnected
+    ):
+        transport.write(data)
+        return
+    try:
+        sent = transport.socket.send(data)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    except OSError:
+        transport.write(data)
+        return
+    if sent < len(data):
+        transport.write(data[sent:])
 
 
 class BookieFactory(Factory):

@@ -390,6 +390,26 @@ def test_multi_add_with_recovery_flags_and_its_answer_round_trip() -> None:
     assert decode_all(fenced.encode()) == [fenced]
 
 
+def test_multi_add_answers_are_checked_on_the_fast_path() -> None:
+    """Several answers in one read decode in order; a bad checksum or an unknown status in a
+    short answer is still a frame error."""
+    frames = b"".join(encode_multi_add_response(i, Status.OK, 7, i) for i in range(1, 4))
+    decoder = FrameDecoder()
+    decoder.receive_data(frames)
+    assert decoder.drain() == [MultiAddResponse(i, Status.OK, "", 7, i) for i in range(1, 4)]
+    good = encode_multi_add_response(9, Status.OK, 7, 2)
+    corrupt = good[:-1] + bytes([good[-1] ^ 1])
+    unknown = bytearray(good)
+    unknown[18] = 200  # the status byte, checksum fixed so only the status is wrong
+    struct.pack_into(">I", unknown, 14, crc32c(bytes(unknown[18:])))
+    for bad in (corrupt, bytes(unknown)):
+        decoder = FrameDecoder()
+        decoder.receive_data(bad)
+        assert decoder.drain() == []
+        assert decoder.error is not None
+        assert decoder.error.request_id == 9
+
+
 def test_multi_add_split_across_reads_decodes() -> None:
     """An ADD_MULTI arriving byte by byte (with a base frame after it) decodes in order."""
     data = _multi(rid=3) + FenceRequest(4, 7).encode()
