@@ -302,3 +302,37 @@ def test_failing_entry_hooks_do_not_stop_delivery() -> None:
     bench.publish("m0", "m1")
     assert payloads(shared) == ["m0", "m1"]
     assert payloads(keyed) == ["m0", "m1"]
+
+
+def test_exclusive_run_keeps_counters_and_redelivery_counts() -> None:
+    """Entries handed to the active consumer as one run are counted as one by one would be:
+    permits and pending messages per message, bytes and messages out on the consumer and the
+    dispatcher, each entry pending once, and a redelivered entry with its redelivery count."""
+    bench = make_topic()
+    entries = bench.publish(*[f"m{i}" for i in range(6)])
+    result_of(bench.topic.publish(b"batch of 3", 3))
+    consumer = RecordingConsumer()
+    server = bench.subscribe("s", consumer)
+    server.flow(100)
+    size = sum(len(e.data) for e in entries) + len(b"batch of 3")
+    datas = [e.data for e in entries] + [b"batch of 3"]
+    assert [d.entry.data for d in consumer.deliveries] == datas
+    assert server.permits == 100 - 9
+    assert server.pending_messages == 9
+    assert len(server.pending) == 7
+    assert (server.msg_out, server.bytes_out) == (9, size)
+    dispatcher = bench.topic.subscriptions["s"].dispatcher
+    assert dispatcher is not None
+    assert (dispatcher.msg_out, dispatcher.bytes_out) == (9, size)
+    assert [d.redelivery_count for d in consumer.deliveries] == [0] * 7
+
+    result_of(server.ack([entries[0].position, entries[1].position]))
+    server.redeliver()
+    again = consumer.deliveries[7:]
+    assert [d.entry.data for d in again] == datas[2:]
+    assert [d.redelivery_count for d in again] == [1] * 5
+    assert server.pending_messages == 7
+    assert (dispatcher.msg_out, dispatcher.bytes_out) == (
+        16,
+        2 * size - len(entries[0].data) - len(entries[1].data),
+    )

@@ -101,7 +101,18 @@ def test_publish_many_stores_in_order_with_one_completion() -> None:
     (entries,) = fired
     assert [(e.data, e.num_messages, e.index) for e in entries] == [(b"a", 1, 0), (b"bcd", 3, 1)]
     assert (producer.msg_in, bench.topic.stats()["msgInCounter"]) == (4, 4)
+    assert (producer.bytes_in, bench.topic.stats()["bytesInCounter"]) == (4, 4)
     assert bench.topic.internal_stats()["pendingAddEntriesCount"] == 0
+
+
+def test_publish_many_tells_append_listeners_of_each_entry() -> None:
+    """An append listener hears of every entry of a group, in order, once it is durable."""
+    bench = make_topic()
+    heard: list[bytes] = []
+    bench.topic.append_listeners.append(lambda entry: heard.append(entry.data))
+    result_of(bench.topic.publish_many([PublishItem(b"a"), PublishItem(b"b"), PublishItem(b"c")]))
+    assert heard == [b"a", b"b", b"c"]
+    assert bench.topic.stats()["msgInCounter"] == 3
 
 
 def test_publish_many_failure_fails_the_group_typed() -> None:
