@@ -530,10 +530,27 @@ class _WriteHandle(_ReadHandle, WriteHandle):
                 self._lac = lac
                 self._length = p.length
                 if p.on_done is None:
-                    if run is not p.token:
+                    token = p.token
+                    if run is not token:
                         if run is not None:
                             self._tell_done(run, lac - 1)
-                        run = p.token
+                        run = token
+                    # The rest of this listener's run: nothing is told until it ends, so the
+                    # handle's LAC and length are set once for it.
+                    nxt = lac + 1
+                    last = None
+                    while True:
+                        q = pending.get(nxt)
+                        if q is None or len(q.acked) < qa or q.on_done is not None:
+                            break
+                        if q.token is not token:
+                            break
+                        del pending[nxt]
+                        last = q
+                        nxt += 1
+                    if last is not None:
+                        self._lac = nxt - 1
+                        self._length = last.length
                     continue
                 if run is not None:
                     self._tell_done(run, lac - 1)

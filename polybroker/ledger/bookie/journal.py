@@ -71,7 +71,7 @@ DeliverFn = Callable[..., Any]
 
 _ZERO_CHUNK = 256 * 1024  # zeros written at a time, holding ``_space`` (the writer may wait)
 _ZERO_SYNC = 4 * 1024 * 1024  # zeros synced at a time (each sync commits the extent changes)
-_ZEROS = bytes(_ZERO_CHUNK)
+_ZEROS = memoryview(bytes(_ZERO_CHUNK))  # sliced without a copy
 
 
 class JournalError(StorageError):
