@@ -834,8 +834,9 @@ class KafkaApis:
             return c.CORRUPT_MESSAGE, -1, -1
         if not batches:
             return c.INVALID_RECORD, -1, -1
-        # Stored verbatim, a batch is only checked (CRC, then its records' framing and offset
-        # deltas, no per-record decoding); converted to the Pulsar format, it is decoded.
+        # Every batch is validated record by record as Kafka's broker does (CRC: CORRUPT_MESSAGE;
+        # malformed records or offset deltas: INVALID_RECORD) without building records; only a
+        # batch converted to the Pulsar format is then decoded.
         verbatim = self.settings.entry_format == FORMAT_TAG
         limit = max(self.settings.max_message_size, 1 << 20)
         decoded: list[list[rec.Record]] = []
@@ -848,22 +849,13 @@ class KafkaApis:
                 return c.INVALID_RECORD, -1, -1
             if batch.count < 1 or batch.last_offset_delta != batch.count - 1:
                 return c.INVALID_RECORD, -1, -1
-            if verbatim:
-                try:
-                    rec.check_batch(batch, limit=limit)
-                except rec.OffsetDeltaError:
-                    return c.INVALID_RECORD, -1, -1
-                except rec.RecordError:
-                    return c.CORRUPT_MESSAGE, -1, -1
-                decoded.append([])
-                continue
             try:
-                found = rec.decode_batch(batch, limit=limit)
-            except rec.RecordError:
-                return c.CORRUPT_MESSAGE, -1, -1
-            if [r.offset_delta for r in found] != list(range(batch.count)):
+                body = rec.check_batch(batch, limit=limit)
+                decoded.append([] if verbatim else rec.decode_batch(batch, limit=limit, body=body))
+            except rec.InvalidRecordError:
                 return c.INVALID_RECORD, -1, -1
-            decoded.append(found)
+            except rec.RecordError:  # a body that does not decompress
+                return c.CORRUPT_MESSAGE, -1, -1
         try:
             topic = await self._partition_topic(name, p.index, True)
         except (InvalidTopicNameError, NotAllowedError):

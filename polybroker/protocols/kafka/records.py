@@ -51,7 +51,12 @@ class RecordError(ValueError):
     """A malformed, corrupt or oversize record batch."""
 
 
-class OffsetDeltaError(RecordError):
+class InvalidRecordError(RecordError):
+    """A batch whose records are malformed inside (Kafka's INVALID_RECORD): lengths that do not
+    fit, a count that disagrees, a bad header."""
+
+
+class OffsetDeltaError(InvalidRecordError):
     """Well-formed records whose offset deltas are not 0, 1, 2, ... (Kafka's INVALID_RECORD)."""
 
 
@@ -222,7 +227,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     shift = 0
     while True:
         if pos >= len(data):
-            raise RecordError("truncated varint")
+            raise InvalidRecordError("truncated varint")
         b = data[pos]
         pos += 1
         value |= (b & 0x7F) << shift
@@ -230,7 +235,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             return (value >> 1) ^ -(value & 1), pos
         shift += 7
         if shift > 63:
-            raise RecordError("varint too long")
+            raise InvalidRecordError("varint too long")
 
 
 def _bytes(data: bytes, pos: int, end: int) -> tuple[bytes | None, int]:
@@ -238,15 +243,17 @@ def _bytes(data: bytes, pos: int, end: int) -> tuple[bytes | None, int]:
     if size < 0:
         return None, pos
     if pos + size > end:
-        raise RecordError("record field runs past the record")
+        raise InvalidRecordError("record field runs past the record")
     return bytes(data[pos : pos + size]), pos + size
 
 
-def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
-    """The records of a batch (decompressed within ``limit`` bytes); raise ``RecordError``."""
+def decode_batch(batch: Batch, *, limit: int, body: bytes | None = None) -> list[Record]:
+    """The records of a batch (decompressed within ``limit`` bytes, or ``body`` as
+    ``check_batch`` returned it); raise ``RecordError``."""
     if batch.count < 0 or batch.count > len(batch.raw) * 64:
-        raise RecordError(f"record count {batch.count} is implausible")
-    body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
+        raise InvalidRecordError(f"record count {batch.count} is implausible")
+    if body is None:
+        body = decompress(batch.compression, batch.raw[HEADER_SIZE:], limit)
     log_append = bool(batch.attributes & TIMESTAMP_LOG_APPEND)
     out: list[Record] = []
     pos = 0
@@ -254,7 +261,7 @@ def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
         length, pos = _varint(body, pos)
         end = pos + length
         if length < 0 or end > len(body):
-            raise RecordError("record runs past the batch")
+            raise InvalidRecordError("record runs past the batch")
         pos += 1  # attributes
         ts_delta, pos = _varint(body, pos)
         offset_delta, pos = _varint(body, pos)
@@ -262,27 +269,27 @@ def decode_batch(batch: Batch, *, limit: int) -> list[Record]:
         value, pos = _bytes(body, pos, end)
         n_headers, pos = _varint(body, pos)
         if n_headers < 0 or n_headers > length:
-            raise RecordError("invalid header count")
+            raise InvalidRecordError("invalid header count")
         headers: list[tuple[str, bytes | None]] = []
         for _ in range(n_headers):
             hkey, pos = _bytes(body, pos, end)
             if hkey is None:
-                raise RecordError("null header key")
+                raise InvalidRecordError("null header key")
             hval, pos = _bytes(body, pos, end)
             try:
                 headers.append((hkey.decode("utf-8"), hval))
             except UnicodeDecodeError:
-                raise RecordError("header key is not UTF-8") from None
+                raise InvalidRecordError("header key is not UTF-8") from None
         if pos != end:
-            raise RecordError("record length does not match its fields")
+            raise InvalidRecordError("record length does not match its fields")
         ts = batch.max_timestamp if log_append else batch.first_timestamp + ts_delta
         out.append(Record(offset_delta, ts, key, value, headers))
     if pos != len(body):
-        raise RecordError("bytes left over after the last record")
+        raise InvalidRecordError("bytes left over after the last record")
     return out
 
 
-def check_batch(batch: Batch, *, limit: int) -> None:
+def check_batch(batch: Batch, *, limit: int) -> bytes:
     """Validate a batch's records without building any; raise ``RecordError``.
 
     The body (decompressed within ``limit`` bytes) must hold exactly ``count`` records that
@@ -291,10 +298,11 @@ def check_batch(batch: Batch, *, limit: int) -> None:
     attributes byte has no high bit (kafka-python reads it as a varint), key and value
     lengths are -1 (null) or fit the record, the header count is not negative and every header
     has a non-null UTF-8 key; the offset delta of record ``i`` is ``i`` (``OffsetDeltaError``
-    otherwise). What passes decodes with ``decode_batch`` and with every client."""
+    otherwise). Malformed records raise ``InvalidRecordError``. What passes decodes with
+    ``decode_batch`` and with every client. Returns the decompressed body."""
     count = batch.count
     if count < 1 or count > len(batch.raw) * 64:
-        raise RecordError(f"record count {count} is implausible")
+        raise InvalidRecordError(f"record count {count} is implausible")
     raw = batch.raw
     # A compressed body is read through a view (no copy); an uncompressed one is sliced once.
     area = (
@@ -304,6 +312,7 @@ def check_batch(batch: Batch, *, limit: int) -> None:
     )
     body = decompress(batch.compression, area, limit)
     _check_records(body, count)
+    return body
 
 
 def _check_records(body: bytes, count: int) -> None:
@@ -322,7 +331,7 @@ def _check_records(body: bytes, count: int) -> None:
         pos = _walk(body, pos, i, stop)
         i = stop
     if pos != n:
-        raise RecordError("bytes left over after the last record")
+        raise InvalidRecordError("bytes left over after the last record")
 
 
 def _uniform(body: bytes, count: int) -> bool:
@@ -340,7 +349,7 @@ def _uniform(body: bytes, count: int) -> bool:
 def _walk_records(body: bytes, count: int) -> None:
     """The record-by-record check of all of ``body`` (no runs); raise ``RecordError``."""
     if _walk(body, 0, 0, count) != len(body):
-        raise RecordError("bytes left over after the last record")
+        raise InvalidRecordError("bytes left over after the last record")
 
 
 def _uniform_run(body: bytes, pos: int, i: int, count: int) -> tuple[int, int] | None:
@@ -455,16 +464,16 @@ def _walk(body: bytes, pos: int, first: int, stop: int) -> int:
                 end = pos + length
             # attributes, timestamp delta, offset delta, key, value, header count: 6 at least
             if end - pos < 6 or end > n:
-                raise RecordError("record runs past the batch")
+                raise InvalidRecordError("record runs past the batch")
             if body[pos] & 0x80:  # unused, but some readers take it for a varint
-                raise RecordError("record attributes have the high bit set")
+                raise InvalidRecordError("record attributes have the high bit set")
             p = pos + 2  # past the attributes and the timestamp delta's first byte
             if body[p - 1] & 0x80:
                 p += 1
                 while body[p - 1] & 0x80:
                     p += 1
                 if p - pos > 11:
-                    raise RecordError("timestamp delta varint too long")
+                    raise InvalidRecordError("timestamp delta varint too long")
             expected = zigzag[i + 1] if i < _SMALL - 1 else _zigzag_slow(i)
             if not body.startswith(expected, p, end):
                 raise OffsetDeltaError("record offset deltas are not 0, 1, 2, ...")
@@ -478,7 +487,7 @@ def _walk(body: bytes, pos: int, first: int, stop: int) -> int:
             if size > 0:
                 p += size
             elif size < -1:
-                raise RecordError("invalid key length")
+                raise InvalidRecordError("invalid key length")
             v = body[p]  # value length
             if v < 0x80:
                 size = len1[v]
@@ -491,16 +500,16 @@ def _walk(body: bytes, pos: int, first: int, stop: int) -> int:
             if size > 0:
                 p += size
             elif size < -1:
-                raise RecordError("invalid value length")
+                raise InvalidRecordError("invalid value length")
             if body[p] == 0:  # no headers: the common case
                 p += 1
             else:
                 p = _skip_headers(body, p, end)
             if p != end:
-                raise RecordError("record length does not match its fields")
+                raise InvalidRecordError("record length does not match its fields")
             pos = end
     except IndexError:
-        raise RecordError("record runs past the batch") from None
+        raise InvalidRecordError("record runs past the batch") from None
     return pos
 
 
@@ -508,23 +517,23 @@ def _skip_headers(body: bytes, p: int, end: int) -> int:
     """Past the headers of a record ending at ``end``; raise ``RecordError``."""
     count, p = _varint(body, p)
     if count < 0 or count > end - p:
-        raise RecordError("invalid header count")
+        raise InvalidRecordError("invalid header count")
     for _ in range(count):
         size, p = _varint(body, p)
         if size < 0 or p + size > end:
-            raise RecordError("invalid header key")
+            raise InvalidRecordError("invalid header key")
         try:
             body[p : p + size].decode("utf-8")
         except UnicodeDecodeError:
-            raise RecordError("header key is not UTF-8") from None
+            raise InvalidRecordError("header key is not UTF-8") from None
         p += size
         size, p = _varint(body, p)
         if size > 0:
             p += size
         elif size < -1:
-            raise RecordError("invalid header value length")
+            raise InvalidRecordError("invalid header value length")
         if p > end:
-            raise RecordError("header runs past the record")
+            raise InvalidRecordError("header runs past the record")
     return p
 
 

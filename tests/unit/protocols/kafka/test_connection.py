@@ -403,6 +403,35 @@ def test_bad_batches_are_refused_with_kafka_errors_and_not_stored() -> None:
     assert result_of(w.service.get_topic("t-partition-0")).next_index == 0
 
 
+def _recrc(raw: bytearray) -> bytes:
+    """``raw`` with its batch CRC made valid again."""
+    from polybroker.protocols.kafka import records as rec
+
+    raw[17:21] = rec.crc32c(bytes(raw[21:])).to_bytes(4, "big")
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("entry_format", ["pulsar", "kafka"])
+def test_malformed_records_get_invalid_record_and_bad_compression_corrupt_message(
+    entry_format: str,
+) -> None:
+    """With a valid CRC, a record whose key length runs past it is INVALID_RECORD (as Kafka's
+    broker answers) and an lz4 body that does not decompress is CORRUPT_MESSAGE, whatever the
+    entry format; nothing is stored, and a good batch is stored after them."""
+    w = Wire(entry_format=entry_format)
+    bad = bytearray(batch(3))
+    # The second record: length, attributes, timestamp and offset deltas, then its key length.
+    first_len = (bad[61] >> 1) + 1
+    bad[61 + first_len + 4] = 40  # key length 20 (zigzag) in a record of about 16 bytes
+    assert w.produce(_recrc(bad)).error_code == c.INVALID_RECORD
+    lz4 = bytearray(batch(3, codec=3))
+    lz4[70:74] = b"\xff\xff\xff\xff"
+    assert w.produce(_recrc(lz4)).error_code == c.CORRUPT_MESSAGE
+    assert result_of(w.service.get_topic("t-partition-0")).next_index == 0
+    assert w.produce(batch(2)).error_code == c.NONE
+    assert result_of(w.service.get_topic("t-partition-0")).next_index == 2
+
+
 def test_acks_zero_stores_without_answering() -> None:
     """acks=0 gets no response, yet the batch is stored and later requests are answered."""
     w = Wire()

@@ -292,7 +292,7 @@ def test_check_batch_refuses_malformed_inner_records(case: str, codec: int) -> N
         bad = _zz(len(inner)) + inner
     for records in ([_good(0), bad, _good(2)], [_good(0), bad]):
         batch = _crafted_batch(records, codec)
-        with pytest.raises(r.RecordError) as e:
+        with pytest.raises(r.InvalidRecordError) as e:
             r.check_batch(batch, limit=1 << 20)
         assert not isinstance(e.value, r.OffsetDeltaError)
 
