@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -556,6 +557,7 @@ def main() -> None:
             stop(p)
         shutil.rmtree(tmp, ignore_errors=True)
     summary: dict[str, Any] = {}
+    nan = float("nan")
     print(
         f"{'case':30} {'produce/s':>10} {'consume/s':>10} {'srv us in':>9} {'srv us out':>10}"
         f" {'cli us in':>9} {'max gap s':>9} {'consume/s b10':>13} {'gap b10':>7}"
@@ -571,9 +573,11 @@ def main() -> None:
             "consume": round(med("consume")),
             "server_cpu_us_per_msg_produced": round(med("cpu_in"), 2),
             "server_cpu_us_per_msg_consumed": round(med("cpu_out"), 2),
-            "client_cpu_us_per_msg_produced": round(med("client_cpu_in"), 2),
-            "consumer_max_gap_s": round(med("gap"), 3),
         }
+        if not math.isnan(med("client_cpu_in")):  # confluent-kafka and kafka-python
+            row["client_cpu_us_per_msg_produced"] = round(med("client_cpu_in"), 2)
+        if not math.isnan(med("gap")):  # confluent-kafka
+            row["consumer_max_gap_s"] = round(med("gap"), 3)
         if "consume_b10" in vals[0]:
             row["consume_backoff_10ms"] = round(med("consume_b10"))
             row["server_cpu_us_per_msg_consumed_backoff_10ms"] = round(med("cpu_out_b10"), 2)
@@ -583,9 +587,10 @@ def main() -> None:
             f"{key:30} {row['produce']:10} {row['consume']:10}"
             f" {row['server_cpu_us_per_msg_produced']:9.2f}"
             f" {row['server_cpu_us_per_msg_consumed']:10.2f}"
-            f" {row['client_cpu_us_per_msg_produced']:9.2f} {row['consumer_max_gap_s']:9.3f}"
-            f" {row.get('consume_backoff_10ms', float('nan')):13}"
-            f" {row.get('consumer_max_gap_s_backoff_10ms', float('nan')):7}"
+            f" {row.get('client_cpu_us_per_msg_produced', nan):9.2f}"
+            f" {row.get('consumer_max_gap_s', nan):9.3f}"
+            f" {row.get('consume_backoff_10ms', nan):13}"
+            f" {row.get('consumer_max_gap_s_backoff_10ms', nan):7}"
         )
     print(f"\nend-to-end at {rate} msg/s (confluent-kafka):")
     for key, vals in lat.items():
@@ -605,6 +610,10 @@ def main() -> None:
         if native and ck:
             ratios[f"kafka_vs_native_produce_{size}"] = round(ck["produce"] / native["produce"], 2)
             ratios[f"kafka_vs_native_consume_{size}"] = round(ck["consume"] / native["consume"], 2)
+            if "consume_backoff_10ms" in ck:
+                ratios[f"kafka_vs_native_consume_{size}_backoff_10ms"] = round(
+                    ck["consume_backoff_10ms"] / native["consume"], 2
+                )
         if tansu_row and ck:
             ratios[f"vs_tansu_produce_{size}"] = round(ck["produce"] / tansu_row["produce"], 2)
             ratios[f"vs_tansu_fetch_{size}"] = round(ck["consume"] / tansu_row["consume"], 2)
