@@ -336,3 +336,38 @@ def test_exclusive_run_keeps_counters_and_redelivery_counts() -> None:
         16,
         2 * size - len(entries[0].data) - len(entries[1].data),
     )
+
+
+def test_cumulative_ack_releases_exactly_what_precedes_it_also_after_redelivery() -> None:
+    """A cumulative ack frees the pending entries at or before it and no others: when the
+    entries went out in order, and when a redelivery sent older ones out again."""
+    bench = make_topic()
+    entries = bench.publish(*[f"m{i}" for i in range(8)])
+    consumer = RecordingConsumer()
+    server = bench.subscribe("s", consumer)
+    server.flow(5)
+    result_of(server.ack_cumulative(entries[1].position))
+    assert sorted(server.pending) == [e.position for e in entries[2:5]]
+    server.redeliver()  # m2..m4 go out again (with new permits), then m5, m6
+    server.flow(5)
+    result_of(server.ack_cumulative(entries[3].position))
+    assert sorted(server.pending) == [e.position for e in entries[4:7]]
+    assert server.pending_messages == 3
+
+    server.redeliver()  # m4..m6 again, then m7
+    server.flow(10)
+    assert [payload_of(d.entry) for d in consumer.deliveries[-4:]] == ["m4", "m5", "m6", "m7"]
+    result_of(server.ack_cumulative(entries[5].position))
+    assert sorted(server.pending) == [entries[6].position, entries[7].position]
+    later = bench.publish("m8", "m9")
+    result_of(server.ack_cumulative(entries[7].position))
+    assert sorted(server.pending) == [e.position for e in later]
+    result_of(server.ack_cumulative(later[0].position))
+    assert sorted(server.pending) == [later[1].position]
+    assert server.pending_messages == 1
+    result_of(server.ack_cumulative(later[1].position))
+    assert server.pending == {}
+    newest = bench.publish("m10", "m11", "m12")
+    result_of(server.ack_cumulative(newest[1].position))
+    assert sorted(server.pending) == [newest[2].position]
+    assert server.pending_messages == 1
