@@ -333,7 +333,8 @@ class _PendingAdd:
         self.on_done = on_done
         self.on_failed = on_failed
         self.token = token
-        self.acked: set[str] = set()
+        # The bookies that acknowledged it: a tuple (a few at most), so an add makes no set.
+        self.acked: tuple[str, ...] = ()
         self.write_set: tuple[str, ...] | None = None  # None: not sent yet (ensemble change)
         self.sent_at = now
 
@@ -495,7 +496,9 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         for entry_id in entry_ids:
             p = get(entry_id)
             if p is not None and p.write_set is not None and address in p.write_set:
-                p.acked.add(address)
+                acked = p.acked
+                if address not in acked:
+                    p.acked = (*acked, address)
         if not self._changing:
             p = get(self._lac + 1)
             if p is not None and len(p.acked) >= self._qa:
@@ -511,7 +514,8 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         p = self._pending.get(entry_id)
         if p is None or p.write_set is None or address not in p.write_set:
             return  # completed or failed already, or an answer of a replaced bookie
-        p.acked.add(address)
+        if address not in p.acked:
+            p.acked = (*p.acked, address)
         if entry_id == self._lac + 1 and len(p.acked) >= self._qa and not self._changing:
             self._complete()
 
@@ -739,7 +743,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
                 continue
             if old_ws == new_ws:
                 continue
-            p.acked.intersection_update(new_ws)
+            p.acked = tuple(a for a in p.acked if a in new_ws)
             p.write_set = new_ws
             self._send(entry_id, p, [a for a in new_ws if a not in old_ws])
         self._changing = False
