@@ -417,14 +417,29 @@ def main() -> None:
             for name in best
             if name != "client"
         },
+        # Each round's ratio to the client's run of the same round (other jobs on the machine
+        # come and go between rounds, less within one).
+        **{
+            f"{name[6:]}_vs_client_rounds": [
+                round(x / c, 2)
+                for x, c in zip(best[name]["runs"], best["client"]["runs"], strict=True)
+            ]
+            for name in best
+            if name != "client"
+        },
     }
-    print(f"{'case':<20}{'rows/s':>10}{'vs client':>10}{'seconds':>9}{'cpu s':>8}{'us/row':>8}")
+    print(
+        f"{'case':<20}{'rows/s':>10}{'vs client':>10}{'seconds':>9}{'cpu s':>8}{'us/row':>8}"
+        "  vs client by round"
+    )
     for name in ("client", "spark_batch", "spark_batch_broker", "spark_stream", "spark_in_memory"):
         r = result[name]
         ratio = r["rows_per_s"] / client_rps
+        rounds = result.get(f"{name[6:]}_vs_client_rounds", [])
         print(
             f"{name:<20}{r['rows_per_s']:>10.0f}{ratio:>10.2f}{r['seconds']:>9.2f}"
             f"{r.get('cpu_s', 0.0):>8.2f}{r.get('cpu_us_per_row', 0.0):>8.2f}"
+            f"  {' '.join(f'{x:.2f}' for x in rounds)}"
         )
     print(json.dumps(result))
 

@@ -24,24 +24,9 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from crc32c import crc32c
-
-from polybroker.ledger.wire import (
-    DEFAULT_MAX_FRAME_SIZE,
-    FRAME_OVERHEAD,
-    WIRE_VERSION,
-    FrameDecoder,
-    FrameError,
-    HelloRequest,
-    HelloResponse,
-    ReadRangeRequest,
-    ReadRangeResponse,
-    ReadRequest,
-    ReadResponse,
-    Status,
-)
 
 #: Data asked for per range request (the bookie cuts an answer at this many bytes).
 DEFAULT_RANGE_BYTES = 2 * 1024 * 1024
@@ -49,6 +34,24 @@ DEFAULT_RANGE_BYTES = 2 * 1024 * 1024
 DEFAULT_RANGE_ENTRIES = 256
 #: Range requests in flight on one connection.
 DEFAULT_WINDOW = 4
+
+if TYPE_CHECKING:
+    from polybroker.ledger.wire import FrameError
+
+
+def _wire() -> Any:
+    """The bookie wire codec, imported on first use: a process that only plans reads
+    (``LedgerLayout``, ``layouts_from_stats``) starts without it and what it imports."""
+    from polybroker.ledger import wire
+
+    return wire
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FrameError":
+        return _wire().FrameError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _RECORD = struct.Struct(">BqQI")  # version, lac, cumulative length, crc32c
 _DIGEST = struct.Struct(">QqqQ")  # ledger id, entry id, lac, cumulative length
@@ -142,10 +145,11 @@ class BookieConnection:
         *,
         timeout: float,
         connect: Connect = tcp_connect,
-        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_frame_size: int | None = None,
     ) -> None:
+        wire = _wire()
         self.address = address
-        self._decoder = FrameDecoder(max_frame_size)
+        self._decoder = wire.FrameDecoder(max_frame_size or wire.DEFAULT_MAX_FRAME_SIZE)
         self._ready: deque[Any] = deque()
         self._next_id = 1
         try:
@@ -154,9 +158,10 @@ class BookieConnection:
             raise DirectReadError(f"bookie {address}: {e}") from None
         try:
             rid = self.request_id()
-            self.send(HelloRequest(rid, WIRE_VERSION, WIRE_VERSION, "direct-reader").encode())
+            version = wire.WIRE_VERSION
+            self.send(wire.HelloRequest(rid, version, version, "direct-reader").encode())
             hello = self.receive(rid)
-            if not isinstance(hello, HelloResponse) or hello.status != Status.OK:
+            if not isinstance(hello, wire.HelloResponse) or hello.status != wire.Status.OK:
                 raise DirectReadError(f"bookie {address} refused the session: {hello!r}")
         except BaseException:
             self.close()
@@ -212,7 +217,7 @@ class DirectLedgerReader:
         window: int = DEFAULT_WINDOW,
         range_entries: int = DEFAULT_RANGE_ENTRIES,
         range_bytes: int = DEFAULT_RANGE_BYTES,
-        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_frame_size: int | None = None,
     ) -> None:
         if window < 1 or range_entries < 1 or range_bytes < 1:
             raise ValueError("window, range_entries and range_bytes must be positive")
@@ -220,8 +225,10 @@ class DirectLedgerReader:
         self._connect = connect
         self.window = window
         self.range_entries = range_entries
+        wire = _wire()
+        max_frame_size = max_frame_size or wire.DEFAULT_MAX_FRAME_SIZE
         # An answer must fit in a frame the decoder accepts.
-        self.range_bytes = min(range_bytes, max_frame_size - FRAME_OVERHEAD)
+        self.range_bytes = min(range_bytes, max_frame_size - wire.FRAME_OVERHEAD)
         self.max_frame_size = max_frame_size
         self._conns: dict[str, BookieConnection] = {}
         self.failures: list[str] = []  # why bookies were given up on, in order
@@ -299,6 +306,8 @@ class DirectLedgerReader:
         self, address: str, ledger_id: int, first: int, last: int
     ) -> Iterator[tuple[int, bytes]]:
         """Pipelined range reads of ``first..last`` on one bookie (raises DirectReadError)."""
+        wire = _wire()
+        request, response, ok = wire.ReadRangeRequest, wire.ReadRangeResponse, wire.Status.OK
         conn = self._conn(address)
         pending: deque[tuple[int, int, int]] = deque()  # (request id, first, last) in flight
         asked = first  # the first entry not asked for yet
@@ -311,16 +320,14 @@ class DirectLedgerReader:
                 while len(pending) < self.window and asked <= last:
                     stop = min(last, asked + per_request - 1)
                     rid = conn.request_id()
-                    conn.send(
-                        ReadRangeRequest(rid, ledger_id, asked, stop, self.range_bytes).encode()
-                    )
+                    conn.send(request(rid, ledger_id, asked, stop, self.range_bytes).encode())
                     pending.append((rid, asked, stop))
                     asked = stop + 1
                 rid, lo, hi = pending.popleft()
                 answer = conn.receive(rid)
-                if not isinstance(answer, ReadRangeResponse):
+                if not isinstance(answer, response):
                     raise DirectReadError(f"bookie {address}: unexpected answer {type(answer)}")
-                if answer.status != Status.OK:
+                if answer.status != ok:
                     raise DirectReadError(
                         f"ledger {ledger_id} {lo}..{hi}: {answer.status.name} {answer.message}"
                     )
@@ -353,14 +360,15 @@ class DirectLedgerReader:
 
     def _read_one(self, layout: LedgerLayout, entry_id: int) -> bytes:
         """One entry of a striped ledger (E > Qw), replica after replica."""
+        wire = _wire()
         errors = []
         for address in layout.write_set(entry_id):
             try:
                 conn = self._conn(address)
                 rid = conn.request_id()
-                conn.send(ReadRequest(rid, layout.ledger_id, entry_id).encode())
+                conn.send(wire.ReadRequest(rid, layout.ledger_id, entry_id).encode())
                 answer = conn.receive(rid)
-                if not isinstance(answer, ReadResponse) or answer.status != Status.OK:
+                if not isinstance(answer, wire.ReadResponse) or answer.status != wire.Status.OK:
                     raise DirectReadError(f"entry {layout.ledger_id}:{entry_id}: {answer!r}"[:300])
                 return decode_record(layout.ledger_id, entry_id, answer.data)
             except DirectReadError as e:

@@ -259,17 +259,91 @@ def _varint_columns(v: Any, keep: Any) -> tuple[list[Any], list[Any]]:
 
 def message_ids(id_runs: Sequence[tuple[int, int, int, int, int]], partition: int) -> Any:
     """The client's serialized message ids (``message_id_bytes``) of ``id_runs`` (see
-    ``Columns``) as one Arrow binary array, built column by column."""
+    ``Columns``) as one Arrow binary array.
+
+    A run of many rows (a batch's messages) is its entry's id prefix joined to the batch index
+    and size fields of each row, a layout that depends only on the batch and the prefix length
+    and is kept (``_run_template``): one numpy gather per run. Runs of few rows are built column
+    by column together."""
     import pyarrow as pa
 
-    if not id_runs:
+    datas: list[Any] = []
+    lengths: list[Any] = []
+    small: list[tuple[int, int, int, int, int]] = []
+
+    def flush_small() -> None:
+        if small:
+            data, row_lengths = _ids_by_columns(small, partition)
+            datas.append(data)
+            lengths.append(row_lengths)
+            small.clear()
+
+    tail = b"\x18" + _varint(partition) if partition >= 0 else b""
+    for run in id_runs:
+        ledger, entry, first, rows, size = run
+        if rows < _TEMPLATE_MIN_ROWS:
+            small.append(run)
+            continue
+        flush_small()
+        prefix = b"\x08" + _uvarint(ledger) + b"\x10" + _uvarint(entry) + tail
+        gather, suffixes, row_lengths = _run_template(first, rows, size, len(prefix))
+        datas.append(np.concatenate((np.frombuffer(prefix, np.uint8), suffixes))[gather])
+        lengths.append(row_lengths)
+    flush_small()
+    if not datas:
         return pa.array([], pa.binary())
+    all_lengths = np.concatenate(lengths) if len(lengths) > 1 else lengths[0]
+    n = len(all_lengths)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(all_lengths, out=offsets[1:])
+    data = np.concatenate(datas) if len(datas) > 1 else datas[0]
+    return pa.BinaryArray.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+
+
+#: Runs of at least this many rows are built from a kept template (``_run_template``).
+_TEMPLATE_MIN_ROWS = 32
+_TEMPLATES: dict[tuple[int, int, int, int], tuple[Any, Any, Any]] = {}
+_TEMPLATES_MAX = 256
+
+
+def _run_template(first: int, rows: int, size: int, prefix: int) -> tuple[Any, Any, Any]:
+    """For a run of ``rows`` rows from batch index ``first`` (-1: not batched) of a batch of
+    ``size`` whose ids start with ``prefix`` bytes: the gather index that lays out every row's
+    id from ``prefix bytes + suffixes``, the suffixes (batch index and size fields of each row,
+    concatenated) and each row's id length."""
+    key = (first, rows, size, prefix)
+    got = _TEMPLATES.get(key)
+    if got is not None:
+        return got
+    if first >= 0:
+        suffixes, suffix_lengths = _ids_by_columns([(0, 0, first, rows, size)], -1, prefix=False)
+    else:
+        suffixes, suffix_lengths = np.zeros(0, np.uint8), np.zeros(rows, np.int64)
+    row_lengths = suffix_lengths + prefix
+    starts = np.zeros(rows, np.int64)
+    np.cumsum(row_lengths[:-1], out=starts[1:])
+    suffix_starts = starts - np.arange(rows) * prefix  # where each row's suffix starts in them
+    row = np.repeat(np.arange(rows), row_lengths)
+    within = np.arange(int(row_lengths.sum())) - starts[row]
+    gather = np.where(within < prefix, within, suffix_starts[row] + within).astype(np.intp)
+    got = (gather, suffixes, row_lengths)
+    if len(_TEMPLATES) >= _TEMPLATES_MAX:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = got
+    return got
+
+
+def _ids_by_columns(
+    id_runs: Sequence[tuple[int, int, int, int, int]], partition: int, *, prefix: bool = True
+) -> tuple[Any, Any]:
+    """The ids of ``id_runs`` built column by column: their bytes (uint8) and each one's
+    length. Without ``prefix``, only the batch index and size fields of each row."""
     runs = np.array(id_runs, np.int64).reshape(-1, 5)
     counts = runs[:, 3]
     n = int(counts.sum())
     within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
-    ledger = np.repeat(runs[:, 0], counts)
-    entry = np.repeat(runs[:, 1], counts)
     first = np.repeat(runs[:, 2], counts)
     batched = first >= 0
     batch = np.where(batched, first + within, 0)
@@ -287,24 +361,21 @@ def message_ids(id_runs: Sequence[tuple[int, int, int, int, int]], partition: in
         cols.extend(c)
         masks.extend(m)
 
-    tag(0x08, everyone)
-    varint(ledger, everyone)
-    tag(0x10, everyone)
-    varint(entry, everyone)
-    if partition >= 0:
-        tag(0x18, everyone)
-        varint(np.full(n, partition, np.int64), everyone)
+    if prefix:
+        tag(0x08, everyone)
+        varint(np.repeat(runs[:, 0], counts), everyone)
+        tag(0x10, everyone)
+        varint(np.repeat(runs[:, 1], counts), everyone)
+        if partition >= 0:
+            tag(0x18, everyone)
+            varint(np.full(n, partition, np.int64), everyone)
     tag(0x20, batched)
     varint(batch, batched)
     tag(0x30, batched)
     varint(size, batched)
     matrix = np.stack(cols, axis=1)
     mask = np.stack(masks, axis=1)
-    offsets = np.zeros(n + 1, np.int32)
-    np.cumsum(mask.sum(axis=1), out=offsets[1:])
-    return pa.BinaryArray.from_buffers(
-        pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(matrix[mask])]
-    )
+    return matrix[mask], mask.sum(axis=1)
 
 
 def _uvarint(n: int) -> bytes:

@@ -174,6 +174,31 @@ def test_message_ids_built_in_bulk_are_the_one_by_one_ids() -> None:
     assert message_ids([], 0).to_pylist() == []
 
 
+def test_message_ids_of_long_runs_from_kept_templates_are_the_one_by_one_ids() -> None:
+    """Runs of many rows (built from a kept layout per batch shape) between short ones, the
+    same batch shape again under other ids and prefix lengths, give ``message_id_bytes``."""
+    from polybroker.spark.storage import message_ids
+
+    runs = [
+        (5, 7, 0, 1000, 1000),
+        (5, 8, -1, 1, 1),
+        (5, 9, 0, 1000, 1000),
+        (300, 1 << 33, 100, 200, 300),
+        (1 << 40, 127, 0, 1000, 1000),
+        (1 << 40, 128, 16350, 40, 20000),
+        (9, 0, 0, 3, 3),
+        (9, 1, 0, 1000, 1000),
+    ]
+    for partition in (-1, 0, 200):
+        expected = [
+            message_id_bytes(ledger, entry, partition, -1 if b < 0 else b + i, size)
+            for ledger, entry, b, count, size in runs
+            for i in range(count)
+        ]
+        for _ in range(2):  # the second time from the kept layouts
+            assert message_ids(runs, partition).to_pylist() == expected
+
+
 def test_columns_become_arrow_arrays_row_for_row() -> None:
     """Runs of keys, times and properties, and value lists and matrices, come out per row."""
     import numpy as np
