@@ -18,6 +18,9 @@ Rule 6: checkpoints (every ``flushInterval`` or when half the write cache is use
         collection (every ``gcWaitTime``) run on one worker thread; the journal mark is persisted
         only after the entry logs and the index are durable, and older journal files are deleted
         only after that.
+Rule 7: what requests journal in one reactor turn, over every connection, is handed to the
+        journal writer at the end of that turn (``callLater(0)``), as one submission; closing
+        the bookie hands over what is staged before stopping the journal.
 """
 
 from __future__ import annotations
@@ -189,6 +192,8 @@ class Bookie:
         self._checkpoint_d: Deferred[None] | None = None
         self._watchers: dict[int, list[_Watcher]] = {}
         self._throttled: set[BookieProtocol] = set()
+        self._submit_call: Any = None  # the end-of-turn hand-off to the journal, when due
+        self._more_coming = False
         self.protocols: set[BookieProtocol] = set()
 
     # -- start-up -------------------------------------------------------------------------
@@ -266,6 +271,8 @@ class Bookie:
         body = req.body
         assert self.journal is not None
         self.journal.add(RECORD_HEADER.pack(len(body), req.crc), body, (proto, req))
+        if self._submit_call is None:
+            self._submit_call = self.reactor.callLater(0, self._submit_turn)
         proto.in_flight += 1
         if proto.in_flight >= self.max_in_flight:
             proto.set_paused("in_flight", True)
@@ -287,6 +294,8 @@ class Bookie:
             return
         assert self.journal is not None
         self.journal.add_records(req.records, (proto, req))
+        if self._submit_call is None:
+            self._submit_call = self.reactor.callLater(0, self._submit_turn)
         proto.in_flight += count
         if proto.in_flight >= self.max_in_flight:
             proto.set_paused("in_flight", True)
@@ -314,9 +323,18 @@ class Bookie:
             )
 
     def end_of_input(self, more_coming: bool) -> None:
-        """The protocol handled a network read: hand what it journaled to the writer."""
+        """The protocol handled a network read (``more_coming``: a full one). What requests
+        journaled goes to the writer at the end of the reactor turn, with what every other
+        connection read in the same turn: one group, one hand-off and one wake-up of the writer
+        instead of one per connection."""
+        if more_coming:
+            self._more_coming = True
+
+    def _submit_turn(self) -> None:
+        self._submit_call = None
+        more, self._more_coming = self._more_coming, False
         if self.journal is not None:
-            self.journal.submit(more_coming)
+            self.journal.submit(more)
 
     def _hello(self, proto: BookieProtocol, req: HelloRequest) -> None:
         usable = [v for v in SUPPORTED_VERSIONS if req.min_version <= v <= req.max_version]
@@ -463,6 +481,8 @@ class Bookie:
         header, body = meta_record(ledger_id, kind, lac)
         assert self.journal is not None
         self.journal.add(header, body, (proto, req))
+        if self._submit_call is None:
+            self._submit_call = self.reactor.callLater(0, self._submit_turn)
         proto.in_flight += 1
 
     # -- journal completions (reactor thread) ---------------------------------------------
@@ -658,6 +678,10 @@ class Bookie:
                 if w.timer is not None and w.timer.active():
                     w.timer.cancel()
         self._watchers.clear()
+        if self._submit_call is not None:
+            # Records staged in this turn are written (and answered) with the last group.
+            self._submit_call.cancel()
+            self._submit_turn()
         if self.journal is not None:
             self.journal.stop()
         d: Deferred[None] = Deferred()
