@@ -555,7 +555,8 @@ def main() -> int:
                         print(
                             f"{n:12} {case:9} run {r}: {run.count} msgs in {run.seconds:.2f} s"
                             f" = {run.rate:,.0f} msg/s,"
-                            f" broker CPU {run.broker_cpu_s * 1e6 / run.count:.1f} us/msg",
+                            f" broker CPU {run.broker_cpu_s * 1e6 / run.count:.1f} us/msg,"
+                            f" publish p50 {percentile(run.publish_ms, 50):.1f} ms",
                             file=sys.stderr,
                             flush=True,
                         )
