@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -599,6 +600,35 @@ def test_append_quiet_tells_its_listener_once_per_run_of_completions() -> None:
     assert order == [("done", 1), ("deferred", 2), ("done", 3)]
     assert w.last_add_confirmed == 3
     assert w.length == 4
+
+
+def test_listeners_alternating_in_one_answer_each_hear_their_runs() -> None:
+    """Runs of two listeners acknowledged together: each hears the last entry of each of its
+    runs, in entry order, and sees the handle's LAC and length at least that far."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    bookie = rig.bookie(w.metadata.fragments[0][1][0])
+    bookie.hold = True
+    heard: list[tuple[str, int, int, int]] = []
+
+    class Seeing:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def adds_done(self, handle: Any, last_entry_id: int) -> None:
+            heard.append((self.name, last_entry_id, handle.last_add_confirmed, handle.length))
+
+        def adds_failed(self, handle: object, error: Exception) -> None:
+            raise AssertionError(error)
+
+    a, b = Seeing("a"), Seeing("b")
+    for listener, payload in ((a, b"1"), (a, b"22"), (b, b"333"), (b, b"4"), (a, b"55")):
+        w.append_quiet(payload, listener)
+    w.entries_acked(bookie.address, [0, 1, 2, 3, 4])
+    assert [(n, e) for n, e, _, _ in heard] == [("a", 1), ("b", 3), ("a", 4)]
+    assert all(lac >= e for _, e, lac, _ in heard)
+    assert w.last_add_confirmed == 4
+    assert w.length == 9
 
 
 def test_append_quiet_failures_reach_the_listener_once() -> None:
