@@ -54,20 +54,6 @@ from polybroker.protocols.amqp.vhost import (
 log = logging.getLogger(__name__)
 
 CLOSE_GRACE_S = 5.0
-#: A consumer that reached its prefetch gets more once a run of acks made room for
-#: ``refill_run(prefetch)`` messages, or after ``REFILL_WAIT_S`` at most: a busy consumer
-#: then gets its deliveries in runs, one write each, rather than one write per ack (a small
-#: prefetch is refilled at once).
-REFILL_SHARE = 16
-REFILL_MAX = 64
-REFILL_WAIT_S = 0.005
-
-
-def refill_run(prefetch: int) -> int:
-    """How many free places a full consumer with this prefetch waits for (0: none)."""
-    return min(prefetch // REFILL_SHARE, REFILL_MAX)
-
-
 PRODUCT = "polybroker"
 
 
@@ -852,27 +838,9 @@ class AmqpConnection(Protocol):
             return False
         if qc.no_ack:
             return True
-        if qc.prefetch:
-            if qc.unacked >= qc.prefetch:
-                qc.refill_at = qc.prefetch - refill_run(qc.prefetch)
-                return False
-            if qc.refill_at >= 0:
-                if qc.unacked > qc.refill_at:
-                    if not qc.refill_timer:
-                        qc.refill_timer = True
-                        self.s.clock.callLater(REFILL_WAIT_S, self._refill, qc)
-                    return False
-                qc.refill_at = -1
+        if qc.prefetch and qc.unacked >= qc.prefetch:
+            return False
         return not (ch.global_prefetch and len(ch.unacked) >= ch.global_prefetch)
-
-    @staticmethod
-    def _refill(qc: QueueConsumer) -> None:
-        """A consumer held back since it was full has waited long enough: fill it up."""
-        qc.refill_timer = False
-        if qc.refill_at >= 0:
-            qc.refill_at = -1
-            if qc.queue is not None:
-                qc.queue.dispatch()
 
     def _deliver(self, ch: Channel, q: Queue, qc: QueueConsumer, qm: QueuedMessage) -> None:
         tag = ch.next_tag

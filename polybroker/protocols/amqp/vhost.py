@@ -147,10 +147,6 @@ class QueueConsumer:
         self.exclusive = exclusive
         self.prefetch = prefetch
         self.unacked = 0
-        #: Full at its prefetch: more once ``unacked`` is down to this (-1: not held back),
-        #: with a timer under way to end the wait (``connection.refill_run``).
-        self.refill_at = -1
-        self.refill_timer = False
         self.deliver = deliver
         self.has_room = has_room
         self.cancelled = cancelled

@@ -10,7 +10,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from amqp_peer import Peer
 
 from polybroker.protocols.amqp import codec as c
-from polybroker.protocols.amqp.connection import REFILL_WAIT_S, refill_run
 from polybroker.protocols.amqp.handler import parse_users, vhost_namespace
 
 QUEUE_LEDGER = "public/default/persistent/amqp.queue.q"
@@ -350,41 +349,6 @@ def test_the_newest_confirm_leaves_at_once_when_its_write_completes() -> None:
 
 def _delivered(p: Peer) -> list[int]:
     return [m.delivery_tag for m in p.methods() if isinstance(m, c.BasicDeliver)]
-
-
-def test_a_full_consumer_is_refilled_in_runs_and_never_waits_long() -> None:
-    """A consumer that reached its prefetch gets more once acks made room for a run of
-    prefetch/16 messages (one write, not one per ack), or after REFILL_WAIT_S anyway; a small
-    prefetch is refilled at once."""
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="t"))
-    for i in range(200):
-        p.publish(1, "", "t", f"m{i}".encode())
-    p.method(1, c.BasicQos(0, 64, False))
-    p.method(1, c.BasicConsume(queue="t", consumer_tag="big"))
-    assert _delivered(p) == list(range(1, 65))
-    assert refill_run(64) == 4
-    for tag in (1, 2, 3):
-        p.method(1, c.BasicAck(tag, False))
-    assert _delivered(p) == []  # three places free: held back
-    p.method(1, c.BasicAck(4, False))
-    assert _delivered(p) == [65, 66, 67, 68]  # a run of four, in one write
-    p.method(1, c.BasicAck(5, False))
-    assert _delivered(p) == []
-    p.clock.advance(REFILL_WAIT_S)
-    assert _delivered(p) == [69]  # the wait is bounded
-    # A small prefetch: every ack lets the next message in at once.
-    p.method(2, c.ChannelOpen())
-    p.method(2, c.QueueDeclare(queue="s"))
-    for i in range(5):
-        p.publish(2, "", "s", f"s{i}".encode())
-    p.method(2, c.BasicQos(0, 2, False))
-    p.method(2, c.BasicConsume(queue="s", consumer_tag="small"))
-    assert _delivered(p) == [1, 2]
-    p.method(2, c.BasicAck(1, False))
-    assert _delivered(p) == [3]
 
 
 def test_a_multiple_ack_settles_exactly_the_tags_up_to_it() -> None:
