@@ -8,7 +8,12 @@ Cases:
               latency p50/p99, and the CPU seconds the polybroker processes spent per message
               (brokers and bookies, or the standalone process; ZooKeeper and the client are not
               counted). Two cores cannot show scale-out: CPU per message is the figure to hold
-              (target: cluster at most 1.5x standalone). --repeat runs, medians.
+              (target: cluster at most 1.5x standalone). Each side also reports the entries
+              its partitions stored (internal stats), messages per entry and CPU per entry
+              (the cluster's split into brokers and bookies): the producer batches by time, so
+              messages per entry, and with it CPU per message, move with timing, while CPU
+              per entry moves far less. --repeat rounds, each running both sides (alternating
+              which goes first); medians, and each round's ratio.
   broker-kill while producing at --rate msgs/s, kill -9 the broker that owns some partitions
               (the client's service URL names the other one, as a load balancer would): seconds
               until every partition acknowledged a send again (target: under 5 s). ZooKeeper
@@ -351,7 +356,7 @@ class PacedSender:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5, help="alternating rounds (medians)")
     parser.add_argument("--rate", type=int, default=500, help="paced rate of the kill cases")
     parser.add_argument("--session-ms", type=int, default=2000)
     parser.add_argument(
