@@ -37,6 +37,7 @@ MAX_PROTOCOL_VERSION = 20
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U32U32 = struct.Struct(">II")
+_HEAD = struct.Struct(">HII")  # a stored entry's magic, checksum and metadata size
 
 Type = pb.BaseCommand.Type
 
@@ -336,6 +337,13 @@ def normalize_tail(tail: bytes) -> tuple[bytes, bool]:
     """Return the tail as stored (checksummed) and whether its checksum matched.
 
     Skips a leading broker entry metadata block; raises ``CodecError`` if the layout is bad."""
+    if len(tail) >= 10:
+        # The usual tail, already checksummed: one read of its header.
+        magic, checksum, md_size = _HEAD.unpack_from(tail, 0)
+        if magic == MAGIC_CRC32C:
+            if md_size > len(tail) - 10:
+                raise CodecError(f"metadata size {md_size} runs past the frame")
+            return tail, _crc32c.crc32c(tail[6:]) == checksum
     pos = 0
     if len(tail) >= 6 and _U16.unpack_from(tail, 0)[0] == MAGIC_BROKER_ENTRY_METADATA:
         (bem_size,) = _U32.unpack_from(tail, 2)
@@ -455,9 +463,11 @@ def metadata_is_complete(tail: bytes, scratch: pb.MessageMetadata) -> bool:
     """Whether a stored entry's ``MessageMetadata`` has every required field, parsed into
     ``scratch`` (its previous content is replaced; reusing one spares an allocation per
     message); raise ``CodecError`` where ``split_tail`` would."""
-    if len(tail) < 10 or _U16.unpack_from(tail, 0)[0] != MAGIC_CRC32C:
+    if len(tail) < 10:
         raise CodecError("not a Pulsar entry")
-    (md_size,) = _U32.unpack_from(tail, 6)
+    magic, _, md_size = _HEAD.unpack_from(tail, 0)
+    if magic != MAGIC_CRC32C:
+        raise CodecError("not a Pulsar entry")
     if md_size > len(tail) - 10:
         raise CodecError(f"metadata size {md_size} runs past the entry")
     try:

@@ -110,6 +110,39 @@ def test_broker_entry_metadata_block_is_skipped() -> None:
     assert (stored, ok) == (tail, True)
 
 
+def test_checksummed_tails_cut_or_corrupted_anywhere() -> None:
+    """A checksummed tail (with or without a broker entry metadata block before it) is kept
+    as it is with its checksum verdict, or refused with CodecError when cut short or when its
+    metadata size runs past it; the block before it never changes the answer."""
+    rng = random.Random(16)
+    bem = pb.BrokerEntryMetadata(index=3).SerializeToString()
+    prefix = struct.pack(">HI", MAGIC_BROKER_ENTRY_METADATA, len(bem)) + bem
+    for i in range(2000):
+        tail = bytearray(build_tail(metadata(), b"p" * rng.randrange(200)))
+        kind = rng.randrange(4)
+        if kind == 1:  # a flipped bit anywhere after the checksum field
+            at = rng.randrange(6, len(tail))
+            tail[at] ^= 1 << rng.randrange(8)
+        elif kind == 2:  # cut short
+            tail = tail[: rng.randrange(len(tail))]
+        elif kind == 3:  # a metadata size past the end
+            struct.pack_into(">I", tail, 6, len(tail) - 10 + rng.randrange(1, 2**20))
+        data = bytes(tail)
+        answers = []
+        for raw in (data, prefix + data):
+            try:
+                answers.append(normalize_tail(raw))
+            except CodecError:
+                answers.append(None)
+        assert answers[0] == answers[1], i
+        result = answers[0]
+        if len(data) >= 10 and struct.unpack_from(">I", data, 6)[0] <= len(data) - 10:
+            if data[:2] == b"\x0e\x01":
+                assert result == (data, crc32c(data[6:]) == struct.unpack_from(">I", data, 2)[0])
+        elif data[:2] == b"\x0e\x01":
+            assert result is None, i
+
+
 def test_frames_split_anywhere_reassemble() -> None:
     """Frames fed one byte at a time come out whole and in order."""
     cmds = [command(T.FLOW, "flow", consumer_id=i, messagePermits=i + 1) for i in range(5)]
