@@ -568,8 +568,8 @@ class Journal:
             self._space_file = file_id
             self._reserved = FILE_HEADER_SIZE
             self._zero_written = self._zeroed = FILE_HEADER_SIZE
-            self._zero_target = FILE_HEADER_SIZE + self.config.zero_ahead
-            self._space.notify()
+            # Nothing yet: the first group asks for zeros, so an idle bookie writes none.
+            self._zero_target = FILE_HEADER_SIZE
 
     def _close_file(self, trim: bool) -> None:
         if self._fd < 0:

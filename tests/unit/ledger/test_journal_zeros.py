@@ -15,7 +15,6 @@ import pytest
 
 from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import (
-    FILE_HEADER_SIZE,
     Journal,
     JournalConfig,
     JournalPosition,
@@ -106,12 +105,14 @@ def test_zeros_are_written_and_synced_ahead_of_the_writer(
 def test_records_written_into_zeroed_space_are_never_overwritten(tmp_path: Path) -> None:
     """Groups into zeroed space, zeroing between them and past them: every record replays
     intact, and a group within the zeroed space allocates nothing."""
-    j, _ = _journal(tmp_path)
+    j, rec = _journal(tmp_path)
+    assert j.zero_step() is False  # no zeros before the first group asks for them
+    _group(j, 0, 1)
     while j.zero_step():
         pass
-    assert j._zeroed == FILE_HEADER_SIZE + AHEAD
+    assert j._zeroed == rec.groups[-1][1].offset + AHEAD
     allocated = j._allocated
-    count = 0
+    count = 1
     for _ in range(12):
         _group(j, count, 20)
         count += 20
@@ -137,8 +138,8 @@ def test_a_roll_moves_the_zeros_to_the_new_file(tmp_path: Path) -> None:
     while j.zero_step():
         pass
     assert (tmp_path / file_name(1)).stat().st_size == old_end
-    assert j._zeroed == FILE_HEADER_SIZE + AHEAD  # what a new file starts with
-    assert (tmp_path / file_name(2)).stat().st_size == FILE_HEADER_SIZE + AHEAD
+    assert j._zeroed == rec.groups[-1][1].offset + AHEAD  # asked for by file 2's first group
+    assert (tmp_path / file_name(2)).stat().st_size == rec.groups[-1][1].offset + AHEAD
     j.stop()
     assert _replayed(tmp_path) == _expected(25)
 
@@ -154,13 +155,14 @@ def test_a_zeroing_error_stops_only_the_zeroing(
     def broken(fd: int, data: Any, offset: int) -> int:
         raise OSError(errno.EIO, "injected")
 
+    _group(j, 0, 1)  # asks for zeros
     monkeypatch.setattr(journal_mod.os, "pwrite", broken)
     j._zero_run()  # returns at once: the error ends the loop
     assert isinstance(j.zero_error, OSError)
     assert j.zero_step() is False
-    _group(j, 0, 100)
+    _group(j, 1, 99)
     assert rec.failures == []
-    assert len(rec.groups) == 1
+    assert len(rec.groups) == 2
     assert j._allocated >= rec.groups[-1][1].offset
     j.stop()
     assert _replayed(tmp_path) == _expected(100)
