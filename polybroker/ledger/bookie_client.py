@@ -19,8 +19,10 @@ Rule 5: ``add_entry_batched`` (``add_record_batched``: of ready records) stages 
         handed to the kernel at once, when it holds ``batch_bytes``, so the bookie journals it
         while the turn goes on; never above the frame limit) to a bookie that negotiated wire
         version 2, as single ADD frames to an older one; the listener hears once per frame
-        which entries were acknowledged or failed, with no Deferred per entry. Staged adds
-        that cannot be sent (the connection failed, the client closed) fail like pending ones.
+        which entries were acknowledged or failed, with no Deferred per entry. The frames of
+        one turn leave in one write handed to the kernel at once (``netio.write_now``). Staged
+        adds that cannot be sent (the connection failed, the client closed) fail like pending
+        ones.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from polybroker.ledger.wire import (
     encode_add_request_of_record,
     encode_multi_add_records,
 )
+from polybroker.netio import write_now
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +267,7 @@ class TcpBookieClient(BookieClient):
         self._staged: dict[int, _Group] = {}  # batched adds of this reactor turn, by ledger
         self._unsent: list[tuple[int, _Group]] = []  # flushed before the handshake ended
         self._flush_call: Any = None
+        self._out: list[Buffer] | None = None  # frames gathered by _flush for one write
         self._batch_bytes = batch_bytes
 
     # -- the BookieClient API ---------------------------------------------------------------
@@ -338,7 +342,6 @@ class TcpBookieClient(BookieClient):
             # Send now: the bookie journals this frame while the rest of the turn is encoded.
             del self._staged[ledger_id]
             self._flush_group(ledger_id, group)
-            self._push()
         elif self._flush_call is None:
             self._flush_call = self._reactor.callLater(0, self._flush)
 
@@ -461,22 +464,14 @@ class TcpBookieClient(BookieClient):
             self._connect()
 
     def _write_sequence(self, parts: list[Buffer]) -> None:
-        self._proto.transport.writeSequence(parts)  # type: ignore[union-attr, arg-type]
-
-    def _push(self) -> None:
-        """Hand what the transport buffered to the kernel now: a transport writes only when
-        the reactor next polls, after the turn, and a frame sent early is worth nothing
-        unless it leaves early (Rule 5). A transport that cannot (no ``doWrite``) writes
-        when the turn ends, as always; an error is left to the reactor, which meets it at
-        its next write."""
-        if self._proto is None or self._write is None:
-            return
-        transport = self._proto.transport
-        if getattr(transport, "disconnecting", False):
-            return  # the reactor's own write finishes the close
-        do_write = getattr(transport, "doWrite", None)
-        if do_write is not None:
-            do_write()
+        """Send the frames of one group: gathered while a turn's groups are flushed, else to
+        the kernel now (``write_now``): a transport writes only when the reactor next polls,
+        and a frame sent early is worth nothing unless it leaves early (Rule 5)."""
+        out = self._out
+        if out is not None:
+            out.extend(parts)
+        else:
+            write_now(self._proto.transport, b"".join(parts))  # type: ignore[union-attr]
 
     def _connect(self) -> None:
         self._state = _CONNECTING
@@ -490,10 +485,17 @@ class TcpBookieClient(BookieClient):
     # -- batched adds (Rule 5) --------------------------------------------------------------
 
     def _flush(self) -> None:
+        """Send the groups staged in the last turn, in one write."""
         self._flush_call = None
         staged, self._staged = self._staged, {}
-        for ledger_id, group in staged.items():
-            self._flush_group(ledger_id, group)
+        self._out = out = []
+        try:
+            for ledger_id, group in staged.items():
+                self._flush_group(ledger_id, group)
+        finally:
+            self._out = None
+        if out and self._proto is not None:
+            write_now(self._proto.transport, b"".join(out))
 
     def _flush_group(self, ledger_id: int, group: _Group) -> None:
         if self._write is None:

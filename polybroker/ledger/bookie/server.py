@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from twisted.internet import interfaces, tcp
+from twisted.internet import interfaces
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import LoopingCall
@@ -89,6 +89,7 @@ from polybroker.ledger.wire import (
 )
 from polybroker.logs import kv
 from polybroker.metadata.api import MetadataStore
+from polybroker.netio import write_now
 
 log = logging.getLogger(__name__)
 
@@ -813,37 +814,6 @@ class BookieProtocol(Protocol):
                 self.transport.pauseProducing()  # type: ignore[attr-defined]
             else:
                 self.transport.resumeProducing()  # type: ignore[attr-defined]
-
-
-def write_now(transport: Any, data: bytes) -> None:
-    """Write ``data`` on ``transport``, in order with what was written before.
-
-    On a plain TCP connection with nothing queued, the bytes go to the socket at once and only
-    what it does not take is queued: Twisted's ``write`` would register the socket for
-    writability and send on the next reactor turn, two ``epoll_ctl`` calls and one more turn
-    per answer. Any other transport (TLS too), or one with queued bytes, a closing one or an
-    error other than a full socket buffer, takes the ordinary ``write`` (which reports the error
-    its way)."""
-    if (
-        type(transport) is not tcp.Server
-        or transport.TLS
-        or transport.dataBuffer
-        or transport._tempDataBuffer
-        or not transport.connected
-        or transport.disconnecting
-        or transport._writeDisconnected
-    ):
-        transport.write(data)
-        return
-    try:
-        sent = transport.socket.send(data)
-    except (BlockingIOError, InterruptedError):
-        sent = 0
-    except OSError:
-        transport.write(data)
-        return
-    if sent < len(data):
-        transport.write(data[sent:])
 
 
 class BookieFactory(Factory):

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
+from polybroker.netio import write_now
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.convert import AmqpMessage
 from polybroker.protocols.amqp.proxy import (
@@ -1094,18 +1095,12 @@ class AmqpConnection(Protocol):
                 ch.sent_ahead.add(seq)
         if run:
             out.append(c.encode_method(ch.number, c.BasicAck(run, True)))
-        self.transport.write(b"".join(out))
-        if not self._in_data:
-            self._push()
-
-    def _push(self) -> None:
-        """Hand what was written to the kernel now rather than when the reactor next polls
-        (a confirm outside our own input: the publisher is waiting for it). A transport
-        that cannot (no ``doWrite``), or one closing, writes when the reactor polls."""
-        t = self.transport
-        do_write = getattr(t, "doWrite", None)
-        if do_write is not None and not getattr(t, "disconnecting", True):
-            do_write()
+        if self._in_data:
+            self.transport.write(b"".join(out))
+        else:
+            # A confirm outside our own input: the publisher is waiting for it, so it goes to
+            # the kernel now rather than when the reactor next polls.
+            write_now(self.transport, b"".join(out))
 
     @staticmethod
     def _advance(ch: Channel, seq: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from twisted.internet import tcp
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
 from twisted.internet.testing import MemoryReactorClock, StringTransport
@@ -573,52 +574,69 @@ def test_ready_records_join_the_adds_of_their_turn_and_oversize_ones_are_refused
     assert (ids, type(error)) == ([3], BookieProtocolError)
 
 
-class _PushingTransport(StringTransport):
-    """A transport that, like a socket's, buffers writes until ``doWrite`` hands them over."""
+class _Socket:
+    """The socket of a ``tcp.Client`` that takes every send."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.buffered: list[bytes] = []
-        self.do_writes = 0
+        self.sent: list[bytes] = []
 
-    def write(self, data: bytes) -> None:
-        self.buffered.append(bytes(data))
+    def send(self, data: bytes) -> int:
+        self.sent.append(bytes(data))
+        return len(data)
 
-    def writeSequence(self, seq: Any) -> None:
-        self.buffered.append(b"".join(bytes(p) for p in seq))
+    def setsockopt(self, *args: Any) -> None:
+        pass
 
-    def doWrite(self) -> None:
-        self.do_writes += 1
-        for data in self.buffered:
-            super().write(data)
-        self.buffered = []
+
+def _tcp_client(sock: _Socket) -> tuple[Any, list[bytes]]:
+    """A ``tcp.Client`` in the state of an open connection; what goes through Twisted's own
+    ``write`` (sent when the reactor next polls) is recorded apart from what is sent now."""
+    conn: Any = tcp.Client.__new__(tcp.Client)
+    conn.socket = sock
+    conn.connected = 1
+    conn.disconnecting = False
+    conn._writeDisconnected = False
+    conn.dataBuffer = b""
+    conn.offset = 0
+    conn._tempDataBuffer = []
+    conn._tempDataLen = 0
+    queued: list[bytes] = []
+    conn.write = queued.append
+    conn.writeSequence = lambda seq: queued.append(b"".join(seq))
+    return conn, queued
 
 
 def test_a_frame_sent_early_leaves_at_once_and_the_rest_at_the_end_of_the_turn(
     reactor: MemoryReactorClock,
 ) -> None:
-    """Once staged adds reach ``batch_bytes`` their frame is handed to the kernel during the
-    turn (the bookie journals it meanwhile); what stays staged goes with the turn's end."""
+    """Once staged adds reach ``batch_bytes`` their frame goes to the kernel during the turn
+    (the bookie journals it meanwhile); what stays staged goes, in one send, when the turn
+    ends; nothing waits for the reactor's next poll."""
     client = TcpBookieClient("127.0.0.1:3181", reactor, timeout_s=5.0, batch_bytes=300)
     listener = Listener()
     client.add_entry_batched(1, 0, -1, b"warm-up", listener)
     reactor.advance(0)
     _, _, factory, _, _ = reactor.tcpClients[-1]
     proto = factory.buildProtocol(None)
-    transport = _PushingTransport()
-    proto.makeConnection(transport)
-    transport.doWrite()
-    (hello,) = decode_all(transport.value())
-    transport.clear()
+    sock = _Socket()
+    conn, queued = _tcp_client(sock)
+    proto.makeConnection(conn)
+    (hello,) = decode_all(b"".join(queued))
     proto.dataReceived(HelloResponse(hello.request_id, Status.OK, "", 2, "bookie-A").encode())
-    transport.doWrite()  # the staged warm-up frame, as the reactor would write it
-    transport.clear()
+    (warm,) = decode_all(b"".join(sock.sent))
+    assert isinstance(warm, MultiAddRequest)
+    sock.sent.clear()
     for e in range(1, 4):
         client.add_entry_batched(1, e, e - 1, b"x" * 100, listener)
-    assert transport.buffered == []  # 3 records of 133 bytes passed 300: pushed already
-    (early,) = decode_all(transport.value())
+    (early,) = decode_all(b"".join(sock.sent))  # 3 records of 133 bytes passed 300
     assert isinstance(early, MultiAddRequest)
     assert [e for e, _, _ in early.entries] == [1, 2, 3]
+    sock.sent.clear()
     client.add_entry_batched(1, 4, 3, b"y", listener)
+    client.add_entry_batched(2, 0, -1, b"z", listener)
+    assert sock.sent == []
     reactor.advance(0)
-    assert len(transport.buffered) == 1  # the turn's rest waits for the reactor's write
+    assert len(sock.sent) == 1  # both ledgers' frames of the turn in one send
+    rest = decode_all(sock.sent[0])
+    assert [(m.ledger_id, [e for e, _, _ in m.entries]) for m in rest] == [(1, [4]), (2, [0])]
+    assert queued == [queued[0]]  # only the handshake went through Twisted's write

@@ -5,6 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from twisted.internet import tcp
+from twisted.internet.testing import StringTransport
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from amqp_peer import Peer
@@ -300,24 +303,38 @@ def test_publishes_of_one_input_share_a_batch_entry() -> None:
     assert p.methods() == [c.QueueDeclareOk("q", 0, 1)]
 
 
-class _PushingTransport:
-    """Wraps the peer's StringTransport: writes are buffered, as a socket's are, until
-    ``doWrite`` hands them over."""
+class _KernelSocket:
+    """A socket whose sends reach the peer's StringTransport (what the kernel took)."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: StringTransport) -> None:
         self.inner = inner
-        self.buffered: list[bytes] = []
+        self.sends = 0
+
+    def send(self, data: bytes) -> int:
+        self.sends += 1
+        self.inner.write(bytes(data))
+        return len(data)
+
+
+class _TcpOver(tcp.Server):
+    """A ``tcp.Server`` in the state of an open connection over ``_KernelSocket``; what goes
+    through Twisted's own ``write`` (sent when the reactor next polls) is kept in ``queued``;
+    anything else is the peer transport's."""
+
+    def __init__(self, inner: StringTransport) -> None:
+        self.inner = inner
+        self.socket = _KernelSocket(inner)
+        self.connected = 1
         self.disconnecting = False
-        self.pushes = 0
+        self._writeDisconnected = False
+        self.dataBuffer = b""
+        self.offset = 0
+        self._tempDataBuffer: list[bytes] = []
+        self._tempDataLen = 0
+        self.queued: list[bytes] = []
 
     def write(self, data: bytes) -> None:
-        self.buffered.append(bytes(data))
-
-    def doWrite(self) -> None:
-        self.pushes += 1
-        for data in self.buffered:
-            self.inner.write(data)  # type: ignore[attr-defined]
-        self.buffered = []
+        self.queued.append(bytes(data))
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -336,14 +353,14 @@ def test_the_newest_confirm_leaves_at_once_when_its_write_completes() -> None:
     p.methods()
     ledger = p.ledgers.ledger(QUEUE_LEDGER)
     ledger.hold_appends = True
-    pushing = _PushingTransport(p.transport)
-    p.conn.transport = pushing
+    tcp_transport = _TcpOver(p.transport)
+    p.conn.transport = tcp_transport
     for body in (b"one", b"two"):
         p.publish(1, "", "q", body, delivery_mode=2)
     p.clock.advance(0)
-    assert (pushing.pushes, pushing.buffered) == (0, [])
-    ledger.release_appends()  # both batches complete: one confirm, pushed at once
-    assert (pushing.pushes, pushing.buffered) == (1, [])
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (0, [])
+    ledger.release_appends()  # both batches complete: one confirm, sent at once
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (1, [])
     assert p.methods() == [c.BasicAck(2, True)]
 
 

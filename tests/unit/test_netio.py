@@ -1,5 +1,5 @@
-"""``write_now``: a bookie's answers go to the socket at once when nothing is queued, and never
-out of order, lost or past a closing connection."""
+"""``write_now``: a write goes to the socket at once when nothing is queued, and never out of
+order, lost or past a closing connection; on accepted and on made connections alike."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from twisted.internet import tcp
 from twisted.internet.testing import StringTransport
 
-from polybroker.ledger.bookie.server import write_now
+from polybroker.netio import write_now
 
 
 class FakeSocket:
@@ -28,9 +28,10 @@ class FakeSocket:
         return len(taken)
 
 
-def tcp_transport(sock: FakeSocket) -> tuple[Any, list[bytes]]:
-    """A ``tcp.Server`` in the state of an open connection, its queued writes recorded."""
-    conn: Any = tcp.Server.__new__(tcp.Server)
+def tcp_transport(sock: FakeSocket, kind: type = tcp.Server) -> tuple[Any, list[bytes]]:
+    """A ``tcp.Server`` (or ``kind``) in the state of an open connection, its queued writes
+    recorded."""
+    conn: Any = kind.__new__(kind)
     conn.socket = sock
     conn.connected = 1
     conn.disconnecting = False
@@ -44,9 +45,10 @@ def tcp_transport(sock: FakeSocket) -> tuple[Any, list[bytes]]:
     return conn, queued
 
 
-def test_idle_connection_sends_at_once() -> None:
+@pytest.mark.parametrize("kind", [tcp.Server, tcp.Client])
+def test_idle_connection_sends_at_once(kind: type) -> None:
     sock = FakeSocket()
-    conn, queued = tcp_transport(sock)
+    conn, queued = tcp_transport(sock, kind)
     write_now(conn, b"answer")
     assert sock.sent == [b"answer"]
     assert queued == []

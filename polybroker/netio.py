@@ -1,0 +1,38 @@
+"""Writing to a Twisted TCP transport without waiting for the reactor's next turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet import tcp
+
+
+def write_now(transport: Any, data: bytes) -> None:
+    """Write ``data`` on ``transport``, in order with what was written before.
+
+    On a plain TCP connection with nothing queued, the bytes go to the socket at once and only
+    what it does not take is queued: Twisted's ``write`` would register the socket for
+    writability and send on the next reactor turn, two ``epoll_ctl`` calls and one more turn
+    per write. Any other transport (TLS too), or one with queued bytes, a closing one or an
+    error other than a full socket buffer, takes the ordinary ``write`` (which reports the error
+    its way). Callers write what one turn produced in one call: each call is one ``send``."""
+    if (
+        not isinstance(transport, tcp.Connection)
+        or transport.TLS
+        or transport.dataBuffer
+        or transport._tempDataBuffer
+        or not transport.connected
+        or transport.disconnecting
+        or transport._writeDisconnected
+    ):
+        transport.write(data)
+        return
+    try:
+        sent = transport.socket.send(data)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    except OSError:
+        transport.write(data)
+        return
+    if sent < len(data):
+        transport.write(data[sent:])
