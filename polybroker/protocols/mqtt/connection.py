@@ -33,6 +33,7 @@ from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
+from polybroker.netio import write_now
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
 from polybroker.protocols.mqtt.session import FilterSub, MqttBroker, Session
@@ -424,7 +425,13 @@ class MqttConnection(Protocol):
         out = []
         while acks and acks[0].done:
             out.append(acks.popleft().data)
-        self.write(out[0] if len(out) == 1 else b"".join(out))
+        data = out[0] if len(out) == 1 else b"".join(out)
+        if self.reading or self.state == self.CLOSED or self.transport is None:
+            self.write(data)
+        else:
+            # A durable write completed: its publisher waits for these acks, so they go to the
+            # kernel now rather than when the reactor next polls.
+            write_now(self.transport, data)
 
     def _on_publish(self, p: c.Publish) -> None:
         session = self.session

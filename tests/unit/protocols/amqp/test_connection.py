@@ -5,12 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from twisted.internet import tcp
-from twisted.internet.testing import StringTransport
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from amqp_peer import Peer
+from fake_tcp import FakeTcp
 
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.handler import parse_users, vhost_namespace
@@ -303,43 +301,6 @@ def test_publishes_of_one_input_share_a_batch_entry() -> None:
     assert p.methods() == [c.QueueDeclareOk("q", 0, 1)]
 
 
-class _KernelSocket:
-    """A socket whose sends reach the peer's StringTransport (what the kernel took)."""
-
-    def __init__(self, inner: StringTransport) -> None:
-        self.inner = inner
-        self.sends = 0
-
-    def send(self, data: bytes) -> int:
-        self.sends += 1
-        self.inner.write(bytes(data))
-        return len(data)
-
-
-class _TcpOver(tcp.Server):
-    """A ``tcp.Server`` in the state of an open connection over ``_KernelSocket``; what goes
-    through Twisted's own ``write`` (sent when the reactor next polls) is kept in ``queued``;
-    anything else is the peer transport's."""
-
-    def __init__(self, inner: StringTransport) -> None:
-        self.inner = inner
-        self.socket = _KernelSocket(inner)
-        self.connected = 1
-        self.disconnecting = False
-        self._writeDisconnected = False
-        self.dataBuffer = b""
-        self.offset = 0
-        self._tempDataBuffer: list[bytes] = []
-        self._tempDataLen = 0
-        self.queued: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.queued.append(bytes(data))
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-
 def test_the_newest_confirm_leaves_at_once_when_its_write_completes() -> None:
     """A storage completion confirms the channel's newest publish at once, handed to the
     kernel then (not when the reactor next polls); earlier ones of the completion go with it
@@ -353,7 +314,7 @@ def test_the_newest_confirm_leaves_at_once_when_its_write_completes() -> None:
     p.methods()
     ledger = p.ledgers.ledger(QUEUE_LEDGER)
     ledger.hold_appends = True
-    tcp_transport = _TcpOver(p.transport)
+    tcp_transport = FakeTcp(p.transport)
     p.conn.transport = tcp_transport
     for body in (b"one", b"two"):
         p.publish(1, "", "q", body, delivery_mode=2)

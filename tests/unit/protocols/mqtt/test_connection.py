@@ -15,6 +15,7 @@ from twisted.internet.testing import StringTransport
 sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
 
 from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
+from fake_tcp import FakeTcp
 
 from polybroker.broker_core.messages import Message, decode_entry, encode_entry
 from polybroker.broker_core.service import BrokerService
@@ -1041,3 +1042,22 @@ def test_pubrecs_arriving_while_their_record_is_written_share_the_next_write() -
     for pid in pids:
         sub.send(c.PubComp(pid))
     assert _out_nodes(env) == []
+
+
+def test_a_puback_after_a_durable_write_goes_to_the_socket_at_once() -> None:
+    """The PUBACK of a QoS 1 publish whose write completes after the read goes to the kernel
+    when the write completes, not when the reactor next polls (the publisher waits for it)."""
+    env = Env()
+    pub = env.peer("p")
+    pub.packets()
+    pub.send(c.Publish("a/b", b"first", 1, packet_id=1))  # the topic's log now exists
+    assert pub.packets() == [c.PubAck(1)]
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    tcp_transport = FakeTcp(pub.transport)
+    pub.conn.transport = tcp_transport
+    pub.send(c.Publish("a/b", b"second", 1, packet_id=2))
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (0, [])
+    ml.release_appends()
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (1, [])
+    assert pub.packets() == [c.PubAck(2)]
