@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))  # standalone_process
 sys.path.insert(0, str(Path(__file__).parents[2] / "contract"))
 
 from cluster_harness import BookieProcesses

@@ -19,7 +19,6 @@ import pulsar
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))  # standalone_process
 
 from spark_harness import Broker, start_broker, wait_healthy
 

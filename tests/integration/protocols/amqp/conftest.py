@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest_twisted
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[2]))  # standalone_process
 
 from amqp_harness import Broker, start_broker, stop_broker
 

@@ -10,7 +10,6 @@ import pytest
 import pytest_twisted
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[2]))  # standalone_process
 
 from kafka_harness import Broker, start_broker, stop_broker
 
