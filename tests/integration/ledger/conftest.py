@@ -8,17 +8,15 @@ the same address. Every process started is stopped at teardown (SIGTERM, then SI
 
 from __future__ import annotations
 
-import os
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from standalone_process import wait_for_line
 
 _LISTENING = "bookie listening on "
 
@@ -99,26 +97,8 @@ class BookieProcessFactory:
     ) -> BookieProcess:
         """Start a bookie and wait (bounded) for its listening line."""
         proc, data_dir, log = self._spawn(data_dir, port, config, metadata)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffered = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.kill(proc.pid)
-                    raise TimeoutError(f"bookie did not start in {timeout}s: {log.read_text()}")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    code = proc.wait(10)
-                    raise RuntimeError(f"bookie exited with {code}: {log.read_text()}")
-                buffered += chunk
-                for line in buffered.decode(errors="replace").splitlines():
-                    if line.startswith(_LISTENING):
-                        return BookieProcess(line[len(_LISTENING) :].strip(), proc.pid, data_dir)
+        line = wait_for_line(proc, _LISTENING, log, timeout, "bookie")
+        return BookieProcess(line[len(_LISTENING) :].strip(), proc.pid, data_dir)
 
     def run_to_exit(
         self,

@@ -72,153 +72,35 @@ def test_kill9_loses_no_acknowledged_message(processes: list[Process], tmp_path:
     late.close()
 
 
-class PubrecDroppingProxy:
-    """A loopback TCP proxy to the broker's current MQTT port that drops the broker's PUBREC
-    packets while ``drop_pubrec`` is set (``dropped`` is set when one was)."""
+_PUBREC, _PUBREL, _PUBCOMP = 5, 6, 7
 
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.drop_pubrec = threading.Event()
-        self.dropped = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self._socks: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=WAIT_S)
-            up.settimeout(None)
-            self._socks += [down, up]
-            for target in (self._client_to_broker, self._broker_to_client):
-                t = threading.Thread(target=target, args=(down, up), daemon=True)
-                self._threads.append(t)
-                t.start()
-
-    @staticmethod
-    def _close(*socks: socket.socket) -> None:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def _client_to_broker(self, down: socket.socket, up: socket.socket) -> None:
+def _close(*socks: socket.socket) -> None:
+    for s in socks:
         with contextlib.suppress(OSError):
-            while data := down.recv(65536):
-                up.sendall(data)
-        self._close(down, up)
-
-    def _broker_to_client(self, down: socket.socket, up: socket.socket) -> None:
-        buf = b""
-        with contextlib.suppress(OSError):
-            while data := up.recv(65536):
-                buf += data
-                while (n := self._packet_length(buf)) is not None and len(buf) >= n:
-                    packet, buf = buf[:n], buf[n:]
-                    if packet[0] >> 4 == 5 and self.drop_pubrec.is_set():
-                        self.dropped.set()
-                        continue
-                    down.sendall(packet)
-        self._close(down, up)
-
-    @staticmethod
-    def _packet_length(buf: bytes) -> int | None:
-        """The whole length of the packet at the start of ``buf`` (None: not known yet)."""
-        value, shift = 0, 0
-        for i in range(1, min(len(buf), 5)):
-            value |= (buf[i] & 0x7F) << shift
-            shift += 7
-            if not buf[i] & 0x80:
-                return 1 + i + value
-        return None
-
-    def close(self) -> None:
-        self._close(self.listener, *self._socks)
-        for t in self._threads:
-            t.join(WAIT_S)
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
 
 
-def test_kill9_after_a_qos2_store_does_not_store_the_resend_again(
-    processes: list[Process], tmp_path: Path
-) -> None:
-    """A QoS 2 publish is stored, its PUBREC lost and the broker killed -9; the paho client
-    resends it with DUP to the restarted broker, which answers without storing it again: the
-    persistent subscriber gets exactly one copy, then the next message."""
-    data = tmp_path / "data"
-    first = Process(data, tmp_path / "standalone.log")
-    processes.append(first)
-    watcher = Client(first.mqtt_port, "watcher", clean=False)
-    assert watcher.subscribe("q2/t", 2) == [2]
-    watcher.close()
-    proxy = PubrecDroppingProxy(first.mqtt_port)
-    connected, gone = threading.Event(), threading.Event()
-    dev = paho.Client(
-        CallbackAPIVersion.VERSION2,
-        client_id="dev-q2",
-        clean_session=False,
-        reconnect_on_failure=False,
-    )
-
-    def on_connect(*_: Any) -> None:
-        connected.set()
-
-    def on_disconnect(*_: Any) -> None:
-        gone.set()
-
-    dev.on_connect = on_connect
-    dev.on_disconnect = on_disconnect
-    try:
-        dev.connect("127.0.0.1", proxy.port, keepalive=60)
-        dev.loop_start()
-        assert connected.wait(WAIT_S)
-        proxy.drop_pubrec.set()
-        info = dev.publish("q2/t", b"exactly-once", 2)
-        assert proxy.dropped.wait(WAIT_S), "the broker never answered PUBREC"
-        first.stop(signal.SIGKILL)
-        assert gone.wait(WAIT_S)
-        dev.loop_stop()
-        assert not info.is_published()
-
-        second = Process(data, tmp_path / "standalone.log")
-        processes.append(second)
-        proxy.upstream_port = second.mqtt_port
-        proxy.drop_pubrec.clear()
-        connected.clear()
-        dev.reconnect()  # resends the PUBLISH with DUP
-        dev.loop_start()
-        assert connected.wait(WAIT_S)
-        info.wait_for_publish(WAIT_S)
-        assert info.is_published()
-        after = dev.publish("q2/t", b"next", 1)
-        after.wait_for_publish(WAIT_S)
-        assert after.is_published()
-
-        back = Client(second.mqtt_port, "watcher", clean=False)
-        assert back.session_present
-        got = back.get_n(2, timeout=30)
-        # (paho hands a QoS 2 message over at PUBREL, so the two may come in either order)
-        assert sorted(m.payload for m in got) == [b"exactly-once", b"next"]
-        assert back.nothing_more()
-        back.close()
-    finally:
-        dev.disconnect()
-        dev.loop_stop()
-        proxy.close()
+def _packet_length(buf: bytes) -> int | None:
+    """The whole length of the MQTT packet at the start of ``buf`` (None: not known yet)."""
+    value, shift = 0, 0
+    for i in range(1, min(len(buf), 5)):
+        value |= (buf[i] & 0x7F) << shift
+        shift += 7
+        if not buf[i] & 0x80:
+            return 1 + i + value
+    return None
 
 
 class PacketProxy:
     """A loopback TCP proxy to the broker's current MQTT port that records the type of every
     packet each way (``seen[direction]``, direction ``"up"`` to the broker or ``"down"``) and
-    drops the client's packets of the types in ``drop_up`` (``dropped`` is set when it did)."""
+    drops the packets of the types in ``drop[direction]`` (``dropped`` is set when it did)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.drop_up: set[int] = set()
+        self.drop: dict[str, set[int]] = {"up": set(), "down": set()}
         self.dropped = threading.Event()
         self.seen: dict[str, list[int]] = {"up": [], "down": []}
         self.cond = threading.Condition()
@@ -247,17 +129,17 @@ class PacketProxy:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
                 buf += data
-                while (n := PubrecDroppingProxy._packet_length(buf)) is not None and len(buf) >= n:
+                while (n := _packet_length(buf)) is not None and len(buf) >= n:
                     packet, buf = buf[:n], buf[n:]
                     ptype = packet[0] >> 4
                     with self.cond:
                         self.seen[direction].append(ptype)
                         self.cond.notify_all()
-                    if direction == "up" and ptype in self.drop_up:
+                    if ptype in self.drop[direction]:
                         self.dropped.set()
                         continue
                     dst.sendall(packet)
-        PubrecDroppingProxy._close(src, dst)
+        _close(src, dst)
 
     def wait_for(self, direction: str, ptype: int, after: int = 0) -> bool:
         """Wait (bounded) until a packet of ``ptype`` went ``direction`` after the first
@@ -266,12 +148,77 @@ class PacketProxy:
             return self.cond.wait_for(lambda: ptype in self.seen[direction][after:], WAIT_S)
 
     def close(self) -> None:
-        PubrecDroppingProxy._close(self.listener, *self._socks)
+        _close(self.listener, *self._socks)
         for t in self._threads:
             t.join(WAIT_S)
 
 
-_PUBREL, _PUBCOMP = 6, 7
+def test_kill9_after_a_qos2_store_does_not_store_the_resend_again(
+    processes: list[Process], tmp_path: Path
+) -> None:
+    """A QoS 2 publish is stored, its PUBREC lost and the broker killed -9; the paho client
+    resends it with DUP to the restarted broker, which answers without storing it again: the
+    persistent subscriber gets exactly one copy, then the next message."""
+    data = tmp_path / "data"
+    first = Process(data, tmp_path / "standalone.log")
+    processes.append(first)
+    watcher = Client(first.mqtt_port, "watcher", clean=False)
+    assert watcher.subscribe("q2/t", 2) == [2]
+    watcher.close()
+    proxy = PacketProxy(first.mqtt_port)
+    connected, gone = threading.Event(), threading.Event()
+    dev = paho.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id="dev-q2",
+        clean_session=False,
+        reconnect_on_failure=False,
+    )
+
+    def on_connect(*_: Any) -> None:
+        connected.set()
+
+    def on_disconnect(*_: Any) -> None:
+        gone.set()
+
+    dev.on_connect = on_connect
+    dev.on_disconnect = on_disconnect
+    try:
+        dev.connect("127.0.0.1", proxy.port, keepalive=60)
+        dev.loop_start()
+        assert connected.wait(WAIT_S)
+        proxy.drop["down"].add(_PUBREC)
+        info = dev.publish("q2/t", b"exactly-once", 2)
+        assert proxy.dropped.wait(WAIT_S), "the broker never answered PUBREC"
+        first.stop(signal.SIGKILL)
+        assert gone.wait(WAIT_S)
+        dev.loop_stop()
+        assert not info.is_published()
+
+        second = Process(data, tmp_path / "standalone.log")
+        processes.append(second)
+        proxy.upstream_port = second.mqtt_port
+        proxy.drop["down"].clear()
+        connected.clear()
+        dev.reconnect()  # resends the PUBLISH with DUP
+        dev.loop_start()
+        assert connected.wait(WAIT_S)
+        info.wait_for_publish(WAIT_S)
+        assert info.is_published()
+        after = dev.publish("q2/t", b"next", 1)
+        after.wait_for_publish(WAIT_S)
+        assert after.is_published()
+
+        back = Client(second.mqtt_port, "watcher", clean=False)
+        assert back.session_present
+        got = back.get_n(2, timeout=30)
+        # (paho hands a QoS 2 message over at PUBREL, so the two may come in either order)
+        assert sorted(m.payload for m in got) == [b"exactly-once", b"next"]
+        assert back.nothing_more()
+        back.close()
+    finally:
+        dev.disconnect()
+        dev.loop_stop()
+        proxy.close()
 
 
 def test_kill9_before_pubcomp_delivers_a_qos2_message_to_the_subscriber_once(
@@ -303,7 +250,7 @@ def test_kill9_before_pubcomp_delivers_a_qos2_message_to_the_subscriber_once(
         assert connected.wait(WAIT_S)
         dev.subscribe("q2o/t", 2)
         assert subscribed.wait(WAIT_S)
-        proxy.drop_up.add(_PUBCOMP)
+        proxy.drop["up"].add(_PUBCOMP)
         pub = Client(first.mqtt_port, "pub-q2o")
         pub.publish("q2o/t", b"exactly-once", 2)
         pub.drop()
@@ -316,7 +263,7 @@ def test_kill9_before_pubcomp_delivers_a_qos2_message_to_the_subscriber_once(
         second = Process(data, tmp_path / "standalone.log")
         processes.append(second)
         proxy.upstream_port = second.mqtt_port
-        proxy.drop_up.clear()
+        proxy.drop["up"].clear()
         with proxy.cond:
             down_before, up_before = len(proxy.seen["down"]), len(proxy.seen["up"])
         connected.clear()
