@@ -6,10 +6,15 @@ The writer thread is never started here: tests call ``write_pending`` as the thr
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from journal_recorder import Recorder, open_journal
 
 from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import (
@@ -35,34 +40,8 @@ from polybroker.ledger.bookie.journal import (
 SMALL = JournalConfig(prealloc_size=64 * 1024, max_file_size=1 << 30)
 
 
-class Recorder:
-    """Collects what the journal delivers, as a reactor would receive it."""
-
-    def __init__(self) -> None:
-        self.groups: list[tuple[list[Any], JournalPosition]] = []
-        self.failures: list[tuple[BaseException, list[Any]]] = []
-
-    def deliver(self, fn: Any, *args: Any) -> None:
-        fn(*args)
-
-    def done(self, tokens: list[Any], position: JournalPosition) -> None:
-        self.groups.append((tokens, position))
-
-    def failed(self, error: BaseException, tokens: list[Any]) -> None:
-        self.failures.append((error, tokens))
-
-
 def _journal(path: Path, config: JournalConfig = SMALL, first: int = 1) -> tuple[Journal, Recorder]:
-    rec = Recorder()
-    j = Journal(
-        path,
-        config,
-        deliver=rec.deliver,
-        on_group_done=rec.done,
-        on_failure=rec.failed,
-        first_file_id=first,
-    )
-    return j, rec
+    return open_journal(path, config, first)
 
 
 def _add(j: Journal, ledger: int, entry: int, data: bytes, token: Any = None) -> None:

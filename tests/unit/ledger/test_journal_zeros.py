@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from journal_recorder import Recorder, open_journal
+
 from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import (
     Journal,
     JournalConfig,
-    JournalPosition,
     JournalReplay,
     entry_record,
     file_name,
@@ -27,32 +31,8 @@ AHEAD = 64 * 1024
 CONFIG = JournalConfig(prealloc_size=0, zero_ahead=AHEAD, max_file_size=1 << 30)
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.groups: list[tuple[list[Any], JournalPosition]] = []
-        self.failures: list[tuple[BaseException, list[Any]]] = []
-
-    def deliver(self, fn: Any, *args: Any) -> None:
-        fn(*args)
-
-    def done(self, tokens: list[Any], position: JournalPosition) -> None:
-        self.groups.append((tokens, position))
-
-    def failed(self, error: BaseException, tokens: list[Any]) -> None:
-        self.failures.append((error, tokens))
-
-
 def _journal(path: Path, config: JournalConfig = CONFIG) -> tuple[Journal, Recorder]:
-    rec = Recorder()
-    j = Journal(
-        path,
-        config,
-        deliver=rec.deliver,
-        on_group_done=rec.done,
-        on_failure=rec.failed,
-        first_file_id=1,
-    )
-    return j, rec
+    return open_journal(path, config)
 
 
 def _group(j: Journal, first: int, count: int, size: int = 300) -> None:
