@@ -8,7 +8,8 @@ Wiring, started in this order and stopped in the reverse one:
    addresses, so the bookie must come back at the same address after a restart: without an
    explicit ``bookiePort`` the port picked on the first start is kept in
    ``<data-dir>/bookie-port`` and reused;
-4. the ledger client, the managed-ledger factory and the Broker API;
+4. the ledger client (reaching that bookie in memory, ``ledger.local``), the managed-ledger
+   factory and the Broker API;
 5. cluster ``standalone`` (``clusterName``), tenant ``public`` and namespace ``public/default``,
    created on the first start;
 6. the protocol handlers' listeners and the HTTP service (``webServicePort``), bound together
@@ -217,8 +218,9 @@ class Standalone(BrokerProcess):
         from polybroker.broker_core.service import BrokerService
         from polybroker.ledger.bookie.server import BookieServer
         from polybroker.ledger.client import BookKeeperClient
+        from polybroker.ledger.local import local_connector, serving
         from polybroker.ledger.managed import ManagedLedgerFactoryImpl
-        from polybroker.ledger.registry import StaticBookieRegistry, tcp_connector
+        from polybroker.ledger.registry import StaticBookieRegistry
         from polybroker.metadata import open_metadata_store
 
         config, reactor = self.config, self.reactor
@@ -254,9 +256,10 @@ class Standalone(BrokerProcess):
         self._remember_bookie_port(bookie_port)
         self.ports["bookiePort"] = bookie_port
 
-        client = BookKeeperClient(
-            store, StaticBookieRegistry([bookie.address]), tcp_connector(reactor), reactor
-        )
+        # The broker reaches its own bookie in memory (same frames, no loopback socket); the
+        # bookie still listens on its address for everyone else.
+        connect = local_connector(reactor, {bookie.address: serving(bookie)})
+        client = BookKeeperClient(store, StaticBookieRegistry([bookie.address]), connect, reactor)
         self._stops.append(("ledger client", client.close))
         factory = ManagedLedgerFactoryImpl(
             store,
