@@ -3,18 +3,26 @@
 Every case runs on both brokers in the same run, alternating which goes first (the machine is
 noisy: medians of --repeat runs and the ratios are what count). The producer and the consumer
 are separate processes (this script re-run with ``--role``); messages are 100 bytes, the first
-eight holding the send time (CLOCK_MONOTONIC, the same for every process of the machine).
+sixteen holding the send time (CLOCK_MONOTONIC, the same for every process of the machine)
+and the message's index in the run.
 
 Cases:
   batched    sustained end-to-end rate (msgs/s, MB/s) with batching on, --batched messages
   unbatched  the same with batching off, --unbatched messages
   paced      publish and end-to-end latency p50/p99 at --rate msgs/s for --paced-seconds,
-             batching on with a 1 ms batch window (pulsar-perf's default)
+             batching on with a 1 ms batch window (pulsar-perf's default); each broker first
+             idles for --settle-seconds (12 s: more than polybroker's 10 s checkpoint
+             interval), so that neither is measured while it still flushes what the case
+             before wrote (without it, the broker that ran last before the paced case was
+             measured mid-flush and the other one rested)
   topics     --topics topics, each with a producer and a subscription: set-up time and the
              broker's RSS (polybroker: the whole standalone process, bookie and metadata
              store included)
 
-The end-to-end rate is messages / (last receive - first send). polybroker runs with its
+The end-to-end rate is messages / (last receive - first send). Each message carries its index:
+the consumer counts a message received again as a duplicate, apart from the messages and their
+latencies (pulsar-lite redelivers many in the throughput cases; counted as progress, they had
+made its rates look higher than the messages it delivered). polybroker runs with its
 defaults (journal fdatasync before every acknowledgement, group window 1 ms); pulsar-lite with
 its own (RocksDB). Prints a table, then one JSON line as the last line.
 """
@@ -57,9 +65,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def payload(now_ns: int) -> bytes:
-    """A 100-byte message carrying its send time."""
-    return struct.pack(">q", now_ns) + b"x" * (SIZE - 8)
+_STAMP = struct.Struct(">qq")
+_FILL = b"x" * (SIZE - _STAMP.size)
+
+
+def payload(now_ns: int, index: int = 0) -> bytes:
+    """A 100-byte message carrying its send time and its index in the run."""
+    return _STAMP.pack(now_ns, index) + _FILL
 
 
 def free_port() -> int:
@@ -199,6 +211,8 @@ def role_consumer(args: argparse.Namespace) -> None:
     latencies: list[float] = []
     first = last = 0
     got = 0
+    duplicates = 0
+    seen = bytearray(args.count)
     deadline = time.monotonic() + args.timeout
     msg = None
     while got < args.count and time.monotonic() < deadline:
@@ -207,10 +221,14 @@ def role_consumer(args: argparse.Namespace) -> None:
         except pulsar.Timeout:
             continue
         now = time.monotonic_ns()
+        sent, index = _STAMP.unpack_from(msg.data())
+        if not 0 <= index < args.count or seen[index]:
+            duplicates += 1  # counted apart: a redelivery is neither progress nor latency
+            continue
+        seen[index] = 1
         if not first:
             first = now
         last = now
-        (sent,) = struct.unpack_from(">q", msg.data())
         latencies.append((now - sent) / 1e6)
         got += 1
         if got % 1000 == 0:
@@ -219,7 +237,8 @@ def role_consumer(args: argparse.Namespace) -> None:
         consumer.acknowledge_cumulative(msg)
     consumer.close()
     client.close()
-    print(json.dumps({"got": got, "first_ns": first, "last_ns": last, "e2e_ms": latencies}))
+    out = {"got": got, "duplicates": duplicates, "first_ns": first, "last_ns": last}
+    print(json.dumps({**out, "e2e_ms": latencies}))
 
 
 def role_producer(args: argparse.Namespace) -> None:
@@ -261,7 +280,7 @@ def role_producer(args: argparse.Namespace) -> None:
             if due > now:
                 time.sleep((due - now) / 1e9)
         now = time.monotonic_ns()
-        producer.send_async(payload(now), sent_callback(now))
+        producer.send_async(payload(now, i), sent_callback(now))
     producer.flush()
     end = time.monotonic_ns()
     producer.close()
@@ -378,6 +397,8 @@ class Run:
     e2e_ms: list[float] = field(default_factory=list)
     #: The broker process's CPU time over the run, s.
     broker_cpu_s: float = 0.0
+    #: Messages the consumer received again (not counted in ``count`` nor in the latencies).
+    duplicates: int = 0
 
     @property
     def rate(self) -> float:
@@ -386,6 +407,8 @@ class Run:
 
 #: Where py-spy profiles of polybroker go (--profile-dir); None: no profiling.
 _PROFILE_DIR: Path | None = None
+#: Where each run's raw latencies go (--raw-dir); None: not kept.
+_RAW_DIR: Path | None = None
 
 
 def _start_profile(broker: Broker, topic: str) -> subprocess.Popen[bytes] | None:
@@ -432,7 +455,11 @@ def run_pair(
         )
     seconds = (cons["last_ns"] - prod["start_ns"]) / 1e9
     cpu = cpu_seconds(broker.proc.pid) - cpu_before
-    return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"], cpu)
+    if _RAW_DIR is not None:
+        raw = {"publish_ms": prod["publish_ms"], "e2e_ms": cons["e2e_ms"]}
+        name = f"{broker.name}-{topic.rsplit('/', 1)[-1]}.json"
+        (_RAW_DIR / name).write_text(json.dumps(raw))
+    return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"], cpu, cons["duplicates"])
 
 
 def run_topics(broker: Broker, count: int, tag: str, timeout: float) -> dict[str, Any]:
@@ -493,6 +520,9 @@ def main() -> int:
     parser.add_argument("--unbatched", type=int, default=200_000, help="messages, batching off")
     parser.add_argument("--paced-rate", type=float, default=10_000.0, help="msgs/s of latency run")
     parser.add_argument("--paced-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--settle-seconds", type=float, default=12.0, help="idle time before each paced run"
+    )
     parser.add_argument("--topics", type=int, default=10_000, help="topics of the topics case")
     parser.add_argument(
         "--topics-timeout", type=float, default=300.0, help="report how far set-up got after s"
@@ -503,6 +533,7 @@ def main() -> int:
     parser.add_argument(
         "--profile-dir", default="", help="py-spy raw profiles of polybroker, one per run"
     )
+    parser.add_argument("--raw-dir", default="", help="each run's raw latencies, as JSON")
     args = parser.parse_args()
     if args.role == "consumer":
         role_consumer(args)
@@ -517,10 +548,13 @@ def main() -> int:
     # Stop the brokers (finally below) on SIGTERM and on Ctrl+C, even when started in background.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    global _PROFILE_DIR
+    global _PROFILE_DIR, _RAW_DIR
     if args.profile_dir:
         _PROFILE_DIR = Path(args.profile_dir)
         _PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    if args.raw_dir:
+        _RAW_DIR = Path(args.raw_dir)
+        _RAW_DIR.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.brokers.split(",") if n]
     wanted = {c for c in args.cases.split(",") if c}
     notes = []
@@ -550,13 +584,17 @@ def main() -> int:
                     order = names if (case_index + r) % 2 == 0 else names[::-1]
                     for n in order:
                         topic = f"persistent://public/default/bench-{case}-{r}"
+                        if rate:
+                            # Both brokers idle alike before a latency run (see the docstring).
+                            time.sleep(args.settle_seconds)
                         run = run_pair(brokers[n], topic, count, batching, rate, args.timeout)
                         runs[n].append(run)
                         print(
                             f"{n:12} {case:9} run {r}: {run.count} msgs in {run.seconds:.2f} s"
                             f" = {run.rate:,.0f} msg/s,"
                             f" broker CPU {run.broker_cpu_s * 1e6 / run.count:.1f} us/msg,"
-                            f" publish p50 {percentile(run.publish_ms, 50):.1f} ms",
+                            f" publish p50 {percentile(run.publish_ms, 50):.1f} ms"
+                            + (f", {run.duplicates} duplicates" if run.duplicates else ""),
                             file=sys.stderr,
                             flush=True,
                         )
@@ -569,6 +607,7 @@ def main() -> int:
                         "cpu_us_per_msg": round(
                             _median([x.broker_cpu_s * 1e6 / x.count for x in runs[n]]), 2
                         ),
+                        "duplicates": sum(x.duplicates for x in runs[n]),
                     }
                     if case == "paced":
                         last = runs[n][-1]
