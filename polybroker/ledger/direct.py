@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from crc32c import crc32c
-
 #: Data asked for per range request (the bookie cuts an answer at this many bytes).
 DEFAULT_RANGE_BYTES = 2 * 1024 * 1024
 #: Entries asked for per range request.
@@ -45,6 +43,20 @@ def _wire() -> Any:
     from polybroker.ledger import wire
 
     return wire
+
+
+_CRC32C: Callable[..., int] | None = None
+
+
+def _crc32c() -> Callable[..., int]:
+    """crc32c, imported on first use like ``_wire``: its import (10-15 ms, half of it the
+    package looking up its own metadata) is not paid by every Spark planning process."""
+    global _CRC32C
+    if _CRC32C is None:
+        from crc32c import crc32c
+
+        _CRC32C = crc32c
+    return _CRC32C
 
 
 def __getattr__(name: str) -> Any:
@@ -131,6 +143,7 @@ def decode_record(ledger_id: int, entry_id: int, raw: bytes | memoryview) -> byt
     data = raw[_RECORD.size :]
     if lac < -1 or lac >= entry_id or length < len(data):
         raise DirectReadError(f"{ledger_id}:{entry_id}: impossible lac {lac}/length {length}")
+    crc32c = _CRC32C or _crc32c()
     if crc32c(data, crc32c(_DIGEST.pack(ledger_id, entry_id, lac, length))) != crc:
         raise DirectReadError(f"{ledger_id}:{entry_id}: checksum mismatch")
     return bytes(data)

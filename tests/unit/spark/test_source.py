@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -308,3 +310,22 @@ def test_data_source_schema_without_admin_is_the_fixed_columns() -> None:
         "__eventTime",
         "__messageProperties",
     ]
+
+
+def test_the_planning_side_imports_no_reading_code() -> None:
+    """Spark starts a fresh Python process for every streaming query's source (and for planner
+    workers): importing ``pyspark_pulsar`` there loads none of what only a read needs."""
+    reading_only = [
+        "crc32c",
+        "numpy",
+        "pyarrow",
+        "pulsar",
+        "polybroker.ledger.wire",
+        "polybroker.spark.reading",
+        "polybroker.spark.storage",
+    ]
+    code = f"import sys, pyspark_pulsar; print([m for m in {reading_only!r} if m in sys.modules])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
