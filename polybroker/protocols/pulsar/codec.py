@@ -66,6 +66,20 @@ class Frame(NamedTuple):
     checksum_ok: bool = True
 
 
+class SendFrame(NamedTuple):
+    """A SEND of the usual shape, decoded without protobuf (``FrameDecoder(fast_send=True)``):
+    what ``Frame.command.send`` would hold for it, and the frame's normalized tail.
+
+    ``num_messages`` and ``highest_sequence_id`` are the protobuf defaults (1, 0) when absent."""
+
+    producer_id: int
+    sequence_id: int
+    num_messages: int
+    highest_sequence_id: int
+    payload: bytes
+    checksum_ok: bool = True
+
+
 _new_tuple = tuple.__new__
 
 # -- encoding ------------------------------------------------------------------------------
@@ -370,6 +384,64 @@ def _check_metadata_size(rest: bytes) -> None:
         raise CodecError(f"metadata size {md_size} runs past the frame")
 
 
+# A BaseCommand holding only ``type`` = SEND (field 1) then ``send`` (field 6, one length byte).
+_SEND_PREFIX = bytes((0x08, int(Type.SEND), 0x32))
+_U64_LIMIT = 1 << 64
+_INT32_LIMIT = 1 << 31
+
+
+def parse_send(buf: bytes, start: int, end: int) -> tuple[int, int, int, int] | None:
+    """Decode the command ``buf[start:end]`` as a SEND of the usual shape, without protobuf.
+
+    The usual shape: ``type`` SEND, then ``send`` and nothing else, the ``CommandSend`` holding
+    only varint fields among ``producer_id``, ``sequence_id`` (both present), ``num_messages``
+    (0 to 2**31-1) and ``highest_sequence_id``, each at most 64 bits (a repeated field: the
+    last wins, as in protobuf). Return (producer id, sequence id, num_messages,
+    highest_sequence_id), the values protobuf would give; None for any other command or shape
+    (protobuf then decides: another command, other fields, or bad bytes). Reads only within
+    ``buf[start:end]``."""
+    size = end - start - 4  # the CommandSend's, when its length is one byte
+    if not 4 <= size < 0x80 or buf[start + 3] != size or buf[start : start + 3] != _SEND_PREFIX:
+        return None
+    pos = start + 4
+    producer_id = sequence_id = -1
+    num_messages = 1
+    highest = 0
+    while pos < end:
+        key = buf[pos]
+        value = buf[pos + 1] if pos + 1 < end else 0x80
+        pos += 2
+        if value >= 0x80:
+            value &= 0x7F
+            shift = 7
+            while True:
+                if pos >= end or shift > 63:
+                    return None
+                byte = buf[pos]
+                pos += 1
+                value |= (byte & 0x7F) << shift
+                if byte < 0x80:
+                    break
+                shift += 7
+            if value >= _U64_LIMIT:
+                return None
+        if key == 0x08:
+            producer_id = value
+        elif key == 0x10:
+            sequence_id = value
+        elif key == 0x18:
+            if value >= _INT32_LIMIT:
+                return None  # a negative int32 (or one protobuf would truncate)
+            num_messages = value
+        elif key == 0x30:
+            highest = value
+        else:
+            return None
+    if pos != end or producer_id < 0 or sequence_id < 0:
+        return None
+    return producer_id, sequence_id, num_messages, highest
+
+
 def decode_frame(frame: bytes) -> Frame:
     """Decode one frame's body (everything after ``totalSize``)."""
     return _decode_body(frame, 0, len(frame))
@@ -394,13 +466,21 @@ def _decode_body(buf: bytes, start: int, end: int) -> Frame:
 class FrameDecoder:
     """Accumulates bytes and yields complete frames.
 
-    ``feed`` raises ``CodecError`` on the first bad frame; the decoder is then unusable."""
+    ``feed`` raises ``CodecError`` on the first bad frame; the decoder is then unusable. With
+    ``fast_send``, a SEND of the usual shape (``parse_send``) comes as a ``SendFrame``, built
+    without protobuf; every other frame as a ``Frame``."""
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_MESSAGE_SIZE + FRAME_OVERHEAD) -> None:
+    def __init__(
+        self,
+        max_frame_size: int = DEFAULT_MAX_MESSAGE_SIZE + FRAME_OVERHEAD,
+        *,
+        fast_send: bool = False,
+    ) -> None:
         self.max_frame_size = max_frame_size
+        self.fast_send = fast_send
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> Iterator[Frame]:
+    def feed(self, data: bytes) -> Iterator[Frame | SendFrame]:
         """Add ``data``; yield every frame now complete."""
         pending = self._buf
         if pending:
@@ -416,9 +496,11 @@ class FrameDecoder:
             buf = bytes(data)
         start = 0
         n = len(buf)
+        fast = self.fast_send
+        unpack_u32 = _U32.unpack_from
         try:
             while n - start >= 4:
-                (size,) = _U32.unpack_from(buf, start)
+                (size,) = unpack_u32(buf, start)
                 if size > self.max_frame_size:
                     raise FrameTooLargeError(
                         f"frame of {size} bytes exceeds the limit of {self.max_frame_size}"
@@ -428,6 +510,16 @@ class FrameDecoder:
                 end = start + 4 + size
                 if end > n:
                     break
+                if fast and size > 12:
+                    (cmd_size,) = unpack_u32(buf, start + 4)
+                    cmd_end = start + 8 + cmd_size
+                    if cmd_end < end:  # a payload command whose command fits the frame
+                        send = parse_send(buf, start + 8, cmd_end)
+                        if send is not None:
+                            stored, ok = normalize_tail(buf[cmd_end:end])
+                            start = end
+                            yield _new_tuple(SendFrame, (*send, stored, ok))
+                            continue
                 frame = _decode_body(buf, start + 4, end)
                 start = end
                 yield frame

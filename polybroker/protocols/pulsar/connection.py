@@ -41,6 +41,7 @@ from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
+from polybroker.netio import write_now
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import (
     FRAME_OVERHEAD,
@@ -48,6 +49,7 @@ from polybroker.protocols.pulsar.codec import (
     CodecError,
     Frame,
     FrameDecoder,
+    SendFrame,
     ack_set_bits,
     ack_set_words,
     command,
@@ -234,7 +236,7 @@ class PulsarConnection(Protocol):
         self.settings = settings
         self.service = settings.service
         self.state = self.AWAIT_CONNECT
-        self.decoder = FrameDecoder(settings.max_message_size + FRAME_OVERHEAD)
+        self.decoder = FrameDecoder(settings.max_message_size + FRAME_OVERHEAD, fast_send=True)
         # Where each SEND's metadata is parsed to be checked (one object, reused).
         self._metadata_scratch = pb.MessageMetadata()
         # SENDs of the read being handled, held per producer to be stored together (one
@@ -271,9 +273,17 @@ class PulsarConnection(Protocol):
         self._heard_since_ping = True
         try:
             for frame in self.decoder.feed(data):
-                if self.state == self.CLOSED:
-                    return
-                self._dispatch(frame)
+                if self.state != self.READY:
+                    if self.state == self.CLOSED:
+                        return
+                    if frame.__class__ is SendFrame:
+                        self._protocol_error("expected CONNECT, got SEND")
+                        return
+                elif frame.__class__ is SendFrame:
+                    # The one command per message, decoded without protobuf: straight there.
+                    self._on_send(*frame)  # type: ignore[misc]
+                    continue
+                self._dispatch(frame)  # type: ignore[arg-type]
             if self._held:
                 self._store_held()
         except CodecError as e:
@@ -302,9 +312,11 @@ class PulsarConnection(Protocol):
             return "?"
 
     def write_raw(self, data: bytes) -> None:
-        """Write framed bytes unless the connection is closed."""
+        """Write framed bytes unless the connection is closed: to the socket at once when it
+        takes them (``write_now``), so receipts and deliveries need no further reactor turn;
+        callers write what one event produced in one call."""
         if self.state != self.CLOSED and self.transport is not None:
-            self.transport.write(data)
+            write_now(self.transport, data)
 
     def send(self, cmd: pb.BaseCommand) -> None:
         """Frame and write a simple command."""
@@ -342,7 +354,7 @@ class PulsarConnection(Protocol):
         cmd = frame.command
         kind = cmd.type
         if kind == _SEND and self.state == self.READY and cmd.HasField("send"):
-            self._on_send(cmd.send, frame)  # the one command per message: straight there
+            self._on_send_command(cmd.send, frame)  # a SEND of another shape (chunk, txn...)
             return
         if self.state == self.AWAIT_CONNECT:
             if kind != T.CONNECT or not cmd.HasField("connect"):
@@ -360,7 +372,7 @@ class PulsarConnection(Protocol):
             self._protocol_error(f"{T.Type.Name(kind)} without its body")
             return
         if attr == "send":
-            self._on_send(cmd.send, frame)
+            self._on_send_command(cmd.send, frame)
             return
         if self._held:
             self._store_held()  # what came before this command is handled before it
@@ -707,17 +719,32 @@ class PulsarConnection(Protocol):
             self._close_producer_state(state)
         self._success(c.request_id)
 
-    def _on_send(self, c: pb.CommandSend, frame: Frame) -> None:
-        pid = c.producer_id
+    def _on_send_command(self, c: pb.CommandSend, frame: Frame) -> None:
+        self._on_send(
+            c.producer_id,
+            c.sequence_id,
+            c.num_messages,
+            c.highest_sequence_id,  # 0 when absent
+            frame.payload,
+            frame.checksum_ok,
+        )
+
+    def _on_send(
+        self,
+        pid: int,
+        seq: int,
+        num: int,
+        highest: int,
+        payload: bytes | None,
+        checksum_ok: bool,
+    ) -> None:
+        """One SEND: its fields as ``CommandSend`` holds them (defaults when absent)."""
         state = self.producers.get(pid)
-        seq = c.sequence_id
-        highest = c.highest_sequence_id  # 0 when absent
         if state is None and pid in self._dropped_producers:
             return
         if state is None or state.producer is None or not state.producer.is_ready:
             self._send_error(pid, seq, pb.NotAllowedError, "producer is not ready")
             return
-        _, payload, checksum_ok = frame
         if payload is None:
             self._send_error(pid, seq, pb.UnknownError, "SEND without a payload")
             return
@@ -734,7 +761,6 @@ class PulsarConnection(Protocol):
             return
         pending = _PendingSend(seq, highest)
         state.sends.append(pending)
-        num = c.num_messages
         if num > 1:
             last_seq = seq + num - 1
         else:

@@ -19,6 +19,7 @@ from polybroker.protocols.pulsar.codec import (
     CodecError,
     FrameDecoder,
     FrameTooLargeError,
+    SendFrame,
     _varint,
     ack_set_bits,
     ack_set_words,
@@ -38,6 +39,7 @@ from polybroker.protocols.pulsar.codec import (
     message_id,
     metadata_is_complete,
     normalize_tail,
+    parse_send,
     split_tail,
     to_signed64,
 )
@@ -439,3 +441,196 @@ def test_metadata_check_reuses_its_scratch_without_carrying_fields_over() -> Non
             metadata_is_complete(bad, scratch)
     with pytest.raises(CodecError):
         metadata_is_complete(struct.pack(">HII", MAGIC_CRC32C, 0, 2) + b"\xff\xff", scratch)
+
+
+# -- the SEND fast path ---------------------------------------------------------------------
+
+_EDGES = [0, 1, 127, 128, 300, 16383, 16384, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def _protobuf_send(data: bytes) -> tuple[int, int, int, int] | None:
+    """What protobuf makes of a command: a SEND's fields, or None if it is no valid SEND."""
+    cmd = pb.BaseCommand()
+    try:
+        cmd.ParseFromString(data)
+    except Exception:
+        return None
+    if not cmd.IsInitialized() or cmd.type != T.SEND or not cmd.HasField("send"):
+        return None
+    s = cmd.send
+    return s.producer_id, s.sequence_id, s.num_messages, s.highest_sequence_id
+
+
+def _random_send(rng: random.Random) -> tuple[bytes, bool]:
+    """A serialized SEND of random shape, and whether it has the usual shape."""
+    fields: dict[str, object] = {}
+    usual = True
+    for name in ("producer_id", "sequence_id", "highest_sequence_id"):
+        if rng.random() < 0.85:
+            fields[name] = rng.choice(_EDGES) if rng.random() < 0.5 else rng.randrange(2**64)
+        elif name != "highest_sequence_id":
+            usual = False  # a required field missing
+    if rng.random() < 0.7:
+        num = rng.choice([0, 1, 2, 1000, 2**31 - 1, -1, -(2**31)])
+        fields["num_messages"] = num
+        usual = usual and num >= 0
+    if rng.random() < 0.15:
+        fields["is_chunk"] = rng.random() < 0.5
+        usual = False
+    if rng.random() < 0.1:
+        fields["txnid_least_bits"] = rng.randrange(2**20)
+        usual = False
+    if rng.random() < 0.1:
+        fields["message_id"] = message_id(rng.randrange(100), rng.randrange(100))
+        usual = False
+    cmd = command(T.SEND, "send", **fields)
+    return cmd.SerializePartialToString(), usual
+
+
+def test_parse_send_agrees_with_protobuf_on_many_shapes() -> None:
+    """On random SENDs (edge values, optional and unusual fields, missing required ones) the
+    fast path answers exactly what protobuf decodes whenever it answers, and answers every
+    SEND of the usual shape."""
+    rng = random.Random(3)
+    answered = 0
+    for _ in range(5000):
+        data, usual = _random_send(rng)
+        fast = parse_send(data, 0, len(data))
+        if usual:
+            assert fast is not None, data.hex()
+        if fast is not None:
+            answered += 1
+            assert fast == _protobuf_send(data), data.hex()
+    assert answered > 2000
+
+
+def test_parse_send_never_accepts_what_protobuf_refuses_or_reads_otherwise() -> None:
+    """Mutated SENDs (flipped, cut, inserted and appended bytes): whatever the fast path
+    accepts, protobuf decodes to the same fields."""
+    rng = random.Random(4)
+    accepted = 0
+    for _ in range(20000):
+        data, _ = _random_send(rng)
+        b = bytearray(data)
+        for _ in range(rng.randrange(1, 4)):
+            op = rng.randrange(4)
+            if op == 0 and b:
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            elif op == 1 and b:
+                del b[rng.randrange(len(b)) :]
+            elif op == 2:
+                b.insert(rng.randrange(len(b) + 1), rng.randrange(256))
+            else:
+                b += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 4)))
+        mutated = bytes(b)
+        fast = parse_send(mutated, 0, len(mutated))
+        if fast is not None:
+            accepted += 1
+            assert fast == _protobuf_send(mutated), mutated.hex()
+    assert accepted > 100
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        # producer_id 1, sequence_id 2: the plainest SEND
+        (bytes.fromhex("0806320408011002"), (1, 2, 1, 0)),
+        # a repeated field: the last one wins, as in protobuf
+        (bytes.fromhex("08063206080110020805"), (5, 2, 1, 0)),
+        # a non-minimal varint (0x81 0x00 is 1)
+        (bytes.fromhex("080632050881001002"), (1, 2, 1, 0)),
+        # num_messages 0, highest_sequence_id 9
+        (bytes.fromhex("0806320808011002180030 09".replace(" ", "")), (1, 2, 0, 9)),
+        # a varint of eleven bytes: protobuf's to refuse
+        (bytes.fromhex("08063210088180808080808080800110021802"), None),
+        # sequence_id missing
+        (bytes.fromhex("08063202 0801".replace(" ", "")), None),
+        # another command type
+        (bytes.fromhex("0807320408011002"), None),
+        # a field after the send
+        (bytes.fromhex("08063204080110021001"), None),
+        # a length that runs past the command
+        (bytes.fromhex("0806320508011002"), None),
+        # a varint cut by the end of the command
+        (bytes.fromhex("08063205080110 0281".replace(" ", "")), None),
+    ],
+)
+def test_parse_send_cases(data: bytes, expected: tuple[int, int, int, int] | None) -> None:
+    """Hand-made commands: the fast path's answer (None: left to protobuf)."""
+    assert parse_send(data, 0, len(data)) == expected
+    if expected is not None:
+        assert _protobuf_send(data) == expected
+
+
+def test_parse_send_reads_only_its_range() -> None:
+    """The fast path decodes ``buf[start:end]`` alone: bytes around it change nothing."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        data, _ = _random_send(rng)
+        cut = rng.randrange(len(data) + 1)
+        inner = data[:cut]
+        before = bytes(rng.randrange(256) for _ in range(rng.randrange(4)))
+        after = data[cut:] + bytes(rng.randrange(256) for _ in range(rng.randrange(4)))
+        buf = before + inner + after
+        assert parse_send(buf, len(before), len(before) + cut) == parse_send(inner, 0, cut)
+
+
+def test_fast_send_decoder_yields_what_protobuf_decodes() -> None:
+    """``FrameDecoder(fast_send=True)`` gives a ``SendFrame`` for a usual SEND, with the fields
+    and the normalized tail the protobuf path gives; other frames (another shape of SEND, a
+    SEND without payload, other commands) come as ``Frame``; fed in pieces, the same."""
+    tail = build_tail(metadata(), b"hello")
+    bad = bytearray(tail)
+    bad[-1] ^= 1
+    frames = [
+        encode_payload_command(
+            command(T.SEND, "send", producer_id=3, sequence_id=9, num_messages=4), tail
+        ),
+        encode_payload_command(
+            command(T.SEND, "send", producer_id=3, sequence_id=10, highest_sequence_id=12),
+            bytes(bad),
+        ),
+        encode_payload_command(
+            command(T.SEND, "send", producer_id=3, sequence_id=11, is_chunk=True), tail
+        ),
+        encode_command(command(T.SEND, "send", producer_id=3, sequence_id=12)),
+        encode_command(command(T.PING, "ping")),
+    ]
+    data = b"".join(frames)
+    for pieces in ([data], [data[i : i + 7] for i in range(0, len(data), 7)]):
+        decoder = FrameDecoder(fast_send=True)
+        out = [f for piece in pieces for f in decoder.feed(piece)]
+        assert [type(f).__name__ for f in out] == [
+            "SendFrame",
+            "SendFrame",
+            "Frame",
+            "Frame",
+            "Frame",
+        ]
+        assert out[0] == SendFrame(3, 9, 4, 0, tail, True)
+        assert out[1] == SendFrame(3, 10, 1, 12, bytes(bad), False)
+        for raw, got in zip(frames, out, strict=True):
+            reference = decode_frame(raw[4:])
+            if isinstance(got, SendFrame):
+                s = reference.command.send
+                fields = (s.producer_id, s.sequence_id, s.num_messages, s.highest_sequence_id)
+                assert got[:4] == fields
+                assert (got.payload, got.checksum_ok) == reference[1:]
+            else:
+                assert got == reference
+
+
+def test_fast_send_decoder_keeps_the_bounds() -> None:
+    """The fast path changes none of the decoder's refusals: an oversize frame, and a command
+    size running past its frame, are still codec errors."""
+    tail = build_tail(metadata(), b"x")
+    frame = encode_payload_command(command(T.SEND, "send", producer_id=1, sequence_id=1), tail)
+    with pytest.raises(FrameTooLargeError):
+        list(FrameDecoder(len(frame) - 5, fast_send=True).feed(frame))
+    broken = frame[:4] + struct.pack(">I", len(frame)) + frame[8:]
+    with pytest.raises(CodecError):
+        list(FrameDecoder(fast_send=True).feed(broken))
+    bad_tail = frame[: -len(tail)] + b"\x0e\x01\x00\x00\x00\x00\x00\x00\xff\xff"
+    bad_tail = struct.pack(">I", len(bad_tail) - 4) + bad_tail[4:]
+    with pytest.raises(CodecError):
+        list(FrameDecoder(fast_send=True).feed(bad_tail))

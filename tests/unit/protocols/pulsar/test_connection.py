@@ -369,6 +369,56 @@ def test_sends_of_one_read_are_stored_together_before_a_later_command(peer: Peer
     assert [c.send_receipt.message_id.entryId for c in cmds[:3]] == [0, 1, 2]
 
 
+def test_sends_of_both_decodings_are_one_group_receipted_in_order(peer: Peer) -> None:
+    """SENDs of the usual shape (decoded without protobuf) and of another shape (here a chunk
+    flag, decoded by protobuf) mixed in one read: stored as one group in their order, each
+    receipted with its sequence id and highest sequence id (0 when the SEND has none), batch
+    counts kept."""
+    peer.producer(1, name="p")
+    ml = peer.factory.ledger(ML)
+    groups: list[int] = []
+    append_many = ml.append_many
+
+    def recording(datas: Any, *args: Any, **kwargs: Any) -> Any:
+        groups.append(len(datas))
+        return append_many(datas, *args, **kwargs)
+
+    ml.append_many = recording  # type: ignore[method-assign]
+
+    def tail(seq: int) -> bytes:
+        md = pb.MessageMetadata(producer_name="p", sequence_id=seq, publish_time=1)
+        return build_tail(md, b"m%d" % seq)
+
+    sends = [
+        command(T.SEND, "send", producer_id=1, sequence_id=0),
+        command(T.SEND, "send", producer_id=1, sequence_id=1, is_chunk=False),
+        command(T.SEND, "send", producer_id=1, sequence_id=2, num_messages=3),
+        command(T.SEND, "send", producer_id=1, sequence_id=5, highest_sequence_id=8),
+    ]
+    peer.write(b"".join(encode_payload_command(c, tail(c.send.sequence_id)) for c in sends))
+    assert groups == [4]
+    receipts = [c.send_receipt for c in peer.commands()]
+    assert [(r.sequence_id, r.highest_sequence_id, r.message_id.entryId) for r in receipts] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 0, 2),
+        (5, 8, 3),
+    ]
+    assert [e.num_messages for e in ml.data.entries] == [1, 1, 3, 1]
+
+
+def test_send_before_connect_is_refused_and_closed() -> None:
+    """A SEND of the usual shape as the first command gets ERROR and the connection closes,
+    as any other command before CONNECT does; nothing is stored."""
+    p = Peer()
+    md = pb.MessageMetadata(producer_name="p", sequence_id=0, publish_time=1)
+    p.send(command(T.SEND, "send", producer_id=1, sequence_id=0), build_tail(md, b"x"))
+    (error,) = p.commands()
+    assert error.type == T.ERROR
+    assert "CONNECT" in error.error.message
+    assert p.closed
+
+
 def test_a_failed_group_answers_a_send_error_for_each_send(peer: Peer) -> None:
     peer.producer(1, name="p")
     ml = peer.factory.ledger(ML)
