@@ -19,10 +19,13 @@ lies in sealed ledgers but for the last one, as an older backlog does:
              ``--warmup`` times untimed (the JVM compiles its per-row code), as in a running
              application: Spark's start-up and warm-up are not in the figures;
 (d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink,
-             timed from ``start()`` to the end of the query (its planning and checkpoint writes
-             included);
+             timed from ``start()`` to the end of the query: Spark's query start-up (it starts
+             a fresh Python process for the source, ``to_first_trigger_s``), its planning and
+             checkpoint writes, and the tasks reading;
 (e) in memory: a Python data source of the same columns and as many partitions whose reads
-             yield ready record batches, into the aggregation of (c): Spark's own cost per row.
+             yield ready record batches, into the aggregation of (c): Spark's own cost per row;
+(f) stream in memory: the same source as a stream of one micro-batch, timed as (d): what Spark
+             itself costs a streaming query of this many rows, nothing read.
 
 Rows/s of each case and its ratio to (b); CPU seconds of every process involved (this one with
 the client's threads, Spark's JVM and Python workers, the broker with its bookie) per case, a
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -207,50 +211,74 @@ def read_with_spark_batch(spark: Any, options: dict[str, str], count: int) -> di
 
 
 def in_memory_source(size: int, rows: int, partitions: int) -> Any:
-    """(e): a Python data source of the pulsar source's columns whose partitions yield ready
-    record batches of ``size``-byte values: what Spark itself costs per row, nothing read."""
-    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+    """(e) and (f): a Python data source of the pulsar source's columns whose partitions yield
+    ready record batches of ``size``-byte values: what Spark itself costs per row, nothing read.
+    Its stream reader offers the ``rows`` rows as one micro-batch of ``partitions`` partitions."""
+    from pyspark.sql.datasource import (
+        DataSource,
+        DataSourceReader,
+        DataSourceStreamReader,
+        InputPartition,
+    )
 
     from polybroker.spark.source import READ_SCHEMA
-
-    per_part = rows // partitions
 
     class Part(InputPartition):
         def __init__(self, rows: int) -> None:
             self.rows = rows
 
+    def split(n: int) -> list[InputPartition]:
+        return [Part(n // partitions + (i < n % partitions)) for i in range(partitions)]
+
+    def ready(partition: InputPartition) -> Any:
+        import pyarrow as pa
+
+        from polybroker.spark.reading import arrow_schema
+
+        schema = arrow_schema()
+        left = partition.rows  # type: ignore[attr-defined]
+        while left > 0:
+            n = min(left, 10_000)
+            left -= n
+            offsets = pa.py_buffer(bytes(4 * (n + 1)))
+            ts = schema.field("__publishTime").type
+            yield pa.RecordBatch.from_arrays(
+                [
+                    pa.nulls(n, pa.binary()),
+                    pa.array([b"x" * size] * n, pa.binary()),
+                    pa.repeat(pa.scalar("persistent://public/default/bench"), n),
+                    pa.array([b"\x08\x05\x10\x06\x20\x81\x01\x30\x02"] * n, pa.binary()),
+                    pa.repeat(pa.scalar(1_700_000_000_000_000, ts), n),
+                    pa.nulls(n, ts),
+                    pa.MapArray.from_arrays(
+                        pa.Array.from_buffers(pa.int32(), n + 1, [None, offsets]),
+                        pa.array([], pa.string()),
+                        pa.array([], pa.string()),
+                    ),
+                ],
+                schema=schema,
+            )
+
     class Reader(DataSourceReader):
         def partitions(self) -> list[InputPartition]:
-            return [Part(per_part + (i < rows % partitions)) for i in range(partitions)]
+            return split(rows)
 
         def read(self, partition: InputPartition) -> Any:
-            import pyarrow as pa
+            return ready(partition)
 
-            from polybroker.spark.reading import arrow_schema
+    class StreamReader(DataSourceStreamReader):
+        def initialOffset(self) -> dict:
+            return {"rows": 0}
 
-            schema = arrow_schema()
-            left = partition.rows  # type: ignore[attr-defined]
-            while left > 0:
-                n = min(left, 10_000)
-                left -= n
-                offsets = pa.py_buffer(bytes(4 * (n + 1)))
-                ts = schema.field("__publishTime").type
-                yield pa.RecordBatch.from_arrays(
-                    [
-                        pa.nulls(n, pa.binary()),
-                        pa.array([b"x" * size] * n, pa.binary()),
-                        pa.repeat(pa.scalar("persistent://public/default/bench"), n),
-                        pa.array([b"\x08\x05\x10\x06\x20\x81\x01\x30\x02"] * n, pa.binary()),
-                        pa.repeat(pa.scalar(1_700_000_000_000_000, ts), n),
-                        pa.nulls(n, ts),
-                        pa.MapArray.from_arrays(
-                            pa.Array.from_buffers(pa.int32(), n + 1, [None, offsets]),
-                            pa.array([], pa.string()),
-                            pa.array([], pa.string()),
-                        ),
-                    ],
-                    schema=schema,
-                )
+        def latestOffset(self) -> dict:
+            return {"rows": rows}
+
+        def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+            n = end["rows"] - start["rows"]
+            return split(n) if n > 0 else []
+
+        def read(self, partition: InputPartition) -> Any:
+            return ready(partition)
 
     class Source(DataSource):
         @classmethod
@@ -262,6 +290,9 @@ def in_memory_source(size: int, rows: int, partitions: int) -> Any:
 
         def reader(self, schema: Any) -> DataSourceReader:
             return Reader()
+
+        def streamReader(self, schema: Any) -> DataSourceStreamReader:
+            return StreamReader()
 
     return Source
 
@@ -280,13 +311,16 @@ def read_in_memory(spark: Any, count: int) -> dict[str, float]:
 
 
 def read_with_spark_stream(
-    spark: Any, options: dict[str, str], count: int, checkpoint: Path
+    spark: Any, fmt: str, options: dict[str, str], count: int, checkpoint: Path
 ) -> dict[str, float]:
-    """(d): availableNow over the backlog into the noop sink."""
+    """(d) and (f): availableNow over the backlog into the noop sink. Besides the total, the
+    seconds from ``start()`` to the first trigger's start (Spark's query start-up, which starts
+    the source's Python runner) and the seconds in triggers (``triggerExecution``)."""
+    began = time.time()
     started = time.perf_counter()
     query = (
-        spark.readStream.format("pulsar")
-        .options(**options, startingOffsets="earliest")
+        spark.readStream.format(fmt)
+        .options(**options)
         .load()
         .writeStream.format("noop")
         .option("checkpointLocation", str(checkpoint))
@@ -295,10 +329,18 @@ def read_with_spark_stream(
     )
     query.awaitTermination()
     seconds = time.perf_counter() - started
-    rows = sum(p["numInputRows"] for p in query.recentProgress)
+    progress = query.recentProgress
+    rows = sum(p["numInputRows"] for p in progress)
     if rows != count:
         raise AssertionError(f"stream read {rows} rows, expected {count}")
-    return {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds}
+    first = datetime.fromisoformat(progress[0]["timestamp"]).timestamp() if progress else began
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "to_first_trigger_s": round(first - began, 3),
+        "trigger_s": sum(p["durationMs"].get("triggerExecution", 0) for p in progress) / 1000,
+    }
 
 
 def main() -> None:
@@ -373,26 +415,47 @@ def main() -> None:
                 "client": (read_with_client, client, topic, n),
                 "spark_batch": (read_with_spark_batch, spark, options, n),
                 "spark_batch_broker": (read_with_spark_batch, spark, broker_options, n),
-                "spark_stream": (read_with_spark_stream, spark, options, n, root / "ckpt"),
+                "spark_stream": (
+                    read_with_spark_stream,
+                    spark,
+                    "pulsar",
+                    {**options, "startingOffsets": "earliest"},
+                    n,
+                    root / "ckpt",
+                ),
                 "spark_in_memory": (read_in_memory, spark, n),
+                "spark_stream_in_memory": (
+                    read_with_spark_stream,
+                    spark,
+                    "bench_in_memory",
+                    {},
+                    n,
+                    root / "ckpt",
+                ),
             }
             # Untimed runs of every Spark case first: the JVM compiles its per-row code as a
             # long-running application has. Then alternate the cases, the client's too, and keep
             # each one's best run (other jobs on the machine come and go).
             for w in range(args.warmup):
                 for name, (run, *run_args) in cases.items():
-                    if name == "spark_stream":
-                        run_args[-1] = root / f"warm{w}"
+                    if name.startswith("spark_stream"):
+                        run_args[-1] = root / f"{name}-warm{w}"
                     if name != "client":
                         run(*run_args)
             for r in range(args.repeat):
                 for name, (run, *run_args) in cases.items():
-                    if name == "spark_stream":
-                        run_args[-1] = root / f"ckpt{r}"
+                    if name.startswith("spark_stream"):
+                        run_args[-1] = root / f"{name}-ckpt{r}"
                     got = measured(run, *run_args)
                     seen = best.get(name, {"rows_per_s": 0.0, "runs": []})
                     runs = [*seen["runs"], round(got["rows_per_s"])]
-                    best[name] = max(seen, got, key=lambda x: x["rows_per_s"]) | {"runs": runs}
+                    kept = max(seen, got, key=lambda x: x["rows_per_s"]) | {"runs": runs}
+                    if "to_first_trigger_s" in got:
+                        kept["to_first_trigger_runs"] = [
+                            *seen.get("to_first_trigger_runs", []),
+                            got["to_first_trigger_s"],
+                        ]
+                    best[name] = kept
         finally:
             if spark is not None:
                 spark.stop()
@@ -429,18 +492,24 @@ def main() -> None:
         },
     }
     print(
-        f"{'case':<20}{'rows/s':>10}{'vs client':>10}{'seconds':>9}{'cpu s':>8}{'us/row':>8}"
+        f"{'case':<24}{'rows/s':>10}{'vs client':>10}{'seconds':>9}{'cpu s':>8}{'us/row':>8}"
         "  vs client by round"
     )
-    for name in ("client", "spark_batch", "spark_batch_broker", "spark_stream", "spark_in_memory"):
+    for name in best:
         r = result[name]
         ratio = r["rows_per_s"] / client_rps
         rounds = result.get(f"{name[6:]}_vs_client_rounds", [])
         print(
-            f"{name:<20}{r['rows_per_s']:>10.0f}{ratio:>10.2f}{r['seconds']:>9.2f}"
+            f"{name:<24}{r['rows_per_s']:>10.0f}{ratio:>10.2f}{r['seconds']:>9.2f}"
             f"{r.get('cpu_s', 0.0):>8.2f}{r.get('cpu_us_per_row', 0.0):>8.2f}"
             f"  {' '.join(f'{x:.2f}' for x in rounds)}"
         )
+    for name in best:
+        if "to_first_trigger_runs" in best[name]:
+            print(
+                f"{name}: seconds from start() to the first trigger by round: "
+                + " ".join(f"{x:.2f}" for x in best[name]["to_first_trigger_runs"])
+            )
     print(json.dumps(result))
 
 
