@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ PACKET_OVERHEAD = 64 * 1024
 #: Topic aliases a client may use towards the broker.
 TOPIC_ALIAS_MAX = 100
 _FOREVER = 0xFFFFFFFF
+#: Acknowledgements older than this many group waits are no longer answered by what arrives.
+OWED_HORIZON = 20
 
 
 @dataclass
@@ -57,6 +60,20 @@ class MqttSettings:
     receive_maximum: int = 1024
     max_keep_alive_s: int = 0
     connect_timeout_s: float = 10.0
+    #: How long a read's PUBLISHes may wait for the ones their client is about to send
+    #: (see ``MqttConnection._hold_publishes``); 0: never.
+    publish_group_wait_s: float = 0.0005
+
+
+def quick_ack_socket(transport: Any) -> Any:
+    """The transport's TCP socket if it takes ``TCP_QUICKACK`` (Linux), else None."""
+    get_handle = getattr(transport, "getHandle", None)
+    if not hasattr(socket, "TCP_QUICKACK") or get_handle is None:
+        return None
+    sock = get_handle()
+    if getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    return sock
 
 
 class _AckSlot:
@@ -111,6 +128,18 @@ class MqttConnection(Protocol):
         self._batches: dict[str, list[tuple[c.Publish, _AckSlot | None]]] = {}
         # QoS 2 packet ids being stored, with the slots waiting for their PUBREC.
         self._qos2_unstored: dict[int, list[_AckSlot]] = {}
+        # QoS 1/2 exchanges completed towards the client (PUBACK, PUBCOMP) whose replacement
+        # PUBLISHes have not arrived yet, and the timer bounding how long held ones wait.
+        self._owed = 0
+        self._owed_at = 0.0
+        self._group_timer: IDelayedCall | None = None
+        # The TCP socket, ACKed at once on every read (see ``dataReceived``).
+        self._quick_ack: Any = None
+        # Stores (``_store``) by number, those under way, and the last of those under way
+        # when an earlier one completed: acknowledgements wait for it (``_store_done``).
+        self._store_seq = 0
+        self._storing: set[int] = set()
+        self._ack_barrier = 0
 
     # -- transport ------------------------------------------------------------------------
 
@@ -119,11 +148,14 @@ class MqttConnection(Protocol):
         # Deliveries stop while the socket's send buffer is full (see ``paused``).
         self.transport.registerProducer(self, True)  # type: ignore[union-attr]
         set_no_delay(self.transport)
+        self._quick_ack = quick_ack_socket(self.transport)
         self._timer = self.clock.callLater(self.settings.connect_timeout_s, self._connect_timeout)
 
     def dataReceived(self, data: bytes) -> None:
         if self.state == self.CLOSED:
             return
+        if self._quick_ack is not None:
+            self._ack_at_once()
         self._last_heard = self.clock.seconds()
         self.reader.feed(data)
         # What this read makes the connection write goes out as one write at its end.
@@ -137,7 +169,7 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
-            if self._batches:
+            if self._batches and not self._hold_publishes():
                 self._flush_publishes()
         except c.UnsupportedProtocolError as e:
             self._log_close(str(e))
@@ -150,6 +182,20 @@ class MqttConnection(Protocol):
             self._fail(c.UNSPECIFIED_ERROR, f"internal error: {e}")
         finally:
             self._end_read()
+
+    def _ack_at_once(self) -> None:
+        """Have the kernel ACK what arrives at once rather than delay the ACK (Linux resets
+        the choice as it goes, so it is made again on every read).
+
+        Clients such as paho write their PUBLISHes one by one without TCP_NODELAY: after the
+        first, Nagle's algorithm holds the rest until it is ACKed. A delayed ACK would wait
+        for the first one's PUBACK, which waits for the durable write; the rest would then
+        make a second entry and a second durable write."""
+        assert self._quick_ack is not None
+        try:
+            self._quick_ack.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        except OSError:
+            self._quick_ack = None
 
     def _end_read(self) -> None:
         """Deliver what the read's acknowledgements allow, then write everything at once."""
@@ -178,6 +224,7 @@ class MqttConnection(Protocol):
         if self._batches:
             # What arrived before the end is stored (its acks can no longer be sent).
             self._flush_publishes()
+        self._stop_group_timer()
         self.state = self.CLOSED
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
@@ -461,6 +508,8 @@ class MqttConnection(Protocol):
                 # Resent while its first copy is still being stored: answer with that one.
                 self._qos2_unstored[pid].append(self._ack_slot())
                 return
+            if self._owed > 0:
+                self._owed -= 1
             self._inbound_pending += 1
             if self.level == c.LEVEL_5 and self._inbound_pending > self.settings.receive_maximum:
                 raise c.MqttError(c.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
@@ -468,7 +517,10 @@ class MqttConnection(Protocol):
             if p.qos == 2:
                 self._qos2_unstored[pid] = [slot]
         if p.retain:
-            # Retained messages update the retained store too: stored one by one.
+            # Retained messages update the retained store too: stored one by one, after
+            # what was read before them.
+            if self._batches:
+                self._flush_publishes()
             self._store([(p, slot)])
             return
         batch = self._batches.get(p.topic)
@@ -477,8 +529,49 @@ class MqttConnection(Protocol):
         else:
             batch.append((p, slot))
 
+    def _hold_publishes(self) -> bool:
+        """Whether the PUBLISHes read so far wait for more rather than being stored now.
+
+        A client with several QoS 1/2 messages in flight sends a new one per PUBACK (or
+        PUBCOMP) and writes them one by one: stored as they arrive, the first would make an
+        entry (and a durable write) of its own and the rest another. So while fewer new
+        QoS 1/2 PUBLISHes have arrived than exchanges were completed towards the client
+        (``_owed``), what was read waits for the rest, at most ``publish_group_wait_s`` from
+        the first read held; then everything held is stored, in arrival order, and nothing
+        more is expected until the next acknowledgements (nor once the acknowledgements are
+        ``OWED_HORIZON`` waits old: the client sent no more)."""
+        wait = self.settings.publish_group_wait_s
+        if (
+            self._owed <= 0
+            or wait <= 0
+            or self.state != self.READY
+            or self.clock.seconds() - self._owed_at > OWED_HORIZON * wait
+        ):
+            self._owed = 0
+            self._stop_group_timer()
+            return False
+        if self._group_timer is None:
+            self._group_timer = self.clock.callLater(wait, self._group_wait_over)
+        return True
+
+    def _group_wait_over(self) -> None:
+        self._group_timer = None
+        self._owed = 0
+        if self._batches and self.state == self.READY:
+            self.reading = True
+            try:
+                self._flush_publishes()
+            finally:
+                self._end_read()
+
+    def _stop_group_timer(self) -> None:
+        timer, self._group_timer = self._group_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
     def _flush_publishes(self) -> None:
-        """Store the PUBLISHes of one read: one entry per topic, each a batch."""
+        """Store the PUBLISHes read and held: one entry per topic, each a batch."""
+        self._stop_group_timer()
         batches, self._batches = self._batches, {}
         for batch in batches.values():
             self._store(batch)
@@ -487,8 +580,12 @@ class MqttConnection(Protocol):
         session = self.session
         assert session is not None
         topic = batch[0][0].topic
+        self._store_seq += 1
+        seq = self._store_seq
+        self._storing.add(seq)
 
         def stored(_: object) -> None:
+            self._storing.discard(seq)
             for p, slot in batch:
                 if slot is None:
                     continue
@@ -496,14 +593,18 @@ class MqttConnection(Protocol):
                 assert pid is not None
                 if p.qos == 1:
                     self._inbound_pending -= 1
+                    self._owed += 1
                     self._ack_ready(slot, c.encode_ack(c.PUBACK, pid), flush=False)
                 else:
                     session.inbound_qos2.add(pid)
                     for waiting in self._qos2_unstored.pop(pid, [slot]):
                         self._ack_ready(waiting, c.encode_ack(c.PUBREC, pid), flush=False)
-            self._flush_acks()
+            self._owed_at = self.clock.seconds()
+            self._store_done()
 
         def failed(f: Failure) -> None:
+            self._storing.discard(seq)
+            self._store_done()
             self._publish_failed(f, topic)
             for p, slot in batch:
                 if slot is None:
@@ -524,6 +625,22 @@ class MqttConnection(Protocol):
         d = self.broker.publish_batch([p for p, _ in batch], self.client_id, session)
         d.addCallbacks(stored, failed)
 
+    def _store_done(self) -> None:
+        """A store completed: write the acknowledgements now ready, unless stores begun
+        before this completion are still under way; then wait for them (not for later ones)
+        and write all of theirs at once. A client answers acknowledgements with new
+        PUBLISHes: answered in one go, those make one entry rather than one per store."""
+        storing = self._storing
+        barrier = self._ack_barrier
+        if barrier:
+            if storing and min(storing) <= barrier:
+                return
+            self._ack_barrier = 0
+        elif storing:
+            self._ack_barrier = max(storing)
+            return
+        self._flush_acks()
+
     def _publish_failed(self, f: Failure, topic: str) -> None:
         log.warning(
             "mqtt publish failed", extra=kv(client=self.client_id, topic=topic, error=str(f.value))
@@ -539,6 +656,8 @@ class MqttConnection(Protocol):
             return
 
         def released(_: object) -> None:
+            self._owed += len(releases)
+            self._owed_at = self.clock.seconds()
             for slot, pid, code in releases:
                 packet = c.PubComp(pid, code) if code else c.encode_ack(c.PUBCOMP, pid)
                 self._ack_ready(slot, packet, flush=False)

@@ -3,6 +3,7 @@ ledger and the fake metadata store."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,7 +107,8 @@ def test_connack_and_session_present() -> None:
 
 
 def test_puback_waits_for_the_durable_write() -> None:
-    """PUBACK and PUBREC leave only after the append completes, in PUBLISH order."""
+    """PUBACK and PUBREC leave only after the append completes, in PUBLISH order (and an
+    acknowledgement waits for the stores already under way when its own completed)."""
     env = Env()
     p = env.peer("pub")
     p.packets()
@@ -117,9 +119,9 @@ def test_puback_waits_for_the_durable_write() -> None:
     p.send(c.Publish("a/b", b"two", 2, packet_id=2))
     assert p.packets() == []
     ml.release_appends(1)
-    assert p.packets() == [c.PubAck(1)]
+    assert p.packets() == []
     ml.release_appends()
-    assert p.packets() == [c.PubRec(2)]
+    assert p.packets() == [c.PubAck(1), c.PubRec(2)]
     p.send(c.PubRel(2))
     assert p.packets() == [c.PubComp(2)]
     stored = [decode_entry(e.data)[0] for e in ml.data.entries]
@@ -1061,3 +1063,164 @@ def test_a_puback_after_a_durable_write_goes_to_the_socket_at_once() -> None:
     ml.release_appends()
     assert (tcp_transport.socket.sends, tcp_transport.queued) == (1, [])
     assert pub.packets() == [c.PubAck(2)]
+
+
+def _send_together(peer: Peer, *packets: c.Packet) -> None:
+    """Deliver ``packets`` to the connection in one read."""
+    peer.conn.dataReceived(b"".join(c.encode(p, peer.level) for p in packets))
+
+
+def _qos1(first_pid: int, n: int) -> list[c.Packet]:
+    return [c.Publish("a/b", b"m%d" % i, 1, packet_id=i) for i in range(first_pid, first_pid + n)]
+
+
+def test_acks_written_together_wait_only_for_stores_begun_before_their_completion() -> None:
+    """A store that completes while earlier-begun ones are under way waits for them and all
+    their acknowledgements leave in one write; a store begun after that completion does not
+    hold them back."""
+    env = Env()
+    p = env.peer("pub")
+    p.packets()
+    p.send(c.Publish("a/b", b"first", 0))  # loads the topic
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    writes = p.count_writes()
+    p.send(c.Publish("a/b", b"one", 1, packet_id=1))
+    p.send(c.Publish("a/b", b"two", 1, packet_id=2))
+    ml.release_appends(1)  # "one" is durable, "two" is under way: PUBACK 1 waits
+    p.send(c.Publish("a/b", b"three", 1, packet_id=3))  # begun after: not waited for
+    assert writes == []
+    ml.release_appends(1)
+    assert len(writes) == 1
+    assert p.packets() == [c.PubAck(1), c.PubAck(2)]
+    ml.release_appends()
+    assert p.packets() == [c.PubAck(3)]
+    assert [e.num_messages for e in ml.data.entries] == [1, 1, 1, 1]
+
+
+def test_publishes_wait_for_those_answering_the_acks_and_make_one_entry() -> None:
+    """After N PUBACKs, the PUBLISHes that answer them are stored together once N arrived,
+    although they came in several reads; acknowledgements follow the one durable write."""
+    env = Env()
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    assert p.packets() == [c.PubAck(1), c.PubAck(2), c.PubAck(3)]
+    ml = env.factory.ledger(ML_AB)
+    assert [e.num_messages for e in ml.data.entries] == [3]
+    p.send(_qos1(4, 1)[0])
+    assert len(ml.data.entries) == 1
+    assert p.packets() == []
+    _send_together(p, *_qos1(5, 2))
+    assert [e.num_messages for e in ml.data.entries] == [3, 3]
+    assert p.packets() == [c.PubAck(4), c.PubAck(5), c.PubAck(6)]
+    env.clock.advance(1.0)  # the wait ended with the last one: nothing more is stored
+    assert [e.num_messages for e in ml.data.entries] == [3, 3]
+
+
+def test_held_publishes_are_stored_when_the_wait_ends() -> None:
+    """PUBLISHes waiting for more are stored after ``publish_group_wait_s`` if the rest does
+    not come, and the next ones are then stored at once."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    assert len(p.packets()) == 3
+    ml = env.factory.ledger(ML_AB)
+    p.send(_qos1(4, 1)[0])
+    env.clock.advance(0.001)
+    assert len(ml.data.entries) == 1
+    assert p.packets() == []
+    env.clock.advance(0.001)
+    assert [e.num_messages for e in ml.data.entries] == [3, 1]
+    assert p.packets() == [c.PubAck(4)]
+    p.send(_qos1(5, 1)[0])  # answers PUBACK 4: stored at once
+    assert [e.num_messages for e in ml.data.entries] == [3, 1, 1]
+    assert p.packets() == [c.PubAck(5)]
+
+
+def test_old_acks_make_no_publish_wait() -> None:
+    """Acknowledgements the client did not answer for a while are not waited on: a PUBLISH
+    arriving later is stored at once."""
+    env = Env(publish_group_wait_s=0.001)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    assert len(p.packets()) == 3
+    env.clock.advance(1.0)
+    p.send(_qos1(4, 1)[0])
+    assert p.packets() == [c.PubAck(4)]
+    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
+
+
+def test_no_wait_when_the_group_wait_is_zero() -> None:
+    """``publish_group_wait_s=0`` stores every read's PUBLISHes at once."""
+    env = Env(publish_group_wait_s=0)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    p.packets()
+    p.send(_qos1(4, 1)[0])
+    assert p.packets() == [c.PubAck(4)]
+
+
+def test_a_retained_publish_is_stored_after_the_held_ones() -> None:
+    """A retained PUBLISH arriving while earlier ones wait is stored after them (the topic
+    keeps the client's order)."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    p.packets()
+    p.send(_qos1(4, 1)[0])
+    p.send(c.Publish("a/b", b"kept", 1, retain=True, packet_id=5))
+    payloads = [
+        m.payload for e in env.factory.ledger(ML_AB).data.entries for m in decode_entry(e.data)
+    ]
+    assert payloads == [b"m1", b"m2", b"m3", b"m4", b"kept"]
+    assert p.packets() == [c.PubAck(4), c.PubAck(5)]
+
+
+def test_held_publishes_are_stored_when_the_connection_drops() -> None:
+    """PUBLISHes waiting for more are stored if the connection is lost meanwhile."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    p.packets()
+    p.send(_qos1(4, 1)[0])
+    p.conn.connectionLost(None)
+    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
+    env.clock.advance(1.0)  # the wait's timer is gone: nothing is stored twice
+    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
+
+
+class _QuickAckSocket:
+    """A TCP socket handle that records its ``setsockopt`` calls (or refuses them)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.family = socket.AF_INET
+        self.calls: list[tuple[int, int, int]] = []
+        self.refuse = refuse
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        if self.refuse:
+            raise OSError("not supported")
+        self.calls.append((level, option, value))
+
+
+def test_every_read_asks_the_kernel_to_ack_at_once() -> None:
+    """Each read sets TCP_QUICKACK on the connection's socket (the client's next writes are
+    not held by Nagle's algorithm behind a delayed ACK); a socket refusing it is left be."""
+    env = Env()
+    for refuse, expected in ((False, 2), (True, 0)):
+        handle = _QuickAckSocket(refuse)
+        transport = StringTransport()
+        transport.getHandle = lambda h=handle: h  # type: ignore[attr-defined]
+        conn = MqttConnection(env.settings)
+        conn.makeConnection(transport)
+        conn.dataReceived(c.encode(c.Connect(f"q{refuse}", c.LEVEL_311), c.LEVEL_311))
+        conn.dataReceived(c.encode(c.PingReq(), c.LEVEL_311))
+        option = (socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        assert handle.calls == [option] * expected
+        assert not transport.disconnecting
