@@ -19,7 +19,7 @@ from polybroker.ledger.bookie.journal import JournalConfig
 from polybroker.ledger.bookie.server import Bookie, BookieFactory
 from polybroker.ledger.bookie.storage import LedgerStorage
 from polybroker.ledger.bookie_client import TcpBookieClient
-from polybroker.ledger.local import LocalBookieClient, _Link, local_connector
+from polybroker.ledger.local import LocalBookieClient, _Link, local_connector, serving
 
 ADDRESS = "127.0.0.1:3181"
 
@@ -248,3 +248,25 @@ def test_a_close_delivers_what_was_written_first() -> None:
     assert client.received == []
     assert len(client.lost) == 1
     assert len(server.lost) == 1
+
+
+class _Server:
+    """What ``serving`` reads of a ``BookieServer``."""
+
+    def __init__(self, bookie: Bookie | None) -> None:
+        self.bookie = bookie
+        self.max_frame_size = 1 << 20
+
+
+def test_serving_follows_the_bookie_server_state(rig: Rig) -> None:
+    """A stopped or closing bookie serves nothing; a running one gets its protocol factory."""
+    server = _Server(None)
+    serve = serving(server)
+    assert serve() is None
+    server.bookie = rig.bookie
+    factory = serve()
+    assert isinstance(factory, BookieFactory)
+    assert factory.bookie is rig.bookie
+    assert rig.bookie is not None
+    rig.bookie.closing = True
+    assert serve() is None
