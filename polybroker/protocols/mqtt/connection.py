@@ -133,8 +133,10 @@ class MqttConnection(Protocol):
         self._owed = 0
         self._owed_at = 0.0
         self._group_timer: IDelayedCall | None = None
-        # The TCP socket, ACKed at once on every read (see ``dataReceived``).
+        # The TCP socket, and whether the read under way brought a QoS 1/2 PUBLISH: its TCP
+        # ACK is then sent at once (``_ack_at_once``).
         self._quick_ack: Any = None
+        self._awaits_ack = False
         # Stores (``_store``) by number, those under way, and the last of those under way
         # when an earlier one completed: acknowledgements wait for it (``_store_done``).
         self._store_seq = 0
@@ -154,8 +156,6 @@ class MqttConnection(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.state == self.CLOSED:
             return
-        if self._quick_ack is not None:
-            self._ack_at_once()
         self._last_heard = self.clock.seconds()
         self.reader.feed(data)
         # What this read makes the connection write goes out as one write at its end.
@@ -169,6 +169,10 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
+            if self._awaits_ack:
+                self._awaits_ack = False
+                if self._quick_ack is not None:
+                    self._ack_at_once()
             if self._batches and not self._hold_publishes():
                 self._flush_publishes()
         except c.UnsupportedProtocolError as e:
@@ -184,13 +188,14 @@ class MqttConnection(Protocol):
             self._end_read()
 
     def _ack_at_once(self) -> None:
-        """Have the kernel ACK what arrives at once rather than delay the ACK (Linux resets
-        the choice as it goes, so it is made again on every read).
+        """Have the kernel send the TCP ACK of what was read now, and ACK what arrives next
+        at once (Linux resets the choice as it goes, so it is made again on such reads).
 
         Clients such as paho write their PUBLISHes one by one without TCP_NODELAY: after the
         first, Nagle's algorithm holds the rest until it is ACKed. A delayed ACK would wait
         for the first one's PUBACK, which waits for the durable write; the rest would then
-        make a second entry and a second durable write."""
+        make a second entry and a second durable write. Only reads that bring QoS 1/2
+        PUBLISHes do it: a subscriber's PUBACKs, held by Nagle, arrive fewer reads apart."""
         assert self._quick_ack is not None
         try:
             self._quick_ack.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
@@ -508,6 +513,7 @@ class MqttConnection(Protocol):
                 # Resent while its first copy is still being stored: answer with that one.
                 self._qos2_unstored[pid].append(self._ack_slot())
                 return
+            self._awaits_ack = True
             if self._owed > 0:
                 self._owed -= 1
             self._inbound_pending += 1

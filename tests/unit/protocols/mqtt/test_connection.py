@@ -1209,11 +1209,13 @@ class _QuickAckSocket:
         self.calls.append((level, option, value))
 
 
-def test_every_read_asks_the_kernel_to_ack_at_once() -> None:
-    """Each read sets TCP_QUICKACK on the connection's socket (the client's next writes are
-    not held by Nagle's algorithm behind a delayed ACK); a socket refusing it is left be."""
+def test_reads_with_qos1_publishes_ask_the_kernel_to_ack_at_once() -> None:
+    """A read bringing a QoS 1/2 PUBLISH sets TCP_QUICKACK on the connection's socket (the
+    client's next writes are not held by Nagle's algorithm behind a delayed ACK); other
+    reads do not; a socket refusing it is left be and the connection goes on."""
     env = Env()
-    for refuse, expected in ((False, 2), (True, 0)):
+    option = (socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+    for refuse in (False, True):
         handle = _QuickAckSocket(refuse)
         transport = StringTransport()
         transport.getHandle = lambda h=handle: h  # type: ignore[attr-defined]
@@ -1221,6 +1223,12 @@ def test_every_read_asks_the_kernel_to_ack_at_once() -> None:
         conn.makeConnection(transport)
         conn.dataReceived(c.encode(c.Connect(f"q{refuse}", c.LEVEL_311), c.LEVEL_311))
         conn.dataReceived(c.encode(c.PingReq(), c.LEVEL_311))
-        option = (socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        assert handle.calls == [option] * expected
+        conn.dataReceived(c.encode(c.Publish("a/b", b"x", 0), c.LEVEL_311))
+        assert handle.calls == []
+        conn.dataReceived(c.encode(c.Publish("a/b", b"y", 1, packet_id=1), c.LEVEL_311))
+        conn.dataReceived(c.encode(c.Publish("a/b", b"z", 2, packet_id=2), c.LEVEL_311))
+        assert handle.calls == ([] if refuse else [option, option])
         assert not transport.disconnecting
+        reader = c.PacketReader(level=c.LEVEL_311)
+        reader.feed(transport.value())
+        assert reader.packets()[-2:] == [c.PubAck(1), c.PubRec(2)]
