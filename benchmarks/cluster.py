@@ -12,8 +12,10 @@ Cases:
               its partitions stored (internal stats), messages per entry and CPU per entry
               (the cluster's split into brokers and bookies): the producer batches by time, so
               messages per entry, and with it CPU per message, move with timing, while CPU
-              per entry moves far less. --repeat rounds, each running both sides (alternating
-              which goes first); medians, and each round's ratio.
+              per entry moves far less. Per entry too, over all of a side's processes: user and
+              system time, and wake-ups (voluntary context switches: each bookie round trip,
+              journal hand-off and answer costs some). --repeat rounds, each running both sides
+              (alternating which goes first); medians, and each round's ratio.
   broker-kill while producing at --rate msgs/s, kill -9 the broker that owns some partitions
               (the client's service URL names the other one, as a load balancer would): seconds
               until every partition acknowledged a send again (target: under 5 s). ZooKeeper
@@ -78,6 +80,22 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue  # a thread that just ended
     return total / 1e9
+
+
+def kernel_split(pid: int) -> tuple[float, float, int]:
+    """(user seconds, system seconds, voluntary context switches) of every thread of a process
+    so far: the clock-tick counters of /proc/<pid>/stat (10 ms steps, so only a split of
+    ``cpu_seconds``) and each thread's switches, one per time it slept (a wake-up each)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    switches = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+            switches += int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return int(fields[11]) / tick, int(fields[12]) / tick, switches
 
 
 @dataclass
@@ -261,6 +279,7 @@ def throughput(
     )
     filler = b"x" * (SIZE - 8)
     cpu0 = {p: cpu_seconds(p) for pids in roles.values() for p in pids}
+    split0 = {p: kernel_split(p) for p in cpu0}
     start = time.monotonic()
     for i in range(n):
         producer.send_async(
@@ -270,6 +289,9 @@ def throughput(
     if not done.wait(300):
         raise RuntimeError(f"received {len(latencies)} of {n}")
     cpu_by_pid = {p: cpu_seconds(p) - c for p, c in cpu0.items()}
+    split_by_pid = {
+        p: tuple(b - a for a, b in zip(split0[p], kernel_split(p), strict=True)) for p in cpu0
+    }
     cpu = sum(cpu_by_pid.values())
     client.close()
     entries = stored_entries(http_url, topic)
@@ -284,6 +306,11 @@ def throughput(
     }
     for role, role_pids in roles.items():
         out[f"{role}_us_per_entry"] = sum(cpu_by_pid[p] for p in role_pids) / entries * 1e6
+    # Where the CPU goes, over every process of the side: user and system time per entry, and
+    # wake-ups (voluntary context switches) per entry.
+    for i, name in enumerate(("user_us_per_entry", "sys_us_per_entry", "wakeups_per_entry")):
+        scale = 1e6 if i < 2 else 1
+        out[name] = sum(split_by_pid[p][i] for p in cpu0) / entries * scale
     return out
 
 
@@ -423,6 +450,12 @@ def main() -> None:
                 f"{which:12s}{r['msgs_per_s']:10.0f}{r['p50_ms']:9.1f}{r['p99_ms']:9.1f}"
                 f"{r['cpu_us_per_msg']:12.1f}{r['msgs_per_entry']:12.1f}"
                 f"{r['cpu_us_per_entry']:14.0f}"
+            )
+        for which in ("standalone", "cluster"):
+            r = results[which]
+            print(
+                f"{which:12s}per entry: user {r['user_us_per_entry']:.0f} us, system "
+                f"{r['sys_us_per_entry']:.0f} us, {r['wakeups_per_entry']:.1f} wake-ups"
             )
         print(
             f"CPU per message, cluster / standalone: {results['cpu_ratio']:.2f}x (target <= 1.5x; "
