@@ -19,6 +19,11 @@ Cases:
              broker's RSS (polybroker: the whole standalone process, bookie and metadata
              store included)
 
+pulsar-lite acknowledges without syncing to disk (strace of a paced run: no fsync, fdatasync or
+sync_file_range), so polybroker's latency, which waits for the journal's fdatasync, also
+carries the disk's sync latency; ``--journal-sync off`` measures polybroker the same way (the
+targets are with it on).
+
 The end-to-end rate is messages / (last receive - first send). Each message carries its index:
 the consumer counts a message received again as a duplicate, apart from the messages and their
 latencies (pulsar-lite redelivers many in the throughput cases; counted as progress, they had
@@ -121,12 +126,18 @@ class Broker:
             self.proc.stdout.close()
 
 
-def start_polybroker(root: Path) -> Broker:
-    """Start ``polybroker standalone`` on free ports; return when it is ready."""
+def start_polybroker(root: Path, journal_sync: bool = True) -> Broker:
+    """Start ``polybroker standalone`` on free ports; return when it is ready.
+
+    ``journal_sync`` False runs it with ``journalSyncData=false`` (no fdatasync)."""
     workdir = root / "polybroker"
     workdir.mkdir()
     log = workdir / "standalone.log"
     cmd = [sys.executable, "-m", "polybroker", "standalone", "--data-dir", str(workdir / "data")]
+    if not journal_sync:
+        config = workdir / "standalone.conf"
+        config.write_text("journalSyncData=false\n")
+        cmd += ["--config", str(config)]
     for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
         cmd += [flag, "0"]
     with open(log, "wb") as err:
@@ -534,6 +545,12 @@ def main() -> int:
         "--profile-dir", default="", help="py-spy raw profiles of polybroker, one per run"
     )
     parser.add_argument("--raw-dir", default="", help="each run's raw latencies, as JSON")
+    parser.add_argument(
+        "--journal-sync",
+        choices=("on", "off"),
+        default="on",
+        help="polybroker's journal fdatasync (off: as pulsar-lite, which does not sync)",
+    )
     args = parser.parse_args()
     if args.role == "consumer":
         role_consumer(args)
@@ -565,7 +582,13 @@ def main() -> int:
     if "topics" in wanted and args.topics < 10_000:
         notes.append(f"topics case with {args.topics} topics, not 10,000")
     results: dict[str, dict[str, Any]] = {n: {} for n in names}
-    starters = {"polybroker": start_polybroker, "pulsar-lite": start_pulsar_lite}
+    journal_sync = args.journal_sync == "on"
+    if not journal_sync:
+        notes.append("polybroker without journal fdatasync (journalSyncData=false)")
+    starters = {
+        "polybroker": lambda root: start_polybroker(root, journal_sync),
+        "pulsar-lite": start_pulsar_lite,
+    }
     with tempfile.TemporaryDirectory(prefix="bench-pulsar-") as tmp:
         root = Path(tmp)
         brokers = {n: starters[n](root) for n in names}

@@ -530,6 +530,33 @@ def test_last_sequence_id_returned_on_reconnect_with_dedup() -> None:
     assert len(p.factory.ledger(ML).data.entries) == 5
 
 
+def test_duplicates_in_a_group_are_receipted_in_order_with_no_position() -> None:
+    """With deduplication on, one read of SENDs mixing already stored sequence ids and new
+    ones: every SEND is receipted in order, the duplicates at (-1, -1), the new ones at their
+    entries; only the new ones are stored."""
+    p = Peer(brokerDeduplicationEnabled=True)
+    p.connect()
+    p.producer(1, name="prod")
+    for seq in range(3):
+        p.publish(1, seq, b"x")
+    assert len(p.commands()) == 3
+
+    def send(seq: int) -> bytes:
+        md = pb.MessageMetadata(producer_name="prod", sequence_id=seq, publish_time=1)
+        cmd = command(T.SEND, "send", producer_id=1, sequence_id=seq)
+        return encode_payload_command(cmd, build_tail(md, b"y"))
+
+    p.write(b"".join(send(seq) for seq in (1, 3, 2, 4)))
+    receipts = [c.send_receipt for c in p.commands()]
+    assert [(r.sequence_id, to_signed64(r.message_id.entryId)) for r in receipts] == [
+        (1, -1),
+        (3, 3),
+        (2, -1),
+        (4, 4),
+    ]
+    assert len(p.factory.ledger(ML).data.entries) == 5
+
+
 def test_unload_closes_producers_and_consumers(peer: Peer) -> None:
     """Unloading a topic sends CLOSE_PRODUCER and CLOSE_CONSUMER so clients come back."""
     peer.producer(1)
