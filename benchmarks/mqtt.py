@@ -73,10 +73,14 @@ class Server:
 
     def start(self) -> None:
         self.scratch.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        wait_port(self.port, 60, self.proc)
+        log = (self.scratch / "server.log").open("wb")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            wait_port(self.port, 60, self.proc)
+        except RuntimeError as e:
+            tail = (self.scratch / "server.log").read_bytes()[-600:].decode(errors="replace")
+            raise RuntimeError(f"{self.name}: {e}\n{tail}") from None
 
     def stop(self) -> None:
         if self.proc is not None:
