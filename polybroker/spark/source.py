@@ -293,18 +293,26 @@ class PulsarStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.cfg = ReadConfig.of(options, schema)
         self.starting = off.parse_offset_spec(options.get("startingoffsets"), "latest")
         self.target: dict[str, off.Boundary] | None = None
+        self.initial: dict[str, str] | None = None
 
     def _latest(self, admin: PulsarAdmin) -> dict[str, off.Boundary]:
         return {t: admin.last_boundary(t) for t in self.cfg.topic_partitions(admin)}
 
     def initialOffset(self) -> dict:
-        admin = self.cfg.admin()
-        return off.dumps_offsets(
-            {
-                t: self.starting.resolve(t, admin.last_boundary, _deserialize, missing="earliest")
-                for t in self.cfg.topic_partitions(admin)
-            }
-        )
+        """The start of a query with no checkpoint, resolved once (Spark asks more than once
+        while starting the query: ``startingOffsets=latest`` gives every call the same
+        answer, and the later calls cost no admin requests)."""
+        if self.initial is None:
+            admin = self.cfg.admin()
+            self.initial = off.dumps_offsets(
+                {
+                    t: self.starting.resolve(
+                        t, admin.last_boundary, _deserialize, missing="earliest"
+                    )
+                    for t in self.cfg.topic_partitions(admin)
+                }
+            )
+        return dict(self.initial)
 
     def prepareForTriggerAvailableNow(self) -> None:
         self.target = self._latest(self.cfg.admin())

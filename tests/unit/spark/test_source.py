@@ -228,6 +228,18 @@ def test_stream_offsets_limits_and_available_now(admin: Callable[..., FakeAdmin]
     }
 
 
+def test_stream_initial_offset_is_resolved_once(admin: Callable[..., FakeAdmin]) -> None:
+    """startingOffsets=latest: Spark's repeated initialOffset calls while a query starts all get
+    the first answer, even when messages arrive in between."""
+    fake = admin({T: [(1, 4)]})
+    reader = PulsarStreamReader(_options(startingOffsets="latest"))
+    first = reader.initialOffset()
+    assert first == {T: "1:4:-1"}
+    fake.stored[T] = [(1, 6)]
+    assert reader.initialOffset() == first
+    assert PulsarStreamReader(_options(startingOffsets="latest")).initialOffset() == {T: "1:6:-1"}
+
+
 class FakeProducer:
     """Acknowledges (or refuses) each send through the callback at flush()."""
 
