@@ -77,6 +77,9 @@ class AmqpSettings:
     #: How relays reach other brokers (default: TCP), and the bound on that (Rule P3).
     connect: Connect | None = None
     link_timeout_s: float = LINK_TIMEOUT_S
+    #: How many connections are handling their input now: deliveries made meanwhile leave
+    #: with the writes of that turn rather than one send each (``AmqpConnection._flush_out``).
+    reading: int = 0
 
 
 @dataclass
@@ -143,6 +146,8 @@ class AmqpConnection(Protocol):
         self._flush_scheduled = False
         self._flush_after = False
         self._confirming: list[Channel] = []
+        #: The deliveries of the dispatch under way, written together when it ends.
+        self._out: list[bytes] = []
         self.blocked = False
         #: The handshake as the client made it, replayed to the vhost's broker by a relay.
         self._start_ok: c.ConnectionStartOk | None = None
@@ -192,6 +197,7 @@ class AmqpConnection(Protocol):
             self.connection_error(e)
             return
         self._in_data = True
+        self.s.reading += 1
         try:
             for frame in frames:
                 if self.closed:
@@ -209,6 +215,7 @@ class AmqpConnection(Protocol):
             if self.vhost is not None:
                 self.vhost.flush()  # this input's publishes go to storage as batch entries
             self._in_data = False
+            self.s.reading -= 1
             # Publishes this input completed at once (memory queues) are confirmed now.
             if self._confirming and not self._flush_scheduled:
                 self._flush_all_confirms()
@@ -248,7 +255,28 @@ class AmqpConnection(Protocol):
 
     def send(self, channel: int, method: c.Method) -> None:
         if not self.closed:
+            if self._out:
+                self._flush_out()
             self.transport.write(c.encode_method(channel, method))
+
+    def _flush_out(self) -> None:
+        """Write the deliveries gathered in a dispatch (before any other write, so the order
+        holds). A lone delivery made outside every connection's input (a storage read of one
+        new message) goes to the kernel at once: the consumer waits for it and nothing else
+        joins it in this turn. Others (made while input is handled, or a dispatch of several,
+        as a backlog drains) leave with the turn's other writes, in as few sends as before."""
+        out = self._out
+        if not out:
+            return
+        lone = len(out) == 1
+        data = out[0] if lone else b"".join(out)
+        out.clear()
+        if self.closed:
+            return
+        if lone and not self._in_data and not self.s.reading:
+            write_now(self.transport, data)
+        else:
+            self.transport.write(data)
 
     # -- frames ------------------------------------------------------------------------------
 
@@ -548,6 +576,8 @@ class AmqpConnection(Protocol):
             log.info("AMQP client missed heartbeats; closing")
             self.transport.loseConnection()
             return
+        if self._out:
+            self._flush_out()
         self.transport.write(c.encode_heartbeat())
 
     # -- connection methods ------------------------------------------------------------------
@@ -812,6 +842,7 @@ class AmqpConnection(Protocol):
             lambda consumer, qm: self._deliver(ch, q, consumer, qm),
             lambda consumer: self._has_room(ch, consumer),
             lambda consumer: self._cancelled_by_broker(ch, consumer),
+            flush=self._flush_out,
         )
         if (m.exclusive and q.consumers) or any(x.exclusive for x in q.consumers):
             raise c.AmqpError(
@@ -850,7 +881,8 @@ class AmqpConnection(Protocol):
             ch.unacked[tag] = (qm, q, qc)
             qc.unacked += 1
         am = qm.message
-        self.transport.write(
+        # Written when the dispatch ends (``_flush_out``), with the rest of its deliveries.
+        self._out.append(
             c.encode_content(
                 ch.number,
                 c.BasicDeliver(qc.tag, tag, qm.redelivered, am.exchange, am.routing_key),
@@ -887,6 +919,8 @@ class AmqpConnection(Protocol):
             if not m.no_ack:
                 ch.unacked[tag] = (qm, q, None)
             am = qm.message
+            if self._out:
+                self._flush_out()
             self.transport.write(
                 c.encode_content(
                     ch.number,
@@ -1010,6 +1044,8 @@ class AmqpConnection(Protocol):
             seq = ch.publish_seq
         bridged = msg.exchange == "amq.topic"
         if not queues and not bridged and pm.mandatory:
+            if self._out:
+                self._flush_out()
             self.transport.write(
                 c.encode_content(
                     ch.number,
@@ -1095,6 +1131,8 @@ class AmqpConnection(Protocol):
                 ch.sent_ahead.add(seq)
         if run:
             out.append(c.encode_method(ch.number, c.BasicAck(run, True)))
+        if self._out:
+            self._flush_out()
         if self._in_data:
             self.transport.write(b"".join(out))
         else:

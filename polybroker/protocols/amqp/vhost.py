@@ -141,6 +141,7 @@ class QueueConsumer:
         deliver: Callable[[QueueConsumer, QueuedMessage], None],
         has_room: Callable[[QueueConsumer], bool],
         cancelled: Callable[[QueueConsumer], None],
+        flush: Callable[[], None] | None = None,
     ) -> None:
         self.tag = tag
         self.no_ack = no_ack
@@ -150,6 +151,9 @@ class QueueConsumer:
         self.deliver = deliver
         self.has_room = has_room
         self.cancelled = cancelled
+        #: Called once a dispatch that delivered to this consumer ends (its deliveries may
+        #: have been gathered for one write).
+        self.flush = flush
         self.queue: Queue | None = None
 
 
@@ -947,18 +951,26 @@ class Queue:
         if now is None:
             now = _now_ms(self.vhost.clock)
         idle = 0
-        while self.ready and idle < len(self.consumers):
-            self._rr %= len(self.consumers)
-            c = self.consumers[self._rr]
-            self._rr += 1
-            if not c.has_room(c):
-                idle += 1
-                continue
-            qm = self._pop_live(now)
-            if qm is None:
-                return
-            idle = 0
-            c.deliver(c, qm)
+        delivered: list[QueueConsumer] = []
+        try:
+            while self.ready and idle < len(self.consumers):
+                self._rr %= len(self.consumers)
+                c = self.consumers[self._rr]
+                self._rr += 1
+                if not c.has_room(c):
+                    idle += 1
+                    continue
+                qm = self._pop_live(now)
+                if qm is None:
+                    return
+                idle = 0
+                c.deliver(c, qm)
+                if c.flush is not None and not any(c is x for x in delivered):
+                    delivered.append(c)
+        finally:
+            for c in delivered:
+                assert c.flush is not None
+                c.flush()
 
     def take(self) -> QueuedMessage | None:
         """The next live message, for basic.get."""

@@ -325,6 +325,67 @@ def test_the_newest_confirm_leaves_at_once_when_its_write_completes() -> None:
     assert p.methods() == [c.BasicAck(2, True)]
 
 
+def test_a_lone_delivery_of_a_storage_read_leaves_at_once() -> None:
+    """One new message a durable queue reads from storage reaches a waiting consumer in a
+    write handed to the kernel at once; several read together wait for the reactor's poll,
+    in one send as before."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.BasicConsume(queue="q", consumer_tag="ct", no_ack=True))
+    p.clock.advance(0)
+    p.methods()
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    tcp_transport = FakeTcp(p.transport)
+    p.conn.transport = tcp_transport
+    publish = c.encode_content(
+        1, c.BasicPublish(exchange="", routing_key="q"), c.BasicProperties(), b"lone", 4096
+    )
+    p.send(publish)
+    p.clock.advance(0)
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (0, [])
+    ledger.release_appends()
+    p.clock.advance(0)
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (1, [])
+    assert [f.data for f in p.received() if isinstance(f, c.BodyFrame)] == [b"lone"]
+    ledger.hold_appends = True
+    p.send(publish * 3)
+    p.clock.advance(0)
+    ledger.release_appends()
+    p.clock.advance(0)
+    assert tcp_transport.socket.sends == 1
+    assert len(tcp_transport.queued) == 1  # the three deliveries, in one write
+
+
+def test_deliveries_made_while_input_is_handled_ride_with_that_turn() -> None:
+    """A transient queue delivers during the publisher's input: those deliveries wait for the
+    reactor's poll with the turn's other writes instead of one send each."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="t"))
+    consumer = p.connect()
+    consumer.dataReceived(c.PROTOCOL_HEADER)
+    consumer.dataReceived(
+        c.encode_method(0, c.ConnectionStartOk({}, "PLAIN", b"\x00guest\x00guest"))
+        + c.encode_method(0, c.ConnectionTuneOk(100, 8192, 10))
+        + c.encode_method(0, c.ConnectionOpen("/"))
+        + c.encode_method(1, c.ChannelOpen())
+        + c.encode_method(1, c.BasicConsume(queue="t", consumer_tag="ct", no_ack=True))
+    )
+    p.clock.advance(0)
+    tcp_transport = FakeTcp(consumer.transport)
+    consumer.transport = tcp_transport
+    for body in (b"x", b"y"):
+        p.publish(1, "", "t", body)
+    assert tcp_transport.socket.sends == 0
+    queued = c.FrameReader(1 << 20, expect_header=False)
+    queued.feed(b"".join(tcp_transport.queued))
+    assert [f.data for f in queued.frames() if isinstance(f, c.BodyFrame)] == [b"x", b"y"]
+
+
 def _delivered(p: Peer) -> list[int]:
     return [m.delivery_tag for m in p.methods() if isinstance(m, c.BasicDeliver)]
 
