@@ -3,7 +3,8 @@
 One run starts ``polybroker standalone`` (MQTT enabled, scratch data dir: QoS 1 publishes are
 acknowledged after the fsync'd bookie write), Mosquitto (no persistence, no queue limit) and the
 amqtt broker, each on a free loopback port, and runs the shared paho benchmark
-(``bench_mqtt.py``) against each, alternating brokers case by case: burst QoS 0 and QoS 1
+(``bench_mqtt.py``, the same client, counts and arguments for every broker) against each,
+alternating brokers case by case (each repeat starting with the next): burst QoS 0 and QoS 1
 (end-to-end msgs/s, lost, duplicates, and the broker process's CPU per message, which moves
 less than msgs/s on a shared machine) and QoS 1 paced at 2k msgs/s (latency percentiles).
 Then it opens ``--idle-clients`` MQTT connections with keep-alive to polybroker and reports its
@@ -245,11 +246,13 @@ def main() -> None:
     try:
         for s in servers:
             s.start()
-        for _ in range(args.repeat):
+        for rep in range(args.repeat):
+            # Each repeat starts with another broker: none is always first after a pause.
+            order = servers[rep % len(servers) :] + servers[: rep % len(servers)]
             for case, case_args, div in CASES:
                 if case not in wanted:
                     continue
-                for s in servers:
+                for s in order:
                     assert s.proc is not None
                     _, cpu0 = proc_stats(s.proc.pid)
                     r = run_case(s.port, case_args, args.n // div, args.timeout)
