@@ -1232,3 +1232,21 @@ def test_reads_with_qos1_publishes_ask_the_kernel_to_ack_at_once() -> None:
         reader = c.PacketReader(level=c.LEVEL_311)
         reader.feed(transport.value())
         assert reader.packets()[-2:] == [c.PubAck(1), c.PubRec(2)]
+
+
+def test_publishes_answering_pubcomps_are_also_stored_together() -> None:
+    """QoS 2: the PUBLISHes that answer a round of PUBCOMPs wait for each other as those
+    answering PUBACKs do, and make one entry."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *(c.Publish("a/b", b"q%d" % i, 2, packet_id=i) for i in (1, 2)))
+    assert p.packets() == [c.PubRec(1), c.PubRec(2)]
+    _send_together(p, c.PubRel(1), c.PubRel(2))
+    assert p.packets() == [c.PubComp(1), c.PubComp(2)]
+    ml = env.factory.ledger(ML_AB)
+    p.send(c.Publish("a/b", b"q3", 2, packet_id=3))
+    assert [e.num_messages for e in ml.data.entries] == [2]
+    p.send(c.Publish("a/b", b"q4", 2, packet_id=4))
+    assert [e.num_messages for e in ml.data.entries] == [2, 2]
+    assert p.packets() == [c.PubRec(3), c.PubRec(4)]
