@@ -12,6 +12,11 @@ retained, the retained copy) is durable, in the order of the PUBLISHes. A persis
 PUBRELs (answering its client's PUBRECs) leave once the PUBRECs of the read are recorded
 (one write; see ``session``), in order with those acknowledgements.
 
+Grouping: the PUBLISHes of one read make one entry per topic; those a client sends in answer
+to a round of PUBACKs (or PUBCOMPs) may wait ``publish_group_wait_s`` for the rest of the
+round to make one entry too; the acknowledgements of stores under way together leave together
+(``_store_done``); reads bringing QoS 1/2 PUBLISHes are TCP-ACKed at once (``_ack_at_once``).
+
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
 """
