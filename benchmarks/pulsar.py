@@ -10,7 +10,8 @@ Cases:
   batched    sustained end-to-end rate (msgs/s, MB/s) with batching on, --batched messages
   unbatched  the same with batching off, --unbatched messages
   paced      publish and end-to-end latency p50/p99 at --rate msgs/s for --paced-seconds,
-             batching on with a 1 ms batch window (pulsar-perf's default); each broker first
+             batching on with a 1 ms batch window (pulsar-perf's default), --paced-repeat
+             runs alternating the brokers (medians of each run's percentiles); each broker first
              idles for --settle-seconds (12 s: more than polybroker's 10 s checkpoint
              interval), so that neither is measured while it still flushes what the case
              before wrote (without it, the broker that ran last before the paced case was
@@ -539,6 +540,9 @@ def main() -> int:
         "--topics-timeout", type=float, default=300.0, help="report how far set-up got after s"
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each throughput case")
+    parser.add_argument(
+        "--paced-repeat", type=int, default=1, help="runs of the paced case (medians reported)"
+    )
     parser.add_argument("--brokers", default="polybroker,pulsar-lite")
     parser.add_argument("--cases", default="batched,unbatched,paced,topics")
     parser.add_argument(
@@ -601,7 +605,7 @@ def main() -> int:
             ]
             cases = [c for c in cases if c[0] in wanted]
             for case_index, (case, count, batching, rate) in enumerate(cases):
-                repeats = 1 if case == "paced" else args.repeat
+                repeats = args.paced_repeat if case == "paced" else args.repeat
                 runs: dict[str, list[Run]] = {n: [] for n in names}
                 for r in range(repeats):
                     order = names if (case_index + r) % 2 == 0 else names[::-1]
@@ -616,7 +620,8 @@ def main() -> int:
                             f"{n:12} {case:9} run {r}: {run.count} msgs in {run.seconds:.2f} s"
                             f" = {run.rate:,.0f} msg/s,"
                             f" broker CPU {run.broker_cpu_s * 1e6 / run.count:.1f} us/msg,"
-                            f" publish p50 {percentile(run.publish_ms, 50):.1f} ms"
+                            f" publish p50 {percentile(run.publish_ms, 50):.1f} ms,"
+                            f" e2e p99 {percentile(run.e2e_ms, 99):.1f} ms"
                             + (f", {run.duplicates} duplicates" if run.duplicates else ""),
                             file=sys.stderr,
                             flush=True,
@@ -633,12 +638,14 @@ def main() -> int:
                         "duplicates": sum(x.duplicates for x in runs[n]),
                     }
                     if case == "paced":
-                        last = runs[n][-1]
                         entry["rate"] = args.paced_rate
-                        entry["publish_p50_ms"] = round(percentile(last.publish_ms, 50), 2)
-                        entry["publish_p99_ms"] = round(percentile(last.publish_ms, 99), 2)
-                        entry["e2e_p50_ms"] = round(percentile(last.e2e_ms, 50), 2)
-                        entry["e2e_p99_ms"] = round(percentile(last.e2e_ms, 99), 2)
+                        for key, q in (("p50", 50), ("p99", 99)):
+                            # Medians over the runs of each run's percentile.
+                            publish = [percentile(x.publish_ms, q) for x in runs[n]]
+                            e2e = [percentile(x.e2e_ms, q) for x in runs[n]]
+                            entry[f"publish_{key}_ms"] = round(_median(publish), 2)
+                            entry[f"e2e_{key}_ms"] = round(_median(e2e), 2)
+                            entry[f"e2e_{key}_ms_runs"] = [round(v, 2) for v in e2e]
                     results[n][case] = entry
             for i, n in enumerate(names[::-1] if "topics" in wanted else []):
                 bound = args.topics_timeout
