@@ -1,7 +1,8 @@
 """Fixtures of the Spark tests: one ``polybroker standalone`` process and one local[2] session.
 
 The broker runs as a real process on free ports and is stopped by PID; Spark's workers run
-the test's own interpreter (``PYSPARK_PYTHON``), as the data source requires.
+the test's own interpreter (``PYSPARK_PYTHON``, through the launcher of ``local_session``), as the
+data source requires.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    """One local[2] SparkSession for every Spark test; workers run this interpreter."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    """One local[2] SparkSession for every Spark test; workers run this interpreter, through
+    the launcher ``local_session`` gives them (``polybroker.spark.session.worker_python``)."""
+    from polybroker.spark.session import worker_python
+
+    python = worker_python()
+    os.environ["PYSPARK_PYTHON"] = python
+    os.environ["PYSPARK_DRIVER_PYTHON"] = python
     from pyspark.sql import SparkSession
 
     session = (

@@ -89,3 +89,59 @@ def test_processing_time_trigger_into_the_stream_sink(
         reader.close()
     finally:
         query.stop()
+
+
+def test_a_stream_source_runner_imports_the_installed_pyspark(spark: Any, tmp_path: Path) -> None:
+    """Spark starts each streaming query's source in a fresh Python process with pyspark.zip
+    first on its path; through the session's launcher it imports the installed pyspark (compiled
+    once) instead. Seen in the offsets that process returns and in the rows a worker reads."""
+    from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+
+    # Local, so that cloudpickle ships it by value (this module is not importable there).
+    def _pyspark_origin() -> str:
+        import pyspark
+
+        return "zip" if ".zip" in pyspark.__file__ else "installed"
+
+    class Reader(DataSourceStreamReader):
+        def initialOffset(self) -> dict:
+            return {"n": 0, "runner": _pyspark_origin()}
+
+        def latestOffset(self) -> dict:
+            return {"n": 1, "runner": _pyspark_origin()}
+
+        def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+            return [InputPartition(0)] if start["n"] < end["n"] else []
+
+        def read(self, partition: InputPartition) -> Any:
+            yield (_pyspark_origin(),)
+
+    class Source(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "pyspark_origin"
+
+        def schema(self) -> str:
+            return "origin string"
+
+        def streamReader(self, schema: Any) -> DataSourceStreamReader:
+            return Reader()
+
+    spark.dataSource.register(Source)
+    query = (
+        spark.readStream.format("pyspark_origin")
+        .load()
+        .writeStream.format("memory")
+        .queryName("pyspark_origin")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120)
+    assert query.exception() is None
+    ends = [json.loads(p["sources"][0]["endOffset"]) for p in query.recentProgress]
+    assert ends
+    assert all(e["runner"] == "installed" for e in ends)
+    assert [r.origin for r in spark.sql("SELECT origin FROM pyspark_origin").collect()] == [
+        "installed"
+    ]
