@@ -25,6 +25,9 @@ sync_file_range), so polybroker's latency, which waits for the journal's fdatasy
 carries the disk's sync latency; ``--journal-sync off`` measures polybroker the same way (the
 targets are with it on).
 
+Each run also reports how busy the whole machine's CPUs were over it (``/proc/stat``, this run
+included): latency figures taken near 100% measure contention more than the brokers.
+
 The end-to-end rate is messages / (last receive - first send). Each message carries its index:
 the consumer counts a message received again as a duplicate, apart from the messages and their
 latencies (pulsar-lite redelivers many in the throughput cases; counted as progress, they had
@@ -99,6 +102,13 @@ def cpu_seconds(pid: int) -> float:
     """User plus system CPU time ``pid`` has used so far, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far, from ``/proc/stat``."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
 
 
 # -- brokers ------------------------------------------------------------------------------------
@@ -411,6 +421,8 @@ class Run:
     broker_cpu_s: float = 0.0
     #: Messages the consumer received again (not counted in ``count`` nor in the latencies).
     duplicates: int = 0
+    #: Share of the machine's CPU time busy over the run (everything running, this run too).
+    machine_busy: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -439,6 +451,7 @@ def run_pair(
     common = ["--url", broker.url, "--topic", topic, "--count", str(count)]
     consumer = _role("--role", "consumer", *common, "--timeout", str(timeout))
     cpu_before = cpu_seconds(broker.proc.pid)
+    machine_before = machine_cpu()
     spy = _start_profile(broker, topic)
     try:
         if _read_line(consumer, 120).strip() != "ready":
@@ -467,11 +480,20 @@ def run_pair(
         )
     seconds = (cons["last_ns"] - prod["start_ns"]) / 1e9
     cpu = cpu_seconds(broker.proc.pid) - cpu_before
+    busy, total = (a - b for a, b in zip(machine_cpu(), machine_before, strict=True))
     if _RAW_DIR is not None:
         raw = {"publish_ms": prod["publish_ms"], "e2e_ms": cons["e2e_ms"]}
         name = f"{broker.name}-{topic.rsplit('/', 1)[-1]}.json"
         (_RAW_DIR / name).write_text(json.dumps(raw))
-    return Run(count, seconds, prod["publish_ms"], cons["e2e_ms"], cpu, cons["duplicates"])
+    return Run(
+        count,
+        seconds,
+        prod["publish_ms"],
+        cons["e2e_ms"],
+        cpu,
+        cons["duplicates"],
+        busy / total if total else 0.0,
+    )
 
 
 def run_topics(broker: Broker, count: int, tag: str, timeout: float) -> dict[str, Any]:
@@ -620,6 +642,7 @@ def main() -> int:
                             f"{n:12} {case:9} run {r}: {run.count} msgs in {run.seconds:.2f} s"
                             f" = {run.rate:,.0f} msg/s,"
                             f" broker CPU {run.broker_cpu_s * 1e6 / run.count:.1f} us/msg,"
+                            f" machine {run.machine_busy:.0%} busy,"
                             f" publish p50 {percentile(run.publish_ms, 50):.1f} ms,"
                             f" e2e p99 {percentile(run.e2e_ms, 99):.1f} ms"
                             + (f", {run.duplicates} duplicates" if run.duplicates else ""),
@@ -636,6 +659,7 @@ def main() -> int:
                             _median([x.broker_cpu_s * 1e6 / x.count for x in runs[n]]), 2
                         ),
                         "duplicates": sum(x.duplicates for x in runs[n]),
+                        "machine_busy": round(_median([x.machine_busy for x in runs[n]]), 2),
                     }
                     if case == "paced":
                         entry["rate"] = args.paced_rate
