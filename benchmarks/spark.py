@@ -20,8 +20,9 @@ lies in sealed ledgers but for the last one, as an older backlog does:
              application: Spark's start-up and warm-up are not in the figures;
 (d) stream:  ``readStream`` of the backlog with ``trigger(availableNow=True)`` into the noop sink,
              timed from ``start()`` to the end of the query: Spark's query start-up (it starts
-             a fresh Python process for the source, ``to_first_trigger_s``), its planning and
-             checkpoint writes, and the tasks reading;
+             a fresh Python process for the source, ``to_first_trigger_s``; the session is
+             ``local_session``'s, whose Python processes import the installed pyspark), its
+             planning and checkpoint writes, and the tasks reading;
 (e) in memory: a Python data source of the same columns and as many partitions whose reads
              yield ready record batches, into the aggregation of (c): Spark's own cost per row;
 (f) stream in memory: the same source as a stream of one micro-batch, timed as (d): what Spark
