@@ -148,6 +148,8 @@ class AmqpConnection(Protocol):
         self._confirming: list[Channel] = []
         #: The deliveries of the dispatch under way, written together when it ends.
         self._out: list[bytes] = []
+        #: A lone delivery went to the kernel at once since the client last sent anything.
+        self._sent_now = False
         self.blocked = False
         #: The handshake as the client made it, replayed to the vhost's broker by a relay.
         self._start_ok: c.ConnectionStartOk | None = None
@@ -182,6 +184,7 @@ class AmqpConnection(Protocol):
                 self.link.transport.write(data)
             return
         self._last_rx = self.s.clock.seconds()
+        self._sent_now = False
         if self.state == "proxying" and not self.closing:
             self._relay_pending.append(data)  # for the vhost's broker, once it opened
             return
@@ -262,9 +265,11 @@ class AmqpConnection(Protocol):
     def _flush_out(self) -> None:
         """Write the deliveries gathered in a dispatch (before any other write, so the order
         holds). A lone delivery made outside every connection's input (a storage read of one
-        new message) goes to the kernel at once: the consumer waits for it and nothing else
-        joins it in this turn. Others (made while input is handled, or a dispatch of several,
-        as a backlog drains) leave with the turn's other writes, in as few sends as before."""
+        new message), the first since this client last sent anything, goes to the kernel at
+        once: the consumer waits for it. Others (made while input is handled, a dispatch of
+        several as a backlog drains, more lone ones before the client answers, as a fanout's
+        queues each deliver one) leave with the turn's other writes, in as few sends as before.
+        """
         out = self._out
         if not out:
             return
@@ -273,7 +278,8 @@ class AmqpConnection(Protocol):
         out.clear()
         if self.closed:
             return
-        if lone and not self._in_data and not self.s.reading:
+        if lone and not self._sent_now and not self._in_data and not self.s.reading:
+            self._sent_now = True
             write_now(self.transport, data)
         else:
             self.transport.write(data)

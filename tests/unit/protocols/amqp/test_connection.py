@@ -359,6 +359,37 @@ def test_a_lone_delivery_of_a_storage_read_leaves_at_once() -> None:
     assert len(tcp_transport.queued) == 1  # the three deliveries, in one write
 
 
+def test_lone_deliveries_before_the_client_answers_wait_for_the_poll() -> None:
+    """After a lone delivery went at once, more lone ones (a fanout's queues, each reading
+    the message) go through the transport's buffer, sent together when the reactor polls,
+    until the client sends again."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.ExchangeDeclare(exchange="fx", type="fanout", durable=True))
+    for q in ("q1", "q2", "q3"):
+        p.method(1, c.QueueDeclare(queue=q, durable=True))
+        p.method(1, c.QueueBind(queue=q, exchange="fx"))
+        p.method(1, c.BasicConsume(queue=q, consumer_tag=q, no_ack=True))
+    publish = c.encode_content(
+        1, c.BasicPublish(exchange="fx", routing_key=""), c.BasicProperties(), b"m", 4096
+    )
+    p.send(publish)  # the queues' subscriptions to the exchange's log are made
+    p.clock.advance(0)
+    p.received()
+    ledger = p.ledgers.ledger("public/default/persistent/amqp.exchange.fx")
+    ledger.hold_appends = True
+    tcp_transport = FakeTcp(p.transport)
+    p.conn.transport = tcp_transport
+    p.send(publish)
+    p.clock.advance(0)
+    ledger.release_appends()
+    p.clock.advance(0)
+    assert tcp_transport.socket.sends == 1
+    assert len(tcp_transport.queued) == 2  # the other queues' deliveries
+    assert [f.data for f in p.received() if isinstance(f, c.BodyFrame)] == [b"m"]
+
+
 def test_deliveries_made_while_input_is_handled_ride_with_that_turn() -> None:
     """A transient queue delivers during the publisher's input: those deliveries wait for the
     reactor's poll with the turn's other writes instead of one send each."""
