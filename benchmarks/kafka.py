@@ -384,10 +384,13 @@ def create_topic(bootstrap: str, topic: str) -> None:
         fs[topic].result(20)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+def cpu_seconds(pid: int, main_thread: bool = False) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``); with
+    ``main_thread``, of its main thread only (polybroker's reactor; the journal writes and
+    syncs on threads of its own)."""
+    stat = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -411,9 +414,9 @@ def throughput(
     topic = f"bench-{client}-{size}-{tag}"
     if client != "pulsar":
         create_topic(bootstrap, topic)
-    cpu0 = cpu_seconds(server_pid)
+    cpu0, main0 = cpu_seconds(server_pid), cpu_seconds(server_pid, main_thread=True)
     produced = result_of(run_role(f"{client}-produce", bootstrap, topic, count, size))
-    cpu1 = cpu_seconds(server_pid)
+    cpu1, main1 = cpu_seconds(server_pid), cpu_seconds(server_pid, main_thread=True)
 
     def consume(backoff_ms: int) -> tuple[dict[str, Any], float]:
         before = cpu_seconds(server_pid)
@@ -443,6 +446,7 @@ def throughput(
         "produce": produced["msgs_per_s"],
         "consume": consumed["msgs_per_s"],
         "cpu_in": (cpu1 - cpu0) * 1e6 / count,
+        "cpu_in_main": (main1 - main0) * 1e6 / count,
         "cpu_out": cpu_out,
         "client_cpu_in": produced.get("client_cpu_us", float("nan")),
         "gap": consumed.get("max_gap_s", float("nan")),
@@ -559,7 +563,8 @@ def main() -> None:
     summary: dict[str, Any] = {}
     nan = float("nan")
     print(
-        f"{'case':30} {'produce/s':>10} {'consume/s':>10} {'srv us in':>9} {'srv us out':>10}"
+        f"{'case':30} {'produce/s':>10} {'consume/s':>10} {'srv us in':>9} {'main in':>7}"
+        f" {'srv us out':>10}"
         f" {'cli us in':>9} {'max gap s':>9} {'consume/s b10':>13} {'gap b10':>7}"
     )
     for key, vals in rows.items():
@@ -572,6 +577,7 @@ def main() -> None:
             "produce": round(med("produce")),
             "consume": round(med("consume")),
             "server_cpu_us_per_msg_produced": round(med("cpu_in"), 2),
+            "server_main_thread_cpu_us_per_msg_produced": round(med("cpu_in_main"), 2),
             "server_cpu_us_per_msg_consumed": round(med("cpu_out"), 2),
         }
         if not math.isnan(med("client_cpu_in")):  # confluent-kafka and kafka-python
@@ -586,6 +592,7 @@ def main() -> None:
         print(
             f"{key:30} {row['produce']:10} {row['consume']:10}"
             f" {row['server_cpu_us_per_msg_produced']:9.2f}"
+            f" {row['server_main_thread_cpu_us_per_msg_produced']:7.2f}"
             f" {row['server_cpu_us_per_msg_consumed']:10.2f}"
             f" {row.get('client_cpu_us_per_msg_produced', nan):9.2f}"
             f" {row.get('consumer_max_gap_s', nan):9.3f}"
