@@ -153,6 +153,22 @@ def test_truncated_lz4_is_refused() -> None:
         r.decompress(r.COMPRESSION_LZ4, batch.raw[r.HEADER_SIZE : -10], 1 << 20)
 
 
+def test_lz4_is_decompressed_in_steps_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a step smaller than the data, frames (two concatenated) come back whole and in
+    order; a limit inside a later step still refuses the batch, a frame cut short too."""
+    import lz4.frame
+
+    first, second = bytes(range(256)) * 40, b"y" * 7000
+    body = lz4.frame.compress(first) + lz4.frame.compress(second)
+    monkeypatch.setattr(r, "_LZ4_STEP", 1000)
+    assert r.decompress(r.COMPRESSION_LZ4, body, 1 << 20) == first + second
+    assert r.decompress(r.COMPRESSION_LZ4, body, len(first) + len(second)) == first + second
+    with pytest.raises(r.RecordError, match="exceeds"):
+        r.decompress(r.COMPRESSION_LZ4, body, len(first) + len(second) - 1)
+    with pytest.raises(r.RecordError):
+        r.decompress(r.COMPRESSION_LZ4, lz4.frame.compress(first)[:-9], 1 << 20)
+
+
 def _uniform_body(n: int, value_size: int, ts_step: int = 0) -> tuple[bytes, int]:
     records = [r.Record(i, 1000 + i * ts_step, None, b"x" * value_size, []) for i in range(n)]
     [batch] = r.split_batches(r.build_batch(0, records))
