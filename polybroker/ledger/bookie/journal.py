@@ -7,6 +7,9 @@ Rule 2: one writer thread does every write and sync; the reactor only stages rec
         them over, once per burst of input (``submit``). A group is written when its oldest record
         waited ``max_group_wait_s``, when ``buffered_writes_threshold`` bytes are queued, or at
         once when the submitter said nothing more is coming (no concurrency to wait for).
+        A hand-off wakes the writer only when that changes what it does: when it waits for
+        records, or waits out a group window the hand-off ends; a busy writer looks at the
+        queue before it waits again. A group is written with ``writev`` of its parts.
 Rule 3 (I4): records are ``[u32 length][u32 crc32c(body)][body]`` with the body laid out as an
         ADD request body, ``[u64 ledger][i64 entry][i64 lac][u8 flags][data]``; meta-records use
         reserved negative entry ids (fence, explicit LAC, delete) and no data. Replay stops at the
@@ -297,6 +300,28 @@ class JournalReplay:
 # ---------------------------------------------------------------------------------------------
 
 
+_IOV_MAX = 1024  # the least IOV_MAX POSIX systems give; writev takes at most this many parts
+
+
+def write_parts(fd: int, parts: list[Buffer]) -> None:
+    """Write ``parts`` in order at ``fd``'s offset with ``os.writev``: the kernel gathers them,
+    so no joined copy is made (one on the writer thread held the GIL the reactor needs for as
+    long as the copy of a group took). Raises ``OSError`` as ``os.write`` does."""
+    pending = list(parts)
+    start = 0
+    while start < len(pending):
+        batch = pending[start : start + _IOV_MAX]
+        written = os.writev(fd, batch)
+        for part in batch:
+            size = len(part)
+            if written < size:
+                # A short write: the rest of this part goes first in the next call.
+                pending[start] = memoryview(part)[written:]
+                break
+            written -= size
+            start += 1
+
+
 def group_wait(
     now: float,
     oldest: float,
@@ -312,6 +337,12 @@ def group_wait(
     if burst_done or queued_bytes >= threshold:
         return 0.0
     return max(0.0, oldest + max_wait - now)
+
+
+# Where the writer waits (``Journal._writer_waiting``).
+_NOT_WAITING = 0  # writing, syncing or delivering: it looks at the queue before waiting again
+_IDLE = 1  # for records (nothing queued)
+_WINDOW = 2  # for the group window to end (records queued)
 
 
 class _Batch:
@@ -362,6 +393,8 @@ class Journal:
         self._oldest = 0.0
         self._burst_done = False
         self._stopping = False
+        self._writer_waiting = _NOT_WAITING  # where the writer waits, if it does
+        self.wakeups = 0  # writer wake-ups ``submit`` made (for tests and profiles)
         self.failed: BaseException | None = None
         # Writer-side file state.
         self._fd = -1
@@ -417,7 +450,19 @@ class Journal:
                 self._queue.append(batch)
                 self._queued_bytes += batch.nbytes
                 self._burst_done = not more_coming
-                self._cond.notify()
+                # Wake the writer only when this changes what it does (Rule 2): a wake-up is
+                # a futex call and, on a busy machine, often a switch away from the reactor.
+                waiting = self._writer_waiting
+                if waiting == _IDLE or (
+                    waiting == _WINDOW
+                    and (
+                        self._burst_done
+                        or self._queued_bytes >= self.config.buffered_writes_threshold
+                    )
+                ):
+                    self._cond.notify()
+                    self._writer_waiting = _NOT_WAITING
+                    self.wakeups += 1
         if refused is not None:
             self._deliver(self._on_failure, refused, batch.tokens)
 
@@ -464,7 +509,9 @@ class Journal:
             while not self._queue:
                 if self._stopping or not block:
                     return None
+                self._writer_waiting = _IDLE
                 self._cond.wait()
+                self._writer_waiting = _NOT_WAITING
             while block and not self._stopping:
                 wait = group_wait(
                     self._clock(),
@@ -476,7 +523,9 @@ class Journal:
                 )
                 if wait <= 0:
                     break
+                self._writer_waiting = _WINDOW
                 self._cond.wait(wait)
+                self._writer_waiting = _NOT_WAITING
             batches = self._queue
             self._queue = []
             self._queued_bytes = 0
@@ -535,10 +584,7 @@ class Journal:
             grow = max(self.config.prealloc_size, end - self._allocated)
             os.posix_fallocate(self._fd, self._allocated, grow)
             self._allocated += grow
-        data = b"".join(parts)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        write_parts(self._fd, parts)
         if self.config.sync_data:
             os.fdatasync(self._fd)
         self._offset = end

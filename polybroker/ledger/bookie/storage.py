@@ -28,6 +28,10 @@ Rule 2 (I6, I3): a checkpoint writes and fsyncs the entry logs, then the ledgers
 Rule 3 (I8): an entry log is deleted only when none of the ledgers it holds has an index file
         (they were all deleted); compacting partly live logs is not done yet (TODO): a log with one
         live ledger is kept whole.
+Rule 4: the write cache holds bytes it owns, or read-only views of one received frame that the
+        entries put together make at least half of (``put_entries``): those pin at most as much
+        again as they count, and copying every entry once more on the reactor is what they save.
+        Reads return bytes either way.
 """
 
 from __future__ import annotations
@@ -41,7 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polybroker.ledger.api import StorageError
-from polybroker.ledger.bookie.journal import JournalPosition, fsync_dir, write_atomically
+from polybroker.ledger.bookie.journal import (
+    JournalPosition,
+    fsync_dir,
+    write_atomically,
+    write_parts,
+)
 from polybroker.ledger.wire import Buffer
 from polybroker.logs import kv
 
@@ -90,7 +99,7 @@ class CheckpointJob:
     """What one checkpoint writes: frozen on the reactor by ``begin_checkpoint``."""
 
     mark: JournalPosition | None
-    snapshot: dict[int, dict[int, bytes]]
+    snapshot: dict[int, dict[int, Buffer]]
     snapshot_bytes: int
     states: list[tuple[int, bool, int, int]]  # ledger, fenced, lac, last entry
     deletions: list[int]
@@ -104,6 +113,25 @@ def _log_name(log_id: int) -> str:
 
 def _ledgers_name(log_id: int) -> str:
     return f"{log_id:08x}.ledgers"
+
+
+def _views_pin_little(entries: list[tuple[int, int, Buffer]]) -> bool:
+    """True if every entry's data is a view of one ``bytes`` object (immutable) that they make
+    at least half of (Rule 4): cached as they are, they pin at most twice what they count."""
+    if not entries:
+        return False
+    first = entries[0][2]
+    if type(first) is not memoryview:
+        return False
+    base = first.obj
+    if type(base) is not bytes:
+        return False
+    total = 0
+    for _, _, data in entries:
+        if type(data) is not memoryview or data.obj is not base:
+            return False
+        total += len(data)
+    return total * 2 >= len(base)
 
 
 class LedgerStorage:
@@ -131,9 +159,9 @@ class LedgerStorage:
         self._max_entry = max_entry_size  # a bigger length in the index is corruption
         # Reactor side.
         self._states: dict[int, LedgerState] = {}
-        self._cache: dict[int, dict[int, bytes]] = {}
+        self._cache: dict[int, dict[int, Buffer]] = {}
         self._cache_bytes = 0
-        self._flushing: dict[int, dict[int, bytes]] | None = None
+        self._flushing: dict[int, dict[int, Buffer]] | None = None
         self._flushing_bytes = 0
         self._pending_deletes: list[int] = []
         self._deleting: set[int] = set()  # deleted; their index file may not be unlinked yet
@@ -203,15 +231,18 @@ class LedgerStorage:
 
     def put_entries(self, ledger_id: int, entries: Iterable[tuple[int, int, Buffer]]) -> None:
         """Put (entry id, lac, data) entries of one ledger (already journaled) in the write
-        cache, as ``put_entry`` does for each."""
+        cache, as ``put_entry`` does for each (Rule 4: views kept when they pin little)."""
         st = self._states.get(ledger_id) or self.state_or_create(ledger_id)
         cache = self._cache.get(ledger_id)
         if cache is None:
             cache = self._cache[ledger_id] = {}
+        if not isinstance(entries, list):
+            entries = list(entries)
+        own = not _views_pin_little(entries)
         added = 0
         last, top_lac = st.last_entry, st.lac
         for entry_id, lac, data in entries:
-            owned = bytes(data)  # a view would pin the whole network read it came from
+            owned = bytes(data) if own else data
             old = cache.get(entry_id)
             cache[entry_id] = owned
             added += len(owned) - (len(old) if old is not None else 0)
@@ -260,13 +291,13 @@ class LedgerStorage:
         if cache is not None:
             data = cache.get(entry_id)
             if data is not None:
-                return data
+                return bytes(data)
         if self._flushing is not None:
             cache = self._flushing.get(ledger_id)
             if cache is not None:
                 data = cache.get(entry_id)
                 if data is not None:
-                    return data
+                    return bytes(data)
         if ledger_id in self._deleting or not 0 <= entry_id <= MAX_ENTRY_ID:
             return None
         fd = self._index_fd(ledger_id)
@@ -435,11 +466,12 @@ class LedgerStorage:
         of entry log with it (one file system journal) would stall every add behind it."""
         if not chunk:
             return
-        view = memoryview(b"".join(chunk))
-        while view:
-            n = os.write(self._log_fd, view)
-            self._log_size += n
-            view = view[n:]
+        # Gathered by the kernel: a joined copy would hold the GIL the reactor needs.
+        try:
+            write_parts(self._log_fd, chunk)
+        finally:
+            # What reached the file, even if a write failed part-way (as ``os.write`` kept it).
+            self._log_size = os.lseek(self._log_fd, 0, os.SEEK_CUR)
         os.fdatasync(self._log_fd)
 
     def _roll_log(self, job: CheckpointJob) -> None:

@@ -317,6 +317,32 @@ def test_put_entries_is_put_entry_for_a_group(tmp_path: Path) -> None:
     s.close()
 
 
+def test_put_entries_keeps_views_only_of_a_frame_they_mostly_are(tmp_path: Path) -> None:
+    """Views of one immutable frame the entries make most of are cached as they are (no copy
+    on the reactor); views of a frame they are a small part of, or of a mutable buffer, are
+    copied (a view would pin the rest). Reads return bytes, and a checkpoint writes both."""
+    s = _storage(tmp_path)
+    frame = b"h" * 16 + b"A" * 1000 + b"h" * 16 + b"B" * 1000
+    view = memoryview(frame)
+    s.put_entries(4, [(0, -1, view[16:1016]), (1, 0, view[1032:2032])])
+    held = s._cache[4]
+    assert isinstance(held[0], memoryview)
+    assert held[0].obj is frame
+    big_read = b"x" * 100_000 + b"C" * 100
+    s.put_entries(4, [(2, 1, memoryview(big_read)[100_000:])])
+    assert type(held[2]) is bytes
+    mutable = bytearray(b"D" * 100)
+    s.put_entries(4, [(3, 2, memoryview(mutable))])
+    assert type(held[3]) is bytes
+    expected = [b"A" * 1000, b"B" * 1000, b"C" * 100, b"D" * 100]
+    assert [s.read_entry(4, e) for e in range(4)] == expected
+    assert all(type(s.read_entry(4, e)) is bytes for e in range(4))
+    assert s.cache_bytes == 2200
+    _checkpoint(s)
+    assert [s.read_entry(4, e) for e in range(4)] == expected
+    s.close()
+
+
 def test_checkpoint_syncs_entry_logs_as_it_writes_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

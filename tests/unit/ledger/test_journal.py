@@ -57,10 +57,10 @@ def _replay(path: Path, mark: JournalPosition | None = None) -> tuple[list[tuple
 def test_a_group_is_one_write_one_sync_and_one_delivery(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Records submitted together are written by one os.write, synced once, delivered once."""
+    """Records submitted together are written by one os.writev, synced once, delivered once."""
     j, rec = _journal(tmp_path)
     calls = {"write": 0, "sync": 0}
-    real_write, real_sync = os.write, os.fdatasync
+    real_write, real_sync = os.writev, os.fdatasync
 
     def write(fd: int, data: Any) -> int:
         calls["write"] += 1
@@ -70,7 +70,7 @@ def test_a_group_is_one_write_one_sync_and_one_delivery(
         calls["sync"] += 1
         real_sync(fd)
 
-    monkeypatch.setattr(journal_mod.os, "write", write)
+    monkeypatch.setattr(journal_mod.os, "writev", write)
     monkeypatch.setattr(journal_mod.os, "fdatasync", sync)
     for e in range(50):
         _add(j, 1, e, b"d" * 100)
@@ -315,3 +315,55 @@ def test_group_window_policy() -> None:
     assert group_wait(10.0, 10.0, 1000, False, 0.001, 1000) == 0.0
     assert group_wait(10.0004, 10.0, 100, False, 0.001, 1000) == pytest.approx(0.0006)
     assert group_wait(10.002, 10.0, 100, False, 0.001, 1000) == 0.0
+
+
+def test_write_parts_gathers_many_parts_and_resumes_after_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group of more parts than one writev takes, each call cut short by the kernel, still
+    lands whole and in order."""
+    parts: list[Any] = [bytes([i % 251]) * (1 + i % 7) for i in range(3000)]
+    parts[5] = memoryview(b"view-part")
+    calls: list[int] = []
+
+    def short_writev(fd: int, buffers: list[Any]) -> int:
+        calls.append(len(buffers))
+        return os.write(fd, b"".join(buffers)[:777])
+
+    monkeypatch.setattr(journal_mod.os, "writev", short_writev)
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        journal_mod.write_parts(fd, parts)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(parts)
+    assert max(calls) <= 1024
+    assert len(calls) >= len(b"".join(parts)) // 777
+
+
+def test_submit_wakes_the_writer_only_when_that_changes_what_it_does(tmp_path: Path) -> None:
+    """Waiting for records: woken. Busy: not woken (it looks at the queue next). Waiting out a
+    group window: woken only by a hand-off that ends the window."""
+    j, _ = _journal(tmp_path)
+    config = SMALL
+
+    def hand_off(more_coming: bool, size: int = 10) -> int:
+        before = j.wakeups
+        _add(j, 1, 0, b"x" * size)
+        j.submit(more_coming)
+        return j.wakeups - before
+
+    j._writer_waiting = journal_mod._NOT_WAITING
+    assert hand_off(False) == 0
+    j._writer_waiting = journal_mod._IDLE
+    assert hand_off(True) == 1
+    assert j._writer_waiting == journal_mod._NOT_WAITING  # one wake-up per wait
+    assert hand_off(False) == 0
+    j._writer_waiting = journal_mod._WINDOW
+    assert hand_off(True) == 0  # more is coming and the group is small: the window stands
+    assert hand_off(True, size=config.buffered_writes_threshold) == 1  # the threshold ends it
+    j._writer_waiting = journal_mod._WINDOW
+    assert hand_off(False) == 1  # nothing more is coming: write now
+    while j.write_pending():
+        pass

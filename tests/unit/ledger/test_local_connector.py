@@ -270,3 +270,53 @@ def test_serving_follows_the_bookie_server_state(rig: Rig) -> None:
     assert rig.bookie is not None
     rig.bookie.closing = True
     assert serve() is None
+
+
+class Pauser(Recorder):
+    """Pauses its transport when it receives ``pause_on``."""
+
+    def __init__(self, pause_on: bytes) -> None:
+        super().__init__()
+        self.pause_on = pause_on
+
+    def dataReceived(self, data: bytes) -> None:
+        super().dataReceived(data)
+        if data == self.pause_on:
+            assert self.transport is not None
+            self.transport.pauseProducing()
+
+
+def test_writes_that_waited_are_joined_while_small_and_a_large_one_goes_uncopied() -> None:
+    """Small writes that waited arrive joined; a large one arrives alone, the very object
+    written (handing over megabytes joined would copy every byte once more), in order."""
+    clock = Clock()
+    link, _client, server = linked(clock, Recorder(), Recorder())
+    big = b"B" * (256 * 1024)
+    link.server.pauseProducing()
+    for piece in (b"a", b"b", big, b"c", b"d"):
+        link.client.write(piece)
+    link.server.resumeProducing()
+    clock.advance(0)
+    assert server.received == [b"ab", big, b"cd"]
+    assert server.received[1] is big
+
+
+def test_a_receiver_pausing_inside_a_drain_gets_the_rest_after_it_resumes() -> None:
+    """A pause between two waiting pieces stops the drain there; the rest comes, in order and
+    before anything written later, once reading resumes."""
+    clock = Clock()
+    big1, big2 = b"1" * (100 * 1024), b"2" * (100 * 1024)
+    link, _client, server = linked(clock, Recorder(), Pauser(pause_on=big1))
+    link.server.pauseProducing()
+    link.client.write(big1)
+    link.client.write(big2)
+    link.client.write(b"tail")
+    link.server.resumeProducing()
+    clock.advance(0)
+    assert server.received == [big1]
+    link.client.write(b"later")
+    clock.advance(0)
+    assert server.received == [big1]
+    link.server.resumeProducing()
+    clock.advance(0)
+    assert server.received == [big1, big2, b"taillater"]
