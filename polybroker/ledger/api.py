@@ -271,11 +271,13 @@ class WriteHandle(ReadHandle):
         Fails with ``LedgerFencedError`` once the ledger was fenced, and ``LedgerClosedError``
         after ``close_ledger``."""
 
-    def append_quiet(self, data: bytes, listener: WriteListener) -> None:
+    def append_quiet(self, data: bytes, listener: WriteListener, prefix: bytes = b"") -> None:
         """``append`` telling ``listener`` instead of a Deferred: completions in entry order,
         possibly several entries per ``adds_done`` call; once an add failed, ``adds_failed``
         (possibly more than once, possibly before this returns) and no ``adds_done`` beyond
-        what completed before. This default rides on ``append``; implementations do better."""
+        what completed before. The entry is ``prefix + data`` (the caller need not copy
+        ``data`` to prepend a header). This default rides on ``append``; implementations do
+        better."""
 
         def done(entry_id: int) -> None:
             listener.adds_done(self, entry_id)
@@ -283,12 +285,21 @@ class WriteHandle(ReadHandle):
         def failed(failure: Failure) -> None:
             listener.adds_failed(self, failure.value)  # type: ignore[arg-type]
 
-        self.append(data).addCallbacks(done, failed)
+        self.append(prefix + data if prefix else data).addCallbacks(done, failed)
 
-    def append_quiet_many(self, datas: Sequence[bytes], listener: WriteListener) -> None:
-        """``append_quiet`` of each of ``datas``, in order."""
-        for data in datas:
-            self.append_quiet(data, listener)
+    def append_quiet_many(
+        self,
+        datas: Sequence[bytes],
+        listener: WriteListener,
+        prefixes: Sequence[bytes] | None = None,
+    ) -> None:
+        """``append_quiet`` of each of ``datas`` (with its prefix, if given), in order."""
+        if prefixes is None:
+            for data in datas:
+                self.append_quiet(data, listener)
+        else:
+            for data, prefix in zip(datas, prefixes, strict=True):
+                self.append_quiet(data, listener, prefix)
 
     @property
     @abc.abstractmethod

@@ -95,13 +95,24 @@ def encode_record(ledger_id: int, entry_id: int, lac: int, length: int, data: by
     return _RECORD.pack(_RECORD_VERSION, lac, length, crc) + data
 
 
-def encode_wire_record(ledger_id: int, entry_id: int, lac: int, length: int, data: bytes) -> bytes:
-    """``encode_record`` inside the bookie wire's ADD record (``wire.encode_add_record``), made
-    with one copy of ``data``: the adds of the write path send it as is to every bookie."""
-    crc = crc32c.crc32c(data, crc32c.crc32c(_DIGEST.pack(ledger_id, entry_id, lac, length)))
-    mid = _WIRE_MID.pack(ledger_id, entry_id, lac, 0, _RECORD_VERSION, lac, length, crc)
-    head = _WIRE_HEAD.pack(len(mid) + len(data), crc32c.crc32c(data, crc32c.crc32c(mid)))
-    return head + mid + data
+def encode_wire_record(
+    ledger_id: int, entry_id: int, lac: int, length: int, data: bytes, prefix: bytes = b""
+) -> bytes:
+    """``encode_record`` of ``prefix + data`` inside the bookie wire's ADD record
+    (``wire.encode_add_record``), made with one copy of ``data``: the adds of the write path
+    send it as is to every bookie."""
+    crc32 = crc32c.crc32c
+    digest = crc32(_DIGEST.pack(ledger_id, entry_id, lac, length))
+    if prefix:
+        digest = crc32(prefix, digest)
+    mid = _WIRE_MID.pack(
+        ledger_id, entry_id, lac, 0, _RECORD_VERSION, lac, length, crc32(data, digest)
+    )
+    head_crc = crc32(mid)
+    if prefix:
+        head_crc = crc32(prefix, head_crc)
+    head = _WIRE_HEAD.pack(len(mid) + len(prefix) + len(data), crc32(data, head_crc))
+    return b"".join((head, mid, prefix, data))
 
 
 def decode_record(ledger_id: int, entry_id: int, raw: bytes) -> tuple[bytes, int, int]:
@@ -404,7 +415,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         self._add(data, on_done, on_failed, token)
 
     @override
-    def append_quiet(self, data: bytes, listener: WriteListener) -> None:
+    def append_quiet(self, data: bytes, listener: WriteListener, prefix: bytes = b"") -> None:
         if self._error is not None:
             listener.adds_failed(self, self._error)
             return
@@ -415,8 +426,8 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         # run of completions.
         entry_id = self._next
         self._next = entry_id + 1
-        length = self._sent_length = self._sent_length + len(data)
-        record = encode_wire_record(self.ledger_id, entry_id, self._lac, length, data)
+        length = self._sent_length = self._sent_length + len(prefix) + len(data)
+        record = encode_wire_record(self.ledger_id, entry_id, self._lac, length, data, prefix)
         p = _PendingAdd(record, length, self._seconds(), None, None, listener)
         self._pending[entry_id] = p
         if not self._changing:
@@ -426,9 +437,16 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
 
     @override
-    def append_quiet_many(self, datas: Sequence[bytes], listener: WriteListener) -> None:
+    def append_quiet_many(
+        self,
+        datas: Sequence[bytes],
+        listener: WriteListener,
+        prefixes: Sequence[bytes] | None = None,
+    ) -> None:
         pending, encode, seconds = self._pending, encode_wire_record, self._seconds
-        for data in datas:
+        if prefixes is None:
+            prefixes = [b""] * len(datas)
+        for data, prefix in zip(datas, prefixes, strict=True):
             # ``append_quiet``'s body; the state is read afresh for every entry, as a send
             # may fail at once and start an ensemble change or fail the ledger.
             if self._error is not None or self._closing:
@@ -437,9 +455,9 @@ class _WriteHandle(_ReadHandle, WriteHandle):
                 return
             entry_id = self._next
             self._next = entry_id + 1
-            length = self._sent_length = self._sent_length + len(data)
+            length = self._sent_length = self._sent_length + len(prefix) + len(data)
             p = _PendingAdd(
-                encode(self.ledger_id, entry_id, self._lac, length, data),
+                encode(self.ledger_id, entry_id, self._lac, length, data, prefix),
                 length,
                 seconds(),
                 None,

@@ -541,16 +541,16 @@ class ManagedLedgerImpl(ManagedLedger):
         assert handle is not None
         index = add.index = self._sent_index
         self._sent_index = index + add.num
-        # entry_format.encode without its checks: ``append`` checked the fields.
-        raw = _pack_header(entry_format.MAGIC, entry_format.VERSION, 0, add.time, index, add.num)
-        raw += add.data
-        add.size = size = len(raw)
+        # entry_format.encode without its checks: ``append`` checked the fields. The header
+        # goes as the entry's prefix: the ledger copies the data once, into its record.
+        head = _pack_header(entry_format.MAGIC, entry_format.VERSION, 0, add.time, index, add.num)
+        add.size = size = len(head) + len(add.data)
         # The log is the only writer of its ledgers: entry ids are the sends, counted from 0.
         add.entry_id = self._sent_entries
         self._sent_entries += 1
         self._sent_bytes += size
         self._pending.append(add)
-        handle.append_quiet(raw, self)
+        handle.append_quiet(add.data, self, head)
 
     def _send_many(self, adds: list[_Add]) -> int:
         """``_send`` the first of ``adds`` while the current ledger is surely not full (the
@@ -561,23 +561,25 @@ class ManagedLedgerImpl(ManagedLedger):
         index, entry_id, nbytes = self._sent_index, self._sent_entries, self._sent_bytes
         max_entries, max_bytes = self._max_entries, self._max_bytes
         magic, version = entry_format.MAGIC, entry_format.VERSION
-        raws: list[bytes] = []
+        heads: list[bytes] = []
+        datas: list[bytes] = []
         for add in adds:
             if entry_id >= max_entries or nbytes >= max_bytes:
                 break
             add.index = index
-            raw = _pack_header(magic, version, 0, add.time, index, add.num) + add.data
+            head = _pack_header(magic, version, 0, add.time, index, add.num)
             index += add.num
-            add.size = size = len(raw)
+            add.size = size = len(head) + len(add.data)
             add.entry_id = entry_id
             entry_id += 1
             nbytes += size
             pending_append(add)
-            raws.append(raw)
+            heads.append(head)
+            datas.append(add.data)
         self._sent_index, self._sent_entries, self._sent_bytes = index, entry_id, nbytes
-        if raws:
-            handle.append_quiet_many(raws, self)
-        return len(raws)
+        if datas:
+            handle.append_quiet_many(datas, self, heads)
+        return len(datas)
 
     # The ``WriteListener`` of the current ledger.
 

@@ -656,6 +656,28 @@ def test_the_wire_record_is_the_stored_record_inside_an_add_record() -> None:
     assert wire == encode_add_record(5, 3, 2, encode_record(5, 3, 2, 100, b"payload"))
 
 
+def test_a_prefixed_wire_record_is_the_record_of_prefix_and_data() -> None:
+    """A prefix (a header the caller did not copy the data to prepend) makes the same wire
+    record, checksums included, as the joined entry would."""
+    wire = encode_wire_record(5, 3, 2, 100, b"load", b"pay")
+    assert wire == encode_wire_record(5, 3, 2, 100, b"payload")
+
+
+def test_append_quiet_with_prefixes_stores_prefix_and_data_as_one_entry() -> None:
+    """Entries added with a prefix (one at a time or many) are stored, counted and read
+    back as ``prefix + data``."""
+    rig = LedgerRig(1)
+    w = rig.create(1, 1, 1)
+    listener = _Listener()
+    w.append_quiet(b"-one", listener, b"h1")
+    w.append_quiet_many([b"-two", b"-three"], listener, [b"h2", b"h3"])
+    w.append_quiet(b"plain", listener)
+    rig.clock.advance(0)
+    assert listener.heard[-1] == ("done", 3)
+    assert w.length == len(b"h1-oneh2-twoh3-threeplain")
+    assert result_of(w.read(0, 3)) == [b"h1-one", b"h2-two", b"h3-three", b"plain"]
+
+
 def test_append_quiet_many_adds_in_order_and_is_refused_whole_once_closing() -> None:
     """A group of quiet adds gets consecutive entries, each sent to its write set and
     reported by runs in entry order; after ``close_ledger`` the listener hears a refusal
