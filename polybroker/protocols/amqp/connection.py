@@ -201,6 +201,9 @@ class AmqpConnection(Protocol):
             return
         self._in_data = True
         self.s.reading += 1
+        vh = self.vhost
+        if vh is not None:
+            vh.inputs += 1  # its publishes and acks wait for the flush below, not a timer
         try:
             for frame in frames:
                 if self.closed:
@@ -215,8 +218,12 @@ class AmqpConnection(Protocol):
                     self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
                     return
         finally:
-            if self.vhost is not None:
-                self.vhost.flush()  # this input's publishes go to storage as batch entries
+            # This input's publishes go to storage as batch entries, its acks to the logs.
+            if vh is not None:
+                vh.inputs -= 1
+                vh.flush()
+            if self.vhost is not None and self.vhost is not vh:
+                self.vhost.flush()
             self._in_data = False
             self.s.reading -= 1
             # Publishes this input completed at once (memory queues) are confirmed now.

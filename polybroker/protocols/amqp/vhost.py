@@ -107,6 +107,9 @@ SUBSCRIPTION = "amqp"
 WINDOW = 2000
 #: ... and above which it reads from none.
 QUEUE_WINDOW = 2 * WINDOW
+#: How many of the latest entries it stored a vhost keeps the messages of (see ``messages_of``).
+STORED_KEEP = 64
+STORED_MAX_BYTES = 64 * 1024
 #: How long a basic.get waits for messages whose append is still under way.
 CATCH_UP_S = 2.0
 #: How often wildcard forwarders look for new topics.
@@ -350,7 +353,7 @@ class _Source:
         # Acks of one reactor turn go to the subscription together.
         self.acks.append(position)
         if len(self.acks) == 1:
-            self.queue.vhost.clock.callLater(0, self._flush_acks)
+            self.queue.vhost.soon(self._flush_acks)
 
     def _flush_acks(self) -> Deferred[None] | None:
         acks, self.acks = self.acks, []
@@ -743,7 +746,7 @@ class Queue:
                 source.ack(entry.position)
                 continue
             try:
-                messages = decode_entry(entry.data)
+                messages = self.vhost.messages_of(entry.data)
             except MessageFormatError:
                 log.warning("AMQP queue skips a malformed entry", extra=kv(topic=source.topic))
                 source.ack(entry.position)
@@ -1304,7 +1307,14 @@ class VirtualHost:
         self._names = itertools.count(1)
         self._seq = 0
         self._pending: dict[str, _Batch] = {}
+        #: The messages of the latest entries this vhost stored, by the identity of their
+        #: bytes (kept alive here, so an id is not reused while present): a queue reading an
+        #: entry the broker just stored takes them rather than decoding it again.
+        self._stored: dict[int, tuple[bytes, list[Message]]] = {}
         self._flush_scheduled = False
+        #: Client inputs of this vhost's connections under way: each ends with ``flush``.
+        self.inputs = 0
+        self._at_flush: list[Callable[[], object]] = []
         self._exchange_logs: dict[str, str] = {}
         #: Per log, the publish that waits to be stored there (later ones queue behind it).
         self._gates: dict[str, Deferred[None]] = {}
@@ -1982,16 +1992,32 @@ class VirtualHost:
         pending.size += size
         if len(pending.messages) >= BATCH_MAX_MESSAGES:
             self._flush_topic(topic)
-        elif not self._flush_scheduled:
+        elif not self._flush_scheduled and not self.inputs:
             self._flush_scheduled = True
             self.clock.callLater(0, self.flush)
         return d
 
+    def soon(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` at the end of the client input under way (its ``flush``), else at the
+        reactor's next turn: work of one input or turn is gathered either way."""
+        if self.inputs:
+            self._at_flush.append(fn)
+        else:
+            self.clock.callLater(0, fn)
+
     def flush(self) -> None:
-        """Send every batch being gathered (the end of a client's input, or of the turn)."""
+        """Send every batch being gathered, then what waits for the end of the client's
+        input (the end of a client's input, or of the turn)."""
         self._flush_scheduled = False
         for topic in list(self._pending):
             self._flush_topic(topic)
+        while self._at_flush:
+            at_flush, self._at_flush = self._at_flush, []
+            for fn in at_flush:
+                try:
+                    fn()
+                except Exception:  # as the reactor would for a timer: logged, not raised
+                    log.exception("AMQP deferred work failed")
 
     def _flush_topic(self, topic: str) -> None:
         batch = self._pending.pop(topic, None)
@@ -2003,6 +2029,11 @@ class VirtualHost:
             batch.messages, producer_name="amqp", sequence_id=self._seq, publish_time_ms=now
         )
         self._seq += count
+        if len(data) <= STORED_MAX_BYTES:
+            stored = self._stored
+            if len(stored) >= STORED_KEEP:
+                del stored[next(iter(stored))]
+            stored[id(data)] = (data, batch.messages)
         d = self.service.publish(topic, data, count, publish_time_ms=now, forward=True)
 
         def done(entry: Any) -> None:
@@ -2026,6 +2057,15 @@ class VirtualHost:
                 self._completed()
 
         d.addCallbacks(done, failed)
+
+    def messages_of(self, data: bytes) -> list[Message]:
+        """The messages of a stored entry: those this vhost encoded into these very bytes
+        (as ``decode_entry`` would return them, bar the publish time and sequence ids, which
+        a queue takes from the entry), else decoded."""
+        kept = self._stored.get(id(data))
+        if kept is not None and kept[0] is data:
+            return kept[1]
+        return decode_entry(data)
 
     def after_completion(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once the batch completion under way has told every publish (the
