@@ -102,16 +102,12 @@ def encode_wire_record(
     (``wire.encode_add_record``), made with one copy of ``data``: the adds of the write path
     send it as is to every bookie."""
     crc32 = crc32c.crc32c
-    digest = crc32(_DIGEST.pack(ledger_id, entry_id, lac, length))
-    if prefix:
-        digest = crc32(prefix, digest)
+    # The short fields and the prefix are summed joined: one call instead of two.
+    digest = crc32(_DIGEST.pack(ledger_id, entry_id, lac, length) + prefix)
     mid = _WIRE_MID.pack(
         ledger_id, entry_id, lac, 0, _RECORD_VERSION, lac, length, crc32(data, digest)
     )
-    head_crc = crc32(mid)
-    if prefix:
-        head_crc = crc32(prefix, head_crc)
-    head = _WIRE_HEAD.pack(len(mid) + len(prefix) + len(data), crc32(data, head_crc))
+    head = _WIRE_HEAD.pack(len(mid) + len(prefix) + len(data), crc32(data, crc32(mid + prefix)))
     return b"".join((head, mid, prefix, data))
 
 
