@@ -1,11 +1,16 @@
 """The ZooKeeper MetadataStore: the contract of ``api.py`` over kazoo, for a cluster.
 
-Threads. Every kazoo call runs on one worker thread that this store owns, one operation after
-another, so operations complete in the order they were issued and each one sees every write
-issued before it. Everything that goes back to the reactor (operation outcomes, watch
+Threads. Operations complete in the order they were issued and each one sees every write
+issued before it. An operation of one ZooKeeper request (a read, a versioned write) of a path
+that nobody watches, issued while the worker thread below is idle, is sent from the reactor
+thread and its outcome goes back straight from kazoo's connection thread (the hot path: cursor
+and ledger metadata writes, lookups): ZooKeeper answers one session's requests in order, so
+this keeps the order. Every other operation runs its kazoo calls on one worker thread that this
+store owns, one operation after another, and while one is queued or running the direct ones
+queue behind it. Everything that goes back to the reactor (operation outcomes, watch
 notifications, session events) goes through ``_to_reactor`` (``reactor.callFromThread``), the
 only place where kazoo's threads meet the reactor. kazoo's own callbacks (watch triggers, state
-changes) never block: they hand work to the worker thread or to the reactor.
+changes, completions) never block: they hand work to the worker thread or to the reactor.
 
 Rules beyond the contract:
 
@@ -46,6 +51,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import select
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,7 +59,8 @@ from typing import Any, TypeVar
 
 import kazoo.exceptions as kz
 from kazoo.client import KazooClient, KazooState
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.handlers.threading import AsyncResult as KazooAsyncResult
+from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.protocol.states import EventType as KazooEventType
 from kazoo.protocol.states import WatchedEvent, ZnodeStat
 from twisted.internet.defer import Deferred, fail
@@ -168,6 +175,81 @@ def _diff(path: str, old: _Seen | None, new: _Seen | None) -> list[Notification]
     return out
 
 
+class _AsyncResult(KazooAsyncResult):
+    """kazoo's result of one request that can also call one function on the thread that
+    completes it (kazoo's own callbacks go through its callback thread: one more hop)."""
+
+    def __init__(self, handler: Any) -> None:
+        super().__init__(handler)
+        self._inline: Callable[[_AsyncResult], None] | None = None
+
+    def set(self, value: Any = None) -> None:
+        super().set(value)
+        self._run_inline()
+
+    def set_exception(self, exception: BaseException) -> None:
+        super().set_exception(exception)
+        self._run_inline()
+
+    def link_inline(self, fn: Callable[[_AsyncResult], None]) -> None:
+        """Call ``fn(self)`` once, on the completing thread, or now if already complete;
+        ``fn`` must not block."""
+        with self._condition:
+            if not self.ready():
+                self._inline = fn
+                return
+        fn(self)
+
+    def _run_inline(self) -> None:
+        with self._condition:
+            fn, self._inline = self._inline, None
+        if fn is not None:
+            fn(self)
+
+
+class _Handler(SequentialThreadingHandler):
+    """kazoo's threading handler whose results can complete inline (``_AsyncResult``) and
+    whose ``select`` is one ``poll`` call: kazoo's own builds and closes an epoll selector for
+    every call, and its connection thread makes about five calls per request."""
+
+    def async_result(self) -> _AsyncResult:
+        return _AsyncResult(self)
+
+    def select(
+        self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any], timeout: Any = None
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """``select.select``'s contract for any fd number; ``ValueError`` for a bad fd (as
+        kazoo's own); nothing is ever reported in the third list (as kazoo's own)."""
+        if timeout is not None:
+            if not isinstance(timeout, int | float):
+                raise TypeError("timeout must be a number")
+            if timeout < 0:
+                raise ValueError("timeout must be non-negative")
+        poller = select.poll()
+        wanted: dict[int, list[tuple[int, Any]]] = {}
+        for flag, objs in ((select.POLLIN, rlist), (select.POLLOUT, wlist)):
+            for obj in objs:
+                fd = obj if isinstance(obj, int) else obj.fileno()
+                if fd < 0:
+                    raise ValueError("Invalid event mask or fd")
+                wanted.setdefault(fd, []).append((flag, obj))
+        for fd, entries in wanted.items():
+            mask = 0
+            for flag, _ in entries:
+                mask |= flag
+            poller.register(fd, mask)
+        ready = poller.poll(None if timeout is None else timeout * 1000)
+        readable: list[Any] = []
+        writable: list[Any] = []
+        for fd, events in ready:
+            if events & select.POLLNVAL:
+                raise ValueError("Invalid event mask or fd")
+            for flag, obj in wanted[fd]:
+                if events & (flag | select.POLLERR | select.POLLHUP):
+                    (readable if flag == select.POLLIN else writable).append(obj)
+        return readable, writable, []
+
+
 def _stat(zstat: ZnodeStat) -> Stat:
     return Stat(zstat.version, zstat.ephemeralOwner != 0, zstat.ctime, zstat.mtime)
 
@@ -197,6 +279,7 @@ class ZooKeeperMetadataStore(MetadataStore):
             timeout=session_timeout_ms / 1000,
             # kazoo's default backs off up to an hour: come back soon after ZooKeeper does.
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2.0},
+            handler=_Handler(),
         )
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zk-metadata"
@@ -206,6 +289,8 @@ class ZooKeeperMetadataStore(MetadataStore):
         self._close_waiters: list[Deferred[None]] = []
         # Reactor thread only:
         self._watches: dict[str, list[Watch]] = {}
+        # Operations handed to the worker whose outcome has not reached the reactor yet.
+        self._worker_ops = 0
         self._listeners: list[Callable[[SessionEvent], None]] = []
         # Worker thread only: the armed paths and what each looked like at its last read
         # (``_UNREAD`` until a first read succeeded).
@@ -303,33 +388,33 @@ class ZooKeeperMetadataStore(MetadataStore):
     # -- the contract -----------------------------------------------------------------------
 
     def get(self, path: str) -> Deferred[GetResult | None]:
-        def run() -> GetResult | None:
+        def finish(result: _AsyncResult) -> GetResult | None:
             try:
-                data, zstat = self._call(self._zk.get_async, self._full(path))
+                data, zstat = result.get_nowait()
             except kz.NoNodeError:
                 return None
             return GetResult(data, _stat(zstat))
 
-        return self._op(run, path)
+        return self._request(path, lambda: self._zk.get_async(self._full(path)), finish)
 
     def exists(self, path: str) -> Deferred[Stat | None]:
-        def run() -> Stat | None:
-            zstat = self._call(self._zk.exists_async, self._full(path))
+        def finish(result: _AsyncResult) -> Stat | None:
+            zstat = result.get_nowait()
             return None if zstat is None else _stat(zstat)
 
-        return self._op(run, path)
+        return self._request(path, lambda: self._zk.exists_async(self._full(path)), finish)
 
     def children(self, path: str) -> Deferred[list[str]]:
-        def run() -> list[str]:
+        def finish(result: _AsyncResult) -> list[str]:
             try:
-                names = self._call(self._zk.get_children_async, self._full(path))
+                names = result.get_nowait()
             except kz.NoNodeError:
                 return []
             if path == "/":
                 names = [n for n in names if n not in RESERVED_ROOT_NAMES]
             return sorted(names)
 
-        return self._op(run, path)
+        return self._request(path, lambda: self._zk.get_children_async(self._full(path)), finish)
 
     def put(
         self,
@@ -339,6 +424,30 @@ class ZooKeeperMetadataStore(MetadataStore):
         *,
         ephemeral: bool = False,
     ) -> Deferred[Stat]:
+        if (
+            type(expected_version) is int
+            and expected_version >= 0
+            and path not in self._watches
+            and (path == "/" or parent_of(path) not in self._watches)
+        ):
+            # A versioned write (cursors, ledger metadata): one request.
+            version = expected_version
+
+            def start() -> _AsyncResult:
+                data = validate_value(value)
+                full = self._full(path)
+                _check_request_size(data, [full])
+                return self._zk.set_async(full, data, version)
+
+            def finish(result: _AsyncResult) -> Stat:
+                try:
+                    zstat = result.get_nowait()
+                except (kz.NoNodeError, kz.BadVersionError):
+                    raise BadVersionError(f"{path} is not at version {version}") from None
+                return _stat(zstat)
+
+            return self._request(path, start, finish)
+
         def run() -> Stat:
             data = validate_value(value)
             _check_expected(expected_version)
@@ -476,6 +585,50 @@ class ZooKeeperMetadataStore(MetadataStore):
         """The one hand-over from kazoo's and the worker's threads to the reactor thread."""
         self._reactor.callFromThread(fn, *args)
 
+    def _request(
+        self,
+        path: str,
+        start: Callable[[], _AsyncResult],
+        finish: Callable[[_AsyncResult], T],
+    ) -> Deferred[T]:
+        """An operation of one kazoo request (``start`` sends it, ``finish`` reads its
+        outcome) that, if it is a write, leaves no watched node to re-read: sent from the
+        reactor thread while the worker is idle and nobody watches ``path``, else on the
+        worker (see the module docstring)."""
+        if self._worker_ops or path in self._watches:
+            return self._op(lambda: finish(self._wait(start())), path)
+        if self._closed:
+            return fail(StoreClosedError("the metadata store session is closed"))
+        try:
+            self._check_user_path(path)
+        except (TypeError, ValueError):
+            return fail(Failure())
+        d: Deferred[T] = Deferred()
+
+        def expire() -> None:
+            d.errback(ConnectionLossError(f"no answer from ZooKeeper within {self._op_timeout}s"))
+
+        timer = self._reactor.callLater(self._op_timeout, expire)
+
+        def complete(result: _AsyncResult) -> None:
+            if not timer.active():
+                return  # timed out: the caller was told (Rule Z5)
+            timer.cancel()
+            try:
+                value = self._translate(lambda: finish(result))
+            except BaseException:
+                d.errback(Failure())
+            else:
+                d.callback(value)
+
+        try:
+            result = self._translate(start)
+        except BaseException:
+            timer.cancel()
+            return fail(Failure())
+        result.link_inline(lambda r: self._to_reactor(complete, r))
+        return d
+
     def _op(self, run: Callable[[], T], path: str) -> Deferred[T]:
         """Validate ``path`` now, run ``run`` on the worker thread, fire on the reactor."""
         if self._closed:
@@ -493,15 +646,20 @@ class ZooKeeperMetadataStore(MetadataStore):
             try:
                 result = self._translate(run)
             except BaseException:
-                self._to_reactor(d.errback, Failure())
+                self._to_reactor(self._worker_done, d.errback, Failure())
             else:
-                self._to_reactor(d.callback, result)
+                self._to_reactor(self._worker_done, d.callback, result)
 
         try:
             self._worker.submit(work)
         except RuntimeError:
             return fail(StoreClosedError("the metadata store session is closed"))
+        self._worker_ops += 1
         return d
+
+    def _worker_done(self, fire: Callable[[Any], object], outcome: Any) -> None:
+        self._worker_ops -= 1
+        fire(outcome)
 
     def _submit_quietly(self, fn: Callable[..., Any], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the worker is shut down: the store is closed
@@ -579,6 +737,12 @@ class ZooKeeperMetadataStore(MetadataStore):
             raise ConnectionLossError(
                 f"no answer from ZooKeeper within {self._op_timeout}s"
             ) from None
+
+    def _wait(self, result: _AsyncResult) -> _AsyncResult:
+        """Wait (bounded) for a kazoo request's outcome (Rule Z5)."""
+        if not result.wait(self._op_timeout):
+            raise ConnectionLossError(f"no answer from ZooKeeper within {self._op_timeout}s")
+        return result
 
     def _translate(self, run: Callable[[], T]) -> T:
         """Run ``run``, turning kazoo's errors into the contract's."""

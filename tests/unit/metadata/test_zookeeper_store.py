@@ -3,6 +3,9 @@ node's re-read turns into notifications (no server here; the contract suite runs
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 from twisted.internet.task import Clock
 
@@ -10,7 +13,7 @@ from polybroker.config import ConfigError
 from polybroker.metadata import open_metadata_store
 from polybroker.metadata.api import EventType, Notification
 from polybroker.metadata.memory import MemoryMetadataStore
-from polybroker.metadata.zookeeper import ZooKeeperUrl, _diff, _Seen, parse_url
+from polybroker.metadata.zookeeper import ZooKeeperUrl, _diff, _Handler, _Seen, parse_url
 
 
 @pytest.mark.parametrize(
@@ -88,3 +91,81 @@ def test_diff_reports_creation_deletion_and_replacement() -> None:
         EventType.CREATED,
         EventType.CHILDREN_CHANGED,
     ]
+
+
+# -- the kazoo handler the store gives its client ---------------------------------------------
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    r, w = os.pipe()
+    try:
+        yield r, w
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_handler_select_reports_what_is_ready_and_times_out(pipe: tuple[int, int]) -> None:
+    """``select`` keeps ``select.select``'s contract: the ready objects of each list, empty
+    lists once the timeout passes with nothing ready."""
+    r, w = pipe
+    handler = _Handler()
+    assert handler.select([r], [], [], 0) == ([], [], [])
+    assert handler.select([r], [w], [], 0) == ([], [w], [])
+    os.write(w, b"x")
+    assert handler.select([r], [], [], None) == ([r], [], [])
+    assert handler.select([r], [w], [], 0.5) == ([r], [w], [])
+
+
+def test_handler_select_reports_a_closed_peer_as_readable() -> None:
+    """A hang-up is readable (the reader then sees the end), as with ``select.select``."""
+    r, w = os.pipe()
+    os.close(w)
+    try:
+        assert _Handler().select([r], [], [], 0) == ([r], [], [])
+    finally:
+        os.close(r)
+
+
+def test_handler_select_refuses_bad_arguments() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    handler = _Handler()
+    with pytest.raises(ValueError, match="Invalid event mask or fd"):
+        handler.select([-1], [], [], 0)
+    with pytest.raises(ValueError, match="Invalid event mask or fd"):
+        handler.select([r], [], [], 0)  # closed: poll reports it invalid
+    with pytest.raises(ValueError, match="non-negative"):
+        handler.select([], [], [], -1)
+    with pytest.raises(TypeError):
+        handler.select([], [], [], "1")
+
+
+def test_inline_completion_runs_once_on_the_completing_call() -> None:
+    """A function linked before the outcome runs inside ``set``/``set_exception``, once."""
+    handler = _Handler()
+    calls: list[object] = []
+    result = handler.async_result()
+    result.link_inline(lambda res: calls.append(res.get_nowait()))
+    assert calls == []
+    result.set(42)
+    assert calls == [42]
+    result.set(43)  # a second outcome does not call it again
+    assert calls == [42]
+
+    failing = handler.async_result()
+    failing.link_inline(lambda res: calls.append(res.exception))
+    error = RuntimeError("boom")
+    failing.set_exception(error)
+    assert calls == [42, error]
+
+
+def test_inline_completion_linked_after_the_outcome_runs_at_once() -> None:
+    handler = _Handler()
+    result = handler.async_result()
+    result.set("done")
+    calls: list[object] = []
+    result.link_inline(lambda res: calls.append(res.get_nowait()))
+    assert calls == ["done"]
