@@ -994,6 +994,14 @@ def _frame(kind: int, channel: int, payload: bytes) -> bytes:
 
 def encode_method(channel: int, method: Method) -> bytes:
     """One method frame."""
+    if type(method) is BasicAck:
+        # A publisher confirm (or a consumer's ack), packed directly.
+        return (
+            _FRAME_HEAD.pack(FRAME_METHOD, channel, 13)
+            + b"\x00\x3c\x00\x50"
+            + _U64.pack(method.delivery_tag)
+            + (b"\x01\xce" if method.multiple else b"\x00\xce")
+        )
     return _frame(FRAME_METHOD, channel, method.encode())
 
 

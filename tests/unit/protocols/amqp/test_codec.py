@@ -207,3 +207,13 @@ def test_basic_publish_and_deliver_fast_paths_match_the_generic_codec() -> None:
     d = c.BasicDeliver("ctag", 2**40, True, "ex", "q")
     data = c.encode_content(1, d, c.BasicProperties(), b"", 4096)
     assert data.startswith(c.encode_method(1, d))
+
+
+def test_basic_ack_packed_directly_matches_the_generic_encoding() -> None:
+    """The direct packing of basic.ack gives the bytes of the generic encoder, and reads back."""
+    for method in (c.BasicAck(), c.BasicAck(7, True), c.BasicAck(2**64 - 1, False)):
+        raw = c.encode_method(5, method)
+        assert raw == c._frame(c.FRAME_METHOD, 5, method.encode())
+        reader = c.FrameReader(4096, expect_header=False)
+        reader.feed(raw)
+        assert reader.frames() == [c.MethodFrame(5, method)]
