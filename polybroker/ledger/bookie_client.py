@@ -193,8 +193,14 @@ class _ClientProtocol(Protocol):
 
     @override
     def dataReceived(self, data: bytes) -> None:
+        self.data_received_parts([data])
+
+    def data_received_parts(self, parts: list[bytes]) -> None:
+        """``dataReceived`` of ``parts`` joined, without joining them (the in-memory link's
+        hand-over of what waited for a reactor turn)."""
         decoder = self.decoder
-        decoder.receive_data(data)
+        for part in parts:
+            decoder.receive_data(part)
         answer = self.client._answer
         for msg in decoder.drain():
             answer(msg)

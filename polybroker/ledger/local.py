@@ -13,8 +13,9 @@ Rule 3: bytes written go to the peer's ``dataReceived`` at once, unless a delive
         reading, or earlier bytes still wait: then they wait, in order, for the next reactor
         turn. At most one delivery is ever on the stack, so neither side is re-entered, and a
         journal completion reaches the client in the reactor turn that answered it. Writes
-        that waited are delivered joined while small, a large one as it is: joining megabytes
-        of entries to hand them over would copy every byte once more on the reactor.
+        that waited are delivered together, as the list of what was written to a protocol that
+        takes parts (``data_received_parts``: the bookie's and the client's), joined to any
+        other: joining megabytes of entries would copy every byte once more on the reactor.
 Rule 4: connecting takes a reactor turn and is refused while the bookie is not serving. A
         close delivers what the closing side wrote, then tells both protocols on a later turn;
         an abort delivers nothing more. An exception raised by a receiver is logged and aborts
@@ -39,10 +40,6 @@ from polybroker.ledger.bookie_client import _CONNECTING, TcpBookieClient, _Clien
 from polybroker.ledger.registry import tcp_connector
 
 log = logging.getLogger(__name__)
-
-#: Writes that waited are joined into one delivery up to this many bytes; a larger one is
-#: delivered alone, uncopied (Rule 3).
-_JOIN_BELOW = 64 * 1024
 
 #: What a local client asks for when it connects: a factory of the bookie's connection
 #: protocol, or None while the bookie does not serve (refused, like a closed port).
@@ -99,37 +96,24 @@ class _Link:
                 self._drain_end(end)
 
     def _drain_end(self, end: _End) -> None:
-        """Deliver ``end``'s inbox in order (Rule 3) until the receiver pauses (the rest waits
-        for ``resumeProducing``) or the link closes."""
+        """Deliver ``end``'s inbox in one delivery (Rule 3): as parts to a protocol that takes
+        them (``data_received_parts``), joined to any other."""
         pieces, end.inbox = end.inbox, []
-        small: list[bytes] = []
-        small_bytes = 0
-        for i, data in enumerate(pieces):
-            if len(data) < _JOIN_BELOW:
-                small.append(data)
-                small_bytes += len(data)
-                if small_bytes < _JOIN_BELOW:
-                    continue
-                data = small[0] if len(small) == 1 else b"".join(small)
-                small, small_bytes = [], 0
-            elif small:
-                # What came before it goes first.
-                if not self._deliver_piece(end, small[0] if len(small) == 1 else b"".join(small)):
-                    end.inbox[:0] = pieces[i:]
-                    return
-                small, small_bytes = [], 0
-            if not self._deliver_piece(end, data):
-                end.inbox[:0] = pieces[i + 1 :]
-                return
-        if small:
-            self._deliver_piece(end, small[0] if len(small) == 1 else b"".join(small))
-
-    def _deliver_piece(self, end: _End, data: bytes) -> bool:
-        """Deliver one piece; False if no more may follow now (paused, closed or aborted)."""
-        self.deliver(end, data)
-        if self.closed or end.protocol is None:
-            return False
-        return not end.paused
+        if len(pieces) == 1:
+            self.deliver(end, pieces[0])
+            return
+        protocol = end.protocol
+        if getattr(protocol, "data_received_parts", None) is None:
+            self.deliver(end, b"".join(pieces))
+            return
+        self.delivering = True
+        try:
+            protocol.data_received_parts(pieces)  # type: ignore[union-attr]
+        except Exception:
+            log.exception("in-process bookie connection: receiver failed; dropping it")
+            self.abort(end)
+        finally:
+            self.delivering = False
 
     def close(self, by: _End) -> None:
         """``by`` closes: what it wrote is delivered, then both sides are told (Rule 4)."""

@@ -1081,6 +1081,13 @@ class FrameDecoder:
                             out.append(_decode_body(mtype, rid, body, buf, pos, crc))
                         pos = end
                         continue
+                if avail == 0 and self._more:
+                    # This chunk is used up: parse the next one in place (no copy).
+                    buf = self._buf = self._more.popleft()
+                    self._more_len -= len(buf)
+                    view = self._view = memoryview(buf)
+                    pos = 0
+                    continue
                 # The next frame is incomplete, runs into the next chunk, or is bad.
                 self._pos = pos
                 if avail + self._more_len < HEADER_SIZE:

@@ -725,8 +725,21 @@ class BookieProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if not self.open:
             return
+        self.decoder.receive_data(data)
+        self._handle_input(more_coming=len(data) >= _TWISTED_READ_SIZE)
+
+    def data_received_parts(self, parts: list[bytes]) -> None:
+        """``dataReceived`` of ``parts`` joined, without joining them: the in-memory link's
+        hand-over of what waited for a reactor turn (all of it, so nothing more is coming)."""
+        if not self.open:
+            return
+        receive = self.decoder.receive_data
+        for part in parts:
+            receive(part)
+        self._handle_input(more_coming=False)
+
+    def _handle_input(self, more_coming: bool) -> None:
         decoder = self.decoder
-        decoder.receive_data(data)
         bookie = self.bookie
         add = bookie.add
         for msg in decoder.drain():
@@ -741,7 +754,7 @@ class BookieProtocol(Protocol):
                     break
         if decoder.error is not None:
             self.protocol_error(decoder.error)
-        bookie.end_of_input(more_coming=len(data) >= _TWISTED_READ_SIZE)
+        bookie.end_of_input(more_coming)
 
     def protocol_error(self, error: FrameError) -> None:
         """Answer a bad frame and close the connection (Rule 4)."""

@@ -516,3 +516,21 @@ def test_frames_of_ready_records_are_the_frames_of_their_adds() -> None:
     (decoded,) = decode_all(joined)
     assert isinstance(decoded, MultiAddRequest)
     assert [(e, lac, bytes(d)) for e, lac, d in decoded.entries] == [i[:3] for i in items]
+
+
+def test_whole_frames_in_several_chunks_are_decoded_in_place() -> None:
+    """Chunks received before one drain, each holding whole frames, are parsed where they lie:
+    an entry's data is a view of the chunk it came in, not of a copy (Rule 3)."""
+    first = b"".join(encode_multi_add_records(1, 7, [encode_add_record(7, 0, -1, b"one")]))
+    second = b"".join(encode_multi_add_records(2, 7, [encode_add_record(7, 1, 0, b"two")]))
+    decoder = FrameDecoder()
+    decoder.receive_data(first)
+    decoder.receive_data(second)
+    out = decoder.drain()
+    assert decoder.error is None
+    assert [type(m) for m in out] == [MultiAddRequest, MultiAddRequest]
+    views = [m.entries[0][2] for m in out]  # type: ignore[union-attr]
+    assert [bytes(v) for v in views] == [b"one", b"two"]
+    assert [v.obj for v in views] == [first, second]  # type: ignore[union-attr]
+    assert views[1].obj is second  # type: ignore[union-attr]
+    assert decoder.buffered() == 0
