@@ -363,6 +363,84 @@ async def _probe(reactor: object, address: str) -> None:
     await client.close()
 
 
+def _closed_loop(ml: object, payload: bytes, count: int, outstanding: int) -> object:
+    """Append ``payload`` ``count`` times, ``outstanding`` at a time; a Deferred of the end."""
+    from twisted.internet.defer import Deferred
+
+    done: Deferred[None] = Deferred()
+    state = {"issued": 0, "acked": 0}
+
+    def ok(_: object) -> None:
+        state["acked"] += 1
+        if state["issued"] < count:
+            issue()
+        elif state["acked"] == count and not done.called:
+            done.callback(None)
+
+    def issue() -> None:
+        state["issued"] += 1
+        ml.append(payload).addCallbacks(ok, done.errback)  # type: ignore[attr-defined]
+
+    for _ in range(outstanding):
+        issue()
+    return done
+
+
+async def _reactor_sizes(reactor: object, sizes: list[int]) -> dict[str, dict[str, float]]:
+    """The standalone's own stack in this process (a bookie, the ledger client reaching it in
+    memory, a managed ledger; journal fsync on): per entry size, appends with 64 outstanding,
+    and the CPU of this (the reactor's) thread per entry and per byte, which the journal's
+    threads do not count in."""
+    import tempfile as _tempfile
+
+    from polybroker.config import Config
+    from polybroker.ledger.api import ManagedLedgerConfig
+    from polybroker.ledger.bookie.server import BookieServer
+    from polybroker.ledger.client import BookKeeperClient
+    from polybroker.ledger.local import local_connector, serving
+    from polybroker.ledger.managed import ManagedLedgerFactoryImpl
+    from polybroker.ledger.registry import StaticBookieRegistry
+    from polybroker.metadata.memory import MemoryMetadataStore
+
+    outstanding = 64
+    store = MemoryMetadataStore(reactor)
+    config = Config({"maxMessageSize": max(sizes) + 1024 * 1024})
+    results: dict[str, dict[str, float]] = {}
+    with _tempfile.TemporaryDirectory(prefix="storage-bench-") as data_dir:
+        bookie = BookieServer(config, data_dir, reactor, metadata_store=store)
+        await bookie.start()
+        connect = local_connector(reactor, {bookie.address: serving(bookie)})
+        client = BookKeeperClient(store, StaticBookieRegistry([bookie.address]), connect, reactor)
+        factory = ManagedLedgerFactoryImpl(store, client, reactor)
+        try:
+            for size in sizes:
+                ml = await factory.open(f"bench/size-{size}", ManagedLedgerConfig(1, 1, 1))
+                payload = os.urandom(size)
+                count = max(2000, min(20000, 40 * 1024 * 1024 // size))
+                for _ in range(50):  # warm up
+                    await ml.append(payload)
+                gc.collect()
+                journal = bookie.bookie.journal  # type: ignore[union-attr]
+                groups0, wakeups0 = journal.groups_written, getattr(journal, "wakeups", 0)
+                cpu0, wall0 = time.thread_time(), time.perf_counter()
+                await _closed_loop(ml, payload, count, outstanding)
+                cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+                us = cpu / count * 1e6
+                results[str(size)] = {
+                    "reactor_us_per_entry": us,
+                    "reactor_ns_per_byte": us * 1000 / size,
+                    "entries_per_s": count / wall,
+                    "journal_groups": journal.groups_written - groups0,
+                    "journal_wakeups": getattr(journal, "wakeups", 0) - wakeups0,
+                }
+                print(f"size {size}: {json.dumps(results[str(size)])}", file=sys.stderr)
+        finally:
+            await factory.close()
+            await client.close()
+            await bookie.stop()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each case")
@@ -379,6 +457,11 @@ def main() -> None:
         "--cases", default=",".join(cases), help="comma-separated cases (raw is always run)"
     )
     cases.append("ml-1-many")
+    parser.add_argument(
+        "--reactor-sizes",
+        metavar="BYTES,...",
+        help="instead: the standalone's in-process stack, reactor CPU per entry of these sizes",
+    )
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)
     parser.add_argument("--fill", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)
@@ -391,6 +474,18 @@ def main() -> None:
         return
     if args.probe:
         run_on_reactor(lambda r: _probe(r, args.probe))
+        return
+    if args.reactor_sizes:
+        sizes = [int(x) for x in args.reactor_sizes.split(",")]
+        by_size = run_on_reactor(lambda r: _reactor_sizes(r, sizes))
+        assert isinstance(by_size, dict)
+        print(f"{'size':>8} {'us/entry':>9} {'ns/byte':>8} {'entries/s':>10}")
+        for size, r in by_size.items():
+            print(
+                f"{size:>8} {r['reactor_us_per_entry']:9.1f} {r['reactor_ns_per_byte']:8.2f} "
+                f"{r['entries_per_s']:10.0f}"
+            )
+        print(json.dumps({"reactor_sizes": by_size}))
         return
 
     chosen = ["raw"] + [c for c in args.cases.split(",") if c in cases and c != "raw"]
