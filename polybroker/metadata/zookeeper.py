@@ -6,11 +6,12 @@ that nobody watches, issued while the worker thread below is idle, is sent from 
 thread and its outcome goes back straight from kazoo's connection thread (the hot path: cursor
 and ledger metadata writes, lookups): ZooKeeper answers one session's requests in order, so
 this keeps the order. Every other operation runs its kazoo calls on one worker thread that this
-store owns, one operation after another, and while one is queued or running the direct ones
-queue behind it. Everything that goes back to the reactor (operation outcomes, watch
-notifications, session events) goes through ``_to_reactor`` (``reactor.callFromThread``), the
-only place where kazoo's threads meet the reactor. kazoo's own callbacks (watch triggers, state
-changes, completions) never block: they hand work to the worker thread or to the reactor.
+store owns, one operation after another, and while one (or a new watch's first read) is queued
+or running the direct ones queue behind it. Everything that goes back to the reactor
+(operation outcomes, watch notifications, session events) goes through ``_to_reactor``
+(``reactor.callFromThread``), the only place where kazoo's threads meet the reactor. kazoo's
+own callbacks (watch triggers, state changes, completions) never block: they hand work to the
+worker thread or to the reactor.
 
 Rules beyond the contract:
 
@@ -555,7 +556,7 @@ class ZooKeeperMetadataStore(MetadataStore):
         registered = self._watches.setdefault(path, [])
         registered.append(w)
         if len(registered) == 1:
-            self._submit_quietly(self._arm, path)
+            self._arm_soon(path)
 
         def unwatch() -> None:
             w.active = False
@@ -660,6 +661,20 @@ class ZooKeeperMetadataStore(MetadataStore):
     def _worker_done(self, fire: Callable[[Any], object], outcome: Any) -> None:
         self._worker_ops -= 1
         fire(outcome)
+
+    def _arm_soon(self, path: str) -> None:
+        """Arm ``path`` on the worker (reactor thread); direct operations issued meanwhile
+        queue behind it, so the watch's first read comes before them (Rule Z2)."""
+
+        def arm() -> None:
+            try:
+                self._logged(self._arm, path)
+            finally:
+                self._to_reactor(self._worker_done, lambda _: None, None)
+
+        with contextlib.suppress(RuntimeError):  # the worker is shut down: the store is closed
+            self._worker.submit(arm)
+            self._worker_ops += 1
 
     def _submit_quietly(self, fn: Callable[..., Any], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the worker is shut down: the store is closed

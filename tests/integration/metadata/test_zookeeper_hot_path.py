@@ -20,7 +20,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from zk_server import ZooKeeperServer
 
 from polybroker.metadata.api import ConnectionLossError, EventType, Notification
-from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
+from polybroker.metadata.zookeeper import ZooKeeperMetadataStore, _Seen
 
 
 @pytest_twisted.ensureDeferred
@@ -102,6 +102,31 @@ async def test_a_versioned_write_of_a_watched_node_reports_before_it_fires(zk_ur
         assert fired_after == [1]
         assert [n.type for n in seen] == [EventType.MODIFIED]
     finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_operation_issued_after_watch_fires_after_the_watchs_first_read(
+    zk_url: str,
+) -> None:
+    """Rule Z2: a watch's first read comes before any operation issued after ``watch()``,
+    also a one-request operation of another, unwatched node (with the worker held while
+    both are issued)."""
+    store = await ZooKeeperMetadataStore.open(zk_url, reactor)
+    gate = threading.Event()
+    try:
+        await store.put("/watched", b"0")
+        await store.put("/other", b"0")
+        store._worker.submit(gate.wait, 30)
+        store.watch("/watched", lambda n: None)
+        d = store.get("/other")
+        gate.set()
+        got = await d
+        assert got is not None
+        assert got.value == b"0"
+        assert isinstance(store._seen.get("/watched"), _Seen)
+    finally:
+        gate.set()
         await store.close()
 
 
