@@ -746,7 +746,13 @@ class Queue:
                 source.ack(entry.position)
                 continue
             try:
-                messages = self.vhost.messages_of(entry.data)
+                # A bridge's routing may rewrite a message's properties (``accepts``): it
+                # decodes its own copy rather than share the vhost's kept messages.
+                messages = (
+                    decode_entry(entry.data)
+                    if source.kind == BRIDGE
+                    else self.vhost.messages_of(entry.data)
+                )
             except MessageFormatError:
                 log.warning("AMQP queue skips a malformed entry", extra=kv(topic=source.topic))
                 source.ack(entry.position)
