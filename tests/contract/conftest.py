@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,19 +26,12 @@ from polybroker.metadata.zookeeper import ZooKeeperMetadataStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from zk_server import ZooKeeperServer
+import zk_server
+
+#: One real ZooKeeper server for the test session (``zk_server.zookeeper_server``).
+zookeeper_server = zk_server.zookeeper_server
 
 IMPLEMENTATIONS = ["memory", "embedded", "zookeeper"]
-
-
-@pytest.fixture(scope="session")
-def zookeeper_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperServer]:
-    """One real ZooKeeper server for the whole test session (fails if it is not installed)."""
-    server = ZooKeeperServer.start(tmp_path_factory.mktemp("zookeeper"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class StoreHarness:

@@ -14,7 +14,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ZK_CONF_DIR = Path("/etc/zookeeper/conf")
 ZK_JARS = Path("/usr/share/java")
@@ -133,3 +136,14 @@ class ZooKeeperServer:
         self.stop()
         again = ZooKeeperServer.start(self.directory, port=self.port, timeout=timeout)
         self.process = again.process
+
+
+@pytest.fixture(scope="session")
+def zookeeper_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperServer]:
+    """One real ZooKeeper server for the test session (fails if it is not installed); a
+    conftest imports this fixture to offer it to its folder."""
+    server = ZooKeeperServer.start(tmp_path_factory.mktemp("zookeeper"))
+    try:
+        yield server
+    finally:
+        server.stop()

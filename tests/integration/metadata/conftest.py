@@ -6,24 +6,17 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "contract"))
 
+import zk_server
 from zk_server import ZooKeeperServer
 
-
-@pytest.fixture(scope="session")
-def zookeeper_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperServer]:
-    """One real ZooKeeper server for the test session (fails if it is not installed)."""
-    server = ZooKeeperServer.start(tmp_path_factory.mktemp("zookeeper"))
-    try:
-        yield server
-    finally:
-        server.stop()
+#: One real ZooKeeper server for the test session (``zk_server.zookeeper_server``).
+zookeeper_server = zk_server.zookeeper_server
 
 
 @pytest.fixture
