@@ -93,3 +93,16 @@ class Peer:
         self.send(c._frame(c.FRAME_HEADER, channel, header))
         for start in range(0, len(body), 8000):
             self.send(c._frame(c.FRAME_BODY, channel, body[start : start + 8000]))
+
+
+def consuming_peer() -> Peer:
+    """A peer whose channel 1 consumes the durable queue ``q`` (tag ``ct``, no-ack), with the
+    set-up's answers read."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.BasicConsume(queue="q", consumer_tag="ct", no_ack=True))
+    p.clock.advance(0)
+    p.methods()
+    return p

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from amqp_peer import Peer
+from amqp_peer import Peer, consuming_peer
 from fake_tcp import FakeTcp
 
 from polybroker.protocols.amqp import codec as c
@@ -329,13 +329,7 @@ def test_a_lone_delivery_of_a_storage_read_leaves_at_once() -> None:
     """One new message a durable queue reads from storage reaches a waiting consumer in a
     write handed to the kernel at once; several read together wait for the reactor's poll,
     in one send as before."""
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q", durable=True))
-    p.method(1, c.BasicConsume(queue="q", consumer_tag="ct", no_ack=True))
-    p.clock.advance(0)
-    p.methods()
+    p = consuming_peer()
     ledger = p.ledgers.ledger(QUEUE_LEDGER)
     ledger.hold_appends = True
     tcp_transport = FakeTcp(p.transport)

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from amqp_peer import Peer
+from amqp_peer import Peer, consuming_peer
 
 from polybroker.broker_core.messages import decode_entry, encode_entry
 from polybroker.protocols.amqp import codec as c
@@ -20,23 +20,12 @@ from polybroker.protocols.amqp import vhost as vhost_module
 QUEUE_LEDGER = "public/default/persistent/amqp.queue.q"
 
 
-def _consuming_peer() -> Peer:
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q", durable=True))
-    p.method(1, c.BasicConsume(queue="q", consumer_tag="ct", no_ack=True))
-    p.clock.advance(0)
-    p.methods()
-    return p
-
-
 def test_a_queue_takes_the_messages_of_an_entry_just_stored_without_decoding(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The delivery of a message the queue reads right after its write carries the body,
     properties and routing key published, and the entry is not decoded on the way."""
-    p = _consuming_peer()
+    p = consuming_peer()
     decoded: list[bytes] = []
 
     def counting(data: bytes, **kw: Any) -> Any:
@@ -73,7 +62,7 @@ def test_a_queue_takes_the_messages_of_an_entry_just_stored_without_decoding(
 def test_equal_bytes_that_are_not_the_stored_ones_are_decoded() -> None:
     """Only the very bytes the vhost stored are looked up (an equal copy, as read back from
     a bookie or another broker, is decoded), and only the latest entries are kept."""
-    p = _consuming_peer()
+    p = consuming_peer()
     vh = p.conn.vhost
     p.send(
         c.encode_content(
