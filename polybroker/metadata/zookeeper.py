@@ -598,12 +598,9 @@ class ZooKeeperMetadataStore(MetadataStore):
         worker (see the module docstring)."""
         if self._worker_ops or path in self._watches:
             return self._op(lambda: finish(self._wait(start())), path)
-        if self._closed:
-            return fail(StoreClosedError("the metadata store session is closed"))
-        try:
-            self._check_user_path(path)
-        except (TypeError, ValueError):
-            return fail(Failure())
+        refused = self._refused(path)
+        if refused is not None:
+            return refused
         d: Deferred[T] = Deferred()
 
         def expire() -> None:
@@ -632,13 +629,18 @@ class ZooKeeperMetadataStore(MetadataStore):
 
     def _op(self, run: Callable[[], T], path: str) -> Deferred[T]:
         """Validate ``path`` now, run ``run`` on the worker thread, fire on the reactor."""
+        refused = self._refused(path)
+        return refused if refused is not None else self._submit(run)
+
+    def _refused(self, path: str) -> Deferred[Any] | None:
+        """A failed Deferred if the store is closed or ``path`` is not a user path, else None."""
         if self._closed:
             return fail(StoreClosedError("the metadata store session is closed"))
         try:
             self._check_user_path(path)
         except (TypeError, ValueError):
             return fail(Failure())
-        return self._submit(run)
+        return None
 
     def _submit(self, run: Callable[[], T]) -> Deferred[T]:
         d: Deferred[T] = Deferred()
