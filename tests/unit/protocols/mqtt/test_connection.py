@@ -1074,6 +1074,16 @@ def _qos1(first_pid: int, n: int) -> list[c.Packet]:
     return [c.Publish("a/b", b"m%d" % i, 1, packet_id=i) for i in range(first_pid, first_pid + n)]
 
 
+def _first_round(**settings: Any) -> tuple[Env, Peer, list[c.Packet]]:
+    """A connected publisher ``pub`` whose first three QoS 1 PUBLISHes (ids 1-3, one read)
+    were handled, with what it received for them."""
+    env = Env(**settings)
+    p = env.peer("pub")
+    p.packets()
+    _send_together(p, *_qos1(1, 3))
+    return env, p, p.packets()
+
+
 def test_acks_written_together_wait_only_for_stores_begun_before_their_completion() -> None:
     """A store that completes while earlier-begun ones are under way waits for them and all
     their acknowledgements leave in one write; a store begun after that completion does not
@@ -1101,11 +1111,8 @@ def test_acks_written_together_wait_only_for_stores_begun_before_their_completio
 def test_publishes_wait_for_those_answering_the_acks_and_make_one_entry() -> None:
     """After N PUBACKs, the PUBLISHes that answer them are stored together once N arrived,
     although they came in several reads; acknowledgements follow the one durable write."""
-    env = Env()
-    p = env.peer("pub")
-    p.packets()
-    _send_together(p, *_qos1(1, 3))
-    assert p.packets() == [c.PubAck(1), c.PubAck(2), c.PubAck(3)]
+    env, p, acks = _first_round()
+    assert acks == [c.PubAck(1), c.PubAck(2), c.PubAck(3)]
     ml = env.factory.ledger(ML_AB)
     assert [e.num_messages for e in ml.data.entries] == [3]
     p.send(_qos1(4, 1)[0])
@@ -1121,11 +1128,8 @@ def test_publishes_wait_for_those_answering_the_acks_and_make_one_entry() -> Non
 def test_held_publishes_are_stored_when_the_wait_ends() -> None:
     """PUBLISHes waiting for more are stored after ``publish_group_wait_s`` if the rest does
     not come, and the next ones are then stored at once."""
-    env = Env(publish_group_wait_s=0.002)
-    p = env.peer("pub")
-    p.packets()
-    _send_together(p, *_qos1(1, 3))
-    assert len(p.packets()) == 3
+    env, p, acks = _first_round(publish_group_wait_s=0.002)
+    assert len(acks) == 3
     ml = env.factory.ledger(ML_AB)
     p.send(_qos1(4, 1)[0])
     env.clock.advance(0.001)
@@ -1142,11 +1146,8 @@ def test_held_publishes_are_stored_when_the_wait_ends() -> None:
 def test_old_acks_make_no_publish_wait() -> None:
     """Acknowledgements the client did not answer for a while are not waited on: a PUBLISH
     arriving later is stored at once."""
-    env = Env(publish_group_wait_s=0.001)
-    p = env.peer("pub")
-    p.packets()
-    _send_together(p, *_qos1(1, 3))
-    assert len(p.packets()) == 3
+    env, p, acks = _first_round(publish_group_wait_s=0.001)
+    assert len(acks) == 3
     env.clock.advance(1.0)
     p.send(_qos1(4, 1)[0])
     assert p.packets() == [c.PubAck(4)]
@@ -1155,11 +1156,7 @@ def test_old_acks_make_no_publish_wait() -> None:
 
 def test_no_wait_when_the_group_wait_is_zero() -> None:
     """``publish_group_wait_s=0`` stores every read's PUBLISHes at once."""
-    env = Env(publish_group_wait_s=0)
-    p = env.peer("pub")
-    p.packets()
-    _send_together(p, *_qos1(1, 3))
-    p.packets()
+    _, p, _ = _first_round(publish_group_wait_s=0)
     p.send(_qos1(4, 1)[0])
     assert p.packets() == [c.PubAck(4)]
 
@@ -1167,11 +1164,7 @@ def test_no_wait_when_the_group_wait_is_zero() -> None:
 def test_a_retained_publish_is_stored_after_the_held_ones() -> None:
     """A retained PUBLISH arriving while earlier ones wait is stored after them (the topic
     keeps the client's order)."""
-    env = Env(publish_group_wait_s=0.002)
-    p = env.peer("pub")
-    p.packets()
-    _send_together(p, *_qos1(1, 3))
-    p.packets()
+    env, p, _ = _first_round(publish_group_wait_s=0.002)
     p.send(_qos1(4, 1)[0])
     p.send(c.Publish("a/b", b"kept", 1, retain=True, packet_id=5))
     payloads = [
@@ -1183,11 +1176,7 @@ def test_a_retained_publish_is_stored_after_the_held_ones() -> None:
 
 def test_held_publishes_are_stored_when_the_connection_drops() -> None:
     """PUBLISHes waiting for more are stored if the connection is lost meanwhile."""
-    env = Env(publish_group_wait_s=0.002)
-    p = env.peer("pub")
-    p.packets()
-    _send_together(p, *_qos1(1, 3))
-    p.packets()
+    env, p, _ = _first_round(publish_group_wait_s=0.002)
     p.send(_qos1(4, 1)[0])
     p.conn.connectionLost(None)
     assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
