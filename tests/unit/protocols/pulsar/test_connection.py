@@ -340,9 +340,9 @@ def test_send_receipts_follow_send_order(peer: Peer) -> None:
     assert all(r.message_id.partition == -1 for r in receipts)
 
 
-def test_sends_of_one_read_are_stored_together_before_a_later_command(peer: Peer) -> None:
-    """SENDs arriving in one read go to storage as one group, and a CLOSE_PRODUCER later in
-    that read is handled after them: every SEND is receipted, then the close answered."""
+def _producer_recording_groups(peer: Peer) -> list[int]:
+    """Open producer 1 (``p``) on the topic; return the list that gets the size of every
+    group of entries the topic's log is given from then on."""
     peer.producer(1, name="p")
     ml = peer.factory.ledger(ML)
     groups: list[int] = []
@@ -353,6 +353,13 @@ def test_sends_of_one_read_are_stored_together_before_a_later_command(peer: Peer
         return append_many(datas, *args, **kwargs)
 
     ml.append_many = recording  # type: ignore[method-assign]
+    return groups
+
+
+def test_sends_of_one_read_are_stored_together_before_a_later_command(peer: Peer) -> None:
+    """SENDs arriving in one read go to storage as one group, and a CLOSE_PRODUCER later in
+    that read is handled after them: every SEND is receipted, then the close answered."""
+    groups = _producer_recording_groups(peer)
     tails = [
         build_tail(pb.MessageMetadata(producer_name="p", sequence_id=i, publish_time=1), b"m")
         for i in range(3)
@@ -374,16 +381,7 @@ def test_sends_of_both_decodings_are_one_group_receipted_in_order(peer: Peer) ->
     flag, decoded by protobuf) mixed in one read: stored as one group in their order, each
     receipted with its sequence id and highest sequence id (0 when the SEND has none), batch
     counts kept."""
-    peer.producer(1, name="p")
-    ml = peer.factory.ledger(ML)
-    groups: list[int] = []
-    append_many = ml.append_many
-
-    def recording(datas: Any, *args: Any, **kwargs: Any) -> Any:
-        groups.append(len(datas))
-        return append_many(datas, *args, **kwargs)
-
-    ml.append_many = recording  # type: ignore[method-assign]
+    groups = _producer_recording_groups(peer)
 
     def tail(seq: int) -> bytes:
         md = pb.MessageMetadata(producer_name="p", sequence_id=seq, publish_time=1)
@@ -404,7 +402,7 @@ def test_sends_of_both_decodings_are_one_group_receipted_in_order(peer: Peer) ->
         (2, 0, 2),
         (5, 8, 3),
     ]
-    assert [e.num_messages for e in ml.data.entries] == [1, 1, 3, 1]
+    assert [e.num_messages for e in peer.factory.ledger(ML).data.entries] == [1, 1, 3, 1]
 
 
 def test_send_before_connect_is_refused_and_closed() -> None:
