@@ -617,3 +617,73 @@ def test_journal_failure_answers_a_multi_add_with_an_error(
     assert proto.in_flight == 0
     send(proto, multi(2, 1, range(3, 4)))
     assert answers(t) == [MultiAddResponse(2, Status.ERROR, "", 1, 1)]
+
+
+# -- journal on the reactor (Rule 8) ----------------------------------------------------------
+
+
+def test_journal_on_reactor_writes_syncs_and_answers_each_turn_as_one_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no writer thread, the end of a turn writes the turn's records of every connection
+    as one group and answers them only after its sync; the next turn makes the next group."""
+    h = Harness(tmp_path, journal_on_reactor=True)
+    journal = h.bookie.journal
+    assert journal is not None
+    events: list[str] = []
+    real_sync = journal_mod.os.fdatasync
+
+    def sync(fd: int) -> None:
+        events.append("sync")
+        real_sync(fd)
+
+    monkeypatch.setattr(journal_mod.os, "fdatasync", sync)
+    a, ta = h.connect()
+    b, tb = h.connect()
+    send(a, multi(1, 4, range(0, 3)))
+    send(b, add(1, 5, 0))
+    assert (ta.value(), tb.value(), events) == (b"", b"", [])
+    real_write = ta.write
+
+    def write(data: bytes) -> None:
+        events.append("answer")
+        real_write(data)
+
+    monkeypatch.setattr(ta, "write", write)
+    h.clock.advance(0)  # the end of the turn: no writer thread is asked for anything
+    assert events == ["sync", "answer"]
+    assert journal.groups_written == 1
+    assert answers(ta) == [MultiAddResponse(1, Status.OK, "", 4, 3)]
+    assert answers(tb) == [AddResponse(1, Status.OK, "", 5, 0)]
+    assert (a.in_flight, b.in_flight) == (0, 0)
+    send(b, add(2, 5, 1), FenceRequest(3, 4).encode())
+    assert tb.value() == b""  # the fence's answer waits for its durable record too
+    h.clock.advance(0)
+    assert journal.groups_written == 2
+    add_ok, fenced = answers(tb)
+    assert add_ok == AddResponse(2, Status.OK, "", 5, 1)
+    assert isinstance(fenced, FenceResponse)
+    assert (fenced.status, fenced.lac, fenced.last_entry_id) == (Status.OK, 1, 2)
+    h.crash()
+    assert Harness(tmp_path).replay.records_read == 6  # 4 entries of ledger 4 and 5, a fence
+
+
+def test_journal_on_reactor_sync_error_fails_the_group_and_later_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync error on the reactor answers ERROR to its group and to every later write."""
+    h = Harness(tmp_path, journal_on_reactor=True)
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal_mod.os, "fdatasync", broken)
+    proto, t = h.connect()
+    send(proto, multi(1, 1, range(0, 2)))
+    h.clock.advance(0)
+    (err,) = answers(t)
+    assert isinstance(err, ErrorResponse)
+    assert (err.request_id, err.status, proto.in_flight) == (1, Status.ERROR, 0)
+    send(proto, add(2, 1, 2))
+    (later,) = answers(t)
+    assert later.status == Status.ERROR  # type: ignore[union-attr]
