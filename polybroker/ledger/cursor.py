@@ -305,7 +305,24 @@ class ManagedCursorImpl(Cursor):
         self._ml._park(self)
         return d
 
+    def _cached(self, seqs: list[int]) -> list[Entry] | None:
+        """The entries numbered ``seqs`` if the log's cache holds every one of them."""
+        get = self._ml._cache.get
+        out: list[Entry] = []
+        for s in seqs:
+            e = get(s)
+            if e is None:
+                return None
+            out.append(e)
+        return out
+
     def _fetch(self, seqs: list[int], after: int) -> Deferred[list[Entry]]:
+        cached = self._cached(seqs)
+        if cached is not None:
+            # Read from the cache at once: no read in flight, nothing to chain.
+            self._read = after
+            self._ml._readers_moved()
+            return succeed(cached)
         self._reading = True
         generation = self._generation
 
@@ -332,6 +349,14 @@ class ManagedCursorImpl(Cursor):
             self._ml._park(self)
             return
         self._waiting = None
+        cached = self._cached(seqs)
+        if cached is not None:
+            # A tailing reader woken by an append takes the new entries from the cache
+            # directly (the common case): no Deferred chain between the append and the read.
+            self._read = after
+            self._ml._readers_moved()
+            d.callback(cached)
+            return
         self._fetch(seqs, after).addCallbacks(d.callback, d.errback)
 
     def cancel_pending_read(self) -> None:
