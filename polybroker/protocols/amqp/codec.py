@@ -102,6 +102,8 @@ _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _FRAME_HEAD = struct.Struct(">BHI")
+#: A content header's class id, weight and body size.
+_CONTENT_HEAD = struct.Struct(">HHQ")
 
 
 class _Reader:
@@ -351,7 +353,7 @@ def _register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def _fast_publish(payload: bytes) -> Method | None:
+def _fast_publish(payload: bytes) -> BasicPublish | None:
     """basic.publish, the hottest inbound method, without the generic walk (None: let the
     generic decoder judge a payload this cannot take)."""
     end = len(payload)
@@ -968,6 +970,33 @@ class BodyFrame:
     data: bytes
 
 
+@dataclass(slots=True)
+class PublishFrame:
+    """basic.publish, its content header and its whole body, read together: what
+    ``FrameReader`` yields for a publish whose three frames (two when the body is empty) are
+    all buffered, well formed and on one channel, in place of the three frame objects.
+
+    ``properties`` may be shared with other publishes whose properties were the same bytes
+    (those without headers): it is never changed in place."""
+
+    channel: int
+    method: BasicPublish
+    body_size: int
+    properties: BasicProperties
+    raw_properties: bytes
+    body: bytes
+
+    def parts(self) -> list[MethodFrame | HeaderFrame | BodyFrame]:
+        """The frames it stands for."""
+        out: list[MethodFrame | HeaderFrame | BodyFrame] = [
+            MethodFrame(self.channel, self.method),
+            HeaderFrame(self.channel, 60, self.body_size, self.properties, self.raw_properties),
+        ]
+        if self.body_size:
+            out.append(BodyFrame(self.channel, self.body))
+        return out
+
+
 @dataclass
 class HeartbeatFrame:
     channel: int = 0
@@ -978,7 +1007,14 @@ class ProtocolHeaderFrame:
     """The client's protocol header (always 0-9-1 when yielded)."""
 
 
-Frame = MethodFrame | HeaderFrame | BodyFrame | HeartbeatFrame | ProtocolHeaderFrame
+Frame = MethodFrame | HeaderFrame | BodyFrame | PublishFrame | HeartbeatFrame | ProtocolHeaderFrame
+
+#: Decoded content properties without headers, by their wire form (``PublishFrame``): a
+#: publisher sends the same few sets again and again.
+_SEEN_PROPERTIES: dict[bytes, BasicProperties] = {}
+_SEEN_PROPERTIES_MAX = 1024
+_HEADERS_FLAG = 1 << 13
+_PUBLISH_HEAD = b"\x00\x3c\x00\x28"
 
 
 class BadProtocolHeader(AmqpError):
@@ -1087,11 +1123,69 @@ class FrameReader:
                     break
                 if buf[end] != FRAME_END:
                     raise AmqpError(FRAME_ERROR, "frame-end octet missing")
+                if kind == FRAME_METHOD and not limit and buf[pos + 7 : pos + 11] == _PUBLISH_HEAD:
+                    fused = self._publish(buf, channel, bytes(buf[pos + 7 : end]), end + 1)
+                    if fused is not None:
+                        out.append(fused[0])
+                        pos = fused[1]
+                        continue
                 out.append(self._decode(kind, channel, bytes(buf[pos + 7 : end])))
                 pos = end + 1
         finally:
             del buf[:pos]
         return out
+
+    def _publish(
+        self, buf: bytearray, channel: int, payload: bytes, at: int
+    ) -> tuple[PublishFrame, int] | None:
+        """The publish whose method ``payload`` ends before ``at``, with its content header and
+        body frames from ``at`` on, and where the next frame starts; None unless all of them
+        are buffered and well formed (the frames are then read one by one, which reports
+        whatever is wrong where it is)."""
+        method = _fast_publish(payload)
+        if method is None or len(buf) - at < 7:
+            return None
+        kind, ch, size = _FRAME_HEAD.unpack_from(buf, at)
+        if kind != FRAME_HEADER or ch != channel or size < 14:
+            return None
+        end = at + 7 + size
+        if size + FRAME_OVERHEAD > self.frame_max or len(buf) < end + 1 or buf[end] != FRAME_END:
+            return None
+        class_id, _weight, body_size = _CONTENT_HEAD.unpack_from(buf, at + 7)
+        if class_id != 60:
+            return None
+        raw = bytes(buf[at + 19 : end])
+        props = _SEEN_PROPERTIES.get(raw)
+        if props is None:
+            r = _Reader(raw)
+            try:
+                props = BasicProperties.decode(r)
+            except AmqpError:
+                return None
+            if r.pos != r.end:
+                return None
+            if not raw[0] << 8 & _HEADERS_FLAG:
+                if len(_SEEN_PROPERTIES) >= _SEEN_PROPERTIES_MAX:
+                    _SEEN_PROPERTIES.clear()
+                _SEEN_PROPERTIES[raw] = props
+        at = end + 1
+        if not body_size:
+            return PublishFrame(channel, method, 0, props, raw, b""), at
+        if len(buf) - at < 7:
+            return None
+        kind, ch, size = _FRAME_HEAD.unpack_from(buf, at)
+        end = at + 7 + size
+        if (
+            kind != FRAME_BODY
+            or ch != channel
+            or size != body_size
+            or size + FRAME_OVERHEAD > self.frame_max
+            or len(buf) < end + 1
+            or buf[end] != FRAME_END
+        ):
+            return None
+        body = bytes(buf[at + 7 : end])
+        return PublishFrame(channel, method, body_size, props, raw, body), end + 1
 
     @staticmethod
     def _decode(kind: int, channel: int, payload: bytes) -> Frame:

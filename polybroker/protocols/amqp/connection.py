@@ -294,6 +294,31 @@ class AmqpConnection(Protocol):
     # -- frames ------------------------------------------------------------------------------
 
     def frame_received(self, frame: c.Frame) -> None:
+        if type(frame) is c.PublishFrame:
+            ch = self.channels.get(frame.channel)
+            if (
+                ch is not None
+                and self.state == "open"
+                and self.publisher
+                and not self.closing
+                and not ch.closing
+                and ch.content is None
+                and frame.body_size <= self.s.max_message_size
+            ):
+                # A whole publish at once (the common case): what its three frames would do.
+                size = frame.body_size
+                content = _Content(
+                    frame.method, frame.properties, frame.raw_properties, size, [frame.body], size
+                )
+                self._submit(ch, content)
+                return
+            # Anything else (a first publish, a channel closing or not open, an oversize
+            # message): as the frames it stands for, one by one.
+            for part in frame.parts():
+                if self.closed:
+                    return
+                self.frame_received(part)
+            return
         if isinstance(frame, c.HeartbeatFrame):
             return
         if self.state == "header":
@@ -1049,12 +1074,10 @@ class AmqpConnection(Protocol):
 
     def _publish(
         self, ch: Channel, pm: c.BasicPublish, msg: AmqpMessage, *, confirm: bool
-    ) -> Deferred[Any]:
+    ) -> Deferred[Any] | None:
+        """Route and store ``msg``; in a transaction (at tx.commit) return a Deferred of the
+        outcome, else the outcome is a confirm (or only logged when it failed)."""
         queues = self.vh.destinations(msg)
-        seq = 0
-        if confirm:
-            ch.publish_seq += 1
-            seq = ch.publish_seq
         bridged = msg.exchange == "amq.topic"
         if not queues and not bridged and pm.mandatory:
             if self._out:
@@ -1068,24 +1091,24 @@ class AmqpConnection(Protocol):
                     self.frame_max,
                 )
             )
-        d = self.vh.publish(msg, queues)
+        if ch.tx:
+            d: Deferred[Any] = Deferred()
 
-        def acked(_: object) -> None:
-            if confirm:
-                self._confirmed(ch, seq, True)
+            def told(result: Any) -> None:
+                if isinstance(result, Failure):
+                    _log_failed(result)
+                    d.errback(result)
+                else:
+                    d.callback(result)
 
-        def failed(f: Failure) -> Failure | None:
-            if not f.check(QueueFullError):
-                log.warning("AMQP publish failed", extra=kv(error=str(f.value)))
-            if confirm:
-                self._confirmed(ch, seq, False)
-                return None
-            return f
-
-        d.addCallbacks(acked, failed)
-        if not confirm and not ch.tx:
-            d.addErrback(lambda f: None)
-        return d
+            self.vh.publish_then(msg, queues, told)
+            return d
+        if not confirm:
+            self.vh.publish_then(msg, queues, _log_if_failed)
+            return None
+        ch.publish_seq += 1
+        self.vh.publish_then(msg, queues, _Confirm(self, ch, ch.publish_seq).told)
+        return None
 
     # -- confirm and tx ----------------------------------------------------------------------
 
@@ -1202,6 +1225,33 @@ class AmqpConnection(Protocol):
             raise c.AmqpError(c.PRECONDITION_FAILED, "channel is not transactional", 90, 30)
         ch.tx_work.clear()
         self.send(ch.number, c.TxRollbackOk())
+
+
+def _log_failed(f: Failure) -> None:
+    if not f.check(QueueFullError):
+        log.warning("AMQP publish failed", extra=kv(error=str(f.value)))
+
+
+def _log_if_failed(result: Any) -> None:
+    if isinstance(result, Failure):
+        _log_failed(result)
+
+
+class _Confirm:
+    """Confirms publish ``seq`` of a channel once its outcome is known."""
+
+    __slots__ = ("ch", "conn", "seq")
+
+    def __init__(self, conn: AmqpConnection, ch: Channel, seq: int) -> None:
+        self.conn = conn
+        self.ch = ch
+        self.seq = seq
+
+    def told(self, result: Any) -> None:
+        ok = not isinstance(result, Failure)
+        if not ok:
+            _log_failed(result)
+        self.conn._confirmed(self.ch, self.seq, ok)
 
 
 class AmqpFactory(Factory):

@@ -1866,8 +1866,26 @@ class VirtualHost:
         return [self.queues[n] for n in names if n in self.queues]
 
     def publish(self, msg: AmqpMessage, queues: list[Queue] | None = None) -> Deferred[int]:
-        """Store ``msg`` once for the queues it reaches, whatever their number; fire with that
-        number once every write is durable (then it is in each of them).
+        """``publish_then`` as a Deferred: fires with the number of queues reached once every
+        write is durable (raises ``AmqpError`` for a missing exchange)."""
+        d: Deferred[int] = Deferred()
+
+        def told(result: Any) -> None:
+            if isinstance(result, Failure):
+                d.errback(result)
+            else:
+                d.callback(result)
+
+        self.publish_then(msg, queues, told)
+        return d
+
+    def publish_then(
+        self, msg: AmqpMessage, queues: list[Queue] | None, tell: Callable[[Any], None]
+    ) -> None:
+        """Store ``msg`` once for the queues it reaches, whatever their number; call ``tell``
+        once, with that number once every write is durable (then it is in each of them), or
+        with the first write's ``Failure`` (``QueueFullError`` when a reject-publish queue
+        refused it). ``tell`` may be called before this returns (memory queues only).
 
         Where: in the exchange's log, naming the queues in ``P_TO``, when it reaches several
         durable queues or one that reads that log already (so the order of what one exchange
@@ -1875,7 +1893,10 @@ class VirtualHost:
         Each queue reads a shared log through a subscription of its own, created (and
         recorded) before the first append it needs. Transient queues take the message in
         memory. ``amq.topic`` with routing key R also writes it on topic R, for the other
-        protocols (queues skip those copies: they have it from the exchange already)."""
+        protocols (queues skip those copies: they have it from the exchange already).
+
+        No Deferred per message: a publish is one entry in its batch's list of whom to tell
+        (``_Batch.waiters``)."""
         if queues is None:
             queues = self.destinations(msg)
         if not msg.persistent and not msg.incarnation:
@@ -1893,24 +1914,26 @@ class VirtualHost:
                 if q.memory_only:
                     q.accept(msg)
         size = len(msg.body) + 256
-        ds: list[Deferred[Any]] = []
+        bridged = (
+            f"persistent://{self.namespace}/{msg.routing_key}"
+            if msg.exchange == "amq.topic" and _valid_local(msg.routing_key)
+            else None
+        )
+        writes = (1 if stored else 0) + (1 if bridged is not None else 0)
+        if not writes:
+            tell(Failure(QueueFullError()) if refused else reached)
+            return
+        outcome = _Outcome(tell, writes, Failure(QueueFullError()) if refused else reached)
         if stored:
-            ds.append(self._route(msg, stored, size))
-        if msg.exchange == "amq.topic" and _valid_local(msg.routing_key):
-            bridged = f"persistent://{self.namespace}/{msg.routing_key}"
-            ds.append(self._store(bridged, to_stored(msg), size))
-        if not ds:
-            return fail(QueueFullError()) if refused else succeed(reached)
-        if len(ds) == 1:
-            d = ds[0]
-        else:
-            d = DeferredList(ds, fireOnOneErrback=True, consumeErrors=True)
-            d.addErrback(_first_failure)
-        d.addCallback(lambda _: _raise(QueueFullError()) if refused else reached)
-        return d
+            self._route(msg, stored, size, outcome.one)
+        if bridged is not None:
+            self._store(bridged, to_stored(msg), size, outcome.one)
 
-    def _route(self, msg: AmqpMessage, stored: list[Queue], size: int) -> Deferred[Any]:
-        """Append ``msg`` for durable queues ``stored`` (see ``publish``)."""
+    def _route(
+        self, msg: AmqpMessage, stored: list[Queue], size: int, tell: Callable[[Any], None]
+    ) -> None:
+        """Append ``msg`` for durable queues ``stored`` (see ``publish_then``); ``tell`` the
+        stored entry or the failure."""
         log_topic = self.exchange_log(msg.exchange)
         stored_message = to_stored(msg)
         waits: list[Deferred[None]] = []
@@ -1928,22 +1951,20 @@ class VirtualHost:
             q.unread += 1
             if q.max_length is not None:
                 q._enforce_max_length()
-        previous = self._gates.get(target)
-        if not waits and previous is None:
-            d = self._store(target, stored_message, size)
-        else:
-            d = self._gated(target, stored_message, size, waits, previous)
 
-        def appended(result: Any) -> Any:
+        def appended(result: Any) -> None:
             entry = result if isinstance(result, Entry) else None
             for q in stored:
                 if entry is None and q.unread:
                     q.unread -= 1
                 q.appended(target, entry)
-            return result
+            tell(result)
 
-        d.addBoth(appended)
-        return d
+        previous = self._gates.get(target)
+        if not waits and previous is None:
+            self._store(target, stored_message, size, appended)
+        else:
+            self._gated(target, stored_message, size, waits, previous, appended)
 
     def _gated(
         self,
@@ -1952,7 +1973,8 @@ class VirtualHost:
         size: int,
         waits: list[Deferred[None]],
         previous: Deferred[None] | None,
-    ) -> Deferred[Any]:
+        tell: Callable[[Any], None],
+    ) -> None:
         """Store ``message`` once the queues' subscriptions exist (the first message a queue
         gets through a log waits for its subscription) and after the publish to ``target``
         that waited before it, so a log keeps the publish order."""
@@ -1964,14 +1986,13 @@ class VirtualHost:
                 del self._gates[target]
             mine.callback(None)
 
-        def go(_: object) -> Deferred[Any]:
-            d = self._store(target, message, size)
+        def go(_: object) -> None:
+            self._store(target, message, size, tell)
             opened()
-            return d
 
-        def failed(f: Any) -> Any:
+        def failed(f: Any) -> None:
             opened()
-            return _first_failure(f)
+            tell(_first_failure(f))
 
         gate = DeferredList(
             [*waits, *([previous] if previous is not None else [])],
@@ -1979,29 +2000,26 @@ class VirtualHost:
             consumeErrors=True,
         )
         gate.addCallbacks(go, failed)
-        return gate
 
     # -- batching ----------------------------------------------------------------------------
 
-    def _store(self, topic: str, message: Message, size: int) -> Deferred[Any]:
-        """Append ``message`` to ``topic`` in the batch entry of this turn; fires with the
-        stored entry once it is durable."""
+    def _store(self, topic: str, message: Message, size: int, tell: Callable[[Any], None]) -> None:
+        """Append ``message`` to ``topic`` in the batch entry of this turn; ``tell`` the stored
+        entry once it is durable, or the failure."""
         pending = self._pending.get(topic)
         if pending is not None and pending.size + size > BATCH_MAX_BYTES:
             self._flush_topic(topic)
             pending = None
         if pending is None:
             pending = self._pending[topic] = _Batch()
-        d: Deferred[Any] = Deferred()
         pending.messages.append(message)
-        pending.waiters.append(d)
+        pending.waiters.append(tell)
         pending.size += size
         if len(pending.messages) >= BATCH_MAX_MESSAGES:
             self._flush_topic(topic)
         elif not self._flush_scheduled and not self.inputs:
             self._flush_scheduled = True
             self.clock.callLater(0, self.flush)
-        return d
 
     def soon(self, fn: Callable[[], object]) -> None:
         """Call ``fn`` at the end of the client input under way (its ``flush``), else at the
@@ -2042,27 +2060,21 @@ class VirtualHost:
             stored[id(data)] = (data, batch.messages)
         d = self.service.publish(topic, data, count, publish_time_ms=now, forward=True)
 
-        def done(entry: Any) -> None:
+        def done(result: Any) -> None:
+            # ``result``: the stored entry, or the failure; every publish of the batch hears.
             self.completing += 1
             try:
-                for w in batch.waiters:
-                    w.callback(entry)
+                for tell in batch.waiters:
+                    try:
+                        tell(result)
+                    except Exception:  # one publish's bug must not keep the others waiting
+                        log.exception("AMQP publish completion failed")
             finally:
                 self.completing -= 1
             if self._after and not self.completing:
                 self._completed()
 
-        def failed(f: Any) -> None:
-            self.completing += 1
-            try:
-                for w in batch.waiters:
-                    w.errback(f)
-            finally:
-                self.completing -= 1
-            if self._after and not self.completing:
-                self._completed()
-
-        d.addCallbacks(done, failed)
+        d.addBoth(done)
 
     def messages_of(self, data: bytes) -> list[Message]:
         """The messages of a stored entry: those this vhost encoded into these very bytes
@@ -2086,11 +2098,37 @@ class VirtualHost:
 
 @dataclass
 class _Batch:
-    """Messages gathered for one topic in one turn, stored as one batch entry."""
+    """Messages gathered for one topic in one turn, stored as one batch entry, and whom to
+    tell the outcome (the stored entry, or the failure)."""
 
     messages: list[Message] = field(default_factory=list)
-    waiters: list[Deferred[Any]] = field(default_factory=list)
+    waiters: list[Callable[[Any], None]] = field(default_factory=list)
     size: int = 0
+
+
+class _Outcome:
+    """Joins the writes of one publish (its queues' log, and the ``amq.topic`` bridge): tells
+    ``result`` once all succeeded, or the first failure at once (later ones are dropped)."""
+
+    __slots__ = ("left", "result", "tell")
+
+    def __init__(self, tell: Callable[[Any], None], writes: int, result: Any) -> None:
+        self.tell: Callable[[Any], None] | None = tell
+        self.left = writes
+        self.result = result
+
+    def one(self, result: Any) -> None:
+        tell = self.tell
+        if tell is None:
+            return
+        if isinstance(result, Failure):
+            self.tell = None
+            tell(result)
+            return
+        self.left -= 1
+        if not self.left:
+            self.tell = None
+            tell(self.result)
 
 
 #: Stands for "some binding may be gone" (every queue is looked at).
@@ -2099,10 +2137,6 @@ _ANY_REMOVAL = routing.Binding("", "", routing.EXCHANGE, "")
 
 class QueueFullError(Exception):
     """A reject-publish queue at its x-max-length refused the message (the publish is nacked)."""
-
-
-def _raise(e: Exception) -> Any:
-    raise e
 
 
 def _first_failure(f: Any) -> Any:

@@ -46,7 +46,9 @@ def test_decodes_what_pika_encodes() -> None:
             pika.frame.Body(1, b"abc").marshal(),
         ]
     )
-    method, header, body = _frames(raw)
+    (publish_frame,) = _frames(raw)
+    assert isinstance(publish_frame, c.PublishFrame)
+    method, header, body = publish_frame.parts()
     assert isinstance(method, c.MethodFrame)
     assert method.method == c.BasicPublish(exchange="ex", routing_key="rk", mandatory=True)
     assert isinstance(header, c.HeaderFrame)
@@ -217,3 +219,73 @@ def test_basic_ack_packed_directly_matches_the_generic_encoding() -> None:
         reader = c.FrameReader(4096, expect_header=False)
         reader.feed(raw)
         assert reader.frames() == [c.MethodFrame(5, method)]
+
+
+def _publish_frames(channel: int, body: bytes, frame_max: int = 131072, **props: object) -> bytes:
+    return c.encode_content(
+        channel,
+        c.BasicPublish(exchange="ex", routing_key="rk"),
+        c.BasicProperties(**props),  # type: ignore[arg-type]
+        body,
+        frame_max,
+    )
+
+
+def test_a_whole_publish_reads_as_one_frame_equal_to_its_three() -> None:
+    """A publish whose method, header and body frames are all buffered reads as one
+    ``PublishFrame`` whose parts are what the frames read one by one give; the frames after
+    it read as usual."""
+    raw = _publish_frames(3, b"body", content_type="t/p", delivery_mode=2)
+    after = c.encode_method(3, c.BasicAck(7, False))
+    frames = _frames(raw + after)
+    assert len(frames) == 2
+    fused, ack = frames
+    assert isinstance(fused, c.PublishFrame)
+    assert (fused.channel, fused.body_size, fused.body) == (3, 4, b"body")
+    one_by_one = c.FrameReader(131072, expect_header=False)
+    one_by_one.feed(raw)
+    assert fused.parts() == one_by_one.frames(limit=3)
+    assert ack == c.MethodFrame(3, c.BasicAck(7, False))
+
+
+def test_an_empty_body_publish_is_method_and_header_only() -> None:
+    """A publish of an empty body (no body frame) reads as one frame with an empty body."""
+    (fused,) = _frames(_publish_frames(1, b""))
+    assert isinstance(fused, c.PublishFrame)
+    assert fused.body == b""
+    assert [type(f) for f in fused.parts()] == [c.MethodFrame, c.HeaderFrame]
+
+
+def test_a_publish_not_all_buffered_or_in_several_body_frames_reads_frame_by_frame() -> None:
+    """Only whole single-body publishes are read as one frame: a publish split across inputs
+    or whose body spans several frames reads as its frames, in order."""
+    raw = _publish_frames(1, b"abcdef")
+    reader = c.FrameReader(131072, expect_header=False)
+    reader.feed(raw[:-3])
+    first = reader.frames()
+    reader.feed(raw[-3:])
+    rest = reader.frames()
+    assert [type(f) for f in first + rest] == [c.MethodFrame, c.HeaderFrame, c.BodyFrame]
+    big = _publish_frames(1, b"x" * 10000, frame_max=4096)
+    assert [type(f) for f in _frames(big)] == [c.MethodFrame, c.HeaderFrame] + [c.BodyFrame] * 3
+
+
+def test_a_malformed_header_after_a_publish_is_reported_as_before() -> None:
+    """A publish followed by a bad content header (trailing bytes) is not read as one: the
+    header frame raises the error it raises on its own."""
+    method = c.encode_method(1, c.BasicPublish(exchange="", routing_key="q"))
+    header = (60).to_bytes(2, "big") + b"\x00\x00" + (1).to_bytes(8, "big") + b"\x00\x00!"
+    raw = method + c._frame(c.FRAME_HEADER, 1, header) + c._frame(c.FRAME_BODY, 1, b"z")
+    with pytest.raises(c.AmqpError) as e:
+        _frames(raw)
+    assert e.value.code == c.FRAME_ERROR
+
+
+def test_publishes_share_decoded_properties_only_without_headers() -> None:
+    """Publishes whose properties are the same bytes share one decoded object, unless they
+    carry headers (a mutable table)."""
+    plain = _frames(_publish_frames(1, b"a", delivery_mode=2) * 2)
+    assert plain[0].properties is plain[1].properties  # type: ignore[union-attr]
+    headed = _frames(_publish_frames(1, b"a", headers={"h": 1}) * 2)
+    assert headed[0].properties == headed[1].properties  # type: ignore[union-attr]
+    assert headed[0].properties is not headed[1].properties  # type: ignore[union-attr]
