@@ -7,16 +7,26 @@ the zip holds the same sources, so a process that imports the installed package 
 same code from its compiled cache. That matters for the processes Spark starts fresh rather than
 forks from its daemon: each streaming query's source (and sink) runner, where compiling pyspark
 costs about 0.65 CPU-seconds of the query's start-up. ``worker_python`` makes such a launcher.
+
+Even compiled, a source runner imports pyspark.sql, pyarrow and numpy before the query's first
+call. ``local_session`` also starts a fork server (``polybroker.spark.forkserver``) that has them
+imported: the launcher hands a source runner's launch to it, and the runner is a fork of it that
+starts in milliseconds (or, when the server cannot serve the launch as a fresh process would
+run, a plain process as before).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+from polybroker.spark import forkserver
 
 
 def _bundled_zips() -> list[str]:
@@ -47,10 +57,23 @@ def _bundled_zips() -> list[str]:
     return zips
 
 
-def launcher_script(python: str, zips: list[str]) -> str:
+def launcher_script(python: str, zips: list[str], client: str | None = None) -> str:
     """A POSIX sh script that runs ``python`` with its arguments after dropping the entries equal
-    to one of ``zips`` from ``PYTHONPATH`` (the others stay, in order)."""
+    to one of ``zips`` from ``PYTHONPATH`` (the others stay, in order). With ``client`` (the
+    path of ``polybroker/spark/forkserver.py``), a launch of a module the fork server takes goes
+    through that client when ``$POLYBROKER_SPARK_FORKSERVER`` names a server."""
     drops = " ".join(shlex.quote(z) for z in zips)
+    py = shlex.quote(python)
+    handoff = ""
+    if client is not None:
+        modules = "|".join(shlex.quote(m) for m in forkserver.MODULES)
+        handoff = (
+            f'if [ -n "${forkserver.ENV}" ] && [ "$1" = -m ]; then\n'
+            '  case "$2" in\n'
+            f'    {modules}) exec {py} -I -S {shlex.quote(client)} {py} "$@" ;;\n'
+            "  esac\n"
+            "fi\n"
+        )
     return (
         "#!/bin/sh\n"
         "# Spark's Python processes import the installed pyspark rather than the same code from\n"
@@ -68,7 +91,8 @@ def launcher_script(python: str, zips: list[str]) -> str:
         "unset IFS\n"
         'PYTHONPATH="$kept"\n'
         "export PYTHONPATH\n"
-        f'exec {shlex.quote(python)} "$@"\n'
+        f"{handoff}"
+        f'exec {py} "$@"\n'
     )
 
 
@@ -79,7 +103,8 @@ def worker_python(python: str = sys.executable, cache: Path | None = None) -> st
     zips = _bundled_zips()
     if not zips or os.name != "posix":
         return python
-    text = launcher_script(python, zips)
+    client = forkserver.__file__ if os.path.isfile(forkserver.__file__) else None
+    text = launcher_script(python, zips, client)
     base = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     where = base / "polybroker" / f"spark-python-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     try:
@@ -94,15 +119,65 @@ def worker_python(python: str = sys.executable, cache: Path | None = None) -> st
     return str(where)
 
 
+_server: forkserver.ForkServer | None = None
+_stop_registered = False
+
+
+def start_fork_server() -> forkserver.ForkServer | None:
+    """Start this driver's fork server (``polybroker.spark.forkserver``) unless it runs, and
+    name it in the environment, which a SparkSession started afterwards hands its Python
+    processes (through ``worker_python``'s launcher they use it). Its environment is the
+    driver's with what Spark sets for its Python processes (``PYTHONHASHSEED``, by default 0,
+    and ``PYTHONUNBUFFERED``). None off POSIX. Stopped by ``stop_fork_server`` or at exit."""
+    global _server, _stop_registered
+    if _server is not None and _server.proc.poll() is None:
+        return _server
+    if os.name != "posix" or not hasattr(socket, "send_fds"):
+        return None
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0"),
+        "PYTHONUNBUFFERED": "YES",
+    }
+    env.pop(forkserver.ENV, None)
+    _server = forkserver.start(env=env)
+    os.environ[forkserver.ENV] = _server.path
+    if not _stop_registered:
+        atexit.register(stop_fork_server)
+        _stop_registered = True
+    return _server
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server ``start_fork_server`` started (with any source runner it still
+    runs: call it after the session's stop) and take its name out of the environment."""
+    global _server
+    if _server is None:
+        return
+    server, _server = _server, None
+    if os.environ.get(forkserver.ENV) == server.path:
+        del os.environ[forkserver.ENV]
+    server.stop()
+
+
 def local_session(app: str, master: str = "local[2]") -> Any:
     """Get or create a session; ``PYSPARK_PYTHON`` defaults to the driver's interpreter (through
-    ``worker_python``'s launcher when it applies).
+    ``worker_python``'s launcher when it applies). A session this call creates with that
+    launcher gets the fork server of ``start_fork_server`` for its streaming sources.
 
     The data source's reader and writer run in Spark's Python workers, which must import
     ``polybroker`` and ``pyarrow``: the driver's interpreter has both.
     """
-    os.environ.setdefault("PYSPARK_PYTHON", worker_python())
+    launcher = worker_python()
+    os.environ.setdefault("PYSPARK_PYTHON", launcher)
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
+
+    if (
+        os.environ["PYSPARK_PYTHON"] == launcher != sys.executable
+        and SparkContext._active_spark_context is None
+    ):
+        start_fork_server()
 
     return (
         SparkSession.builder.master(master)

@@ -46,13 +46,16 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local[2] SparkSession for every Spark test; workers run this interpreter, through
-    the launcher ``local_session`` gives them (``polybroker.spark.session.worker_python``)."""
-    from polybroker.spark.session import worker_python
+    the launcher ``local_session`` gives them (``polybroker.spark.session.worker_python``), and
+    streaming sources start from its fork server (``start_fork_server``), stopped after it."""
+    from polybroker.spark.session import start_fork_server, stop_fork_server, worker_python
 
     python = worker_python()
     os.environ["PYSPARK_PYTHON"] = python
     os.environ["PYSPARK_DRIVER_PYTHON"] = python
     from pyspark.sql import SparkSession
+
+    start_fork_server()
 
     session = (
         SparkSession.builder.master("local[2]")
@@ -67,6 +70,7 @@ def spark() -> Iterator[Any]:
         yield session
     finally:
         session.stop()
+        stop_fork_server()
 
 
 @pytest.fixture

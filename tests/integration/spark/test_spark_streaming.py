@@ -145,3 +145,59 @@ def test_a_stream_source_runner_imports_the_installed_pyspark(spark: Any, tmp_pa
     assert [r.origin for r in spark.sql("SELECT origin FROM pyspark_origin").collect()] == [
         "installed"
     ]
+
+
+def test_a_stream_source_runner_is_a_fork_of_the_session_fork_server(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The session's fork server serves the source runner's launch: the process that answers
+    the query's offset calls is its child, and the query runs to its end."""
+    import os
+
+    from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+
+    from polybroker.spark.session import start_fork_server
+
+    server = start_fork_server()
+    assert server is not None
+
+    class Reader(DataSourceStreamReader):
+        def initialOffset(self) -> dict:
+            return {"n": 0, "parent": os.getppid()}
+
+        def latestOffset(self) -> dict:
+            return {"n": 2, "parent": os.getppid()}
+
+        def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+            return [InputPartition(i) for i in range(start["n"], end["n"])]
+
+        def read(self, partition: InputPartition) -> Any:
+            yield (partition.value,)  # type: ignore[attr-defined]
+
+    class Source(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "runner_parent"
+
+        def schema(self) -> str:
+            return "n int"
+
+        def streamReader(self, schema: Any) -> DataSourceStreamReader:
+            return Reader()
+
+    spark.dataSource.register(Source)
+    query = (
+        spark.readStream.format("runner_parent")
+        .load()
+        .writeStream.format("memory")
+        .queryName("runner_parent")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120)
+    assert query.exception() is None
+    ends = [json.loads(p["sources"][0]["endOffset"]) for p in query.recentProgress]
+    assert ends
+    assert all(e["parent"] == server.pid for e in ends)
+    assert sorted(r.n for r in spark.sql("SELECT n FROM runner_parent").collect()) == [0, 1]

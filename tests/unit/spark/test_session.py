@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from polybroker.spark import session
+from polybroker.spark import forkserver, session
 
 
 def _run(script: Path, pythonpath: str) -> list[str]:
@@ -65,3 +65,34 @@ def test_the_installed_pyspark_zip_holds_the_installed_sources() -> None:
     with zipfile.ZipFile(zips[0]) as z:
         for name in ("__init__.py", "sql/datasource.py", "worker_util.py", "serializers.py"):
             assert z.read(f"pyspark/{name}") == (home / name).read_bytes()
+
+
+def test_launcher_hands_only_source_runner_launches_to_the_fork_server_client(
+    tmp_path: Path,
+) -> None:
+    """With a server named in the environment, ``-m`` of a module the server takes goes to the
+    client (as ``python -I -S client python args``, after the zip is dropped); anything else,
+    or no server named, is the plain interpreter."""
+    client = tmp_path / "client.py"
+    client.write_text("import os, sys; print('client', sys.argv[1:], os.environ['PYTHONPATH'])\n")
+    script = tmp_path / "python"
+    zips = [str(tmp_path / "pyspark.zip")]
+    script.write_text(session.launcher_script(sys.executable, zips, str(client)))
+    script.chmod(0o755)
+    runner = forkserver.MODULES[0]
+
+    def run(env: dict[str, str], *args: str) -> str:
+        out = subprocess.run(
+            [str(script), *args],
+            env={**os.environ, "PYTHONPATH": f"{zips[0]}:/k", **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return out.stdout.strip()
+
+    named = {forkserver.ENV: str(tmp_path / "sock")}
+    assert run(named, "-m", runner, "a b") == f"client {[sys.executable, '-m', runner, 'a b']} /k"
+    assert run(named, "-c", "print('plain')") == "plain"
+    assert run(named, "-m", "json.tool", "--help").startswith("usage")
+    assert run({forkserver.ENV: ""}, "-c", "print('plain')") == "plain"
