@@ -13,9 +13,11 @@ PUBRELs (answering its client's PUBRECs) leave once the PUBRECs of the read are 
 (one write; see ``session``), in order with those acknowledgements.
 
 Grouping: the PUBLISHes of one read make one entry per topic; those a client sends in answer
-to a round of PUBACKs (or PUBCOMPs) may wait ``publish_group_wait_s`` for the rest of the
-round to make one entry too; the acknowledgements of stores under way together leave together
-(``_store_done``); reads bringing QoS 1/2 PUBLISHes are TCP-ACKed at once (``_ack_at_once``).
+to a round of PUBACKs (or PUBCOMPs) of at least ``publish_group_min_round`` may wait
+``publish_group_wait_s`` for the rest of the round to make one entry too; the
+acknowledgements of stores under way together leave together (``_store_done``); reads bringing
+QoS 1/2 PUBLISHes are TCP-ACKed at once (``_ack_at_once``). Writes go to the kernel at once
+(``write_now``), those of a read at its end.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -68,6 +70,9 @@ class MqttSettings:
     #: How long a read's PUBLISHes may wait for the ones their client is about to send
     #: (see ``MqttConnection._hold_publishes``); 0: never.
     publish_group_wait_s: float = 0.0005
+    #: The fewest acknowledgements, written together, whose answers wait for each other
+    #: (a client pacing its publishes has fewer in flight at its usual latency).
+    publish_group_min_round: int = 6
 
 
 def quick_ack_socket(transport: Any) -> Any:
@@ -163,6 +168,7 @@ class MqttConnection(Protocol):
             return
         self._last_heard = self.clock.seconds()
         self.reader.feed(data)
+        owed = self._owed
         # What this read makes the connection write goes out as one write at its end.
         self.reading = True
         try:
@@ -178,7 +184,7 @@ class MqttConnection(Protocol):
                 self._awaits_ack = False
                 if self._quick_ack is not None:
                     self._ack_at_once()
-            if self._batches and not self._hold_publishes():
+            if self._batches and not self._hold_publishes(owed):
                 self._flush_publishes()
         except c.UnsupportedProtocolError as e:
             self._log_close(str(e))
@@ -226,7 +232,7 @@ class MqttConnection(Protocol):
             data = b"".join(self._out)
             self._out = []
             if self.state != self.CLOSED and self.transport is not None:
-                self.transport.write(data)
+                write_now(self.transport, data)
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         if self.state == self.CLOSED:
@@ -267,11 +273,15 @@ class MqttConnection(Protocol):
             return "?"
 
     def write(self, data: bytes) -> None:
-        """Write wire bytes unless the connection is closed (during a read: at its end)."""
+        """Write wire bytes unless the connection is closed (during a read: at its end).
+
+        The bytes go to the kernel at once (``write_now``), not when the reactor next
+        polls: a delivery completes a durable write that a subscriber waits for, and what a
+        read produced is all there is to write for it."""
         if self.reading:
             self._out.append(data)
         elif self.state != self.CLOSED and self.transport is not None:
-            self.transport.write(data)
+            write_now(self.transport, data)
 
     def send(self, packet: c.Packet) -> None:
         self.write(c.encode(packet, self.level))
@@ -540,8 +550,9 @@ class MqttConnection(Protocol):
         else:
             batch.append((p, slot))
 
-    def _hold_publishes(self) -> bool:
-        """Whether the PUBLISHes read so far wait for more rather than being stored now.
+    def _hold_publishes(self, owed: int) -> bool:
+        """Whether the PUBLISHes read so far wait for more rather than being stored now
+        (``owed``: ``_owed`` when the read began).
 
         A client with several QoS 1/2 messages in flight sends a new one per PUBACK (or
         PUBCOMP) and writes them one by one: stored as they arrive, the first would make an
@@ -550,13 +561,21 @@ class MqttConnection(Protocol):
         (``_owed``), what was read waits for the rest, at most ``publish_group_wait_s`` from
         the first read held; then everything held is stored, in arrival order, and nothing
         more is expected until the next acknowledgements (nor once the acknowledgements are
-        ``OWED_HORIZON`` waits old: the client sent no more)."""
+        ``OWED_HORIZON`` waits old: the client sent no more).
+
+        A wait begins only with a read answering a round of at least
+        ``publish_group_min_round`` acknowledgements. A client that paces its publishes sends
+        them one at a time whatever it was answered: the acknowledgements of two of them,
+        written together, would make the next one wait for the one after it, the two would
+        be stored together and acknowledged together, and so on: every other message would
+        wait a whole interval, to save one small entry."""
         wait = self.settings.publish_group_wait_s
         if (
             self._owed <= 0
             or wait <= 0
             or self.state != self.READY
             or self.clock.seconds() - self._owed_at > OWED_HORIZON * wait
+            or (self._group_timer is None and owed < self.settings.publish_group_min_round)
         ):
             self._owed = 0
             self._stop_group_timer()

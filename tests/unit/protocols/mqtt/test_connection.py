@@ -1065,6 +1065,39 @@ def test_a_puback_after_a_durable_write_goes_to_the_socket_at_once() -> None:
     assert pub.packets() == [c.PubAck(2)]
 
 
+def test_a_delivery_after_a_durable_write_goes_to_the_socket_at_once() -> None:
+    """A subscriber's PUBLISH, sent when the message's write completes, goes to the kernel
+    then, not when the reactor next polls; what a read of the subscriber's bytes lets go
+    (deliveries waiting for its PUBACKs) leaves at the read's end in one send."""
+    env = Env(receive_maximum=1024)
+    sub = env.peer("s", c.LEVEL_5, properties={c.RECEIVE_MAXIMUM: 1})
+    sub.send(c.Subscribe(1, [c.Subscription("a/b", 1)]))
+    sub.packets()
+    pub = env.peer("p")
+    pub.send(c.Publish("a/b", b"first", 0))  # the topic's log now exists
+    (first,) = sub.packets()
+    assert isinstance(first, c.Publish)
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    tcp_transport = FakeTcp(sub.transport)
+    sub.conn.transport = tcp_transport
+    pub.send(c.Publish("a/b", b"second", 1, packet_id=1))
+    pub.send(c.Publish("a/b", b"third", 1, packet_id=2))
+    assert tcp_transport.socket.sends == 0
+    ml.release_appends(1)
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (1, [])
+    (second,) = sub.packets()
+    assert isinstance(second, c.Publish)
+    assert second.payload == b"second"
+    ml.release_appends()
+    assert tcp_transport.socket.sends == 1  # receive maximum 1: "third" waits for a PUBACK
+    sub.send(c.PubAck(second.packet_id))
+    assert (tcp_transport.socket.sends, tcp_transport.queued) == (2, [])
+    (third,) = sub.packets()
+    assert isinstance(third, c.Publish)
+    assert third.payload == b"third"
+
+
 def _send_together(peer: Peer, *packets: c.Packet) -> None:
     """Deliver ``packets`` to the connection in one read."""
     peer.conn.dataReceived(b"".join(c.encode(p, peer.level) for p in packets))
@@ -1074,13 +1107,17 @@ def _qos1(first_pid: int, n: int) -> list[c.Packet]:
     return [c.Publish("a/b", b"m%d" % i, 1, packet_id=i) for i in range(first_pid, first_pid + n)]
 
 
+#: The smallest round of acknowledgements whose answers wait for each other (the default).
+ROUND = MqttSettings.publish_group_min_round
+
+
 def _first_round(**settings: Any) -> tuple[Env, Peer, list[c.Packet]]:
-    """A connected publisher ``pub`` whose first three QoS 1 PUBLISHes (ids 1-3, one read)
-    were handled, with what it received for them."""
+    """A connected publisher ``pub`` whose first ``ROUND`` QoS 1 PUBLISHes (ids 1 to ROUND,
+    one read) were handled, with what it received for them."""
     env = Env(**settings)
     p = env.peer("pub")
     p.packets()
-    _send_together(p, *_qos1(1, 3))
+    _send_together(p, *_qos1(1, ROUND))
     return env, p, p.packets()
 
 
@@ -1112,76 +1149,123 @@ def test_publishes_wait_for_those_answering_the_acks_and_make_one_entry() -> Non
     """After N PUBACKs, the PUBLISHes that answer them are stored together once N arrived,
     although they came in several reads; acknowledgements follow the one durable write."""
     env, p, acks = _first_round()
-    assert acks == [c.PubAck(1), c.PubAck(2), c.PubAck(3)]
+    assert acks == [c.PubAck(i) for i in range(1, ROUND + 1)]
     ml = env.factory.ledger(ML_AB)
-    assert [e.num_messages for e in ml.data.entries] == [3]
-    p.send(_qos1(4, 1)[0])
+    assert [e.num_messages for e in ml.data.entries] == [ROUND]
+    p.send(_qos1(ROUND + 1, 1)[0])
     assert len(ml.data.entries) == 1
     assert p.packets() == []
-    _send_together(p, *_qos1(5, 2))
-    assert [e.num_messages for e in ml.data.entries] == [3, 3]
-    assert p.packets() == [c.PubAck(4), c.PubAck(5), c.PubAck(6)]
+    _send_together(p, *_qos1(ROUND + 2, 2))
+    p.send(_qos1(ROUND + 4, 1)[0])
+    assert len(ml.data.entries) == 1
+    _send_together(p, *_qos1(ROUND + 5, ROUND - 4))
+    assert [e.num_messages for e in ml.data.entries] == [ROUND, ROUND]
+    assert p.packets() == [c.PubAck(i) for i in range(ROUND + 1, 2 * ROUND + 1)]
     env.clock.advance(1.0)  # the wait ended with the last one: nothing more is stored
-    assert [e.num_messages for e in ml.data.entries] == [3, 3]
+    assert [e.num_messages for e in ml.data.entries] == [ROUND, ROUND]
 
 
 def test_held_publishes_are_stored_when_the_wait_ends() -> None:
     """PUBLISHes waiting for more are stored after ``publish_group_wait_s`` if the rest does
     not come, and the next ones are then stored at once."""
     env, p, acks = _first_round(publish_group_wait_s=0.002)
-    assert len(acks) == 3
+    assert len(acks) == ROUND
     ml = env.factory.ledger(ML_AB)
-    p.send(_qos1(4, 1)[0])
+    p.send(_qos1(ROUND + 1, 1)[0])
     env.clock.advance(0.001)
     assert len(ml.data.entries) == 1
     assert p.packets() == []
     env.clock.advance(0.001)
-    assert [e.num_messages for e in ml.data.entries] == [3, 1]
-    assert p.packets() == [c.PubAck(4)]
-    p.send(_qos1(5, 1)[0])  # answers PUBACK 4: stored at once
-    assert [e.num_messages for e in ml.data.entries] == [3, 1, 1]
-    assert p.packets() == [c.PubAck(5)]
+    assert [e.num_messages for e in ml.data.entries] == [ROUND, 1]
+    assert p.packets() == [c.PubAck(ROUND + 1)]
+    p.send(_qos1(ROUND + 2, 1)[0])  # answers that one PUBACK: stored at once
+    assert [e.num_messages for e in ml.data.entries] == [ROUND, 1, 1]
+    assert p.packets() == [c.PubAck(ROUND + 2)]
 
 
 def test_old_acks_make_no_publish_wait() -> None:
     """Acknowledgements the client did not answer for a while are not waited on: a PUBLISH
     arriving later is stored at once."""
     env, p, acks = _first_round(publish_group_wait_s=0.001)
-    assert len(acks) == 3
+    assert len(acks) == ROUND
     env.clock.advance(1.0)
-    p.send(_qos1(4, 1)[0])
-    assert p.packets() == [c.PubAck(4)]
-    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
+    p.send(_qos1(ROUND + 1, 1)[0])
+    assert p.packets() == [c.PubAck(ROUND + 1)]
+    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [ROUND, 1]
+
+
+def test_publishes_answering_a_small_round_are_stored_at_once() -> None:
+    """Answers to fewer than ``publish_group_min_round`` acknowledgements written together
+    (a client pacing its publishes) wait for nothing; a larger round's answers wait again."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    ml = env.factory.ledger
+    small = ROUND - 1
+    _send_together(p, *_qos1(1, small))
+    assert p.packets() == [c.PubAck(i) for i in range(1, small + 1)]
+    p.send(_qos1(small + 1, 1)[0])
+    assert p.packets() == [c.PubAck(small + 1)]
+    p.send(_qos1(small + 2, 1)[0])
+    assert p.packets() == [c.PubAck(small + 2)]
+    first = small + 3
+    _send_together(p, *_qos1(first, ROUND))
+    assert p.packets() == [c.PubAck(i) for i in range(first, first + ROUND)]
+    p.send(_qos1(first + ROUND, 1)[0])
+    assert p.packets() == []
+    _send_together(p, *_qos1(first + ROUND + 1, ROUND - 1))
+    assert p.packets() == [c.PubAck(i) for i in range(first + ROUND, first + 2 * ROUND)]
+    assert [e.num_messages for e in ml(ML_AB).data.entries] == [small, 1, 1, ROUND, ROUND]
+
+
+def test_paced_publishes_whose_acks_meet_do_not_start_waiting_in_pairs() -> None:
+    """A paced client's two stores under way at once are acknowledged together; its next
+    PUBLISHes are still stored one by one as they arrive, none waiting for the next."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    p.send(c.Publish("a/b", b"first", 0))  # loads the topic
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    p.send(_qos1(1, 1)[0])
+    p.send(_qos1(2, 1)[0])
+    ml.release_appends()
+    ml.hold_appends = False
+    assert p.packets() == [c.PubAck(1), c.PubAck(2)]
+    for pid in range(3, 7):
+        p.send(_qos1(pid, 1)[0])
+        assert p.packets() == [c.PubAck(pid)]
+    assert [e.num_messages for e in ml.data.entries] == [1] * 7
 
 
 def test_no_wait_when_the_group_wait_is_zero() -> None:
     """``publish_group_wait_s=0`` stores every read's PUBLISHes at once."""
     _, p, _ = _first_round(publish_group_wait_s=0)
-    p.send(_qos1(4, 1)[0])
-    assert p.packets() == [c.PubAck(4)]
+    p.send(_qos1(ROUND + 1, 1)[0])
+    assert p.packets() == [c.PubAck(ROUND + 1)]
 
 
 def test_a_retained_publish_is_stored_after_the_held_ones() -> None:
     """A retained PUBLISH arriving while earlier ones wait is stored after them (the topic
     keeps the client's order)."""
     env, p, _ = _first_round(publish_group_wait_s=0.002)
-    p.send(_qos1(4, 1)[0])
-    p.send(c.Publish("a/b", b"kept", 1, retain=True, packet_id=5))
+    p.send(_qos1(ROUND + 1, 1)[0])
+    p.send(c.Publish("a/b", b"kept", 1, retain=True, packet_id=ROUND + 2))
     payloads = [
         m.payload for e in env.factory.ledger(ML_AB).data.entries for m in decode_entry(e.data)
     ]
-    assert payloads == [b"m1", b"m2", b"m3", b"m4", b"kept"]
-    assert p.packets() == [c.PubAck(4), c.PubAck(5)]
+    assert payloads == [b"m%d" % i for i in range(1, ROUND + 2)] + [b"kept"]
+    assert p.packets() == [c.PubAck(ROUND + 1), c.PubAck(ROUND + 2)]
 
 
 def test_held_publishes_are_stored_when_the_connection_drops() -> None:
     """PUBLISHes waiting for more are stored if the connection is lost meanwhile."""
     env, p, _ = _first_round(publish_group_wait_s=0.002)
-    p.send(_qos1(4, 1)[0])
+    p.send(_qos1(ROUND + 1, 1)[0])
     p.conn.connectionLost(None)
-    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
+    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [ROUND, 1]
     env.clock.advance(1.0)  # the wait's timer is gone: nothing is stored twice
-    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [3, 1]
+    assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [ROUND, 1]
 
 
 class _QuickAckSocket:
@@ -1229,13 +1313,15 @@ def test_publishes_answering_pubcomps_are_also_stored_together() -> None:
     env = Env(publish_group_wait_s=0.002)
     p = env.peer("pub")
     p.packets()
-    _send_together(p, *(c.Publish("a/b", b"q%d" % i, 2, packet_id=i) for i in (1, 2)))
-    assert p.packets() == [c.PubRec(1), c.PubRec(2)]
-    _send_together(p, c.PubRel(1), c.PubRel(2))
-    assert p.packets() == [c.PubComp(1), c.PubComp(2)]
+    first = range(1, ROUND + 1)
+    _send_together(p, *(c.Publish("a/b", b"q%d" % i, 2, packet_id=i) for i in first))
+    assert p.packets() == [c.PubRec(i) for i in first]
+    _send_together(p, *(c.PubRel(i) for i in first))
+    assert p.packets() == [c.PubComp(i) for i in first]
     ml = env.factory.ledger(ML_AB)
-    p.send(c.Publish("a/b", b"q3", 2, packet_id=3))
-    assert [e.num_messages for e in ml.data.entries] == [2]
-    p.send(c.Publish("a/b", b"q4", 2, packet_id=4))
-    assert [e.num_messages for e in ml.data.entries] == [2, 2]
-    assert p.packets() == [c.PubRec(3), c.PubRec(4)]
+    p.send(c.Publish("a/b", b"q", 2, packet_id=ROUND + 1))
+    assert [e.num_messages for e in ml.data.entries] == [ROUND]
+    rest = range(ROUND + 2, 2 * ROUND + 1)
+    _send_together(p, *(c.Publish("a/b", b"q%d" % i, 2, packet_id=i) for i in rest))
+    assert [e.num_messages for e in ml.data.entries] == [ROUND, ROUND]
+    assert p.packets() == [c.PubRec(i) for i in range(ROUND + 1, 2 * ROUND + 1)]
