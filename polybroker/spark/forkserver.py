@@ -5,16 +5,11 @@ Spark runs a streaming query's Python source in a new process
 pyarrow and numpy before it answers the query's first call: 0.25-0.3 CPU-seconds of every query's
 start. The server (started by ``polybroker.spark.session.local_session``, a child of the driver)
 imports them once; the session's launcher (``session.launcher_script``) hands such a launch to it
-through this module's client, and the server forks a child that runs the module.
+through its client (``forkclient.py``), and the server forks a child that runs the module.
 
-Run as ``python -I -S forkserver.py PYTHON ARGS...`` this file is the client (standard library
-only, nothing imported from its package); ``python -m polybroker.spark.forkserver serve SOCKET
-FD MODULES PRELOAD`` is the server (``start`` starts one).
-
-Protocol, one AF_UNIX stream connection per launch: the client sends a 4-byte big-endian length
-and a JSON request ``{"python", "argv", "env", "cwd"}``, its stdin, stdout and stderr attached
-(SCM_RIGHTS); the server answers JSON lines, ``{"pid": n}`` when the child runs or
-``{"refused": why}``, then ``{"exit": code}`` or ``{"signal": n}`` when the child ends.
+``python -m polybroker.spark.forkserver serve SOCKET FD MODULES PRELOAD`` is the server
+(``start`` starts one); ``forkclient.py`` is the client, one AF_UNIX stream connection per
+launch (its docstring has the protocol).
 
 Rule 1: the child is what ``PYTHON -m module args`` would be, started with the request's
 environment, working directory and standard streams: same interpreter, same ``sys.path`` (the
@@ -35,7 +30,6 @@ killing the children still running; it never leaves a process behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -43,7 +37,10 @@ import struct
 import sys
 from typing import Any
 
-ENV = "POLYBROKER_SPARK_FORKSERVER"
+from polybroker.spark.forkclient import ENV
+
+__all__ = ["ENV", "MODULES", "PRELOAD", "ForkServer", "start"]
+
 #: The modules whose launches the server takes (and preloads).
 MODULES = ("pyspark.sql.streaming.python_streaming_source_runner",)
 #: Further modules the server preloads: the source the runner unpickles.
@@ -68,81 +65,12 @@ _PER_PROCESS = frozenset(
     }
 )
 _PER_PROCESS_PREFIXES = ("SPARK_",)
-_FORWARDED = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
 _LENGTH = struct.Struct(">I")
 _MAX_REQUEST = 1 << 20
 
 
 def _per_process(name: str) -> bool:
     return name in _PER_PROCESS or name.startswith(_PER_PROCESS_PREFIXES)
-
-
-# --- client --------------------------------------------------------------------------------
-
-
-def _plain(python: str, args: list[str]) -> None:
-    """Rule 2: become the interpreter."""
-    os.execv(python, [python, *args])
-
-
-def _lines(conn: socket.socket) -> Any:
-    buffered = b""
-    while True:
-        while b"\n" in buffered:
-            line, buffered = buffered.split(b"\n", 1)
-            yield json.loads(line)
-        chunk = conn.recv(4096)
-        if not chunk:
-            return
-        buffered += chunk
-
-
-def client(python: str, args: list[str]) -> int:
-    """Launch ``python args`` through the server named by ``$POLYBROKER_SPARK_FORKSERVER``, or
-    exec it (rule 2); return the exit code (rule 3: or die of the child's signal)."""
-    path = os.environ.get(ENV)
-    if not path:
-        _plain(python, args)
-    request = json.dumps(
-        {"python": python, "argv": args, "env": dict(os.environ), "cwd": os.getcwd()}
-    ).encode()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(path)
-        socket.send_fds(conn, [_LENGTH.pack(len(request))], [0, 1, 2])
-        conn.sendall(request)
-        replies = _lines(conn)
-        first = next(replies, None)
-    except (OSError, ValueError):
-        first = None
-    if not isinstance(first, dict) or not isinstance(first.get("pid"), int):
-        conn.close()
-        _plain(python, args)
-        return 127  # not reached
-    pid = first["pid"]
-
-    def forward(signum: int, _frame: Any) -> None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signum)
-
-    for s in _FORWARDED:
-        signal.signal(s, forward)
-    for reply in replies:
-        if "signal" in reply:
-            signum = int(reply["signal"])
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return 128 + signum
-        if "exit" in reply:
-            return int(reply["exit"])
-    return 1  # the server went away before the child ended (and killed it, rule 4)
 
 
 # --- driver side ---------------------------------------------------------------------------
@@ -292,25 +220,42 @@ class _Server:
         return _dedup_abs([os.path.normpath(os.path.join(cwd, e)) for e in entries])
 
 
+def _decode_request(body: bytes) -> dict[str, Any]:
+    """The fields of a request's bytes (``forkclient.encode_request``)."""
+    fields = [os.fsdecode(f) for f in body.split(b"\0")]
+    python, cwd, argc = fields[:3]
+    n = int(argc)
+    if n < 0 or len(fields) < 3 + n:
+        raise ValueError("malformed request")
+    env = {}
+    for entry in fields[3 + n :]:
+        name, sep, value = entry.partition("=")
+        if not sep:
+            raise ValueError("malformed request")
+        env[name] = value
+    return {"python": python, "cwd": cwd, "argv": fields[3 : 3 + n], "env": env}
+
+
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     conn.settimeout(10)
-    data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 3)
+    data, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 3)
     try:
         while len(data) < _LENGTH.size:
-            chunk = conn.recv(4096)
+            chunk = conn.recv(_LENGTH.size - len(data))
             if not chunk:
                 raise ValueError("short request")
             data += chunk
-        (length,) = _LENGTH.unpack_from(data)
+        (length,) = _LENGTH.unpack(data)
         if length > _MAX_REQUEST:
             raise ValueError("request too large")
-        while len(data) < _LENGTH.size + length:
-            chunk = conn.recv(_LENGTH.size + length - len(data))
+        body = b""
+        while len(body) < length:
+            chunk = conn.recv(length - len(body))
             if not chunk:
                 raise ValueError("short request")
-            data += chunk
-        request = json.loads(data[_LENGTH.size : _LENGTH.size + length])
-        if not isinstance(request, dict) or len(fds) != 3:
+            body += chunk
+        request = _decode_request(body)
+        if len(fds) != 3:
             raise ValueError("malformed request")
     except BaseException:
         for fd in fds:
@@ -320,9 +265,9 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return request, fds
 
 
-def _send(conn: socket.socket, reply: dict[str, Any]) -> None:
+def _send(conn: socket.socket, kind: str, value: object) -> None:
     with contextlib.suppress(OSError):
-        conn.sendall(json.dumps(reply).encode() + b"\n")
+        conn.sendall(f"{kind} {value}\n".encode("ascii", "replace"))
 
 
 def _enter_child(request: dict[str, Any], fds: list[int], path: list[str]) -> Job:
@@ -390,7 +335,7 @@ def serve(path: str, parent_fd: int, modules: tuple[str, ...]) -> Job | None:
                         print(f"fork server: a plain launch instead: {why}", file=sys.stderr)
                         for fd in fds:
                             os.close(fd)
-                        _send(conn, {"refused": why})
+                        _send(conn, "refused", why)
                         conn.close()
                         continue
                     child_path = server.child_path(request)
@@ -416,7 +361,7 @@ def serve(path: str, parent_fd: int, modules: tuple[str, ...]) -> Job | None:
                     children[pid] = conn
                     by_conn[conn] = pid
                     sel.register(conn, selectors.EVENT_READ, "conn")
-                    _send(conn, {"pid": pid})
+                    _send(conn, "pid", pid)
                 else:  # a client's connection: it only ever closes (rule 3)
                     conn = key.fileobj
                     assert isinstance(conn, socket.socket)
@@ -464,9 +409,9 @@ def _reap(
         by_conn.pop(conn, None)
         sel.unregister(conn)
         if os.WIFSIGNALED(status):
-            _send(conn, {"signal": os.WTERMSIG(status)})
+            _send(conn, "signal", os.WTERMSIG(status))
         else:
-            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            _send(conn, "exit", os.waitstatus_to_exitcode(status))
         conn.close()
 
 
@@ -497,13 +442,10 @@ def server_main(
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["serve"]:
-        # serve SOCKET FD MODULE,... PRELOAD,...
-        server_main(
-            sys.argv[2],
-            int(sys.argv[3]),
-            tuple(m for m in sys.argv[4].split(",") if m),
-            tuple(m for m in sys.argv[5].split(",") if m),
-        )
-    else:
-        sys.exit(client(sys.argv[1], sys.argv[2:]))
+    # serve SOCKET FD MODULE,... PRELOAD,...
+    server_main(
+        sys.argv[2],
+        int(sys.argv[3]),
+        tuple(m for m in sys.argv[4].split(",") if m),
+        tuple(m for m in sys.argv[5].split(",") if m),
+    )

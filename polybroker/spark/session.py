@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from polybroker.spark import forkserver
+from polybroker.spark import forkclient, forkserver
 
 
 def _bundled_zips() -> list[str]:
@@ -103,7 +103,7 @@ def worker_python(python: str = sys.executable, cache: Path | None = None) -> st
     zips = _bundled_zips()
     if not zips or os.name != "posix":
         return python
-    client = forkserver.__file__ if os.path.isfile(forkserver.__file__) else None
+    client = forkclient.__file__ if os.path.isfile(forkclient.__file__) else None
     text = launcher_script(python, zips, client)
     base = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     where = base / "polybroker" / f"spark-python-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from spark_harness import wait_for
 
-from polybroker.spark import forkserver
+from polybroker.spark import forkclient, forkserver
 
 PROBE = """
 import json, os, sys, time
@@ -86,7 +86,7 @@ def _env(server: forkserver.ForkServer, probe_dir: Path, **extra: str) -> dict[s
 
 
 def _client(*args: str) -> list[str]:
-    return [sys.executable, "-I", "-S", forkserver.__file__, sys.executable, *args]
+    return [sys.executable, "-I", "-S", forkclient.__file__, sys.executable, *args]
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, dict, str]:

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from polybroker.spark import forkserver
+from polybroker.spark import forkclient, forkserver
 
 
 def _server(base: list[str]) -> forkserver._Server:
@@ -73,3 +73,21 @@ def test_a_child_path_is_the_directory_the_request_path_then_the_interpreter_own
     server = _server(["/lib/a", "/lib/b"])
     env = {"PYTHONPATH": "/p:rel::/lib/b"}
     assert server.child_path(_request(env=env)) == ["/w", "/p", "/w/rel", "/lib/b", "/lib/a"]
+
+
+def test_a_request_reads_back_as_the_client_wrote_it() -> None:
+    """Arguments with spaces or none, values holding ``=`` and newlines, and bytes that are not
+    UTF-8 (as the file system encoding gives them) come through unchanged."""
+    odd = b"\xff".decode(sys.getfilesystemencoding(), "surrogateescape")
+    args = ["-m", "probe.mod", "a b", "", odd]
+    env = {"A": "x=y", "B": "line\nnext", "C": "", odd: odd}
+    data = forkclient.encode_request("/py", "/w d", args, env)
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    assert forkserver._decode_request(data[4:]) == {
+        "python": "/py",
+        "cwd": "/w d",
+        "argv": args,
+        "env": env,
+    }
+    empty = forkclient.encode_request("/py", "/", [], {})[4:]
+    assert forkserver._decode_request(empty) == {"python": "/py", "cwd": "/", "argv": [], "env": {}}
