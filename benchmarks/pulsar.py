@@ -104,6 +104,46 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_usage(pid: int | str = "self") -> dict[str, Any]:
+    """What a process has used so far: CPU seconds (all threads), its threads' voluntary context
+    switches (``switches``: each one a sleep and a wake-up, on a lock, the GIL or a socket) and
+    involuntary ones (``preempted``: the scheduler gave the core to another task), and CPU
+    seconds per thread (``main``, else the thread's name and id)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = 0.0
+    switches = 0
+    preempted = 0
+    threads: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        name = "main" if task.name == str(pid if pid != "self" else os.getpid()) else name
+        name = f"{name}-{task.name}" if name == "python" else name  # the client's threads
+        fields = stat.rsplit(")", 1)[1].split()
+        used = (int(fields[11]) + int(fields[12])) / tick
+        cpu += used
+        threads[name] = threads.get(name, 0.0) + used
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                switches += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                preempted += int(line.split()[1])
+    return {"cpu_s": cpu, "switches": switches, "preempted": preempted, "threads": threads}
+
+
+def usage_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """``after`` minus ``before`` (two ``process_usage`` results of one process)."""
+    out = {k: after[k] - before[k] for k in ("cpu_s", "switches", "preempted")}
+    out["threads"] = {
+        name: round(v - before["threads"].get(name, 0.0), 3) for name, v in after["threads"].items()
+    }
+    return out
+
+
 def machine_cpu() -> tuple[int, int]:
     """(busy, total) CPU ticks of the whole machine so far, from ``/proc/stat``."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -218,7 +258,10 @@ def _client(url: str) -> Any:
 
 
 def role_consumer(args: argparse.Namespace) -> None:
-    """Take --count messages; print one JSON line: first/last receive time, e2e latencies."""
+    """Take --count messages; print one JSON line: first/last receive time, e2e latencies, the
+    process's usage over the run, and the time it waited for messages (gaps over 1 ms between
+    one message and the next: the consumer had nothing to take). With --detail also the
+    entries the messages came in (a message with batch index 0 or none starts one)."""
     import pulsar
 
     client = _client(args.url)
@@ -230,10 +273,15 @@ def role_consumer(args: argparse.Namespace) -> None:
         receiver_queue_size=2000,
     )
     print("ready", flush=True)
+    usage = process_usage()
     latencies: list[float] = []
     first = last = 0
     got = 0
     duplicates = 0
+    waited = 0
+    waits = 0
+    entries = 0
+    detail = args.detail
     seen = bytearray(args.count)
     deadline = time.monotonic() + args.timeout
     msg = None
@@ -250,21 +298,30 @@ def role_consumer(args: argparse.Namespace) -> None:
         seen[index] = 1
         if not first:
             first = now
+        elif now - last > 1_000_000:
+            waited += now - last
+            waits += 1
         last = now
+        if detail and msg.message_id().batch_index() <= 0:
+            entries += 1
         latencies.append((now - sent) / 1e6)
         got += 1
         if got % 1000 == 0:
             consumer.acknowledge_cumulative(msg)
     if msg is not None:
         consumer.acknowledge_cumulative(msg)
+    used = usage_delta(process_usage(), usage)
     consumer.close()
     client.close()
     out = {"got": got, "duplicates": duplicates, "first_ns": first, "last_ns": last}
+    out |= {"usage": used, "waited_s": waited / 1e9, "waits": waits, "entries": entries}
     print(json.dumps({**out, "e2e_ms": latencies}))
 
 
 def role_producer(args: argparse.Namespace) -> None:
-    """Send --count messages (paced at --rate if given); print one JSON line with timings."""
+    """Send --count messages (paced at --rate if given); print one JSON line with timings, the
+    process's usage over the run and the time ``send_async`` blocked (calls over 0.2 ms: the
+    pending queue was full, so the client waited for receipts)."""
     import pulsar
 
     sys.setswitchinterval(0.0005)  # let the client's callback thread in promptly
@@ -291,6 +348,9 @@ def role_producer(args: argparse.Namespace) -> None:
 
         return done
 
+    usage = process_usage()
+    blocked = 0
+    blocks = 0
     start = time.monotonic_ns()
     interval_ns = int(1e9 / args.rate) if args.rate else 0
     for i in range(args.count):
@@ -303,15 +363,18 @@ def role_producer(args: argparse.Namespace) -> None:
                 time.sleep((due - now) / 1e9)
         now = time.monotonic_ns()
         producer.send_async(payload(now, i), sent_callback(now))
+        took = time.monotonic_ns() - now
+        if took > 200_000:
+            blocked += took
+            blocks += 1
     producer.flush()
     end = time.monotonic_ns()
+    used = usage_delta(process_usage(), usage)
     producer.close()
     client.close()
-    print(
-        json.dumps(
-            {"start_ns": start, "end_ns": end, "failed": failed[0], "publish_ms": publish_ms}
-        )
-    )
+    out = {"start_ns": start, "end_ns": end, "failed": failed[0], "publish_ms": publish_ms}
+    out |= {"usage": used, "blocked_s": blocked / 1e9, "blocks": blocks}
+    print(json.dumps(out))
 
 
 def role_topics(args: argparse.Namespace) -> None:
@@ -423,6 +486,17 @@ class Run:
     duplicates: int = 0
     #: Share of the machine's CPU time busy over the run (everything running, this run too).
     machine_busy: float = 0.0
+    #: ``usage_delta`` of the broker, the producer and the consumer over the run.
+    usage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Seconds the producer's send_async blocked (queue full) and the consumer waited.
+    blocked_s: float = 0.0
+    waited_s: float = 0.0
+    #: Entries the consumer saw (--detail only; else 0).
+    entries: int = 0
+
+    def per_msg(self, who: str, key: str = "cpu_s", scale: float = 1e6) -> float:
+        """``who``'s usage ``key`` per message (CPU in us by default)."""
+        return self.usage[who][key] * scale / self.count if who in self.usage else float("nan")
 
     @property
     def rate(self) -> float:
@@ -433,6 +507,8 @@ class Run:
 _PROFILE_DIR: Path | None = None
 #: Where each run's raw latencies go (--raw-dir); None: not kept.
 _RAW_DIR: Path | None = None
+#: Whether the consumer counts the entries its messages came in (--detail).
+_DETAIL = False
 
 
 def _start_profile(broker: Broker, topic: str) -> subprocess.Popen[bytes] | None:
@@ -449,8 +525,10 @@ def run_pair(
 ) -> Run:
     """Start a consumer, then a producer, in their own processes; return what they measured."""
     common = ["--url", broker.url, "--topic", topic, "--count", str(count)]
-    consumer = _role("--role", "consumer", *common, "--timeout", str(timeout))
+    detail = ["--detail"] if _DETAIL else []
+    consumer = _role("--role", "consumer", *common, "--timeout", str(timeout), *detail)
     cpu_before = cpu_seconds(broker.proc.pid)
+    broker_before = process_usage(broker.proc.pid)
     machine_before = machine_cpu()
     spy = _start_profile(broker, topic)
     try:
@@ -480,6 +558,11 @@ def run_pair(
         )
     seconds = (cons["last_ns"] - prod["start_ns"]) / 1e9
     cpu = cpu_seconds(broker.proc.pid) - cpu_before
+    usage = {
+        "broker": usage_delta(process_usage(broker.proc.pid), broker_before),
+        "producer": prod["usage"],
+        "consumer": cons["usage"],
+    }
     busy, total = (a - b for a, b in zip(machine_cpu(), machine_before, strict=True))
     if _RAW_DIR is not None:
         raw = {"publish_ms": prod["publish_ms"], "e2e_ms": cons["e2e_ms"]}
@@ -493,6 +576,10 @@ def run_pair(
         cpu,
         cons["duplicates"],
         busy / total if total else 0.0,
+        usage,
+        prod["blocked_s"],
+        cons["waited_s"],
+        cons["entries"],
     )
 
 
@@ -539,6 +626,25 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _usage_line(run: Run) -> str:
+    """One run's per-process figures: CPU us per message, voluntary and involuntary context
+    switches per 1000 messages, what blocked the producer and what the consumer waited."""
+    parts = []
+    for who in ("broker", "producer", "consumer"):
+        if who not in run.usage:
+            continue
+        parts.append(
+            f"{who} {run.per_msg(who):.1f} us"
+            f" {run.per_msg(who, 'switches', 1e3):.0f} sw"
+            f" {run.per_msg(who, 'preempted', 1e3):.0f} pre"
+        )
+    line = "per msg (per 1000 for sw/pre): " + ", ".join(parts)
+    line += f"; producer blocked {run.blocked_s:.2f} s, consumer waited {run.waited_s:.2f} s"
+    if run.entries:
+        line += f", {run.count / run.entries:.0f} msgs/entry"
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=("consumer", "producer", "topics"), default=None)
@@ -572,6 +678,11 @@ def main() -> int:
     )
     parser.add_argument("--raw-dir", default="", help="each run's raw latencies, as JSON")
     parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="the consumer also counts entries (messages per entry; costs it a little CPU)",
+    )
+    parser.add_argument(
         "--journal-sync",
         choices=("on", "off"),
         default="on",
@@ -591,7 +702,8 @@ def main() -> int:
     # Stop the brokers (finally below) on SIGTERM and on Ctrl+C, even when started in background.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    global _PROFILE_DIR, _RAW_DIR
+    global _PROFILE_DIR, _RAW_DIR, _DETAIL
+    _DETAIL = args.detail
     if args.profile_dir:
         _PROFILE_DIR = Path(args.profile_dir)
         _PROFILE_DIR.mkdir(parents=True, exist_ok=True)
@@ -649,6 +761,15 @@ def main() -> int:
                             file=sys.stderr,
                             flush=True,
                         )
+                        print(f"{'':12} {_usage_line(run)}", file=sys.stderr, flush=True)
+                    if len(names) == 2 and all(len(runs[m]) > r for m in names):
+                        a, b = (runs[m][r].rate for m in names)
+                        print(
+                            f"{'':12} {case:9} run {r}: {names[0]} / {names[1]}"
+                            f" = {a / b if b else float('nan'):.3f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 for n in names:
                     rates = [x.rate for x in runs[n]]
                     entry: dict[str, Any] = {
@@ -660,7 +781,16 @@ def main() -> int:
                         ),
                         "duplicates": sum(x.duplicates for x in runs[n]),
                         "machine_busy": round(_median([x.machine_busy for x in runs[n]]), 2),
+                        "rates": [round(x.rate) for x in runs[n]],
                     }
+                    for who in ("producer", "consumer"):
+                        entry[f"{who}_cpu_us_per_msg"] = round(
+                            _median([x.per_msg(who) for x in runs[n]]), 2
+                        )
+                    for who in ("broker", "producer", "consumer"):
+                        entry[f"{who}_switches_per_kmsg"] = round(
+                            _median([x.per_msg(who, "switches", 1e3) for x in runs[n]]), 1
+                        )
                     if case == "paced":
                         entry["rate"] = args.paced_rate
                         for key, q in (("p50", 50), ("p99", 99)):
