@@ -441,6 +441,79 @@ async def _reactor_sizes(reactor: object, sizes: list[int]) -> dict[str, dict[st
     return results
 
 
+async def _lone(reactor: object, count: int, gap_s: float, size: int) -> dict[str, float]:
+    """The standalone's own stack in this process (as ``--reactor-sizes``), one append at a
+    time, each issued ``gap_s`` after the previous one completed: the latency of a lone
+    acknowledged publish (journal fsync on), its percentiles, the reactor thread's CPU per
+    append, the whole process's (the journal's threads too) and the journal writer's wake-ups."""
+    import tempfile as _tempfile
+
+    from twisted.internet.defer import Deferred
+
+    from polybroker.config import Config
+    from polybroker.ledger.api import ManagedLedgerConfig
+    from polybroker.ledger.bookie.server import BookieServer
+    from polybroker.ledger.client import BookKeeperClient
+    from polybroker.ledger.local import local_connector, serving
+    from polybroker.ledger.managed import ManagedLedgerFactoryImpl
+    from polybroker.ledger.registry import StaticBookieRegistry
+    from polybroker.metadata.memory import MemoryMetadataStore
+    from polybroker.runtime import settle_heap
+
+    store = MemoryMetadataStore(reactor)
+    with _tempfile.TemporaryDirectory(prefix="storage-bench-") as data_dir:
+        bookie = BookieServer(Config({}), data_dir, reactor, metadata_store=store)
+        await bookie.start()
+        connect = local_connector(reactor, {bookie.address: serving(bookie)})
+        client = BookKeeperClient(store, StaticBookieRegistry([bookie.address]), connect, reactor)
+        factory = ManagedLedgerFactoryImpl(store, client, reactor)
+        try:
+            ml = await factory.open("bench/lone", ManagedLedgerConfig(1, 1, 1))
+            payload = os.urandom(size)
+            for _ in range(50):  # warm up
+                await ml.append(payload)
+            settle_heap()  # as the standalone does once it has started
+            journal = bookie.bookie.journal  # type: ignore[union-attr]
+            groups0, wakeups0 = journal.groups_written, journal.wakeups
+            lone0 = getattr(journal, "lone_groups", 0)
+            latencies: list[float] = []
+            done: Deferred[None] = Deferred()
+
+            def issue() -> None:
+                t0 = time.perf_counter()
+
+                def ok(_: object) -> None:
+                    latencies.append(time.perf_counter() - t0)
+                    if len(latencies) < count:
+                        reactor.callLater(gap_s, issue)  # type: ignore[attr-defined]
+                    else:
+                        done.callback(None)
+
+                ml.append(payload).addCallbacks(ok, done.errback)
+
+            cpu0, proc0 = time.thread_time(), time.process_time()
+            issue()
+            await done
+            cpu, proc = time.thread_time() - cpu0, time.process_time() - proc0
+            return {
+                "appends": count,
+                "p10_ms": percentile(latencies, 10) * 1e3,
+                "p50_ms": percentile(latencies, 50) * 1e3,
+                "p90_ms": percentile(latencies, 90) * 1e3,
+                "p99_ms": percentile(latencies, 99) * 1e3,
+                "p999_ms": percentile(latencies, 99.9) * 1e3,
+                "reactor_us_per_append": cpu / count * 1e6,
+                "process_us_per_append": proc / count * 1e6,
+                "journal_groups": journal.groups_written - groups0,
+                "journal_wakeups": journal.wakeups - wakeups0,
+                "journal_lone_groups": getattr(journal, "lone_groups", 0) - lone0,
+            }
+        finally:
+            await factory.close()
+            await client.close()
+            await bookie.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each case")
@@ -462,6 +535,15 @@ def main() -> None:
         metavar="BYTES,...",
         help="instead: the standalone's in-process stack, reactor CPU per entry of these sizes",
     )
+    parser.add_argument(
+        "--lone",
+        type=int,
+        metavar="COUNT",
+        help="instead: COUNT lone appends of --lone-size bytes on the standalone's in-process "
+        "stack, each --lone-gap-ms after the previous one completed; their latency",
+    )
+    parser.add_argument("--lone-gap-ms", type=float, default=2.0)
+    parser.add_argument("--lone-size", type=int, default=200)
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)
     parser.add_argument("--fill", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)
@@ -474,6 +556,10 @@ def main() -> None:
         return
     if args.probe:
         run_on_reactor(lambda r: _probe(r, args.probe))
+        return
+    if args.lone:
+        lone = run_on_reactor(lambda r: _lone(r, args.lone, args.lone_gap_ms / 1e3, args.lone_size))
+        print(json.dumps({"lone": lone}))
         return
     if args.reactor_sizes:
         sizes = [int(x) for x in args.reactor_sizes.split(",")]

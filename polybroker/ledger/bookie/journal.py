@@ -3,13 +3,23 @@
 Rule 1 (I1, I2): a record's completion is delivered only after the group holding it was written
         (one ``os.write`` per group) and ``os.fdatasync``'d (unless ``sync_data`` is off, which
         the operator chose knowing it may lose data). One delivery per group, not per record.
-Rule 2: one writer thread does every write and sync; the reactor only stages records and hands
+Rule 2: one writer thread does the writes and syncs; the reactor stages records and hands
         them over, once per burst of input (``submit``). A group is written when its oldest record
         waited ``max_group_wait_s``, when ``buffered_writes_threshold`` bytes are queued, or at
         once when the submitter said nothing more is coming (no concurrency to wait for).
         A hand-off wakes the writer only when that changes what it does: when it waits for
         records, or waits out a group window the hand-off ends; a busy writer looks at the
         queue before it waits again. A group is written with ``writev`` of its parts.
+Rule 2a: a lone group is written and synced by the submitter itself, with no hand-off: when
+        nothing more is coming, the writer waits for records (so nothing is queued or being
+        written), every completion handed over has run (so completions stay in journal
+        order), the group is at most ``lone_max_bytes`` and one of the last ``_SYNCS_KEPT``
+        group syncs took at most ``lone_max_sync_s`` (a slow disk keeps the reactor free; the
+        fastest of them, since a measured sync also holds the wait for a core and the GIL
+        after it, which a loaded machine adds). That saves the two thread wake-ups of a
+        hand-off (the writer's and the reactor's), each a switch and, on a busy machine, a
+        wait for a core; the reactor is blocked for one short sync instead. Its completion is
+        still delivered through ``deliver``, after the writer's earlier ones.
 Rule 3 (I4): records are ``[u32 length][u32 crc32c(body)][body]`` with the body laid out as an
         ADD request body, ``[u64 ledger][i64 entry][i64 lac][u8 flags][data]``; meta-records use
         reserved negative entry ids (fence, explicit LAC, delete) and no data. Replay stops at the
@@ -38,9 +48,11 @@ import os
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 from crc32c import crc32c
@@ -75,6 +87,7 @@ DeliverFn = Callable[..., Any]
 _ZERO_CHUNK = 256 * 1024  # zeros written at a time, holding ``_space`` (the writer may wait)
 _ZERO_SYNC = 4 * 1024 * 1024  # zeros synced at a time (each sync commits the extent changes)
 _ZEROS = memoryview(bytes(_ZERO_CHUNK))  # sliced without a copy
+_SYNCS_KEPT = 8  # group syncs whose fastest decides whether a lone group may block (Rule 2a)
 
 
 class JournalError(StorageError):
@@ -100,6 +113,8 @@ class JournalConfig:
     sync_data: bool = True  # journalSyncData
     max_record_size: int = 6 * 1024 * 1024  # a record body never exceeds a wire frame
     zero_ahead: int = 32 * 1024 * 1024  # written (zeroed) space kept ahead (Rule 6); 0: off
+    lone_max_bytes: int = 64 * 1024  # a lone group this small is written by the submitter; 0: off
+    lone_max_sync_s: float = 0.002  # ... while a recent sync took at most this (Rule 2a)
 
 
 def file_name(file_id: int) -> str:
@@ -362,8 +377,9 @@ class Journal:
     Reactor side: ``add`` stages a record with an opaque token, ``submit`` hands the staged
     records to the writer. Writer side: ``start`` runs ``write_pending`` on a dedicated thread;
     tests call ``write_pending`` directly instead. Completions are delivered through
-    ``deliver(on_group_done, tokens, position)`` (``reactor.callFromThread`` in a server), and a
-    failure through ``deliver(on_failure, error, tokens)``."""
+    ``deliver(fn, on_group_done, tokens, position)`` (``reactor.callFromThread`` in a server),
+    and a failure through ``deliver(fn, on_failure, error, tokens)``: ``fn`` counts the
+    completion as run (Rule 2a) and calls the callback with the rest."""
 
     def __init__(
         self,
@@ -395,6 +411,10 @@ class Journal:
         self._stopping = False
         self._writer_waiting = _NOT_WAITING  # where the writer waits, if it does
         self.wakeups = 0  # writer wake-ups ``submit`` made (for tests and profiles)
+        self.lone_groups = 0  # groups ``submit`` wrote itself (Rule 2a; for tests and profiles)
+        self._handed = 0  # completions handed to ``deliver`` (by whoever wrote the group)
+        self._ran = 0  # ... and run (reactor side); equal: none is still on its way
+        self._syncs: deque[float] = deque(maxlen=_SYNCS_KEPT)  # recent write+sync times
         self.failed: BaseException | None = None
         # Writer-side file state.
         self._fd = -1
@@ -441,9 +461,22 @@ class Journal:
         self._staged_tokens = []
         self._staged_bytes = 0
         refused: BaseException | None = None
+        lone = False
         with self._cond:
             if self.failed is not None or self._stopping:
                 refused = self.failed or JournalError("journal is stopping")
+            elif (
+                not more_coming
+                and self._writer_waiting == _IDLE
+                and not self._queue
+                and self._handed == self._ran
+                and batch.nbytes <= self.config.lone_max_bytes
+                and self._offset + batch.nbytes <= self.config.max_file_size  # no roll here
+                and (not self._syncs or min(self._syncs) <= self.config.lone_max_sync_s)
+            ):
+                # Rule 2a: the writer stays parked (it waits for a queued record) while
+                # this thread writes; nothing else submits meanwhile (one submitter).
+                lone = True
             else:
                 if not self._queue:
                     self._oldest = self._clock()
@@ -464,7 +497,19 @@ class Journal:
                     self._writer_waiting = _NOT_WAITING
                     self.wakeups += 1
         if refused is not None:
-            self._deliver(self._on_failure, refused, batch.tokens)
+            self._hand(self._on_failure, refused, batch.tokens)
+        elif lone:
+            self.lone_groups += 1
+            self._write_and_hand(batch.parts, batch.tokens, batch.nbytes)
+
+    def _hand(self, fn: Callable[..., None], *args: Any) -> None:
+        self._handed += 1
+        self._deliver(self._completion, fn, *args)
+
+    def _completion(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a delivered completion (reactor side)."""
+        self._ran += 1
+        fn(*args)
 
     # -- writer side ----------------------------------------------------------------------
 
@@ -550,8 +595,13 @@ class Journal:
                 tokens.extend(b.tokens)
                 nbytes += b.nbytes
         if self.failed is not None:
-            self._deliver(self._on_failure, self.failed, tokens)
+            self._hand(self._on_failure, self.failed, tokens)
             return True
+        self._write_and_hand(parts, tokens, nbytes)
+        return True
+
+    def _write_and_hand(self, parts: list[Buffer], tokens: list[Any], nbytes: int) -> None:
+        """Write and sync one group, then hand its completion (or the failure) to ``deliver``."""
         try:
             position = self._write_group(parts, nbytes)
         except OSError as e:
@@ -562,11 +612,10 @@ class Journal:
                 rest = [t for b in self._queue for t in b.tokens]
                 self._queue = []
                 self._queued_bytes = 0
-            self._deliver(self._on_failure, error, tokens + rest)
-            return True
+            self._hand(self._on_failure, error, tokens + rest)
+            return
         self.groups_written += 1
-        self._deliver(self._on_group_done, tokens, position)
-        return True
+        self._hand(self._on_group_done, tokens, position)
 
     def _write_group(self, parts: list[Buffer], nbytes: int) -> JournalPosition:
         if self._offset + nbytes > self.config.max_file_size and self._offset > FILE_HEADER_SIZE:
@@ -584,9 +633,11 @@ class Journal:
             grow = max(self.config.prealloc_size, end - self._allocated)
             os.posix_fallocate(self._fd, self._allocated, grow)
             self._allocated += grow
+        started = perf_counter()
         write_parts(self._fd, parts)
         if self.config.sync_data:
             os.fdatasync(self._fd)
+        self._syncs.append(perf_counter() - started)
         self._offset = end
         return JournalPosition(self._file_id, end)
 
