@@ -12,9 +12,9 @@ retained, the retained copy) is durable, in the order of the PUBLISHes. A persis
 PUBRELs (answering its client's PUBRECs) leave once the PUBRECs of the read are recorded
 (one write; see ``session``), in order with those acknowledgements.
 
-Grouping: the PUBLISHes of one read make one entry per topic; those a client sends in answer
-to a round of PUBACKs (or PUBCOMPs) of at least ``publish_group_min_round`` may wait
-``publish_group_wait_s`` for the rest of the round to make one entry too; the
+Grouping: the PUBLISHes of one read make one entry per topic; those a client keeping at least
+``publish_group_min_window`` in flight sends in answer to a round of PUBACKs (or PUBCOMPs) may
+wait ``publish_group_wait_s`` for the rest of the round to make one entry too; the
 acknowledgements of stores under way together leave together (``_store_done``); reads bringing
 QoS 1/2 PUBLISHes are TCP-ACKed at once (``_ack_at_once``). Writes go to the kernel at once
 (``write_now``), those of a read at its end.
@@ -70,9 +70,9 @@ class MqttSettings:
     #: How long a read's PUBLISHes may wait for the ones their client is about to send
     #: (see ``MqttConnection._hold_publishes``); 0: never.
     publish_group_wait_s: float = 0.0005
-    #: The fewest acknowledgements, written together, whose answers wait for each other
-    #: (a client pacing its publishes has fewer in flight at its usual latency).
-    publish_group_min_round: int = 6
+    #: The fewest QoS 1/2 publishes a client must keep in flight for the ones answering
+    #: acknowledgements to wait for each other (a client pacing its publishes keeps fewer).
+    publish_group_min_window: int = 6
 
 
 def quick_ack_socket(transport: Any) -> Any:
@@ -143,6 +143,10 @@ class MqttConnection(Protocol):
         self._owed = 0
         self._owed_at = 0.0
         self._group_timer: IDelayedCall | None = None
+        # The most QoS 1/2 publishes the client had in flight during the last round of
+        # acknowledgements (``_window``) and since (``_peak``).
+        self._window = 0
+        self._peak = 0
         # The TCP socket, and whether the read under way brought a QoS 1/2 PUBLISH: its TCP
         # ACK is then sent at once (``_ack_at_once``).
         self._quick_ack: Any = None
@@ -168,7 +172,6 @@ class MqttConnection(Protocol):
             return
         self._last_heard = self.clock.seconds()
         self.reader.feed(data)
-        owed = self._owed
         # What this read makes the connection write goes out as one write at its end.
         self.reading = True
         try:
@@ -184,7 +187,7 @@ class MqttConnection(Protocol):
                 self._awaits_ack = False
                 if self._quick_ack is not None:
                     self._ack_at_once()
-            if self._batches and not self._hold_publishes(owed):
+            if self._batches and not self._hold_publishes():
                 self._flush_publishes()
         except c.UnsupportedProtocolError as e:
             self._log_close(str(e))
@@ -532,6 +535,8 @@ class MqttConnection(Protocol):
             if self._owed > 0:
                 self._owed -= 1
             self._inbound_pending += 1
+            if self._inbound_pending > self._peak:
+                self._peak = self._inbound_pending
             if self.level == c.LEVEL_5 and self._inbound_pending > self.settings.receive_maximum:
                 raise c.MqttError(c.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
             slot = self._ack_slot()
@@ -550,9 +555,8 @@ class MqttConnection(Protocol):
         else:
             batch.append((p, slot))
 
-    def _hold_publishes(self, owed: int) -> bool:
-        """Whether the PUBLISHes read so far wait for more rather than being stored now
-        (``owed``: ``_owed`` when the read began).
+    def _hold_publishes(self) -> bool:
+        """Whether the PUBLISHes read so far wait for more rather than being stored now.
 
         A client with several QoS 1/2 messages in flight sends a new one per PUBACK (or
         PUBCOMP) and writes them one by one: stored as they arrive, the first would make an
@@ -563,19 +567,20 @@ class MqttConnection(Protocol):
         more is expected until the next acknowledgements (nor once the acknowledgements are
         ``OWED_HORIZON`` waits old: the client sent no more).
 
-        A wait begins only with a read answering a round of at least
-        ``publish_group_min_round`` acknowledgements. A client that paces its publishes sends
-        them one at a time whatever it was answered: the acknowledgements of two of them,
-        written together, would make the next one wait for the one after it, the two would
-        be stored together and acknowledged together, and so on: every other message would
-        wait a whole interval, to save one small entry."""
+        A wait begins only for a client that kept at least ``publish_group_min_window``
+        publishes in flight during the last round (``_window``). A client that paces its
+        publishes keeps a few in flight and sends them one at a time whatever it was
+        answered: the acknowledgements of two of them, written together, would make the next
+        one wait for the one after it, the two would be stored together and acknowledged
+        together, and so on: every other message would wait a whole interval, to save one
+        small entry."""
         wait = self.settings.publish_group_wait_s
         if (
             self._owed <= 0
             or wait <= 0
             or self.state != self.READY
             or self.clock.seconds() - self._owed_at > OWED_HORIZON * wait
-            or (self._group_timer is None and owed < self.settings.publish_group_min_round)
+            or (self._group_timer is None and self._window < self.settings.publish_group_min_window)
         ):
             self._owed = 0
             self._stop_group_timer()
@@ -616,6 +621,7 @@ class MqttConnection(Protocol):
 
         def stored(_: object) -> None:
             self._storing.discard(seq)
+            owed = self._owed
             for p, slot in batch:
                 if slot is None:
                     continue
@@ -629,7 +635,9 @@ class MqttConnection(Protocol):
                     session.inbound_qos2.add(pid)
                     for waiting in self._qos2_unstored.pop(pid, [slot]):
                         self._ack_ready(waiting, c.encode_ack(c.PUBREC, pid), flush=False)
-            self._owed_at = self.clock.seconds()
+            if self._owed != owed:
+                self._owed_at = self.clock.seconds()
+                self._window, self._peak = self._peak, self._inbound_pending
             self._store_done()
 
         def failed(f: Failure) -> None:
@@ -688,6 +696,7 @@ class MqttConnection(Protocol):
         def released(_: object) -> None:
             self._owed += len(releases)
             self._owed_at = self.clock.seconds()
+            self._window, self._peak = self._peak, self._inbound_pending
             for slot, pid, code in releases:
                 packet = c.PubComp(pid, code) if code else c.encode_ack(c.PUBCOMP, pid)
                 self._ack_ready(slot, packet, flush=False)

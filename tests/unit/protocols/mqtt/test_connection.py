@@ -1107,8 +1107,8 @@ def _qos1(first_pid: int, n: int) -> list[c.Packet]:
     return [c.Publish("a/b", b"m%d" % i, 1, packet_id=i) for i in range(first_pid, first_pid + n)]
 
 
-#: The smallest round of acknowledgements whose answers wait for each other (the default).
-ROUND = MqttSettings.publish_group_min_round
+#: The fewest publishes in flight whose answers to acknowledgements wait for each other.
+ROUND = MqttSettings.publish_group_min_window
 
 
 def _first_round(**settings: Any) -> tuple[Env, Peer, list[c.Packet]]:
@@ -1178,7 +1178,7 @@ def test_held_publishes_are_stored_when_the_wait_ends() -> None:
     env.clock.advance(0.001)
     assert [e.num_messages for e in ml.data.entries] == [ROUND, 1]
     assert p.packets() == [c.PubAck(ROUND + 1)]
-    p.send(_qos1(ROUND + 2, 1)[0])  # answers that one PUBACK: stored at once
+    p.send(_qos1(ROUND + 2, 1)[0])  # one was in flight during that round: stored at once
     assert [e.num_messages for e in ml.data.entries] == [ROUND, 1, 1]
     assert p.packets() == [c.PubAck(ROUND + 2)]
 
@@ -1194,9 +1194,10 @@ def test_old_acks_make_no_publish_wait() -> None:
     assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [ROUND, 1]
 
 
-def test_publishes_answering_a_small_round_are_stored_at_once() -> None:
-    """Answers to fewer than ``publish_group_min_round`` acknowledgements written together
-    (a client pacing its publishes) wait for nothing; a larger round's answers wait again."""
+def test_publishes_of_a_client_with_few_in_flight_are_stored_at_once() -> None:
+    """A client that had fewer than ``publish_group_min_window`` publishes in flight during
+    the last round (one pacing its publishes) has its answers stored as they arrive; once it
+    had that many, its answers wait for each other again."""
     env = Env(publish_group_wait_s=0.002)
     p = env.peer("pub")
     p.packets()
