@@ -467,6 +467,7 @@ class Journal:
                 refused = self.failed or JournalError("journal is stopping")
             elif (
                 not more_coming
+                # Parked first: only then are the writer-side fields below still.
                 and self._writer_waiting == _IDLE
                 and not self._queue
                 and self._handed == self._ran
