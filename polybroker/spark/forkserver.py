@@ -24,7 +24,11 @@ Rule 3: the client ends as the child did (its exit code, or killed by the same s
 the client gets (TERM, INT, HUP, QUIT, USR1, USR2) go to the child; a client that dies (its
 connection closes) before the child ends takes the child with it (SIGKILL).
 Rule 4: the server ends when its parent's pipe closes (the parent exited, or ``ForkServer.stop``),
-killing the children still running; it never leaves a process behind.
+killing the children still running; on Linux a child also dies with a server killed outright.
+
+Forking a process with threads is safe only for threads made for it: the server's are numpy's
+BLAS pool and pyarrow's jemalloc background thread, both of which handle fork (pthread_atfork);
+it runs no Python thread.
 """
 
 from __future__ import annotations
@@ -270,6 +274,18 @@ def _send(conn: socket.socket, kind: str, value: object) -> None:
         conn.sendall(f"{kind} {value}\n".encode("ascii", "replace"))
 
 
+def _die_with_server(server: int) -> None:
+    """Rule 4 for a server killed outright: on Linux, the kernel kills the child with it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != server:  # it died before the request took
+        os._exit(1)
+
+
 def _enter_child(request: dict[str, Any], fds: list[int], path: list[str]) -> Job:
     """In the forked child: take the request's streams, directory, environment and path."""
     for target, fd in enumerate(fds):
@@ -354,6 +370,7 @@ def serve(path: str, parent_fd: int, modules: tuple[str, ...]) -> Job | None:
                         os.close(parent_fd)
                         signal.set_wakeup_fd(-1)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        _die_with_server(me)
                         job = _enter_child(request, fds, child_path)
                         break
                     for fd in fds:
@@ -381,6 +398,7 @@ def serve(path: str, parent_fd: int, modules: tuple[str, ...]) -> Job | None:
             listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)
+                os.rmdir(os.path.dirname(path))  # start()'s private directory
             for pid in children:
                 _kill(pid)
             for pid in list(children):
@@ -434,7 +452,7 @@ def server_main(
 
     # As Spark's JVM does for its Python processes: Ctrl-C goes to the driver, not to them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for name in (*modules, *preload):
+    for name in ("ctypes", *modules, *preload):
         importlib.import_module(name)
     job = serve(path, parent_fd, modules)
     if job is not None:

@@ -23,6 +23,14 @@ PROBE = """
 import json, os, sys, time
 
 def main():
+    if sys.argv[1:2] == ["libs"]:
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute
+        product = np.ones((300, 300)) @ np.ones((300, 300))
+        total = pa.compute.sum(pa.array(range(200_000))).as_py()
+        print(json.dumps({"ppid": os.getppid(), "product": float(product[0, 0]), "sum": total}))
+        return
     if sys.argv[1:2] == ["sleep"]:
         print(os.getpid(), flush=True)
         time.sleep(120)
@@ -48,11 +56,12 @@ def _base_env() -> dict[str, str]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.fixture
@@ -186,3 +195,70 @@ def test_stop_ends_the_server_its_children_and_its_socket(
     assert proc.wait(30) == 1
     assert not _alive(child)
     assert not os.path.exists(os.path.dirname(server.path))
+
+
+def test_children_of_a_server_with_numpy_and_pyarrow_imported_use_them(
+    probe_dir: Path, tmp_path: Path
+) -> None:
+    """numpy's BLAS pool and pyarrow's allocator each run a thread in the server, made for
+    fork (pthread_atfork): its children run BLAS and Arrow compute, one after another and side
+    by side, to their end."""
+    env = {**_base_env(), "PYTHONPATH": str(probe_dir), "PROBE_X": "x1"}
+    s = forkserver.start(modules=("fs_probe",), preload=("numpy", "pyarrow.compute"), env=env)
+    try:
+        wait_for(lambda: os.path.exists(s.path), 60, "the fork server's socket")
+        procs = [
+            subprocess.Popen(
+                _client("-m", "fs_probe", "libs"),
+                stdout=subprocess.PIPE,
+                text=True,
+                env=_env(s, probe_dir),
+                cwd=tmp_path,
+            )
+            for _ in range(4)
+        ]
+        for proc in procs:
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0
+            got = json.loads(out)
+            assert got == {"ppid": s.pid, "product": 300.0, "sum": 199_999 * 100_000}
+    finally:
+        s.stop()
+
+
+def test_a_server_killed_outright_takes_its_children_and_a_dead_driver_its_server(
+    probe_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL to the server kills its running child (the client ends); SIGKILL to the
+    process that started a server ends the server (its pipe closes)."""
+    env = {**_base_env(), "PYTHONPATH": str(probe_dir), "PROBE_X": "x1"}
+    s = forkserver.start(modules=("fs_probe",), preload=(), env=env)
+    try:
+        wait_for(lambda: os.path.exists(s.path), 60, "the fork server's socket")
+        proc, child = _sleeping(s, probe_dir)
+        s.proc.kill()
+        wait_for(lambda: not _alive(child), 30, "the child's end")
+        assert proc.wait(30) == 1
+    finally:
+        s.stop()
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from polybroker.spark import forkserver\n"
+            "s = forkserver.start(modules=('json.tool',), preload=())\n"
+            "print(s.pid, flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_base_env(),
+    )
+    assert driver.stdout is not None
+    server = int(driver.stdout.readline())
+    driver.stdout.close()
+    assert _alive(server)
+    driver.kill()
+    driver.wait(30)
+    wait_for(lambda: not _alive(server), 30, "the server's end")
