@@ -51,6 +51,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,51 @@ def usage_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]
         name: round(v - before["threads"].get(name, 0.0), 3) for name, v in after["threads"].items()
     }
     return out
+
+
+class ThreadStates:
+    """Samples, in a thread of this process, what each thread of process ``pid`` is doing
+    (``/proc/PID/task/TID/syscall``): running (or ready to), waiting for the network
+    (``epoll_wait``), or waiting on a lock or condition (``futex``: the GIL, the client's
+    queues). ``shares()`` gives each thread's share of samples in each state."""
+
+    _STATES = {"running": "running", "202": "lock", "232": "network", "281": "network"}
+
+    def __init__(self, pid: int, interval_s: float = 0.002) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.counts: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        root = Path(f"/proc/{self.pid}/task")
+        while not self._stop.wait(self.interval_s):
+            try:
+                tasks = list(root.iterdir())
+            except OSError:
+                return  # the process ended
+            for task in tasks:
+                try:
+                    call = (task / "syscall").read_text().split(maxsplit=1)[0]
+                except (OSError, IndexError):
+                    continue
+                name = "main" if task.name == str(self.pid) else f"thread-{task.name}"
+                state = self._STATES.get(call, "other")
+                per = self.counts.setdefault(name, {})
+                per[state] = per.get(state, 0) + 1
+
+    def stop(self) -> dict[str, dict[str, float]]:
+        """Stop sampling; return each busy thread's shares (threads mostly asleep left out)."""
+        self._stop.set()
+        self._thread.join(5)
+        out = {}
+        for name, per in self.counts.items():
+            total = sum(per.values())
+            if total and per.get("running", 0) / total >= 0.05:
+                out[name] = {k: round(v / total, 3) for k, v in sorted(per.items())}
+        return out
 
 
 def machine_cpu() -> tuple[int, int]:
@@ -493,6 +539,8 @@ class Run:
     waited_s: float = 0.0
     #: Entries the consumer saw (--detail only; else 0).
     entries: int = 0
+    #: The producer's threads' states (``ThreadStates.stop``; --detail only).
+    producer_threads: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def per_msg(self, who: str, key: str = "cpu_s", scale: float = 1e6) -> float:
         """``who``'s usage ``key`` per message (CPU in us by default)."""
@@ -538,7 +586,9 @@ def run_pair(
         if batching:
             extra.append("--batching")
         producer = _role("--role", "producer", *common, *extra)
+        states = ThreadStates(producer.pid) if _DETAIL else None
         prod = _finish(producer, timeout + 60)
+        threads = states.stop() if states is not None else {}
         cons = _finish(consumer, timeout + 60)
     finally:
         for p in (consumer,):
@@ -580,6 +630,7 @@ def run_pair(
         prod["blocked_s"],
         cons["waited_s"],
         cons["entries"],
+        threads,
     )
 
 
@@ -642,6 +693,8 @@ def _usage_line(run: Run) -> str:
     line += f"; producer blocked {run.blocked_s:.2f} s, consumer waited {run.waited_s:.2f} s"
     if run.entries:
         line += f", {run.count / run.entries:.0f} msgs/entry"
+    for name, shares in run.producer_threads.items():
+        line += f"; producer {name} " + " ".join(f"{k} {v:.0%}" for k, v in shares.items())
     return line
 
 
@@ -680,7 +733,9 @@ def main() -> int:
     parser.add_argument(
         "--detail",
         action="store_true",
-        help="the consumer also counts entries (messages per entry; costs it a little CPU)",
+        help="the consumer also counts entries (messages per entry; costs it a little CPU) and"
+        " the producer's threads' states are sampled (running, waiting for the network or on a"
+        " lock: e.g. its I/O thread idle while receipts are under way)",
     )
     parser.add_argument(
         "--journal-sync",
