@@ -1219,6 +1219,29 @@ def test_publishes_of_a_client_with_few_in_flight_are_stored_at_once() -> None:
     assert [e.num_messages for e in ml(ML_AB).data.entries] == [small, 1, 1, ROUND, ROUND]
 
 
+def test_a_round_cut_short_by_the_wait_still_makes_its_late_answer_wait() -> None:
+    """A client that kept its window full stays one whose answers wait: when the wait ran out
+    before its last answer, that answer, arriving after the others were acknowledged, waits
+    for the answers to those acknowledgements and makes one entry with them."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub")
+    p.packets()
+    n = 2 * ROUND
+    _send_together(p, *_qos1(1, n))
+    assert len(p.packets()) == n
+    ml = env.factory.ledger(ML_AB)
+    _send_together(p, *_qos1(n + 1, n - 1))  # every answer but the last: they wait
+    assert len(ml.data.entries) == 1
+    env.clock.advance(0.002)  # the wait runs out: stored without the last
+    assert [e.num_messages for e in ml.data.entries] == [n, n - 1]
+    assert len(p.packets()) == n - 1
+    p.send(_qos1(2 * n, 1)[0])
+    assert p.packets() == []
+    _send_together(p, *_qos1(2 * n + 1, n - 2))
+    assert [e.num_messages for e in ml.data.entries] == [n, n - 1, n - 1]
+    assert p.packets() == [c.PubAck(i) for i in range(2 * n, 3 * n - 1)]
+
+
 def test_paced_publishes_whose_acks_meet_do_not_start_waiting_in_pairs() -> None:
     """A paced client's two stores under way at once are acknowledged together; its next
     PUBLISHes are still stored one by one as they arrive, none waiting for the next."""
