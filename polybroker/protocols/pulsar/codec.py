@@ -357,7 +357,7 @@ def normalize_tail(tail: bytes) -> tuple[bytes, bool]:
         if magic == MAGIC_CRC32C:
             if md_size > len(tail) - 10:
                 raise CodecError(f"metadata size {md_size} runs past the frame")
-            return tail, _crc32c.crc32c(memoryview(tail)[6:]) == checksum
+            return tail, _crc32c.crc32c(tail[6:]) == checksum
     pos = 0
     if len(tail) >= 6 and _U16.unpack_from(tail, 0)[0] == MAGIC_BROKER_ENTRY_METADATA:
         (bem_size,) = _U32.unpack_from(tail, 2)
@@ -468,11 +468,7 @@ class FrameDecoder:
 
     ``feed`` raises ``CodecError`` on the first bad frame; the decoder is then unusable. With
     ``fast_send``, a SEND of the usual shape (``parse_send``) comes as a ``SendFrame``, built
-    without protobuf; every other frame as a ``Frame``.
-
-    Copies: bytes of an incomplete frame are held as received (views, not copies) until the
-    frame is complete; a usual SEND that arrived in pieces then has its tail (the stored entry)
-    joined from them in one copy, and one that arrived whole is sliced once from its read."""
+    without protobuf; every other frame as a ``Frame``."""
 
     def __init__(
         self,
@@ -482,42 +478,27 @@ class FrameDecoder:
     ) -> None:
         self.max_frame_size = max_frame_size
         self.fast_send = fast_send
-        # What arrived of frames not yet complete, in order (the first may be a view of a read),
-        # how many bytes that is, and the size of the first frame once its header is held.
-        self._parts: list[bytes | memoryview] = []
-        self._held = 0
-        self._need = 0
+        self._buf = bytearray()
 
     def feed(self, data: bytes) -> Iterator[Frame | SendFrame]:
         """Add ``data``; yield every frame now complete."""
-        if data.__class__ is not bytes:
-            data = bytes(data)
-        parts = self._parts
-        start = 0
-        first: SendFrame | None = None
-        if parts:
-            parts.append(data)
-            self._held += len(data)
-            if self._held < self._need:
-                return  # the first frame is still incomplete: nothing to copy yet
-            if self._need and self.fast_send:
-                completed = self._complete_send()
-                if completed is not None:
-                    first, start = completed
-            if first is None:
-                buf = b"".join(parts)
-                self._parts = []
-                self._held = self._need = 0
-            else:
-                buf = data
+        pending = self._buf
+        if pending:
+            pending += data
+            if len(pending) >= 4:
+                (size,) = _U32.unpack_from(pending, 0)
+                if 4 <= size <= self.max_frame_size and len(pending) - 4 < size:
+                    return  # the first frame is still incomplete: nothing to copy yet
+            buf = bytes(pending)
+            pending.clear()
         else:
-            buf = data  # the usual case: frames are decoded straight from the bytes received
+            # The usual case: frames are decoded straight from the bytes received.
+            buf = bytes(data)
+        start = 0
         n = len(buf)
         fast = self.fast_send
         unpack_u32 = _U32.unpack_from
         try:
-            if first is not None:
-                yield first
             while n - start >= 4:
                 (size,) = unpack_u32(buf, start)
                 if size > self.max_frame_size:
@@ -544,49 +525,12 @@ class FrameDecoder:
                 yield frame
         finally:
             if start < n:
-                self._hold(buf, start)
-
-    def _hold(self, buf: bytes, start: int) -> None:
-        """Keep ``buf[start:]`` (the start of a frame) for the next feed, without copying it."""
-        rest: bytes | memoryview = memoryview(buf)[start:] if start else buf
-        if self._parts:  # a frame was left unread: what was held before comes first
-            self._parts.append(rest)
-        else:
-            self._parts = [rest]
-        self._held += len(buf) - start
-        if self._need == 0 and len(self._parts) == 1 and self._held >= 4:
-            # The header was checked when the frame's size was read (it is within bounds).
-            self._need = 4 + _U32.unpack_from(rest, 0)[0]
-
-    def _complete_send(self) -> tuple[SendFrame, int] | None:
-        """The held first frame, now complete, as a ``SendFrame`` whose tail is joined from the
-        parts in one copy, and where it ends in the last part; None when it is not a usual
-        SEND (or its command did not arrive in the first part): the caller joins the parts."""
-        parts = self._parts
-        head = parts[0]
-        end = self._need
-        last = parts[-1]
-        in_last = end - (self._held - len(last))  # bytes of the last part the frame takes
-        if len(head) < 8 or end <= 16 or in_last <= 0:
-            return None  # (in_last <= 0: the frame ended before the last part: unread frames)
-        (cmd_size,) = _U32.unpack_from(head, 4)
-        cmd_end = 8 + cmd_size
-        if cmd_end >= end or cmd_end > len(head):
-            return None
-        send = parse_send(bytes(head[:cmd_end]), 8, cmd_end)  # a copy of the command only
-        if send is None:
-            return None
-        pieces: list[bytes | memoryview] = [memoryview(head)[cmd_end:], *parts[1:-1]]
-        pieces.append(last if in_last == len(last) else memoryview(last)[:in_last])
-        stored, ok = normalize_tail(b"".join(pieces))
-        self._parts = []
-        self._held = self._need = 0
-        return _new_tuple(SendFrame, (*send, stored, ok)), in_last
+                self._buf += buf[start:] if start else buf
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a complete frame."""
-        return self._held
+        return len(self._buf)
 
 
 # -- stored entries ------------------------------------------------------------------------
