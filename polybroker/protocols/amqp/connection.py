@@ -44,7 +44,6 @@ from polybroker.protocols.amqp.proxy import (
     tcp_connect,
 )
 from polybroker.protocols.amqp.vhost import (
-    LOOP_S,
     MemoryGauge,
     Queue,
     QueueConsumer,
@@ -114,9 +113,6 @@ class Channel:
             OrderedDict()
         )
         self.next_tag = 1
-        #: When the latest confirm went out while the publisher waited for it (not in reply
-        #: to its own input).
-        self.confirmed_at = float("-inf")
         self.content: _Content | None = None
         self.busy = False
         self.backlog: deque[c.Method] = deque()
@@ -233,10 +229,6 @@ class AmqpConnection(Protocol):
             # Publishes this input completed at once (memory queues) are confirmed now.
             if self._confirming and not self._flush_scheduled:
                 self._flush_all_confirms()
-            # Deliveries held for this input's end (``VirtualHost.hold``), its publishes
-            # stored: lone ones go to the kernel at once.
-            if self.vhost is not None and self.vhost.held and not self.s.reading:
-                self.vhost.release_held()
 
     @override
     def connectionLost(self, reason: Failure | None = None) -> None:
@@ -1111,15 +1103,11 @@ class AmqpConnection(Protocol):
 
             self.vh.publish_then(msg, queues, told)
             return d
-        vh = self.vh
         if not confirm:
-            vh.looping = False
-            vh.publish_then(msg, queues, _log_if_failed)
+            self.vh.publish_then(msg, queues, _log_if_failed)
             return None
         ch.publish_seq += 1
-        # A publish soon after its channel's previous confirm: a publisher waiting on each.
-        vh.looping = self.s.clock.seconds() - ch.confirmed_at < LOOP_S
-        vh.publish_then(msg, queues, _Confirm(self, ch, ch.publish_seq).told)
+        self.vh.publish_then(msg, queues, _Confirm(self, ch, ch.publish_seq).told)
         return None
 
     # -- confirm and tx ----------------------------------------------------------------------
@@ -1187,7 +1175,6 @@ class AmqpConnection(Protocol):
             # A confirm outside our own input: the publisher is waiting for it, so it goes to
             # the kernel now rather than when the reactor next polls.
             write_now(self.transport, b"".join(out))
-            ch.confirmed_at = self.s.clock.seconds()
 
     @staticmethod
     def _advance(ch: Channel, seq: int) -> None:

@@ -126,11 +126,6 @@ BATCH_MAX_BYTES = 512 * 1024
 #: How often a queue writes which messages of its partly settled entries are settled (the
 #: cursor's own mark-delete rate: acknowledgements are durable at that pace, or at a tx.commit).
 SETTLED_PERSIST_S = 1.0
-#: A confirmed publish that arrives within this long after its channel's previous confirm
-#: marks a publisher waiting on each confirm (``VirtualHost.looping``); the deliveries of the
-#: entries stored for it then wait for the end of the next client input, at most ``HOLD_S``.
-LOOP_S = 0.002
-HOLD_S = 0.001
 
 
 def _now_ms(clock: IReactorTime) -> int:
@@ -276,12 +271,6 @@ class _Source:
         return 0
 
     def send_entries(self, deliveries: list[Delivery]) -> None:
-        vh = self.queue.vhost
-        if not vh.inputs and vh.looping and vh.just_stored(deliveries[-1].entry.data):
-            vh.hold(self, deliveries)
-            return
-        if vh.held:
-            vh.release_held()  # what came before goes first
         self.queue.fed(self, deliveries)
 
     def active_changed(self, is_active: bool) -> None:
@@ -1338,13 +1327,6 @@ class VirtualHost:
         #: Inside the completion of stored batches: what waits for the end of it.
         self.completing = 0
         self._after: list[Callable[[], None]] = []
-        #: Whether the latest publish came from a publisher waiting on each confirm (set by
-        #: the connection, ``LOOP_S``).
-        self.looping = False
-        #: Entries just stored for such a publisher, read by their queues and held (with
-        #: their sources) until the end of the next client input (``release_held``).
-        self.held: list[tuple[_Source, list[Delivery]]] = []
-        self._hold_timer: IDelayedCall | None = None
         #: Closed (broker stopping, or the vhost moved to another broker of the cluster): its
         #: state is dropped, and nothing it held is deleted any more.
         self.closed = False
@@ -1586,10 +1568,6 @@ class VirtualHost:
     def close(self) -> None:
         """Stop every queue reading; what is durable stays for the next owner."""
         self.closed = True
-        self.held.clear()
-        if self._hold_timer is not None and self._hold_timer.active():
-            self._hold_timer.cancel()
-        self._hold_timer = None
         for q in self.queues.values():
             q.close()
 
@@ -2106,32 +2084,6 @@ class VirtualHost:
         if kept is not None and kept[0] is data:
             return kept[1]
         return decode_entry(data)
-
-    def just_stored(self, data: bytes) -> bool:
-        """Whether ``data`` is an entry this vhost stored lately (see ``messages_of``)."""
-        kept = self._stored.get(id(data))
-        return kept is not None and kept[0] is data
-
-    def hold(self, source: _Source, deliveries: list[Delivery]) -> None:
-        """Keep entries a queue read just after they were stored for a publisher waiting
-        on each confirm, until the end of the next client input (``release_held``) or for
-        ``HOLD_S``. Their confirm went out already; the publisher's next publish is the
-        input that most likely comes next, and it is read and stored first: the delivery,
-        and the consumer's work it starts, then overlap the wait for that publish's durable
-        write instead of the publisher's turn."""
-        self.held.append((source, deliveries))
-        if self._hold_timer is None:
-            self._hold_timer = self.clock.callLater(HOLD_S, self.release_held)
-
-    def release_held(self) -> None:
-        """Let the queues take what ``hold`` kept, in the order it came."""
-        timer, self._hold_timer = self._hold_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-        while self.held:
-            held, self.held = self.held, []
-            for source, deliveries in held:
-                source.queue.fed(source, deliveries)
 
     def after_completion(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once the batch completion under way has told every publish (the
