@@ -324,9 +324,10 @@ def read_in_memory(spark: Any, count: int) -> dict[str, float]:
 def read_with_spark_stream(
     spark: Any, fmt: str, options: dict[str, str], count: int, checkpoint: Path
 ) -> dict[str, float]:
-    """(d) and (f): availableNow over the backlog into the noop sink. Besides the total, the
-    seconds from ``start()`` to the first trigger's start (Spark's query start-up, which starts
-    the source's Python runner) and the seconds in triggers (``triggerExecution``)."""
+    """(d) and (f): availableNow over the backlog into the noop sink, timed from ``load()``.
+    Besides the total, the seconds from ``load()`` to the first trigger's start (Spark's query
+    start-up, which starts the source's Python runner), the seconds in triggers
+    (``triggerExecution``) and Spark's own rate over them."""
     began = time.time()
     started = time.perf_counter()
     query = (
@@ -525,7 +526,7 @@ def main() -> None:
     for name in best:
         if "to_first_trigger_runs" in best[name]:
             print(
-                f"{name}: seconds from start() to the first trigger by round: "
+                f"{name}: seconds from load() to the first trigger by round: "
                 + " ".join(f"{x:.2f}" for x in best[name]["to_first_trigger_runs"])
             )
     print(json.dumps(result))
