@@ -348,15 +348,17 @@ def serve(path: str, parent_fd: int, modules: tuple[str, ...]) -> Job | None:
                         continue
                     why = server.refusal(request)
                     if why is not None:
-                        print(f"fork server: a plain launch instead: {why}", file=sys.stderr)
+                        with contextlib.suppress(OSError, ValueError):  # a closed stderr
+                            print(f"fork server: a plain launch instead: {why}", file=sys.stderr)
                         for fd in fds:
                             os.close(fd)
                         _send(conn, "refused", why)
                         conn.close()
                         continue
                     child_path = server.child_path(request)
-                    sys.stdout.flush()
-                    sys.stderr.flush()
+                    for stream in (sys.stdout, sys.stderr):
+                        with contextlib.suppress(OSError, ValueError):
+                            stream.flush()
                     pid = os.fork()
                     if pid == 0:
                         # The child leaves the server's loop with only its job.
