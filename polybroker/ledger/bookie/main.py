@@ -200,7 +200,6 @@ def run_bookie(args: argparse.Namespace) -> int:
                 port=config["bookiePort"],
                 bind=config["bindAddress"],
                 metadata_store=store,
-                journal_on_reactor=True,
             )
             d2 = server.start()
 

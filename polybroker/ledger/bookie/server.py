@@ -21,13 +21,6 @@ Rule 6: checkpoints (every ``flushInterval`` or when half the write cache is use
 Rule 7: what requests journal in one reactor turn, over every connection, is handed to the
         journal writer at the end of that turn (``callLater(0)``), as one submission; closing
         the bookie hands over what is staged before stopping the journal.
-Rule 8: with ``journal_on_reactor`` (a ``polybroker bookie`` process, whose reactor serves
-        nothing else) the journal has no writer thread: the end-of-turn hand-off of Rule 7
-        writes, syncs and answers the turn's group on the reactor, and what arrives meanwhile
-        waits in the sockets to form the next turn's group. Rule 1 holds as before (answers
-        after the sync); a group costs no thread hand-off, no wake-up of the reactor by the
-        writer and no wait for the GIL between them, at the price of a reactor blocked for
-        each sync (reads wait that long).
 """
 
 from __future__ import annotations
@@ -183,7 +176,6 @@ class Bookie:
         deliver: Callable[..., Any],
         run_blocking: RunBlocking,
         max_in_flight_per_connection: int = 10_000,
-        journal_on_reactor: bool = False,
     ) -> None:
         self.storage = storage
         self.journal_dir = journal_dir
@@ -204,9 +196,6 @@ class Bookie:
         self._submit_call: Any = None  # the end-of-turn hand-off to the journal, when due
         self._more_coming = False
         self.protocols: set[BookieProtocol] = set()
-        #: Rule 8: the reactor writes and syncs each turn's group (the journal has no writer
-        #: thread; ``deliver`` runs completions on the spot).
-        self.journal_on_reactor = journal_on_reactor
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -345,14 +334,8 @@ class Bookie:
     def _submit_turn(self) -> None:
         self._submit_call = None
         more, self._more_coming = self._more_coming, False
-        journal = self.journal
-        if journal is not None:
-            journal.submit(more)
-            if self.journal_on_reactor:
-                # Rule 8: this turn's records are one group, written, synced and answered
-                # now; what arrives meanwhile waits in the sockets for the next turn's group.
-                while journal.write_pending():
-                    pass
+        if self.journal is not None:
+            self.journal.submit(more)
 
     def _hello(self, proto: BookieProtocol, req: HelloRequest) -> None:
         usable = [v for v in SUPPORTED_VERSIONS if req.min_version <= v <= req.max_version]
@@ -860,22 +843,6 @@ class BookieFactory(Factory):
         return BookieProtocol(self.bookie, self.max_frame_size)
 
 
-def _call_now(fn: Callable[..., Any], *args: Any) -> None:
-    """Deliver a journal completion on the spot (Rule 8: the reactor wrote the group)."""
-    fn(*args)
-
-
-def _start_zeroing(journal: Journal) -> None:
-    """Start only the journal's zeroing thread (its Rule 6) for a journal with no writer
-    thread (Rule 8): ``Journal.start`` starts both. Registered as the journal's own, so
-    ``Journal.stop`` joins it before the file is closed."""
-    if journal.config.zero_ahead <= 0:
-        return
-    thread = threading.Thread(target=journal._zero_run, name="bookie-journal-zeros", daemon=True)
-    journal._zero_thread = thread
-    thread.start()
-
-
 def journal_config(config: Config) -> JournalConfig:
     """The journal settings of a config."""
     mb = 1024 * 1024
@@ -908,10 +875,8 @@ class BookieServer:
         bind: str = "127.0.0.1",
         metadata_store: MetadataStore | None = None,
         allow_address_change: bool | None = None,
-        journal_on_reactor: bool = False,
     ) -> None:
         self.config = config
-        self.journal_on_reactor = journal_on_reactor
         self.data_dir = Path(data_dir)
         if allow_address_change is None:
             allow_address_change = bool(config["allowBookieAddressChange"])
@@ -1005,25 +970,19 @@ class BookieServer:
             max_entry_size=self.max_frame_size,
         )
         self._worker = BlockingWorker(self.reactor)
-        on_reactor = self.journal_on_reactor
         bookie = Bookie(
             storage,
             self.data_dir / cookies.JOURNAL_DIR,
             journal_config(self.config),
             self.reactor,
             self.cookie.instance_id,
-            deliver=_call_now if on_reactor else self.reactor.callFromThread,
+            deliver=self.reactor.callFromThread,
             run_blocking=self._worker.run,
-            journal_on_reactor=on_reactor,
         )
         self.bookie = bookie
         bookie.recover()
-        journal = bookie.journal
-        assert journal is not None
-        if on_reactor:
-            _start_zeroing(journal)
-        else:
-            journal.start()
+        assert bookie.journal is not None
+        bookie.journal.start()
         factory = BookieFactory(bookie, self.max_frame_size)
         self._listening = self.reactor.listenTCP(self.port, factory, interface=self.bind)
         self.port = self._listening.getHost().port

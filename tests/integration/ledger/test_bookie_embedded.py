@@ -36,22 +36,13 @@ async def eventually(check: Any, timeout: float = 20.0, step: float = 0.05) -> N
         await deferLater(reactor, step, lambda: None)
 
 
-@pytest.mark.parametrize("on_reactor", [False, True], ids=["journal-thread", "journal-on-reactor"])
 @pytest_twisted.ensureDeferred
-async def test_embedded_bookie_serves_checkpoints_collects_and_restarts(
-    tmp_path: Path, on_reactor: bool
-) -> None:
+async def test_embedded_bookie_serves_checkpoints_collects_and_restarts(tmp_path: Path) -> None:
     """An in-process bookie answers on its port, checkpoints on its timer (the journal mark
-    moves), reclaims a deleted ledger's entry log, and serves everything after a restart; with
-    its journal written by a thread or by the reactor (whose stop joins the zeroing thread)."""
+    moves), reclaims a deleted ledger's entry log, and serves everything after a restart."""
     config = Config({"flushInterval": 100, "gcWaitTime": 100, "entryLogSizeLimit": 64 * 1024})
-    server = BookieServer(config, tmp_path, reactor, journal_on_reactor=on_reactor)
+    server = BookieServer(config, tmp_path, reactor)
     port = await server.start()
-    assert server.bookie is not None
-    assert server.bookie.journal is not None
-    zeros = server.bookie.journal._zero_thread
-    assert zeros is not None
-    assert zeros.is_alive()
     assert port > 0
     client = TcpBookieClient(f"127.0.0.1:{port}", reactor, timeout_s=10)
     assert await client.instance_id() == server.instance_id
@@ -71,9 +62,8 @@ async def test_embedded_bookie_serves_checkpoints_collects_and_restarts(
     assert await client.read_entry(2, 19) == blob[::-1]
     await client.close()
     await server.stop()
-    assert not zeros.is_alive()
 
-    again = BookieServer(config, tmp_path, reactor, journal_on_reactor=on_reactor)
+    again = BookieServer(config, tmp_path, reactor)
     port = await again.start()
     client = TcpBookieClient(f"127.0.0.1:{port}", reactor, timeout_s=10)
     assert await client.instance_id() == server.instance_id
