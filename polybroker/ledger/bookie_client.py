@@ -81,7 +81,7 @@ from polybroker.ledger.wire import (
     encode_add_record,
     encode_add_request,
     encode_add_request_of_record,
-    encode_multi_add_records,
+    encode_multi_add_parts,
 )
 from polybroker.netio import write_now
 
@@ -132,13 +132,14 @@ class AddListener(typing.Protocol):
 
 
 class _Group:
-    """Batched adds of one ledger staged in this reactor turn, as ADD_MULTI records."""
+    """Batched adds of one ledger staged in this reactor turn, as ADD_MULTI records (each
+    as its parts, the first starting with the record's head)."""
 
     __slots__ = ("entry_ids", "listener", "nbytes", "records")
 
     def __init__(self, listener: AddListener) -> None:
         self.listener = listener
-        self.records: list[bytes] = []
+        self.records: list[Sequence[Buffer]] = []
         self.entry_ids: list[int] = []
         self.nbytes = 0  # of the records
 
@@ -324,7 +325,19 @@ class TcpBookieClient(BookieClient):
     ) -> None:
         """``add_entry_batched`` of a ready ADD_MULTI record (``wire.encode_add_record`` of
         this ledger and entry, no flag): a writer makes it once for all its bookies."""
-        size = len(record)
+        self.add_parts_batched(ledger_id, entry_id, (record,), len(record), listener)
+
+    def add_parts_batched(
+        self,
+        ledger_id: int,
+        entry_id: int,
+        parts: Sequence[Buffer],
+        size: int,
+        listener: AddListener,
+    ) -> None:
+        """``add_record_batched`` of a record given as its parts (``size`` bytes in all, the
+        first part starting with the record's head): the parts are joined only into the frame
+        written, so the data is copied once."""
         if size > self._max_record:
             self._too_large(ledger_id, entry_id, size - _RECORD_OVERHEAD, listener)
             return
@@ -341,7 +354,7 @@ class TcpBookieClient(BookieClient):
             group = None
         if group is None:
             group = self._staged[ledger_id] = _Group(listener)
-        group.records.append(record)
+        group.records.append(parts)
         group.entry_ids.append(entry_id)
         nbytes = group.nbytes = group.nbytes + size
         if nbytes >= self._batch_bytes:
@@ -519,7 +532,9 @@ class TcpBookieClient(BookieClient):
             pending[rid] = _Pending(
                 None, deadline, _MULTI, ledger_id, -1, group.listener, group.entry_ids
             )
-            self._write_sequence(encode_multi_add_records(rid, ledger_id, group.records))
+            self._write_sequence(
+                encode_multi_add_parts(rid, ledger_id, group.records, group.nbytes)
+            )
             return
         frames: list[Buffer] = []
         for entry_id, record in zip(group.entry_ids, group.records, strict=True):
@@ -528,7 +543,7 @@ class TcpBookieClient(BookieClient):
             pending[rid] = _Pending(
                 None, deadline, _ADD, ledger_id, entry_id, group.listener, [entry_id]
             )
-            frames.extend(encode_add_request_of_record(rid, record))
+            frames.extend(encode_add_request_of_record(rid, b"".join(record)))
         self._write_sequence(frames)
 
     def _tell_acked(self, p: _Pending) -> None:

@@ -78,6 +78,7 @@ _RECORD_VERSION = 1
 _WIRE_HEAD = RECORD_HEAD
 _WIRE_MID = struct.Struct(">QqqBBqQI")  # ledger, entry, lac, flags; version, lac, length, crc
 _WIRE_PREFIX = RECORD_HEAD_SIZE + ADD_FIELDS_SIZE  # bytes of a wire record before our record
+_WIRE_OVERHEAD = RECORD_HEAD_SIZE + _WIRE_MID.size  # a wire record's bytes besides prefix, data
 _READ_RANGE_BYTES = 4 * 1024 * 1024
 _RECOVERY_WINDOW = 64  # recovery reads this many entries ahead of the one it decides on
 _CAS_ATTEMPTS = 5
@@ -95,20 +96,30 @@ def encode_record(ledger_id: int, entry_id: int, lac: int, length: int, data: by
     return _RECORD.pack(_RECORD_VERSION, lac, length, crc) + data
 
 
+def encode_wire_parts(
+    ledger_id: int, entry_id: int, lac: int, length: int, data: bytes, prefix: bytes = b""
+) -> tuple[bytes, bytes, bytes]:
+    """``encode_wire_record`` as its parts ``(record head, ADD fields + our record header +
+    prefix, data)``, ``_WIRE_OVERHEAD + len(prefix) + len(data)`` bytes in all: the data is not
+    copied here, only into the frame that carries it."""
+    crc32 = crc32c.crc32c
+    # The short fields and the prefix are summed joined: one call instead of two.
+    digest = crc32(_DIGEST.pack(ledger_id, entry_id, lac, length) + prefix)
+    body = (
+        _WIRE_MID.pack(
+            ledger_id, entry_id, lac, 0, _RECORD_VERSION, lac, length, crc32(data, digest)
+        )
+        + prefix
+    )
+    return _WIRE_HEAD.pack(len(body) + len(data), crc32(data, crc32(body))), body, data
+
+
 def encode_wire_record(
     ledger_id: int, entry_id: int, lac: int, length: int, data: bytes, prefix: bytes = b""
 ) -> bytes:
     """``encode_record`` of ``prefix + data`` inside the bookie wire's ADD record
-    (``wire.encode_add_record``), made with one copy of ``data``: the adds of the write path
-    send it as is to every bookie."""
-    crc32 = crc32c.crc32c
-    # The short fields and the prefix are summed joined: one call instead of two.
-    digest = crc32(_DIGEST.pack(ledger_id, entry_id, lac, length) + prefix)
-    mid = _WIRE_MID.pack(
-        ledger_id, entry_id, lac, 0, _RECORD_VERSION, lac, length, crc32(data, digest)
-    )
-    head = _WIRE_HEAD.pack(len(mid) + len(prefix) + len(data), crc32(data, crc32(mid + prefix)))
-    return b"".join((head, mid, prefix, data))
+    (``wire.encode_add_record``)."""
+    return b"".join(encode_wire_parts(ledger_id, entry_id, lac, length, data, prefix))
 
 
 def decode_record(ledger_id: int, entry_id: int, raw: bytes) -> tuple[bytes, int, int]:
@@ -322,20 +333,23 @@ class _PendingAdd:
         "on_failed",
         "record",
         "sent_at",
+        "size",
         "token",
         "write_set",
     )
 
     def __init__(
         self,
-        record: bytes,
+        record: tuple[bytes, bytes, bytes],
+        size: int,
         length: int,
         now: float,
         on_done: AddDone | None,
         on_failed: AddFailed | None,
         token: Any,
     ) -> None:
-        self.record = record  # as the bookies take it (``encode_wire_record``)
+        self.record = record  # as the bookies take it (``encode_wire_parts``)
+        self.size = size  # of the record
         self.length = length  # cumulative bytes through this entry
         self.on_done = on_done
         self.on_failed = on_failed
@@ -422,9 +436,12 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         # run of completions.
         entry_id = self._next
         self._next = entry_id + 1
-        length = self._sent_length = self._sent_length + len(prefix) + len(data)
-        record = encode_wire_record(self.ledger_id, entry_id, self._lac, length, data, prefix)
-        p = _PendingAdd(record, length, self._seconds(), None, None, listener)
+        size = len(prefix) + len(data)
+        length = self._sent_length = self._sent_length + size
+        record = encode_wire_parts(self.ledger_id, entry_id, self._lac, length, data, prefix)
+        p = _PendingAdd(
+            record, size + _WIRE_OVERHEAD, length, self._seconds(), None, None, listener
+        )
         self._pending[entry_id] = p
         if not self._changing:
             p.write_set = ws = self._write_sets[entry_id % self._ensemble_size]
@@ -439,7 +456,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         listener: WriteListener,
         prefixes: Sequence[bytes] | None = None,
     ) -> None:
-        pending, encode, seconds = self._pending, encode_wire_record, self._seconds
+        pending, encode, seconds = self._pending, encode_wire_parts, self._seconds
         if prefixes is None:
             prefixes = [b""] * len(datas)
         for data, prefix in zip(datas, prefixes, strict=True):
@@ -451,9 +468,11 @@ class _WriteHandle(_ReadHandle, WriteHandle):
                 return
             entry_id = self._next
             self._next = entry_id + 1
-            length = self._sent_length = self._sent_length + len(prefix) + len(data)
+            size = len(prefix) + len(data)
+            length = self._sent_length = self._sent_length + size
             p = _PendingAdd(
                 encode(self.ledger_id, entry_id, self._lac, length, data, prefix),
+                size + _WIRE_OVERHEAD,
                 length,
                 seconds(),
                 None,
@@ -473,8 +492,10 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         entry_id = self._next
         self._next = entry_id + 1
         length = self._sent_length = self._sent_length + len(data)
-        record = encode_wire_record(self.ledger_id, entry_id, self._lac, length, data)
-        p = _PendingAdd(record, length, self._seconds(), on_done, on_failed, token)
+        record = encode_wire_parts(self.ledger_id, entry_id, self._lac, length, data)
+        p = _PendingAdd(
+            record, len(data) + _WIRE_OVERHEAD, length, self._seconds(), on_done, on_failed, token
+        )
         self._pending[entry_id] = p
         if not self._changing:
             p.write_set = ws = self._write_sets[entry_id % self._ensemble_size]
@@ -491,9 +512,9 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             except KeyError:
                 batched = self._client._batched_sender(address)
             if batched is not None:
-                batched(ledger_id, entry_id, record, self)
+                batched(ledger_id, entry_id, record, p.size, self)
                 continue
-            data = record[_WIRE_PREFIX:]
+            data = b"".join(record)[_WIRE_PREFIX:]
             self._client._bookie(address).add_entry(ledger_id, entry_id, lac, data).addCallbacks(
                 self._acked,
                 self._add_failed,
@@ -501,7 +522,7 @@ class _WriteHandle(_ReadHandle, WriteHandle):
                 errbackArgs=(entry_id, address),
             )
 
-    # The listener of batched adds (``TcpBookieClient.add_record_batched``).
+    # The listener of batched adds (``TcpBookieClient.add_parts_batched``).
 
     def entries_acked(self, address: str, entry_ids: Sequence[int]) -> None:
         """A bookie journaled these entries."""
@@ -875,7 +896,7 @@ class BookKeeperClient(LedgerClient):
         self._add_timeout_s = add_timeout_s
         self._rng = rng or random.Random()
         self._bookies: dict[str, BookieClient] = {}
-        # Per bookie address: its ``add_record_batched`` (None: it has only ``add_entry``).
+        # Per bookie address: its ``add_parts_batched`` (None: it has only ``add_entry``).
         self._batched: dict[str, Any] = {}
         self._closed = False
 
@@ -891,8 +912,19 @@ class BookKeeperClient(LedgerClient):
         return client
 
     def _batched_sender(self, address: str) -> Any:
-        """The ``add_record_batched`` of a bookie (None if it has none), kept until close."""
-        sender = getattr(self._bookie(address), "add_record_batched", None)
+        """The ``add_parts_batched`` of a bookie, or an adapter to its ``add_record_batched``
+        (None if it has neither), kept until close."""
+        bookie = self._bookie(address)
+        sender = getattr(bookie, "add_parts_batched", None)
+        if sender is None:
+            by_record = getattr(bookie, "add_record_batched", None)
+            if by_record is not None:
+
+                def sender(
+                    ledger_id: int, entry_id: int, parts: Any, _: int, listener: Any
+                ) -> None:
+                    by_record(ledger_id, entry_id, b"".join(parts), listener)
+
         if not self._closed:
             self._batched[address] = sender
         return sender

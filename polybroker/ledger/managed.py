@@ -76,6 +76,7 @@ READ_BATCH = 100
 SPARSE_STEP = 64
 
 _pack_header = entry_format.HEADER.pack
+_MAGIC, _VERSION, _HEADER_SIZE = entry_format.MAGIC, entry_format.VERSION, entry_format.HEADER_SIZE
 _new = tuple.__new__  # builds a named tuple without the Python-level __new__ of namedtuple
 
 
@@ -540,17 +541,18 @@ class ManagedLedgerImpl(ManagedLedger):
         handle = self._current
         assert handle is not None
         index = add.index = self._sent_index
-        self._sent_index = index + add.num
+        num = add.num
+        self._sent_index = index + num
+        data = add.data
         # entry_format.encode without its checks: ``append`` checked the fields. The header
         # goes as the entry's prefix: the ledger copies the data once, into its record.
-        head = _pack_header(entry_format.MAGIC, entry_format.VERSION, 0, add.time, index, add.num)
-        add.size = size = len(head) + len(add.data)
+        add.size = size = _HEADER_SIZE + len(data)
         # The log is the only writer of its ledgers: entry ids are the sends, counted from 0.
         add.entry_id = self._sent_entries
         self._sent_entries += 1
         self._sent_bytes += size
         self._pending.append(add)
-        handle.append_quiet(add.data, self, head)
+        handle.append_quiet(data, self, _pack_header(_MAGIC, _VERSION, 0, add.time, index, num))
 
     def _send_many(self, adds: list[_Add]) -> int:
         """``_send`` the first of ``adds`` while the current ledger is surely not full (the
@@ -560,7 +562,7 @@ class ManagedLedgerImpl(ManagedLedger):
         pending_append = self._pending.append
         index, entry_id, nbytes = self._sent_index, self._sent_entries, self._sent_bytes
         max_entries, max_bytes = self._max_entries, self._max_bytes
-        magic, version = entry_format.MAGIC, entry_format.VERSION
+        magic, version = _MAGIC, _VERSION
         heads: list[bytes] = []
         datas: list[bytes] = []
         for add in adds:
@@ -569,7 +571,7 @@ class ManagedLedgerImpl(ManagedLedger):
             add.index = index
             head = _pack_header(magic, version, 0, add.time, index, add.num)
             index += add.num
-            add.size = size = len(head) + len(add.data)
+            add.size = size = _HEADER_SIZE + len(add.data)
             add.entry_id = entry_id
             entry_id += 1
             nbytes += size
@@ -599,31 +601,35 @@ class ManagedLedgerImpl(ManagedLedger):
         index_of, time_of = ledger.indexes.append, ledger.times.append
         if ledger.entries == 0:
             ledger.first_time = pending[0].time
-        done: list[tuple[_Add, Entry]] = []
+        adds: list[_Add] = []
+        entries: list[Entry] = []
+        add_done, entry_done = adds.append, entries.append
         popleft = pending.popleft
         # Record every completed entry first, then tell the callers: whatever their callbacks
         # do (append, read, close) sees the log with all of them.
         put = cache.put_fields
-        while pending and pending[0].entry_id <= last_entry_id:
+        t = 0
+        # The pending adds are of consecutive entry ids (sent in order, dropped together).
+        for _ in range(min(len(pending), last_entry_id - pending[0].entry_id + 1)):
             a = popleft()
             eid, index, num, t, data = a.entry_id, a.index, a.num, a.time, a.data
-            entry = _new(Entry, (_new(Position, (lid, eid)), index, num, t, data))
+            entry_done(_new(Entry, (_new(Position, (lid, eid)), index, num, t, data)))
+            add_done(a)
             index_of(index)
             time_of(t)
             size += a.size
             messages += num
             put(seq, lid, eid, index, num, t, data)
             seq += 1
-            done.append((a, entry))
-        ledger.entries += len(done)
+        ledger.entries += len(adds)
         ledger.size += size
         ledger.messages += messages
-        ledger.last_time = done[-1][0].time
+        ledger.last_time = t
         self._next_seq = seq
         self._next_index += messages
         if not self._cursors:
-            self._trim_tail(seq - len(done))
-        for a, entry in done:
+            self._trim_tail(seq - len(adds))
+        for a, entry in zip(adds, entries, strict=True):
             d = a.d
             if d is not None:
                 d.callback(entry)

@@ -639,6 +639,31 @@ def encode_multi_add_records(
     return [frame + head, *records]
 
 
+def encode_multi_add_parts(
+    request_id: int, ledger_id: int, records: Sequence[Sequence[Buffer]], nbytes: int
+) -> list[Buffer]:
+    """``encode_multi_add_records`` of records given as parts (each record's first part
+    starting with its 8-byte head, its parts ``nbytes`` bytes in all), for one join at the
+    write: a record's data is copied once, into the frame written."""
+    head = MULTI_HEAD.pack(ledger_id, len(records))
+    heads = b"".join([r[0][:RECORD_HEAD_SIZE] for r in records])
+    parts: list[Buffer] = [b""]
+    extend = parts.extend
+    for r in records:
+        extend(r)
+    parts[0] = (
+        HEADER.pack(
+            _LENGTH_AFTER_PREFIX + MULTI_HEAD_SIZE + nbytes,
+            MULTI_ADD_VERSION,
+            MsgType.ADD_MULTI,
+            request_id,
+            crc32c(heads, crc32c(head)),
+        )
+        + head
+    )
+    return parts
+
+
 def encode_add_request_of_record(request_id: int, record: bytes) -> list[Buffer]:
     """Return the parts of a version-1 ADD frame carrying a record's body: an ADD frame's
     checksum covers its body as the record's does, so nothing is summed again."""

@@ -574,6 +574,35 @@ def test_ready_records_join_the_adds_of_their_turn_and_oversize_ones_are_refused
     assert (ids, type(error)) == ([3], BookieProtocolError)
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_records_in_parts_go_out_as_the_joined_records(
+    reactor: MemoryReactorClock, client: TcpBookieClient, version: int
+) -> None:
+    """A record staged as its parts (``add_parts_batched``) leaves as the same frame(s) as the
+    joined record, to a bookie of either wire version; one above the frame limit fails."""
+    listener = Listener()
+    record = encode_add_record(1, 0, -1, b"a" * 100)
+    client.add_parts_batched(1, 0, (record[:8], record[8:40], record[40:]), len(record), listener)
+    client.add_record_batched(1, 1, encode_add_record(1, 1, 0, b"b"), listener)
+    reactor.advance(0)
+    peer = Peer(reactor)
+    peer.handshake(version=version)
+    frames = peer.received()
+    if version == 2:
+        (frame,) = frames
+        assert isinstance(frame, MultiAddRequest)
+        got = [(e, lac, bytes(d)) for e, lac, d in frame.entries]
+    else:
+        assert all(isinstance(f, AddRequest) for f in frames)
+        got = [(f.entry_id, f.lac, bytes(f.data)) for f in frames if isinstance(f, AddRequest)]
+    assert got == [(0, -1, b"a" * 100), (1, 0, b"b")]
+    small = TcpBookieClient("127.0.0.1:3181", reactor, max_frame_size=1000)
+    big = encode_add_record(1, 3, 2, b"x" * 1000)
+    small.add_parts_batched(1, 3, (big[:8], big[8:]), len(big), listener)
+    ((_, ids, error),) = listener.failed
+    assert (ids, type(error)) == ([3], BookieProtocolError)
+
+
 class _Socket:
     """The socket of a ``tcp.Client`` that takes every send."""
 

@@ -26,11 +26,13 @@ from polybroker.ledger.api import (
     StorageError,
 )
 from polybroker.ledger.client import (
+    _WIRE_OVERHEAD,
     BookKeeperClient,
     decode_metadata,
     decode_record,
     encode_metadata,
     encode_record,
+    encode_wire_parts,
     encode_wire_record,
 )
 from polybroker.ledger.placement import choose_ensemble, replace_bookies
@@ -661,6 +663,17 @@ def test_a_prefixed_wire_record_is_the_record_of_prefix_and_data() -> None:
     record, checksums included, as the joined entry would."""
     wire = encode_wire_record(5, 3, 2, 100, b"load", b"pay")
     assert wire == encode_wire_record(5, 3, 2, 100, b"payload")
+
+
+def test_the_wire_parts_are_the_wire_record_and_leave_the_data_uncopied() -> None:
+    """``encode_wire_parts`` is ``encode_wire_record`` cut after its 8-byte head and before
+    the data, whose object it hands on as is; its size is the overhead plus prefix and data."""
+    data = b"load" * 100
+    head, body, tail = encode_wire_parts(5, 3, 2, 100, data, b"pay")
+    assert head + body + tail == encode_wire_record(5, 3, 2, 100, b"pay" + data)
+    assert len(head) == 8
+    assert tail is data
+    assert len(head + body + tail) == _WIRE_OVERHEAD + 3 + len(data)
 
 
 def test_append_quiet_with_prefixes_stores_prefix_and_data_as_one_entry() -> None:

@@ -47,6 +47,7 @@ from polybroker.ledger.wire import (
     encode_add_request_of_record,
     encode_add_response,
     encode_multi_add,
+    encode_multi_add_parts,
     encode_multi_add_records,
     encode_multi_add_response,
     multi_add_size,
@@ -516,6 +517,18 @@ def test_frames_of_ready_records_are_the_frames_of_their_adds() -> None:
     (decoded,) = decode_all(joined)
     assert isinstance(decoded, MultiAddRequest)
     assert [(e, lac, bytes(d)) for e, lac, d in decoded.entries] == [i[:3] for i in items]
+
+
+def test_frames_of_records_in_parts_are_the_frames_of_the_joined_records() -> None:
+    """An ADD_MULTI of records given as parts (split anywhere after their 8-byte head, or
+    whole) is byte for byte the frame of the joined records."""
+    items = [(3, 2, b"hello", 0), (4, 3, b"", 0), (5, 4, b"x" * 3000, 0)]
+    records = [encode_add_record(7, e, lac, data, flags) for e, lac, data, flags in items]
+    parts = [(records[0][:8], records[0][8:20], records[0][20:]), (records[1],)]
+    parts.append((records[2][:8], memoryview(records[2])[8:]))
+    nbytes = sum(map(len, records))
+    joined = b"".join(bytes(p) for p in encode_multi_add_parts(9, 7, parts, nbytes))
+    assert joined == b"".join(bytes(p) for p in encode_multi_add_records(9, 7, records))
 
 
 def test_whole_frames_in_several_chunks_are_decoded_in_place() -> None:
