@@ -79,6 +79,8 @@ _WIRE_HEAD = RECORD_HEAD
 _WIRE_MID = struct.Struct(">QqqBBqQI")  # ledger, entry, lac, flags; version, lac, length, crc
 _WIRE_PREFIX = RECORD_HEAD_SIZE + ADD_FIELDS_SIZE  # bytes of a wire record before our record
 _WIRE_OVERHEAD = RECORD_HEAD_SIZE + _WIRE_MID.size  # a wire record's bytes besides prefix, data
+_WIRE_HEAD_PACK, _WIRE_MID_PACK, _DIGEST_PACK = _WIRE_HEAD.pack, _WIRE_MID.pack, _DIGEST.pack
+_crc32c = crc32c.crc32c
 _READ_RANGE_BYTES = 4 * 1024 * 1024
 _RECOVERY_WINDOW = 64  # recovery reads this many entries ahead of the one it decides on
 _CAS_ATTEMPTS = 5
@@ -432,20 +434,39 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         if self._closing:
             listener.adds_failed(self, LedgerClosedError(f"ledger {self.ledger_id} is closed"))
             return
-        # ``_add`` inlined (the hot path); on_done None: the token is a listener told once per
-        # run of completions.
+        # ``_add``, ``encode_wire_parts`` and ``_send`` inlined (the hot path); on_done None:
+        # the token is a listener told once per run of completions.
         entry_id = self._next
         self._next = entry_id + 1
         size = len(prefix) + len(data)
         length = self._sent_length = self._sent_length + size
-        record = encode_wire_parts(self.ledger_id, entry_id, self._lac, length, data, prefix)
-        p = _PendingAdd(
-            record, size + _WIRE_OVERHEAD, length, self._seconds(), None, None, listener
+        ledger_id, lac, crc32 = self.ledger_id, self._lac, _crc32c
+        body = (
+            _WIRE_MID_PACK(
+                ledger_id,
+                entry_id,
+                lac,
+                0,
+                _RECORD_VERSION,
+                lac,
+                length,
+                crc32(data, crc32(_DIGEST_PACK(ledger_id, entry_id, lac, length) + prefix)),
+            )
+            + prefix
         )
+        record = (_WIRE_HEAD_PACK(len(body) + len(data), crc32(data, crc32(body))), body, data)
+        size += _WIRE_OVERHEAD
+        p = _PendingAdd(record, size, length, self._seconds(), None, None, listener)
         self._pending[entry_id] = p
         if not self._changing:
             p.write_set = ws = self._write_sets[entry_id % self._ensemble_size]
-            self._send(entry_id, p, ws)
+            senders = self._client._batched
+            for address in ws:
+                batched = senders.get(address)
+                if batched is not None:
+                    batched(ledger_id, entry_id, record, size, self)
+                else:
+                    self._send_other(entry_id, p, address, lac)
         if self._sweep_call is None:
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
 
@@ -504,23 +525,30 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             self._sweep_call = self._reactor.callLater(self._sweep_interval(), self._sweep)
 
     def _send(self, entry_id: int, p: _PendingAdd, targets: Sequence[str]) -> None:
-        ledger_id, lac, record = self.ledger_id, self._lac, p.record
-        senders = self._client._batched
+        senders, lac = self._client._batched, self._lac
         for address in targets:
-            try:
-                batched = senders[address]
-            except KeyError:
-                batched = self._client._batched_sender(address)
+            batched = senders.get(address)
             if batched is not None:
-                batched(ledger_id, entry_id, record, p.size, self)
-                continue
-            data = b"".join(record)[_WIRE_PREFIX:]
-            self._client._bookie(address).add_entry(ledger_id, entry_id, lac, data).addCallbacks(
-                self._acked,
-                self._add_failed,
-                callbackArgs=(entry_id, address),
-                errbackArgs=(entry_id, address),
-            )
+                batched(self.ledger_id, entry_id, p.record, p.size, self)
+            else:
+                self._send_other(entry_id, p, address, lac)
+
+    def _send_other(self, entry_id: int, p: _PendingAdd, address: str, lac: int) -> None:
+        """``_send`` to a bookie whose batched sender is not known yet, or that has none (``lac``
+        as the send began: an add answered at once may move the handle's)."""
+        ledger_id = self.ledger_id
+        if address not in self._client._batched:
+            batched = self._client._batched_sender(address)
+            if batched is not None:
+                batched(ledger_id, entry_id, p.record, p.size, self)
+                return
+        data = b"".join(p.record)[_WIRE_PREFIX:]
+        self._client._bookie(address).add_entry(ledger_id, entry_id, lac, data).addCallbacks(
+            self._acked,
+            self._add_failed,
+            callbackArgs=(entry_id, address),
+            errbackArgs=(entry_id, address),
+        )
 
     # The listener of batched adds (``TcpBookieClient.add_parts_batched``).
 

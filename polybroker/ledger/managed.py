@@ -101,6 +101,10 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+_OPEN = _State.OPEN
+_MAX_NUM_MESSAGES = entry_format.MAX_NUM_MESSAGES
+
+
 class _Ledger:
     """What the log knows of one of its ledgers (a mutable ``LedgerInfo`` plus lookups)."""
 
@@ -437,21 +441,33 @@ class ManagedLedgerImpl(ManagedLedger):
     ) -> Deferred[Entry]:
         if not self._accepting:
             return fail(self._refusal())
-        if not 1 <= num_messages <= entry_format.MAX_NUM_MESSAGES:
+        if not 1 <= num_messages <= _MAX_NUM_MESSAGES:
             return fail(ValueError(f"num_messages must be >= 1, got {num_messages}"))
         if publish_time_ms is None:
             publish_time_ms = int(self._reactor.seconds() * 1000)
         d: Deferred[Entry] = Deferred()
         add = _Add(data, num_messages, publish_time_ms, d, None)
+        sent = self._sent_entries
         if (
-            self._state is _State.OPEN
+            self._state is _OPEN
             and not self._queued
             and (
-                (self._sent_entries < self._max_entries and self._sent_bytes < self._max_bytes)
+                (sent < self._max_entries and self._sent_bytes < self._max_bytes)
                 or self._reactor.seconds() < self._young_until
             )
         ):
-            self._send(add)  # the common case of ``_enqueue``, inlined
+            # The common case of ``_enqueue``: ``_send`` inlined.
+            handle = self._current
+            assert handle is not None
+            index = add.index = self._sent_index
+            self._sent_index = index + num_messages
+            add.size = size = _HEADER_SIZE + len(data)
+            add.entry_id = sent
+            self._sent_entries = sent + 1
+            self._sent_bytes += size
+            self._pending.append(add)
+            head = _pack_header(_MAGIC, _VERSION, 0, publish_time_ms, index, num_messages)
+            handle.append_quiet(data, self, head)
         else:
             self._enqueue(add)
         return d
