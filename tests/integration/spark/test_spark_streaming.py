@@ -91,6 +91,27 @@ def test_processing_time_trigger_into_the_stream_sink(
         query.stop()
 
 
+def _run_memory_stream(spark: Any, source: Any, ckpt: Path) -> list[dict]:
+    """Register ``source`` and run it once (availableNow) into the memory sink of the same name;
+    return the end offsets of its micro-batches (at least one)."""
+    spark.dataSource.register(source)
+    name = source.name()
+    query = (
+        spark.readStream.format(name)
+        .load()
+        .writeStream.format("memory")
+        .queryName(name)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120)
+    assert query.exception() is None
+    ends = [json.loads(p["sources"][0]["endOffset"]) for p in query.recentProgress]
+    assert ends
+    return ends
+
+
 def test_a_stream_source_runner_imports_the_installed_pyspark(spark: Any, tmp_path: Path) -> None:
     """Spark starts each streaming query's source in a fresh Python process with pyspark.zip
     first on its path; through the session's launcher it imports the installed pyspark (compiled
@@ -127,20 +148,7 @@ def test_a_stream_source_runner_imports_the_installed_pyspark(spark: Any, tmp_pa
         def streamReader(self, schema: Any) -> DataSourceStreamReader:
             return Reader()
 
-    spark.dataSource.register(Source)
-    query = (
-        spark.readStream.format("pyspark_origin")
-        .load()
-        .writeStream.format("memory")
-        .queryName("pyspark_origin")
-        .option("checkpointLocation", str(tmp_path / "ckpt"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    assert query.awaitTermination(120)
-    assert query.exception() is None
-    ends = [json.loads(p["sources"][0]["endOffset"]) for p in query.recentProgress]
-    assert ends
+    ends = _run_memory_stream(spark, Source, tmp_path / "ckpt")
     assert all(e["runner"] == "installed" for e in ends)
     assert [r.origin for r in spark.sql("SELECT origin FROM pyspark_origin").collect()] == [
         "installed"
@@ -185,19 +193,6 @@ def test_a_stream_source_runner_is_a_fork_of_the_session_fork_server(
         def streamReader(self, schema: Any) -> DataSourceStreamReader:
             return Reader()
 
-    spark.dataSource.register(Source)
-    query = (
-        spark.readStream.format("runner_parent")
-        .load()
-        .writeStream.format("memory")
-        .queryName("runner_parent")
-        .option("checkpointLocation", str(tmp_path / "ckpt"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    assert query.awaitTermination(120)
-    assert query.exception() is None
-    ends = [json.loads(p["sources"][0]["endOffset"]) for p in query.recentProgress]
-    assert ends
+    ends = _run_memory_stream(spark, Source, tmp_path / "ckpt")
     assert all(e["parent"] == server.pid for e in ends)
     assert sorted(r.n for r in spark.sql("SELECT n FROM runner_parent").collect()) == [0, 1]

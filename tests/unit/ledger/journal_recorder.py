@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import Journal, JournalConfig, JournalPosition
 
 
@@ -37,3 +41,17 @@ def open_journal(path: Path, config: JournalConfig, first: int = 1) -> tuple[Jou
         first_file_id=first,
     )
     return j, rec
+
+
+def record_syncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The file descriptors the journal module fdatasyncs from now on, in order (each sync still
+    runs)."""
+    synced: list[int] = []
+    real_sync = os.fdatasync
+
+    def sync(fd: int) -> None:
+        synced.append(fd)
+        real_sync(fd)
+
+    monkeypatch.setattr(journal_mod.os, "fdatasync", sync)
+    return synced

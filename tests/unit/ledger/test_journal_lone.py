@@ -7,7 +7,6 @@ No writer thread is started: a test puts the writer's state where the thread wou
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from journal_recorder import Recorder, open_journal
+from journal_recorder import Recorder, open_journal, record_syncs
 
 from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import (
@@ -72,14 +71,7 @@ def test_a_lone_group_is_written_and_synced_by_the_submitter(
 ) -> None:
     """Nothing more coming, the writer parked: submit writes, syncs and delivers the group
     itself, without waking the writer, which stays parked."""
-    synced: list[int] = []
-    real_sync = os.fdatasync
-
-    def sync(fd: int) -> None:
-        synced.append(fd)
-        real_sync(fd)
-
-    monkeypatch.setattr(journal_mod.os, "fdatasync", sync)
+    synced = record_syncs(monkeypatch)
     j, rec = _parked(tmp_path)
     _add(j, 0)
     _add(j, 1)

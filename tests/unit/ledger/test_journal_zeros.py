@@ -7,7 +7,6 @@ No thread is started: tests call ``zero_step`` and ``write_pending`` as the two 
 from __future__ import annotations
 
 import errno
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from journal_recorder import Recorder, open_journal
+from journal_recorder import Recorder, open_journal, record_syncs
 
 from polybroker.ledger.bookie import journal as journal_mod
 from polybroker.ledger.bookie.journal import (
@@ -60,14 +59,7 @@ def test_zeros_are_written_and_synced_ahead_of_the_writer(
     j, rec = _journal(tmp_path)
     _group(j, 0, 150)  # past half the zeroed space: the target moves to ``AHEAD`` past it
     end = rec.groups[-1][1].offset
-    synced: list[int] = []
-    real_sync = os.fdatasync
-
-    def sync(fd: int) -> None:
-        synced.append(fd)
-        real_sync(fd)
-
-    monkeypatch.setattr(journal_mod.os, "fdatasync", sync)
+    synced = record_syncs(monkeypatch)
     while j.zero_step():
         pass
     path = tmp_path / file_name(1)
