@@ -554,14 +554,17 @@ class _WriteHandle(_ReadHandle, WriteHandle):
 
     def entries_acked(self, address: str, entry_ids: Sequence[int]) -> None:
         """A bookie journaled these entries."""
-        pending = self._pending
-        get = pending.get
+        get = self._pending.get
         for entry_id in entry_ids:
             p = get(entry_id)
-            if p is not None and p.write_set is not None and address in p.write_set:
-                acked = p.acked
-                if address not in acked:
-                    p.acked = (*acked, address)
+            if p is not None:
+                ws = p.write_set
+                if ws is not None and address in ws:
+                    acked = p.acked
+                    if not acked:
+                        p.acked = (address,)
+                    elif address not in acked:
+                        p.acked = (*acked, address)
         if not self._changing:
             p = get(self._lac + 1)
             if p is not None and len(p.acked) >= self._qa:
