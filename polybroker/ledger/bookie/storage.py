@@ -31,6 +31,11 @@ Rule 3 (I8): an entry log is deleted only when none of the ledgers it holds has 
 Rule 4: the write cache holds bytes it owns, or read-only views of one received frame that the
         entries put together make at least half of (``put_entries``): those pin at most as much
         again as they count, and copying every entry once more on the reactor is what they save.
+        Views are kept only when every entry of the group has ``VIEW_MIN_BYTES`` or more:
+        a view is an object the garbage collector tracks (bytes are not), and every full
+        collection walks each one the cache holds (50k views of 1 KiB entries took 20-40 ms a
+        collection, an add-latency tail of its own), while copying a small entry costs less.
+        So the cache holds at most ``write_cache_max_bytes / VIEW_MIN_BYTES`` tracked objects.
         Reads return bytes either way.
 """
 
@@ -72,6 +77,7 @@ ENTRY_HEADER = struct.Struct(">IQq")  # data length, ledger, entry
 ENTRY_HEADER_SIZE = ENTRY_HEADER.size  # 20
 _LEDGER_ID = struct.Struct(">Q")
 
+VIEW_MIN_BYTES = 8 * 1024  # smaller entries are copied into the write cache (Rule 4)
 _CHUNK = 1024 * 1024  # bytes buffered before one write (and sync) of an entry log
 
 
@@ -117,7 +123,8 @@ def _ledgers_name(log_id: int) -> str:
 
 def _views_pin_little(entries: list[tuple[int, int, Buffer]]) -> bool:
     """True if every entry's data is a view of one ``bytes`` object (immutable) that they make
-    at least half of (Rule 4): cached as they are, they pin at most twice what they count."""
+    at least half of, each of ``VIEW_MIN_BYTES`` or more (Rule 4): cached as they are, they pin
+    at most twice what they count, and the collector tracks few of them."""
     if not entries:
         return False
     first = entries[0][2]
@@ -127,10 +134,14 @@ def _views_pin_little(entries: list[tuple[int, int, Buffer]]) -> bool:
     if type(base) is not bytes:
         return False
     total = 0
+    view_min = VIEW_MIN_BYTES
     for _, _, data in entries:
         if type(data) is not memoryview or data.obj is not base:
             return False
-        total += len(data)
+        n = len(data)
+        if n < view_min:
+            return False
+        total += n
     return total * 2 >= len(base)
 
 
