@@ -127,6 +127,31 @@ class EntryCache:
         if manager.size > manager.max_bytes:
             manager._grew()
 
+    def put_run(
+        self, seq: int, ledger_id: int, rows: list[tuple[int, int, int, int, bytes]]
+    ) -> None:
+        """``put_fields`` of consecutive entries of one ledger numbered from ``seq``, each row
+        (entry id, index, num messages, publish time ms, data); the budget is checked once."""
+        manager = self._manager
+        if manager.max_bytes == 0 or not rows:
+            return
+        slots = self._slots
+        if seq != self._base + len(slots):
+            self.clear()
+            self._base = seq
+            slots = self._slots
+        start = before = self._put_bytes
+        append = slots.append
+        for entry_id, index, num_messages, publish_time_ms, data in rows:
+            append((ledger_id, entry_id, index, num_messages, publish_time_ms, data, before))
+            before += len(data) + ENTRY_OVERHEAD
+        self._put_bytes = before
+        cost = before - start
+        self.size += cost
+        manager.size += cost
+        if manager.size > manager.max_bytes:
+            manager._grew()
+
     def get(self, seq: int) -> Entry | None:
         """Return the cached entry number ``seq``, or None."""
         i = seq - self._base
