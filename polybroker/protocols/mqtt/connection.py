@@ -14,10 +14,12 @@ PUBRELs (answering its client's PUBRECs) leave once the PUBRECs of the read are 
 
 Grouping: the PUBLISHes of one read make one entry per topic; those a client keeping at least
 ``publish_group_min_window`` in flight sends in answer to a round of PUBACKs (or PUBCOMPs) may
-wait ``publish_group_wait_s`` for the rest of the round to make one entry too; the
-acknowledgements of stores under way together leave together (``_store_done``); reads bringing
-QoS 1/2 PUBLISHes are TCP-ACKed at once (``_ack_at_once``). Writes go to the kernel at once
-(``write_now``), those of a read at its end.
+wait ``publish_group_wait_s`` for the rest of the round to make one entry too, and those it
+sends while one of its stores is under way wait for that store, so such a client has one store
+under way at a time (``_hold_publishes``); the acknowledgements of stores under way together
+leave together (``_store_done``); reads bringing QoS 1/2 PUBLISHes are TCP-ACKed at once
+(``_ack_at_once``). Writes go to the kernel at once (``write_now``), those of a read at its
+end.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -573,8 +575,23 @@ class MqttConnection(Protocol):
         answered: the acknowledgements of two of them, written together, would make the next
         one wait for the one after it, the two would be stored together and acknowledged
         together, and so on: every other message would wait a whole interval, to save one
-        small entry."""
+        small entry.
+
+        A client keeping at least ``publish_group_min_window`` in flight also has one store
+        under way at a time: what it sends meanwhile waits for that store's completion
+        (``_store_next``), then for the answers to its acknowledgements as above. The cost of
+        an entry (its write through the ledger, the bookie's journal group and sync, its
+        delivery and acknowledgement) dwarfs that of a message in it, and such a client's
+        next PUBLISHes come mostly as answers to those acknowledgements: stored apart, the
+        window splits into two entries per round for good."""
         wait = self.settings.publish_group_wait_s
+        if (
+            self._storing
+            and wait > 0
+            and self.state == self.READY
+            and self._window >= self.settings.publish_group_min_window
+        ):
+            return True
         if (
             self._owed <= 0
             or wait <= 0
@@ -639,6 +656,7 @@ class MqttConnection(Protocol):
                 self._owed_at = self.clock.seconds()
                 self._window, self._peak = self._peak, self._inbound_pending
             self._store_done()
+            self._store_next()
 
         def failed(f: Failure) -> None:
             self._storing.discard(seq)
@@ -659,9 +677,27 @@ class MqttConnection(Protocol):
                         self._ack_ready(waiting, None)
             if self.level != c.LEVEL_5 and any(slot is not None for _, slot in batch):
                 self.close()
+            else:
+                self._store_next()
 
         d = self.broker.publish_batch([p for p, _ in batch], self.client_id, session)
         d.addCallbacks(stored, failed)
+
+    def _store_next(self) -> None:
+        """A store completed: store what waited for it, unless that still waits for more
+        (``_hold_publishes``)."""
+        if not self._batches or self._storing or self.state != self.READY:
+            return
+        if self._hold_publishes():
+            return
+        if self.reading:
+            self._flush_publishes()
+            return
+        self.reading = True
+        try:
+            self._flush_publishes()
+        finally:
+            self._end_read()
 
     def _store_done(self) -> None:
         """A store completed: write the acknowledgements now ready, unless stores begun

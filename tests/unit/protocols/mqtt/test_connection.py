@@ -1292,6 +1292,58 @@ def test_held_publishes_are_stored_when_the_connection_drops() -> None:
     assert [e.num_messages for e in env.factory.ledger(ML_AB).data.entries] == [ROUND, 1]
 
 
+def _half_stored(level: int = c.LEVEL_311) -> tuple[Env, Peer, int]:
+    """A publisher that had ``2 * ROUND`` QoS 1 PUBLISHes acknowledged and answered half of
+    them, the wait for the other half ran out: that half's store is under way (appends
+    held). Returns the environment, the peer and the next packet id."""
+    env = Env(publish_group_wait_s=0.002)
+    p = env.peer("pub", level)
+    p.packets()
+    p.send(c.Publish("a/b", b"first", 0))  # loads the topic
+    n = 2 * ROUND
+    _send_together(p, *_qos1(1, n))
+    assert p.packets() == [c.PubAck(i) for i in range(1, n + 1)]
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    _send_together(p, *_qos1(n + 1, ROUND))
+    env.clock.advance(0.002)
+    assert ml.held_appends == 1
+    return env, p, n + ROUND + 1
+
+
+def test_publishes_sent_while_a_store_is_under_way_wait_for_it() -> None:
+    """A client keeping a full window in flight has one store under way at a time: what it
+    sends meanwhile waits for that store (however long it takes), then for the answers to the
+    store's acknowledgements, and all of them make one entry."""
+    env, p, pid = _half_stored()
+    ml = env.factory.ledger(ML_AB)
+    _send_together(p, *_qos1(pid, ROUND))
+    env.clock.advance(1.0)
+    assert ml.held_appends == 1
+    assert p.packets() == []
+    ml.hold_appends = False
+    ml.release_appends()
+    assert p.packets() == [c.PubAck(i) for i in range(pid - ROUND, pid)]
+    assert [e.num_messages for e in ml.data.entries] == [1, 2 * ROUND, ROUND]
+    _send_together(p, *_qos1(pid + ROUND, ROUND))  # the answers to those acknowledgements
+    assert [e.num_messages for e in ml.data.entries] == [1, 2 * ROUND, ROUND, 2 * ROUND]
+    assert p.packets() == [c.PubAck(i) for i in range(pid, pid + 2 * ROUND)]
+
+
+def test_publishes_waiting_for_a_failed_store_are_stored_after_it() -> None:
+    """When the store under way fails (an MQTT 5 client hears 0x80), the PUBLISHes that
+    waited for it are still stored and acknowledged, in order."""
+    env, p, pid = _half_stored(c.LEVEL_5)
+    ml = env.factory.ledger(ML_AB)
+    _send_together(p, *_qos1(pid, ROUND))
+    ml.hold_appends = False
+    ml.release_appends(error=RuntimeError("bookies gone"))
+    failed = [c.PubAck(i, c.UNSPECIFIED_ERROR) for i in range(pid - ROUND, pid)]
+    assert p.packets() == failed + [c.PubAck(i) for i in range(pid, pid + ROUND)]
+    assert [e.num_messages for e in ml.data.entries] == [1, 2 * ROUND, ROUND]
+    assert not p.closed
+
+
 class _QuickAckSocket:
     """A TCP socket handle that records its ``setsockopt`` calls (or refuses them)."""
 
