@@ -230,3 +230,46 @@ def test_entry_cache_agrees_with_a_plain_model() -> None:
             assert cache.get(min(model) - 1) is None
             assert cache.get(max(model) + 1) is None
     assert len(cache._slots) < 20_000  # evicted slots were compacted away
+
+
+def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
+    """``put_run`` leaves a cache as ``put`` of each entry would (the same entries and bytes; a
+    gap before a run starts afresh), and under a budget keeps the newest entries, intact, within
+    it."""
+    rng = random.Random(11)
+    singles = EntryCacheManager(1 << 40).new_cache("singles")
+    runs = EntryCacheManager(1 << 40).new_cache("runs")
+    budget = 40 * (20 + ENTRY_OVERHEAD)
+    bounded_manager = EntryCacheManager(budget)
+    bounded = bounded_manager.new_cache("bounded")
+    seq = 0
+    for _ in range(300):
+        if rng.random() < 0.05:
+            seq += rng.randint(1, 3)  # a gap: every cache starts afresh
+        entries = [
+            Entry(
+                Position(4, seq + i), 10 * (seq + i), 1 + i % 3, 500 + i, bytes(rng.randint(0, 20))
+            )
+            for i in range(rng.randint(0, 12))
+        ]
+        rows = [
+            (e.position.entry_id, e.index, e.num_messages, e.publish_time_ms, e.data)
+            for e in entries
+        ]
+        for i, e in enumerate(entries):
+            singles.put(seq + i, e)
+        runs.put_run(seq, 4, rows)
+        bounded.put_run(seq, 4, rows)
+        seq += len(entries)
+        assert runs._slots == singles._slots
+        assert (runs.size, runs.first_seq(), len(runs)) == (
+            singles.size,
+            singles.first_seq(),
+            len(singles),
+        )
+        assert bounded_manager.size == bounded.size <= budget
+        first = bounded.first_seq()
+        if first is not None:
+            assert [bounded.get(s) for s in range(first, seq)] == [
+                singles.get(s) for s in range(first, seq)
+            ]
