@@ -130,7 +130,7 @@ class CheckpointJob:
     snapshot_bytes: int
     states: list[tuple[int, bool, int, int]]  # ledger, fenced, lac, last entry
     deletions: list[int]
-    frames: dict[int, list[Buffer]] = field(default_factory=dict)  # the snapshot's (Rule 4)
+    frames: dict[int, list[memoryview]] = field(default_factory=dict)  # the snapshot's (Rule 4)
     entries_written: int = 0
     logs_touched: list[int] = field(default_factory=list)
 
@@ -180,11 +180,11 @@ def _records_hold(records: Buffer, lengths: list[int], total: int) -> bool:
     return total * 2 >= len(base)
 
 
-def _own(value: Cached, frames: dict[int, list[Buffer]], ledger_id: int) -> bytes:
+def _own(value: Cached, frames: dict[int, list[memoryview]], ledger_id: int) -> bytes:
     """The bytes of a write cache value of ledger ``ledger_id``."""
     if type(value) is tuple:
         index, start, end = value
-        return bytes(memoryview(frames[ledger_id][index])[start:end])
+        return bytes(frames[ledger_id][index][start:end])
     return bytes(value)  # type: ignore[arg-type]
 
 
@@ -215,10 +215,10 @@ class LedgerStorage:
         self._states: dict[int, LedgerState] = {}
         self._cache: dict[int, dict[int, Cached]] = {}
         self._cache_bytes = 0
-        self._frames: dict[int, list[Buffer]] = {}  # per ledger, what cached slices are of
+        self._frames: dict[int, list[memoryview]] = {}  # per ledger, what cached slices are of
         self._flushing: dict[int, dict[int, Cached]] | None = None
         self._flushing_bytes = 0
-        self._flushing_frames: dict[int, list[Buffer]] = {}
+        self._flushing_frames: dict[int, list[memoryview]] = {}
         self._pending_deletes: list[int] = []
         self._deleting: set[int] = set()  # deleted; their index file may not be unlinked yet
         self._index_fds: OrderedDict[int, int] = OrderedDict()
@@ -311,7 +311,7 @@ class LedgerStorage:
             if frames is None:
                 frames = self._frames[ledger_id] = []
             index = len(frames)
-            frames.append(records)
+            frames.append(records if type(records) is memoryview else memoryview(records))
             # Each record is [head][ADD fields][data], back to back: data ends where the
             # next record starts.
             ends = list(accumulate(map(add, lengths, repeat(_RECORD_OVERHEAD))))
@@ -519,7 +519,7 @@ class LedgerStorage:
                 if type(data) is tuple:
                     index, start, end = data
                     assert frames is not None
-                    data = memoryview(frames[index])[start:end]
+                    data = frames[index][start:end]
                 n = len(data)
                 offset = self._log_size + chunk_bytes
                 if offset + ENTRY_HEADER_SIZE + n > limit and offset > LOG_HEADER_SIZE:
