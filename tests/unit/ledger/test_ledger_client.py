@@ -716,3 +716,29 @@ def test_append_quiet_many_adds_in_order_and_is_refused_whole_once_closing() -> 
     w.close_ledger()
     w.append_quiet_many([b"d", b"e"], listener)
     assert listener.heard[heard:] == [("failed", "LedgerClosedError")]
+
+
+def test_batched_answers_with_ack_quorum_one_complete_in_order_and_only_from_members() -> None:
+    """With Qa 1 and every write set the whole ensemble, a bookie's answer completes the run
+    it covers once the entries before it are complete, an answer ahead of a gap waits for it,
+    and answers of a non-member or repeated by the second bookie change nothing."""
+    rig = LedgerRig(3)
+    w = rig.create(2, 2, 1)
+    first, second = w.metadata.fragments[0][1]
+    outsider = next(a for a in rig.cluster.bookies if a not in (first, second))
+    for b in rig.cluster.bookies.values():
+        b.hold = True
+    listener = _Listener()
+    for i in range(6):
+        w.append_quiet(data(i), listener)
+    w.entries_acked(outsider, [0, 1, 2])
+    w.entries_acked(first, [2, 3])
+    assert (listener.heard, w.last_add_confirmed) == ([], -1)
+    w.entries_acked(second, [0, 1])
+    assert (listener.heard, w.last_add_confirmed) == ([("done", 3)], 3)
+    w.entries_acked(first, [0, 1, 2, 3])
+    w.entries_acked(outsider, [4, 5])
+    assert (listener.heard, w.last_add_confirmed) == ([("done", 3)], 3)
+    w.entries_acked(second, [2, 3, 4, 5])
+    assert (listener.heard, w.last_add_confirmed) == ([("done", 3), ("done", 5)], 5)
+    assert w.length == sum(len(data(i)) for i in range(6))
