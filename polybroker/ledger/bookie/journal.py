@@ -18,8 +18,10 @@ Rule 2a: a lone group is written and synced by the submitter itself, with no han
         fastest of them, since a measured sync also holds the wait for a core and the GIL
         after it, which a loaded machine adds). That saves the two thread wake-ups of a
         hand-off (the writer's and the reactor's), each a switch and, on a busy machine, a
-        wait for a core; the reactor is blocked for one short sync instead. Its completion is
-        still delivered through ``deliver``, after the writer's earlier ones.
+        wait for a core; the reactor is blocked for one short sync instead. Its completion
+        runs at once on the submitter's thread, not through ``deliver``: every completion
+        handed over before it ran already, so journal order holds, and a ``deliver`` from the
+        reactor to itself would cost a waker write and another reactor turn per group.
 Rule 3 (I4): records are ``[u32 length][u32 crc32c(body)][body]`` with the body laid out as an
         ADD request body, ``[u64 ledger][i64 entry][i64 lac][u8 flags][data]``; meta-records use
         reserved negative entry ids (fence, explicit LAC, delete) and no data. Replay stops at the
@@ -379,7 +381,8 @@ class Journal:
     tests call ``write_pending`` directly instead. Completions are delivered through
     ``deliver(fn, on_group_done, tokens, position)`` (``reactor.callFromThread`` in a server),
     and a failure through ``deliver(fn, on_failure, error, tokens)``: ``fn`` counts the
-    completion as run (Rule 2a) and calls the callback with the rest."""
+    completion as run (Rule 2a) and calls the callback with the rest. A lone group's completion
+    (Rule 2a) runs at once instead, inside ``submit``."""
 
     def __init__(
         self,
@@ -501,11 +504,16 @@ class Journal:
             self._hand(self._on_failure, refused, batch.tokens)
         elif lone:
             self.lone_groups += 1
-            self._write_and_hand(batch.parts, batch.tokens, batch.nbytes)
+            self._write_and_hand(batch.parts, batch.tokens, batch.nbytes, self._run_now)
 
     def _hand(self, fn: Callable[..., None], *args: Any) -> None:
         self._handed += 1
         self._deliver(self._completion, fn, *args)
+
+    def _run_now(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a lone group's completion on the submitter's thread (Rule 2a)."""
+        self._handed += 1
+        self._completion(fn, *args)
 
     def _completion(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a delivered completion (reactor side)."""
@@ -601,8 +609,17 @@ class Journal:
         self._write_and_hand(parts, tokens, nbytes)
         return True
 
-    def _write_and_hand(self, parts: list[Buffer], tokens: list[Any], nbytes: int) -> None:
-        """Write and sync one group, then hand its completion (or the failure) to ``deliver``."""
+    def _write_and_hand(
+        self,
+        parts: list[Buffer],
+        tokens: list[Any],
+        nbytes: int,
+        hand: Callable[..., None] | None = None,
+    ) -> None:
+        """Write and sync one group, then hand its completion (or the failure) to ``deliver``
+        (or to ``hand``)."""
+        if hand is None:
+            hand = self._hand
         try:
             position = self._write_group(parts, nbytes)
         except OSError as e:
@@ -613,10 +630,10 @@ class Journal:
                 rest = [t for b in self._queue for t in b.tokens]
                 self._queue = []
                 self._queued_bytes = 0
-            self._hand(self._on_failure, error, tokens + rest)
+            hand(self._on_failure, error, tokens + rest)
             return
         self.groups_written += 1
-        self._hand(self._on_group_done, tokens, position)
+        hand(self._on_group_done, tokens, position)
 
     def _write_group(self, parts: list[Buffer], nbytes: int) -> JournalPosition:
         if self._offset + nbytes > self.config.max_file_size and self._offset > FILE_HEADER_SIZE:

@@ -85,6 +85,30 @@ def test_a_lone_group_is_written_and_synced_by_the_submitter(
     assert _replayed(tmp_path) == [0, 1]
 
 
+def test_a_lone_groups_completion_runs_at_once_not_through_deliver(tmp_path: Path) -> None:
+    """The submitter runs a lone group's completion itself, inside ``submit``: a ``deliver``
+    from the reactor to itself would cost a waker write and another reactor turn. A group
+    the writer wrote still goes through ``deliver``."""
+    j, rec = _parked(tmp_path)
+    held = HeldRecorder()
+    j._deliver = held.deliver
+    _add(j, 0)
+    j.submit()
+    assert j.lone_groups == 1
+    assert held.held == []
+    assert _done(rec) == [[0]]
+    assert j._handed == j._ran == 1
+    _add(j, 1)
+    j.submit(more_coming=True)
+    assert j.write_pending() is True
+    assert _done(rec) == [[0]]
+    assert len(held.held) == 1
+    held.run()
+    assert _done(rec) == [[0], [1]]
+    j.close()
+    assert _replayed(tmp_path) == [0, 1]
+
+
 def test_no_lone_group_when_more_is_coming(tmp_path: Path) -> None:
     """More input on its way: the records go to the writer, whose window may gather more."""
     j, rec = _parked(tmp_path)
