@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 RECORD = 1024
 OUTSTANDING = 256
@@ -100,11 +102,13 @@ def free_port() -> int:
 
 
 class BookieProcess:
-    """A `polybroker bookie` child process, stopped by its PID."""
+    """A `polybroker bookie` child process, stopped by its PID. With ``log_path`` it logs at
+    debug level there (its checkpoints, for ``--timeline``)."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, log_path: Path | None = None):
         self.data_dir = data_dir
         self.port = port or free_port()
+        self.log_path = log_path
         self.proc: subprocess.Popen[str] | None = None
 
     @property
@@ -114,21 +118,15 @@ class BookieProcess:
     def start(self, timeout: float = 60.0) -> float:
         """Start it and return the seconds until it listens."""
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "polybroker",
-                "bookie",
-                "--data-dir",
-                str(self.data_dir),
-                "--port",
-                str(self.port),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        cmd = [sys.executable, "-m", "polybroker", "bookie", "--data-dir", str(self.data_dir)]
+        cmd += ["--port", str(self.port)]
+        stderr: Any = subprocess.DEVNULL
+        if self.log_path is not None:
+            conf = self.log_path.with_suffix(".conf")
+            conf.write_text("logLevel=debug\n")
+            cmd += ["--config", str(conf)]
+            stderr = self.log_path.open("a")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -190,6 +188,7 @@ async def _ml_appends(
     seconds: float,
     freeze_gc: bool = True,
     group: int = 0,
+    done_times: list[float] | None = None,
 ) -> dict[str, float]:
     """(b)/(c): managed-ledger appends of 1 KiB with 256 outstanding for ``seconds``; (d) with
     ``group``: ``append_many`` of that many entries, as many groups as make 256."""
@@ -226,6 +225,8 @@ async def _ml_appends(
     def ok(_: object, t0: float) -> None:
         now = time.perf_counter()
         latencies.append(now - t0)
+        if done_times is not None:
+            done_times.append(now)
         state["outstanding"] -= 1
         if now < deadline:
             issue()
@@ -275,6 +276,13 @@ async def _ml_appends(
     await factory.close()
     name = f"ml-{len(addresses)}" + ("-many" if group else "")
     result = summarize(name, len(latencies), elapsed, latencies)
+    if done_times is not None:
+        # (issue, done) of every append, on the wall clock the bookies' logs use.
+        to_wall = time.time() - time.perf_counter()
+        spans = [
+            (d - lat + to_wall, d + to_wall) for d, lat in zip(done_times, latencies, strict=True)
+        ]
+        done_times[:] = [x for span in spans for x in span]
     # CPU per entry does not depend on what else the machine runs, unlike entries/s.
     result["client_cpu_us"] = cpu / len(latencies) * 1e6
     return result
@@ -291,7 +299,9 @@ def case_main(args: argparse.Namespace) -> None:
         count = 3 if args.case == "ml-3" else 1
         ensemble = (1, 1, 1) if count == 1 else (3, 2, 2)
         group = 64 if args.case == "ml-1-many" else 0
-        bookies = [BookieProcess(root / f"bookie-{i}") for i in range(count)]
+        logs = [root / f"bookie-{i}.log" if args.timeline else None for i in range(count)]
+        bookies = [BookieProcess(root / f"bookie-{i}", log_path=logs[i]) for i in range(count)]
+        spans: list[float] | None = [] if args.timeline else None
         try:
             for b in bookies:
                 b.start()
@@ -299,16 +309,71 @@ def case_main(args: argparse.Namespace) -> None:
             addresses = [b.address for b in bookies]
             result = run_on_reactor(
                 lambda r: _ml_appends(
-                    r, addresses, ensemble, args.seconds, not args.no_freeze, group
+                    r, addresses, ensemble, args.seconds, not args.no_freeze, group, spans
                 )
             )
             assert isinstance(result, dict)
             cpu = sum(b.cpu_s() for b in bookies) - cpu0
             result["bookie_cpu_us"] = cpu / result["entries"] * 1e6
-            print(json.dumps(result))
         finally:
             for b in bookies:
                 b.kill(signal.SIGTERM)
+        if spans is not None:
+            checkpoints = [c for path in logs if path is not None for c in checkpoints_of(path)]
+            result.update(timeline(list(zip(spans[::2], spans[1::2], strict=True)), checkpoints))
+        print(json.dumps(result))
+
+
+def checkpoints_of(log_path: Path) -> list[tuple[float, float]]:
+    """(start, end) wall times of the checkpoints a bookie's debug log reports."""
+    out = []
+    for line in log_path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 4 or parts[3] != "checkpoint":
+            continue
+        fields = dict(p.split("=", 1) for p in parts[4:] if "=" in p)
+        if "seconds" not in fields:
+            continue
+        end = datetime.strptime(parts[0], "%Y-%m-%dT%H:%M:%S.%fZ")
+        end_s = (end - datetime(1970, 1, 1)).total_seconds()
+        out.append((end_s - float(fields["seconds"]), end_s))
+    return out
+
+
+def timeline(
+    spans: list[tuple[float, float]], checkpoints: list[tuple[float, float]], bucket: float = 0.25
+) -> dict[str, float]:
+    """Print the appends' latency per ``bucket`` seconds beside the bookies' checkpoints (to
+    stderr) and return the share of appends that overlapped a checkpoint, with their latency
+    percentiles and those of the others (ms). The log's times have millisecond resolution."""
+    if not spans:
+        return {}
+    start = min(s for s, _ in spans)
+
+    def during(span: tuple[float, float]) -> bool:
+        return any(a < span[1] and b > span[0] for a, b in checkpoints)
+
+    buckets: dict[int, list[float]] = {}
+    for s, e in spans:
+        buckets.setdefault(int((e - start) / bucket), []).append(e - s)
+    print(f"{'t s':>6} {'done':>6} {'p50 ms':>7} {'max ms':>7}  checkpoint", file=sys.stderr)
+    for k in sorted(buckets):
+        lat = buckets[k]
+        t0, t1 = start + k * bucket, start + (k + 1) * bucket
+        mark = "C" if any(a < t1 and b > t0 for a, b in checkpoints) else ""
+        print(
+            f"{k * bucket:6.2f} {len(lat):6d} {percentile(lat, 50) * 1e3:7.2f} "
+            f"{max(lat) * 1e3:7.2f}  {mark}",
+            file=sys.stderr,
+        )
+    inside = [e - s for s, e in spans if during((s, e))]
+    outside = [e - s for s, e in spans if not during((s, e))]
+    result = {"checkpoints": len(checkpoints), "ckpt_share": len(inside) / len(spans)}
+    for name, lat in (("in_ckpt", inside), ("outside_ckpt", outside)):
+        if lat:
+            result[f"p50_{name}_ms"] = percentile(lat, 50) * 1e3
+            result[f"p99_{name}_ms"] = percentile(lat, 99) * 1e3
+    return result
 
 
 def restart_case(fill_gb: float) -> dict[str, float]:
@@ -544,6 +609,12 @@ def main() -> None:
     )
     parser.add_argument("--lone-gap-ms", type=float, default=2.0)
     parser.add_argument("--lone-size", type=int, default=200)
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="managed-ledger cases: print add latency per 250 ms beside the bookies' "
+        "checkpoints (stderr), and the latency of appends during checkpoints and outside",
+    )
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)
     parser.add_argument("--fill", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)
@@ -590,9 +661,11 @@ def main() -> None:
                         "--window-ms",
                         str(args.window_ms),
                         *(["--no-freeze"] if args.no_freeze else []),
+                        *(["--timeline"] if args.timeline else []),
                     ],
                     check=True,
-                    capture_output=True,
+                    stdout=subprocess.PIPE,
+                    stderr=None if args.timeline else subprocess.PIPE,  # the series goes through
                     text=True,
                     timeout=600,
                 )
@@ -608,7 +681,9 @@ def main() -> None:
     result: dict[str, object] = {}
     for case in runs:
         keys = ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms", "client_cpu_us", "bookie_cpu_us")
-        result[case] = {k: med(case, k) for k in keys if k in runs[case][0]}
+        keys += ("ckpt_share", "p50_in_ckpt_ms", "p99_in_ckpt_ms")
+        keys += ("p50_outside_ckpt_ms", "p99_outside_ckpt_ms")
+        result[case] = {k: med(case, k) for k in keys if all(k in r for r in runs[case])}
     for case in ("ml-1", "ml-3", "ml-1-many"):
         if case not in runs:
             continue

@@ -604,6 +604,7 @@ class Bookie:
             return fail(self.failed)
         storage = self.storage
         mark = self._journal_pos
+        started = self.reactor.seconds()
         job = storage.begin_checkpoint(mark)
         persisted = self._persisted_mark
         journal_dir = self.journal_dir
@@ -625,7 +626,12 @@ class Bookie:
             if job.entries_written:
                 log.debug(
                     "checkpoint",
-                    extra=kv(entries=job.entries_written, bytes=job.snapshot_bytes, mark=str(mark)),
+                    extra=kv(
+                        entries=job.entries_written,
+                        bytes=job.snapshot_bytes,
+                        mark=str(mark),
+                        seconds=round(self.reactor.seconds() - started, 4),
+                    ),
                 )
             for proto in self._throttled:
                 proto.set_paused("cache", False)
