@@ -504,7 +504,7 @@ class Bookie:
             if t is MultiAddRequest:
                 multi: MultiAddRequest = req  # type: ignore[assignment]
                 lid, n = multi.ledger_id, len(multi.entries)
-                storage.put_entries(lid, multi.entries, multi.records)
+                storage.put_entries(lid, multi.entries)
                 frame = encode_multi_add_response(multi.request_id, 0, lid, n)
                 if watchers and lid in watchers:
                     if woken is None:

@@ -28,17 +28,10 @@ Rule 2 (I6, I3): a checkpoint writes and fsyncs the entry logs, then the ledgers
 Rule 3 (I8): an entry log is deleted only when none of the ledgers it holds has an index file
         (they were all deleted); compacting partly live logs is not done yet (TODO): a log with one
         live ledger is kept whole.
-Rule 4: the write cache holds bytes it owns, or parts of one received frame that the entries
-        put together make at least half of: those pin at most as much again as they count, and
-        copying every entry once more on the reactor is what they save. Given the journal
-        records an ADD_MULTI's entries came in (``put_entries(..., records)``), the cache keeps
-        the records once per group and, per entry, an (index, start, end) tuple of ints into
-        them: a tuple of ints is an object the garbage collector stops tracking, while a view
-        per entry is one it tracks, and every full collection walked each cached view (50k
-        views of 1 KiB entries took 20-40 ms a collection, an add-latency tail of its own).
-        Without records, views are kept only when every entry of the group has
-        ``VIEW_MIN_BYTES`` or more, so the cache holds at most ``write_cache_max_bytes /
-        VIEW_MIN_BYTES`` of them; smaller entries are copied. Reads return bytes either way.
+Rule 4: the write cache holds bytes it owns, or read-only views of one received frame that the
+        entries put together make at least half of (``put_entries``): those pin at most as much
+        again as they count, and copying every entry once more on the reactor is what they save.
+        Reads return bytes either way.
 """
 
 from __future__ import annotations
@@ -49,19 +42,16 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
-from operator import add, itemgetter, sub
 from pathlib import Path
 
 from polybroker.ledger.api import StorageError
 from polybroker.ledger.bookie.journal import (
-    RECORD_HEADER_SIZE,
     JournalPosition,
     fsync_dir,
     write_atomically,
     write_parts,
 )
-from polybroker.ledger.wire import ADD_FIELDS_SIZE, Buffer
+from polybroker.ledger.wire import Buffer
 from polybroker.logs import kv
 
 log = logging.getLogger(__name__)
@@ -81,24 +71,7 @@ _LOG_MAGIC = b"PBEL"
 ENTRY_HEADER = struct.Struct(">IQq")  # data length, ledger, entry
 ENTRY_HEADER_SIZE = ENTRY_HEADER.size  # 20
 _LEDGER_ID = struct.Struct(">Q")
-_ENTRY_ID, _LAC, _DATA = itemgetter(0), itemgetter(1), itemgetter(2)  # of an entry tuple
-# What a journal record holds before an entry's data: its head and the ADD fields.
-_RECORD_OVERHEAD = RECORD_HEADER_SIZE + ADD_FIELDS_SIZE
-_RECORD_LENGTH = struct.Struct(">I")
 
-# A write cache value (Rule 4): the entry's bytes, a view of them, or (index of a frame in the
-# ledger's list of frames, start, end) of them.
-Cached = bytes | memoryview | tuple[int, int, int]
-
-
-def _size(value: Cached) -> int:
-    """The data length of a write cache value."""
-    if type(value) is tuple:
-        return value[2] - value[1]
-    return len(value)  # type: ignore[arg-type]
-
-
-VIEW_MIN_BYTES = 8 * 1024  # smaller entries are copied into the write cache (Rule 4)
 _CHUNK = 1024 * 1024  # bytes buffered before one write (and sync) of an entry log
 
 
@@ -126,11 +99,10 @@ class CheckpointJob:
     """What one checkpoint writes: frozen on the reactor by ``begin_checkpoint``."""
 
     mark: JournalPosition | None
-    snapshot: dict[int, dict[int, Cached]]
+    snapshot: dict[int, dict[int, Buffer]]
     snapshot_bytes: int
     states: list[tuple[int, bool, int, int]]  # ledger, fenced, lac, last entry
     deletions: list[int]
-    frames: dict[int, list[memoryview]] = field(default_factory=dict)  # the snapshot's (Rule 4)
     entries_written: int = 0
     logs_touched: list[int] = field(default_factory=list)
 
@@ -145,8 +117,7 @@ def _ledgers_name(log_id: int) -> str:
 
 def _views_pin_little(entries: list[tuple[int, int, Buffer]]) -> bool:
     """True if every entry's data is a view of one ``bytes`` object (immutable) that they make
-    at least half of, each of ``VIEW_MIN_BYTES`` or more (Rule 4): cached as they are, they pin
-    at most twice what they count, and the collector tracks few of them."""
+    at least half of (Rule 4): cached as they are, they pin at most twice what they count."""
     if not entries:
         return False
     first = entries[0][2]
@@ -156,36 +127,11 @@ def _views_pin_little(entries: list[tuple[int, int, Buffer]]) -> bool:
     if type(base) is not bytes:
         return False
     total = 0
-    view_min = VIEW_MIN_BYTES
     for _, _, data in entries:
         if type(data) is not memoryview or data.obj is not base:
             return False
-        n = len(data)
-        if n < view_min:
-            return False
-        total += n
+        total += len(data)
     return total * 2 >= len(base)
-
-
-def _records_hold(records: Buffer, lengths: list[int], total: int) -> bool:
-    """True if ``records`` are journal records of data of ``lengths`` (``total`` bytes) back to
-    back, and keeping them pins at most twice what the data counts (Rule 4)."""
-    if len(records) != total + _RECORD_OVERHEAD * len(lengths):
-        return False
-    if _RECORD_LENGTH.unpack_from(records)[0] != ADD_FIELDS_SIZE + lengths[0]:
-        return False
-    base = records.obj if type(records) is memoryview else records
-    if type(base) is not bytes:
-        return False  # a mutable buffer may change under the cache
-    return total * 2 >= len(base)
-
-
-def _own(value: Cached, frames: dict[int, list[memoryview]], ledger_id: int) -> bytes:
-    """The bytes of a write cache value of ledger ``ledger_id``."""
-    if type(value) is tuple:
-        index, start, end = value
-        return bytes(frames[ledger_id][index][start:end])
-    return bytes(value)  # type: ignore[arg-type]
 
 
 class LedgerStorage:
@@ -213,12 +159,10 @@ class LedgerStorage:
         self._max_entry = max_entry_size  # a bigger length in the index is corruption
         # Reactor side.
         self._states: dict[int, LedgerState] = {}
-        self._cache: dict[int, dict[int, Cached]] = {}
+        self._cache: dict[int, dict[int, Buffer]] = {}
         self._cache_bytes = 0
-        self._frames: dict[int, list[memoryview]] = {}  # per ledger, what cached slices are of
-        self._flushing: dict[int, dict[int, Cached]] | None = None
+        self._flushing: dict[int, dict[int, Buffer]] | None = None
         self._flushing_bytes = 0
-        self._flushing_frames: dict[int, list[memoryview]] = {}
         self._pending_deletes: list[int] = []
         self._deleting: set[int] = set()  # deleted; their index file may not be unlinked yet
         self._index_fds: OrderedDict[int, int] = OrderedDict()
@@ -278,60 +222,36 @@ class LedgerStorage:
         owned = bytes(data)
         old = cache.get(entry_id)
         cache[entry_id] = owned
-        self._cache_bytes += len(owned) - (_size(old) if old is not None else 0)
+        self._cache_bytes += len(owned) - (len(old) if old is not None else 0)
         if entry_id > st.last_entry:
             st.last_entry = entry_id
         if lac > st.lac:
             st.lac = lac
         st.dirty = True
 
-    def put_entries(
-        self,
-        ledger_id: int,
-        entries: Iterable[tuple[int, int, Buffer]],
-        records: Buffer | None = None,
-    ) -> None:
+    def put_entries(self, ledger_id: int, entries: Iterable[tuple[int, int, Buffer]]) -> None:
         """Put (entry id, lac, data) entries of one ledger (already journaled) in the write
-        cache, as ``put_entry`` does for each. ``records`` are the journal records the entries
-        came in, in order (an ADD_MULTI's tail): the cache then keeps slices of them (Rule 4)."""
+        cache, as ``put_entry`` does for each (Rule 4: views kept when they pin little)."""
         st = self._states.get(ledger_id) or self.state_or_create(ledger_id)
         cache = self._cache.get(ledger_id)
         if cache is None:
             cache = self._cache[ledger_id] = {}
         if not isinstance(entries, list):
             entries = list(entries)
-        if not entries:
-            return
-        # Whole-group operations (one pass each in C) rather than a Python loop per entry.
-        new: dict[int, Cached]
-        lengths = list(map(len, map(_DATA, entries)))
-        added = sum(lengths)
-        if records is not None and _records_hold(records, lengths, added):
-            frames = self._frames.get(ledger_id)
-            if frames is None:
-                frames = self._frames[ledger_id] = []
-            index = len(frames)
-            frames.append(records if type(records) is memoryview else memoryview(records))
-            # Each record is [head][ADD fields][data], back to back: data ends where the
-            # next record starts.
-            ends = list(accumulate(map(add, lengths, repeat(_RECORD_OVERHEAD))))
-            starts = map(sub, ends, lengths)
-            new = dict(zip(map(_ENTRY_ID, entries), zip(repeat(index), starts, ends), strict=True))
-        elif _views_pin_little(entries):
-            new = {entry_id: data for entry_id, _, data in entries}
-        else:
-            new = {entry_id: bytes(data) for entry_id, _, data in entries}
-        if cache:
-            for entry_id in new.keys() & cache.keys():  # re-sent entries replace their copy
-                added -= _size(cache[entry_id])
-        cache.update(new)
+        own = not _views_pin_little(entries)
+        added = 0
+        last, top_lac = st.last_entry, st.lac
+        for entry_id, lac, data in entries:
+            owned = bytes(data) if own else data
+            old = cache.get(entry_id)
+            cache[entry_id] = owned
+            added += len(owned) - (len(old) if old is not None else 0)
+            if entry_id > last:
+                last = entry_id
+            if lac > top_lac:
+                top_lac = lac
         self._cache_bytes += added
-        last = max(new)
-        if last > st.last_entry:
-            st.last_entry = last
-        lac = max(entries, key=_LAC)[1]
-        if lac > st.lac:
-            st.lac = lac
+        st.last_entry, st.lac = last, top_lac
         st.dirty = True
 
     def fence(self, ledger_id: int) -> LedgerState:
@@ -356,8 +276,7 @@ class LedgerStorage:
         self._states.pop(ledger_id, None)
         dropped = self._cache.pop(ledger_id, None)
         if dropped:
-            self._cache_bytes -= sum(map(_size, dropped.values()))
-        self._frames.pop(ledger_id, None)
+            self._cache_bytes -= sum(len(d) for d in dropped.values())
         self._pending_deletes.append(ledger_id)
         self._deleting.add(ledger_id)
         fd = self._index_fds.pop(ledger_id, None)
@@ -372,13 +291,13 @@ class LedgerStorage:
         if cache is not None:
             data = cache.get(entry_id)
             if data is not None:
-                return _own(data, self._frames, ledger_id)
+                return bytes(data)
         if self._flushing is not None:
             cache = self._flushing.get(ledger_id)
             if cache is not None:
                 data = cache.get(entry_id)
                 if data is not None:
-                    return _own(data, self._flushing_frames, ledger_id)
+                    return bytes(data)
         if ledger_id in self._deleting or not 0 <= entry_id <= MAX_ENTRY_ID:
             return None
         fd = self._index_fd(ledger_id)
@@ -450,10 +369,8 @@ class LedgerStorage:
         snapshot = self._cache
         self._flushing = snapshot
         self._flushing_bytes = self._cache_bytes
-        frames = self._flushing_frames = self._frames
         self._cache = {}
         self._cache_bytes = 0
-        self._frames = {}
         states = []
         for st in self._states.values():
             if st.dirty:
@@ -461,7 +378,7 @@ class LedgerStorage:
                 st.dirty = False
         deletions = self._pending_deletes
         self._pending_deletes = []
-        return CheckpointJob(mark, snapshot, self._flushing_bytes, states, deletions, frames)
+        return CheckpointJob(mark, snapshot, self._flushing_bytes, states, deletions)
 
     def run_checkpoint(self, job: CheckpointJob) -> None:
         """Write a job to disk in the order of Rule 2 (worker thread; blocking)."""
@@ -479,7 +396,6 @@ class LedgerStorage:
         """Drop the flushed half of the write cache (reactor side, after the job ran)."""
         self._flushing = None
         self._flushing_bytes = 0
-        self._flushing_frames = {}
         for ledger_id in job.deletions:
             if ledger_id not in self._pending_deletes:
                 self._deleting.discard(ledger_id)
@@ -508,7 +424,6 @@ class LedgerStorage:
         log_id = self._log_id
         for ledger_id in sorted(job.snapshot):
             entries = job.snapshot[ledger_id]
-            frames = job.frames.get(ledger_id)
             ledger_runs = runs[ledger_id] = []
             listed = False  # in the ledger list of the current log
             job.entries_written += len(entries)
@@ -516,10 +431,6 @@ class LedgerStorage:
             expected = -2
             for entry_id in sorted(entries):
                 data = entries[entry_id]
-                if type(data) is tuple:
-                    index, start, end = data
-                    assert frames is not None
-                    data = frames[index][start:end]
                 n = len(data)
                 offset = self._log_size + chunk_bytes
                 if offset + ENTRY_HEADER_SIZE + n > limit and offset > LOG_HEADER_SIZE:

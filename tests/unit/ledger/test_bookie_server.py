@@ -548,26 +548,6 @@ def test_multi_add_is_one_journal_record_run_answered_once_after_the_sync(h: Har
     assert answers(t) == [ReadLacResponse(2, Status.OK, "", 4, 3)]
 
 
-def test_multi_add_entries_are_cached_as_slices_of_the_received_records(h: Harness) -> None:
-    """The entries of an ADD_MULTI that fill its frame are cached as int slices of its journal
-    records (no copy, no object the collector tracks per entry) and read back the same from
-    the write cache, from the half being flushed and from the entry log after a checkpoint."""
-    proto, t = h.connect()
-    payloads = [bytes([97 + e]) * 1000 for e in range(6)]
-    items = [(e, e - 1, payloads[e], 0) for e in range(6)]
-    send(proto, b"".join(bytes(p) for p in encode_multi_add(1, 9, items)))
-    h.flush()
-    assert answers(t) == [MultiAddResponse(1, Status.OK, "", 9, 6)]
-    assert all(type(v) is tuple for v in h.storage._cache[9].values())
-    assert [h.storage.read_entry(9, e) for e in range(6)] == payloads
-    job = h.storage.begin_checkpoint(None)
-    assert [h.storage.read_entry(9, e) for e in range(6)] == payloads
-    h.storage.run_checkpoint(job)
-    h.storage.finish_checkpoint(job)
-    assert 9 not in h.storage._cache
-    assert [h.storage.read_entry(9, e) for e in range(6)] == payloads
-
-
 def test_multi_adds_survive_a_crash_through_journal_replay(tmp_path: Path) -> None:
     """The records of an ADD_MULTI are journal records: a replay restores every entry."""
     h = Harness(tmp_path)
