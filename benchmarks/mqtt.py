@@ -6,7 +6,9 @@ amqtt broker, each on a free loopback port, and runs the shared paho benchmark
 (``bench_mqtt.py``, the same client, counts and arguments for every broker) against each,
 alternating brokers case by case (each repeat starting with the next): burst QoS 0 and QoS 1
 (end-to-end msgs/s, lost, duplicates, and the broker process's CPU per message, which moves
-less than msgs/s on a shared machine) and QoS 1 paced at 2k msgs/s (latency percentiles).
+less than msgs/s on a shared machine, with the paho processes' own: on two cores the broker and
+both clients share the CPU, so msgs/s follows their sum) and QoS 1 paced at 2k msgs/s (latency
+percentiles).
 Then it opens ``--idle-clients`` MQTT connections with keep-alive to polybroker and reports its
 RSS and CPU while they sit idle. The machine is shared and noisy: quote medians of ``--repeat``
 runs and ratios.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -148,14 +151,23 @@ class Amqtt(Server):
         return [shutil.which("amqtt") or "amqtt", "-c", str(conf)]
 
 
+def _children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run_case(port: int, args: list[str], n: int, timeout_s: float) -> dict[str, Any]:
+    """Run the paho benchmark once; its result, with the CPU seconds of its processes
+    (publisher and subscriber) as ``client_cpu_s``."""
     cmd = [sys.executable, str(BENCH), "--port", str(port), "-n", str(n)]
     cmd += ["--timeout", str(timeout_s), *args]
+    cpu0 = _children_cpu_s()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s * 3, check=False)
+    client_cpu_s = _children_cpu_s() - cpu0
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return {"error": (done.stderr or done.stdout)[-300:]}
-    return dict(json.loads(lines[-1]))
+    return dict(json.loads(lines[-1]), client_cpu_s=client_cpu_s)
 
 
 _IDLE_SCRIPT = r"""
@@ -259,6 +271,9 @@ def main() -> None:
                     _, cpu1 = proc_stats(s.proc.pid)
                     if r.get("received"):
                         r["cpu_us_per_msg"] = round(1e6 * (cpu1 - cpu0) / r["received"], 1)
+                        r["client_cpu_us_per_msg"] = round(
+                            1e6 * r["client_cpu_s"] / r["received"], 1
+                        )
                     results[s.name].setdefault(case, []).append(r)
         if args.idle_clients > 0:
             idle = idle_clients(servers[0], args.idle_clients, args.idle_seconds)
@@ -274,7 +289,7 @@ def main() -> None:
     summary: dict[str, Any] = {"n": args.n, "repeat": args.repeat, "cases": {}}
     print(
         f"{'case':16} {'broker':11} {'e2e msg/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'lost':>6}"
-        f" {'cpu us/msg':>10}"
+        f" {'cpu us/msg':>10} {'clients':>8}"
     )
     for case, _a, div in CASES:
         if case not in wanted:
@@ -288,6 +303,7 @@ def main() -> None:
                 "lat_ms_p50": med(s.name, case, "lat_ms_p50"),
                 "lat_ms_p99": med(s.name, case, "lat_ms_p99"),
                 "cpu_us_per_msg": med(s.name, case, "cpu_us_per_msg"),
+                "client_cpu_us_per_msg": med(s.name, case, "client_cpu_us_per_msg"),
                 "lost_max": lost,
                 "dups_max": max((r.get("dups", 0) for r in runs), default=None),
                 "errors": [r["error"] for r in runs if "error" in r],
@@ -296,6 +312,7 @@ def main() -> None:
             print(
                 f"{case:16} {s.name:11} {v['e2e_msgs_per_s']!s:>10} {v['lat_ms_p50']!s:>9} "
                 f"{v['lat_ms_p99']!s:>9} {lost!s:>6} {v['cpu_us_per_msg']!s:>10}"
+                f" {v['client_cpu_us_per_msg']!s:>8}"
             )
         pb, mq, am = (row[k]["e2e_msgs_per_s"] for k in ("polybroker", "mosquitto", "amqtt"))
         if pb and mq:
