@@ -60,6 +60,9 @@ from polybroker.logs import kv
 
 log = logging.getLogger(__name__)
 
+#: Bound of an unload or split forwarded to the bundle's owner.
+FORWARD_TIMEOUT_S = 30.0
+
 #: Largest request body read (admin bodies are small JSON documents).
 MAX_BODY_BYTES = 1024 * 1024
 
@@ -441,10 +444,10 @@ class AdminServer:
 
     async def _unload_namespace(self, call: Call) -> Response:
         namespace = f"{call.params['tenant']}/{call.params['ns']}"
-        await self.policies.get_policies(namespace)
-        ownership = self.service.ownership
-        if isinstance(ownership, ClusterOwnership):
-            await ownership.unload_namespace(namespace)
+        policies = await self.policies.get_policies(namespace)
+        if isinstance(self.service.ownership, ClusterOwnership):
+            for bundle in bundle_names(_boundaries(policies)):
+                await self._at_owner(namespace, bundle, "unload", call, None)
         else:
             for name in list(self.service.topics):
                 if self.service.topic_ref(name).namespace_name == namespace:
@@ -457,20 +460,48 @@ class AdminServer:
         if bundle not in bundle_names(_boundaries(await self.policies.get_policies(namespace))):
             raise not_found(f"bundle {bundle} does not exist in {namespace}")
         destination = (call.query.get("destinationBroker") or [""])[-1] or None
-        try:
-            await self._cluster_ownership().unload(namespace, bundle, destination)
-        except ValueError as e:
-            raise AdminError(412, str(e)) from None
+        await self._at_owner(namespace, bundle, "unload", call, destination)
         return Response()
 
     async def _split_bundle(self, call: Call) -> Response:
         namespace = f"{call.params['tenant']}/{call.params['ns']}"
         await self.policies.get_policies(namespace)
+        await self._at_owner(namespace, call.params["bundle"].lower(), "split", call, None)
+        return Response()
+
+    async def _at_owner(
+        self, namespace: str, bundle: str, action: str, call: Call, destination: str | None
+    ) -> None:
+        """Unload or split a bundle on the broker that serves it, as Pulsar redirects these
+        calls to the owner: the answer comes once the owner has let the bundle go, so no client
+        is served by the old owner after it. A call already forwarded, an unowned bundle or an
+        owner that does not answer (its claim not yet expired) is done here: the claim's node
+        is deleted and the old owner gives the bundle up when it sees that."""
+        ownership = self._cluster_ownership()
+        owner = await ownership.bundle_owner(namespace, bundle)
+        remote = owner is not None and owner.broker_id != ownership.local.broker_id
+        if remote and owner is not None and owner.web_url and not call.flag("forwarded"):
+            url = f"{owner.web_url.rstrip('/')}/admin/v2/namespaces/{namespace}/{bundle}/{action}"
+            url += "?forwarded=true"
+            if destination:
+                url += "&destinationBroker=" + quote(destination, safe="")
+            try:
+                await self._remote_call(b"PUT", url, timeout=FORWARD_TIMEOUT_S)
+                return
+            except (AdminError, TopicNotFoundError):
+                raise
+            except Exception as e:
+                log.warning(
+                    "bundle owner did not answer; releasing its claim here",
+                    extra=kv(bundle=f"{namespace}/{bundle}", owner=owner.broker_id, error=str(e)),
+                )
         try:
-            await self._cluster_ownership().split(namespace, call.params["bundle"].lower())
+            if action == "split":
+                await ownership.split(namespace, bundle)
+            else:
+                await ownership.unload(namespace, bundle, destination)
         except ValueError as e:
             raise AdminError(412, str(e)) from None
-        return Response()
 
     # -- clusters, tenants, namespaces ----------------------------------------------------
 
@@ -748,12 +779,19 @@ class AdminServer:
     async def _remote_json(self, url: str) -> Any:
         return json.loads(await self._remote_call(b"GET", url))
 
-    async def _remote_call(self, method: bytes, url: str) -> bytes:
-        """Ask another broker's admin API; its refusal is ours (a missing topic is 404)."""
+    async def _remote_call(self, method: bytes, url: str, timeout: float | None = None) -> bytes:
+        """Ask another broker's admin API; its refusal is ours (a missing topic is 404). With
+        ``timeout`` the call fails with a TimeoutError after that many seconds."""
         from twisted.web.client import Agent, readBody
 
-        response = await Agent(self.service.reactor).request(method, url.encode())
-        body: bytes = await readBody(response)
+        async def ask() -> tuple[Any, bytes]:
+            response = await Agent(self.service.reactor).request(method, url.encode())
+            return response, await readBody(response)
+
+        d = Deferred.fromCoroutine(ask())
+        if timeout is not None:
+            d.addTimeout(timeout, self.service.reactor)
+        response, body = await d
         if response.code == 404:
             raise TopicNotFoundError(body.decode(errors="replace")[:200])
         if response.code >= 300:

@@ -809,14 +809,6 @@ class ClusterOwnership(Ownership):
             await self.store.delete(f"{OWNERS_ROOT}/{key}", found.stat.version)
         return True
 
-    async def unload_namespace(self, namespace: str) -> int:
-        """Unload every owned bundle of a namespace; return how many were owned."""
-        count = 0
-        for bundle in bundle_names(await self.boundaries(namespace)):
-            if await self.unload(namespace, bundle):
-                count += 1
-        return count
-
     async def split(self, namespace: str, bundle: str) -> list[str]:
         """Cut ``bundle`` in two (compare-and-set on the policies), then unload it; return the
         namespace's new bundle names."""
@@ -838,6 +830,13 @@ class ClusterOwnership(Ownership):
         log.info("bundle split", extra=kv(namespace=namespace, bundle=bundle))
         await self.unload(namespace, bundle)
         return bundle_names(boundaries)
+
+    async def bundle_owner(self, namespace: str, bundle: str) -> BrokerInfo | None:
+        """The broker serving one bundle now (this one when it does), or None."""
+        mine = self._bundles.get(f"{namespace}/{bundle}")
+        if mine is not None and _serving(mine):
+            return self.local
+        return await self._owner(f"{namespace}/{bundle}")
 
     async def bundle_owners(self, namespace: str) -> dict[str, BrokerInfo | None]:
         """Each bundle of the namespace and its owner (None: unowned)."""

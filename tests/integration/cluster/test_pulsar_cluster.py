@@ -163,16 +163,20 @@ def test_bundle_unload_transfer_and_split_through_admin(cluster: Cluster) -> Non
             .read()
             .decode()
         )
-        first = owners(a)[bundle]
-        other = b if first == a.broker_id else a
+        first = a if owners(a)[bundle] == a.broker_id else b
+        other = b if first is a else a
+        # Asked of the broker that does not own the bundle, the call goes to the owner and
+        # returns once the owner has let the bundle go: it serves the topic no more.
         http(
             "PUT",
-            f"{a.http_url}/admin/v2/namespaces/{NS}/{bundle}/unload"
+            f"{other.http_url}/admin/v2/namespaces/{NS}/{bundle}/unload"
             f"?destinationBroker={other.broker_id}",
         )
+        assert owners(a)[bundle] != first.broker_id
         producer.send(b"after-transfer")  # the client follows the topic to its new owner
         assert owners(a)[bundle] == other.broker_id
-        http("PUT", f"{b.http_url}/admin/v2/namespaces/{NS}/{bundle}/split")
+        http("PUT", f"{first.http_url}/admin/v2/namespaces/{NS}/{bundle}/split")
+        assert bundle not in owners(other)
         bundles = http("GET", f"{a.http_url}/admin/v2/namespaces/{NS}/bundles")
         assert bundles["numBundles"] == 5
         producer.send(b"after-split")
