@@ -189,6 +189,28 @@ def test_bundle_unload_transfer_and_split_through_admin(cluster: Cluster) -> Non
         client.close()
 
 
+def test_unload_of_a_dead_owners_bundle_releases_its_claim(cluster: Cluster) -> None:
+    """kill -9 the owner of a bundle, then unload the bundle through the other broker before
+    the owner's session expires: the owner cannot answer, so the broker asked releases the claim
+    itself and the bundle is served again without waiting for the session's expiry."""
+    client = pulsar.Client(cluster.service_url, operation_timeout_seconds=30)
+    try:
+        producer = client.create_producer(f"persistent://{NS}/orphan", batching_enabled=False)
+        producer.send(b"before")
+        url = f"{cluster.members[0].http_url}/lookup/v2/topic/persistent/{NS}/orphan/bundle"
+        bundle = urllib.request.urlopen(url, timeout=30).read().decode()
+        owner = owners(cluster.members[0])[bundle]
+        victim = next(m for m in cluster.members if m.broker_id == owner)
+        survivor = next(m for m in cluster.members if m is not victim)
+        cluster.brokers.kill(victim)
+        http("PUT", f"{survivor.http_url}/admin/v2/namespaces/{NS}/{bundle}/unload")
+        assert owners(survivor)[bundle] != victim.broker_id
+        producer.send(b"after")  # the client finds the bundle's new owner
+        assert owners(survivor)[bundle] == survivor.broker_id
+    finally:
+        client.close()
+
+
 class Sender:
     """Sends numbered messages to a partitioned topic from a thread; records what was acked."""
 
