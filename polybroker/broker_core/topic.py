@@ -780,14 +780,30 @@ class PersistentTopic(Topic):
         if publish_time_ms is None:
             publish_time_ms = int(self.clock.seconds() * 1000)
         self.pending_publishes += 1
-        d = self.ledger.append(data, num_messages, publish_time_ms)
-        d.addCallbacks(
-            self._published,
-            self._publish_failed,
-            callbackArgs=(producer, dedup_name, highest),
-            errbackArgs=(dedup_name,),
+        d: Deferred[Entry | None] = Deferred()
+        # Callbacks, not the log's own Deferred: one Deferred per publish instead of two.
+        self.ledger.append_then(
+            data,
+            self._appended,
+            self._append_failed,
+            (d, producer, dedup_name, highest),
+            num_messages,
+            publish_time_ms,
         )
-        return d  # type: ignore[return-value]
+        return d
+
+    def _appended(self, entry: Entry, token: tuple[Any, ...]) -> None:
+        d, producer, dedup_name, highest = token
+        try:
+            published = self._published(entry, producer, dedup_name, highest)
+        except Exception:
+            d.errback(Failure())
+            return
+        d.callback(published)
+
+    def _append_failed(self, error: Exception, token: tuple[Any, ...]) -> None:
+        d, _, dedup_name, _ = token
+        d.errback(self._publish_failed(Failure(error), dedup_name))
 
     def publish_many(
         self,

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from twisted.internet.defer import Deferred, fail, gatherResults
 from twisted.python.failure import Failure
@@ -511,6 +512,33 @@ class ManagedLedger(abc.ABC):
         """Append one entry holding ``num_messages`` messages; fire with it once durable.
 
         Appends complete in order; the index of each entry follows the previous one's messages."""
+
+    def append_then(
+        self,
+        data: bytes,
+        on_done: Callable[[Entry, Any], object],
+        on_failed: Callable[[Exception, Any], object],
+        token: Any = None,
+        num_messages: int = 1,
+        publish_time_ms: int | None = None,
+    ) -> None:
+        """``append`` without a Deferred: exactly one of ``on_done(entry, token)`` and
+        ``on_failed(error, token)`` is called, in the order of the appends (an append refused
+        at once is failed before this returns); an exception they raise is logged, and the
+        other completions still happen. This default rides on ``append``; implementations do
+        better."""
+
+        def done(entry: Entry) -> None:
+            on_done(entry, token)
+
+        def failed(f: Failure) -> None:
+            on_failed(f.value, token)  # type: ignore[arg-type]
+
+        def raised(f: Failure) -> None:
+            logging.getLogger(__name__).error("append callback failed: %s", f.getTraceback())
+
+        d = self.append(data, num_messages, publish_time_ms)
+        d.addCallbacks(done, failed).addErrback(raised)
 
     def append_many(
         self,

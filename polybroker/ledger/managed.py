@@ -31,7 +31,7 @@ import logging
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredLock, fail, succeed
@@ -197,29 +197,47 @@ class _Group:
         self.d: Deferred[list[Entry]] = Deferred()
 
 
-# One append on its way to a ledger, told through its Deferred, or else its group: a list
-# indexed by these (a list is made several times faster than an object, and there is one per
-# append). Index, size (stored bytes: header and data) and entry id (in the ledger it was last
-# sent to) are set by ``_send``.
-_A_DATA, _A_NUM, _A_TIME, _A_D, _A_GROUP, _A_INDEX, _A_SIZE, _A_ENTRY = range(8)
-_Add = list[Any]  # [data, num, time, d, group, index, size, entry id]
+# One append on its way to a ledger, told through ``on_done(entry, token)`` or
+# ``on_failed(error, token)`` (``append_then``), or else, with on_done None, through its group (the
+# token): a list indexed by these (a list is made several times faster than an object, and there
+# is one per append). Index, size (stored bytes: header and data) and entry id (in the ledger it
+# was last sent to) are set by ``_send``.
+_A_DATA, _A_NUM, _A_TIME, _A_DONE, _A_FAILED, _A_TOKEN, _A_INDEX, _A_SIZE, _A_ENTRY = range(9)
+_Add = list[Any]  # [data, num, time, on_done, on_failed, token, index, size, entry id]
+AppendDone = Callable[[Entry, Any], object]
+AppendFailed = Callable[[Exception, Any], object]
 
 
 def _new_add(
-    data: bytes, num: int, time: int, d: Deferred[Entry] | None, group: _Group | None
+    data: bytes,
+    num: int,
+    time: int,
+    on_done: AppendDone | None,
+    on_failed: AppendFailed | None,
+    token: Any,
 ) -> _Add:
     """An append not sent yet."""
-    return [data, num, time, d, group, 0, 0, -1]
+    return [data, num, time, on_done, on_failed, token, 0, 0, -1]
+
+
+def _resolve(entry: Entry, d: Deferred[Entry]) -> None:
+    d.callback(entry)
+
+
+def _reject(error: Exception, d: Deferred[Entry]) -> None:
+    d.errback(error)
 
 
 def _fail_add(add: _Add, error: Exception) -> None:
     """Tell whoever waits that this append failed (a group hears only its first failure)."""
-    d = add[_A_D]
-    if d is not None:
-        d.errback(error)
+    if add[_A_DONE] is not None:
+        try:
+            add[_A_FAILED](error, add[_A_TOKEN])
+        except Exception:
+            log.exception("append failure callback failed")
         return
-    group = add[_A_GROUP]
-    assert group is not None
+    group = add[_A_TOKEN]
+    assert isinstance(group, _Group)
     if not group.d.called:
         group.d.errback(error)
 
@@ -439,13 +457,28 @@ class ManagedLedgerImpl(ManagedLedger):
     def append(
         self, data: bytes, num_messages: int = 1, publish_time_ms: int | None = None
     ) -> Deferred[Entry]:
+        d: Deferred[Entry] = Deferred()
+        self.append_then(data, _resolve, _reject, d, num_messages, publish_time_ms)
+        return d
+
+    def append_then(
+        self,
+        data: bytes,
+        on_done: AppendDone,
+        on_failed: AppendFailed,
+        token: Any = None,
+        num_messages: int = 1,
+        publish_time_ms: int | None = None,
+    ) -> None:
+        """``append`` without a Deferred (see ``ManagedLedger.append_then``)."""
         if not self._accepting:
-            return fail(self._refusal())
+            on_failed(self._refusal(), token)
+            return
         if not 1 <= num_messages <= _MAX_NUM_MESSAGES:
-            return fail(ValueError(f"num_messages must be >= 1, got {num_messages}"))
+            on_failed(ValueError(f"num_messages must be >= 1, got {num_messages}"), token)
+            return
         if publish_time_ms is None:
             publish_time_ms = int(self._reactor.seconds() * 1000)
-        d: Deferred[Entry] = Deferred()
         sent = self._sent_entries
         if (
             self._state is _OPEN
@@ -463,12 +496,13 @@ class ManagedLedgerImpl(ManagedLedger):
             size = _HEADER_SIZE + len(data)
             self._sent_entries = sent + 1
             self._sent_bytes += size
-            self._pending.append([data, num_messages, publish_time_ms, d, None, index, size, sent])
+            self._pending.append(
+                [data, num_messages, publish_time_ms, on_done, on_failed, token, index, size, sent]
+            )
             head = _pack_header(_MAGIC, _VERSION, 0, publish_time_ms, index, num_messages)
             handle.append_quiet(data, self, head)
         else:
-            self._enqueue(_new_add(data, num_messages, publish_time_ms, d, None))
-        return d
+            self._enqueue(_new_add(data, num_messages, publish_time_ms, on_done, on_failed, token))
 
     def append_many(
         self,
@@ -495,7 +529,7 @@ class ManagedLedgerImpl(ManagedLedger):
             group.d.callback([])
             return group.d
         adds = [
-            _new_add(data, num, publish_time_ms, None, group)
+            _new_add(data, num, publish_time_ms, None, None, group)
             for data, num in zip(datas, num_messages, strict=True)
         ]
         sent = 0
@@ -627,7 +661,7 @@ class ManagedLedgerImpl(ManagedLedger):
         # The pending adds are of consecutive entry ids (sent in order, dropped together).
         for _ in range(min(len(pending), last_entry_id - pending[0][_A_ENTRY] + 1)):
             a = popleft()
-            data, num, t, _, _, index, asize, eid = a
+            data, num, t, _, _, _, index, asize, eid = a
             entry_done(_new(Entry, (_new(Position, (lid, eid)), index, num, t, data)))
             row_done((eid, index, num, t, data))
             add_done(a)
@@ -646,12 +680,15 @@ class ManagedLedgerImpl(ManagedLedger):
         if not self._cursors:
             self._trim_tail(seq - len(adds))
         for a, entry in zip(adds, entries, strict=True):
-            d = a[_A_D]
-            if d is not None:
-                d.callback(entry)
+            on_done = a[_A_DONE]
+            if on_done is not None:
+                try:
+                    on_done(entry, a[_A_TOKEN])
+                except Exception:
+                    # One caller's bug must not stop the completions of the others.
+                    log.exception("%s: append callback failed", self.name)
                 continue
-            group = a[_A_GROUP]
-            assert group is not None
+            group = a[_A_TOKEN]
             group.entries.append(entry)
             if len(group.entries) == group.count and not group.d.called:
                 group.d.callback(group.entries)

@@ -79,6 +79,118 @@ def test_appends_complete_in_order_when_the_ledger_answers_late() -> None:
     assert done == payloads(20)
 
 
+class _Calls:
+    """Records what ``append_then`` tells, in order: ("done", token, entry) or ("failed", ...)."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, object, object]] = []
+
+    def done(self, entry: Entry, token: object) -> None:
+        self.told.append(("done", token, entry))
+
+    def failed(self, error: Exception, token: object) -> None:
+        self.told.append(("failed", token, error))
+
+
+def test_append_then_completes_in_order_with_what_append_would_fire() -> None:
+    """Callback-style appends interleaved with Deferred ones: one call each, in append order,
+    with the same entries (positions, indexes) the Deferred appends get."""
+    rig = Rig(add_delay=0.005)
+    ml = rig.open()
+    calls = _Calls()
+    order: list[object] = []
+    ml.append_then(b"a", lambda e, t: order.append(t), calls.failed, "a", 2)
+    d = ml.append(b"b").addCallback(lambda e: order.append("b") or e)
+    ml.append_then(b"c", lambda e, t: (order.append(t), calls.done(e, t)), calls.failed, "c")
+    assert order == []
+    rig.clock.advance(0.01)
+    assert order == ["a", "b", "c"]
+    assert result_of(d).index == 2
+    [(kind, token, entry)] = calls.told
+    assert (kind, token) == ("done", "c")
+    assert isinstance(entry, Entry)
+    assert (entry.data, entry.index, entry.position.entry_id) == (b"c", 3, 2)
+    assert [e.data for e in read_all(ml)] == [b"a", b"b", b"c"]
+
+
+def test_append_then_refused_at_once_calls_on_failed_before_returning() -> None:
+    """A bad message count or a closed log: on_failed is called before append_then returns,
+    and on_done never."""
+    ml = Rig().open()
+    calls = _Calls()
+    ml.append_then(b"x", calls.done, calls.failed, 1, 0)
+    assert [(k, t, type(e)) for k, t, e in calls.told] == [("failed", 1, ValueError)]
+    result_of(ml.close())
+    ml.append_then(b"y", calls.done, calls.failed, 2)
+    assert [(k, t, type(e)) for k, t, e in calls.told[1:]] == [
+        ("failed", 2, ManagedLedgerClosedError)
+    ]
+
+
+def test_append_then_failure_reaches_the_caller() -> None:
+    """A fenced ledger fails a pending callback-style append through on_failed, once."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    calls = _Calls()
+    ml.append_then(b"x", calls.done, calls.failed, "x")
+    result_of(rig.client.open(ml.ledgers[-1].ledger_id, recovery=True))
+    assert [(k, t, type(e)) for k, t, e in calls.told] == [
+        ("failed", "x", ManagedLedgerFencedError)
+    ]
+
+
+def test_append_then_resent_after_a_ledger_failure_completes_once() -> None:
+    """Callback-style appends pending on a failed ledger go to the next one and complete
+    once each, in order, with their indexes."""
+    rig = Rig()
+    ml = rig.open()
+    rig.client.hold = True
+    calls = _Calls()
+    for i, p in enumerate(payloads(4)):
+        ml.append_then(p, calls.done, calls.failed, i)
+    first = ml.ledgers[-1].ledger_id
+    rig.client.writer(first).release(1)
+    rig.client.fail_pending(first)
+    rig.client.release()
+    assert [(k, t) for k, t, _ in calls.told] == [("done", i) for i in range(4)]
+    assert [e.index for _, _, e in calls.told] == [0, 1, 2, 3]  # type: ignore[attr-defined]
+    assert [e.data for e in read_all(ml)] == payloads(4)
+
+
+def test_a_raising_append_callback_does_not_stop_the_completions_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A caller's on_done that raises is logged; the appends after it still complete."""
+    rig = Rig(add_delay=0.001)
+    ml = rig.open()
+    calls = _Calls()
+
+    def boom(entry: Entry, token: object) -> None:
+        raise RuntimeError("caller bug")
+
+    ml.append_then(b"a", boom, calls.failed, "a")
+    ml.append_then(b"b", calls.done, calls.failed, "b")
+    d = ml.append(b"c")
+    rig.clock.advance(0.01)
+    assert [(k, t) for k, t, _ in calls.told] == [("done", "b")]
+    assert result_of(d).data == b"c"
+    assert "append callback failed" in caplog.text
+
+
+def test_the_api_default_append_then_rides_on_append() -> None:
+    """A ManagedLedger without its own append_then gets one from append: the same calls."""
+    from polybroker.ledger.api import ManagedLedger
+
+    ml = Rig().open()
+    calls = _Calls()
+    ManagedLedger.append_then(ml, b"a", calls.done, calls.failed, "a", 3)
+    ManagedLedger.append_then(ml, b"b", calls.done, calls.failed, "b", 0)
+    assert [(k, t) for k, t, _ in calls.told] == [("done", "a"), ("failed", "b")]
+    assert calls.told[0][2].num_messages == 3  # type: ignore[attr-defined]
+    assert isinstance(calls.told[1][2], ValueError)
+
+
 def test_each_stored_entry_carries_its_broker_metadata_header() -> None:
     """The ledger holds header + data; the header has the publish time, index and count."""
     rig = Rig()
