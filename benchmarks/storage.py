@@ -28,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ OUTSTANDING = 256
 THRESHOLD = 512 * 1024  # journalBufferedWritesThreshold
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     """Return the q-th percentile (0..100) of ``values`` by nearest rank."""
     ordered = sorted(values)
     if not ordered:
@@ -47,7 +48,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def summarize(name: str, count: int, seconds: float, latencies: list[float]) -> dict[str, float]:
+def summarize(
+    name: str, count: int, seconds: float, latencies: Sequence[float]
+) -> dict[str, float]:
     """Return entries/s, MB/s and latency percentiles (ms) of one case."""
     return {
         "case": name,
@@ -56,7 +59,23 @@ def summarize(name: str, count: int, seconds: float, latencies: list[float]) -> 
         "mb_per_s": count * RECORD / seconds / 1e6,
         "p50_ms": percentile(latencies, 50) * 1e3,
         "p99_ms": percentile(latencies, 99) * 1e3,
+        "p999_ms": percentile(latencies, 99.9) * 1e3,
     }
+
+
+def host_ms() -> float:
+    """CPU milliseconds of a fixed pure-Python loop (median of 3): how fast this host runs the
+    same instructions right now. It moves by up to ~1.8x within an hour here (other tenants),
+    and every case's CPU per entry moves with it; raw, waiting on fdatasync, does not."""
+
+    def once() -> float:
+        t0 = time.thread_time()
+        x = 0
+        for i in range(1_000_000):
+            x += i & 7
+        return (time.thread_time() - t0) * 1e3
+
+    return statistics.median(once() for _ in range(3))
 
 
 def run_raw(directory: Path, seconds: float, window_s: float) -> dict[str, float]:
@@ -214,7 +233,11 @@ async def _ml_appends(
         # What a long-running broker does after start-up: the objects made so far are not
         # scanned again by every full collection (each took 10-20 ms, a p99 of its own).
         gc.freeze()
-    latencies: list[float] = []
+    # Arrays, not lists of float objects: a full collection walks every item of a list (a
+    # cache miss each), so a list of the run's latencies made the collections it measures
+    # take 13-23 ms each (several a run), a tail of the benchmark's own making.
+    latencies = array("d")
+    done_at = array("d") if done_times is not None else None
     done: Deferred[None] = Deferred()
     state = {"outstanding": 0, "stop": False}
     start = time.perf_counter()
@@ -226,8 +249,8 @@ async def _ml_appends(
     def ok(_: object, t0: float) -> None:
         now = time.perf_counter()
         latencies.append(now - t0)
-        if done_times is not None:
-            done_times.append(now)
+        if done_at is not None:
+            done_at.append(now)
         state["outstanding"] -= 1
         if now < deadline:
             issue()
@@ -276,11 +299,11 @@ async def _ml_appends(
     await factory.close()
     name = f"ml-{len(addresses)}" + ("-many" if group else "")
     result = summarize(name, len(latencies), elapsed, latencies)
-    if done_times is not None:
+    if done_times is not None and done_at is not None:
         # (issue, done) of every append, on the wall clock the bookies' logs use.
         to_wall = time.time() - time.perf_counter()
         spans = [
-            (d - lat + to_wall, d + to_wall) for d, lat in zip(done_times, latencies, strict=True)
+            (d - lat + to_wall, d + to_wall) for d, lat in zip(done_at, latencies, strict=True)
         ]
         done_times[:] = [x for span in spans for x in span]
     # CPU per entry does not depend on what else the machine runs, unlike entries/s.
@@ -653,6 +676,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {case: [] for case in chosen}
     for round_no in range(args.rounds):
         for case in runs:
+            host = host_ms()
             out = (
                 subprocess.run(
                     [
@@ -676,15 +700,16 @@ def main() -> None:
                 .stdout.strip()
                 .splitlines()[-1]
             )
-            runs[case].append(json.loads(out))
-            print(f"round {round_no + 1} {case}: {out}", file=sys.stderr)
+            runs[case].append({**json.loads(out), "host_ms": host})
+            print(f"round {round_no + 1} {case}: {json.dumps(runs[case][-1])}", file=sys.stderr)
 
     def med(case: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[case])
 
     result: dict[str, object] = {}
     for case in runs:
-        keys = ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms", "client_cpu_us", "bookie_cpu_us")
+        keys = ("entries_per_s", "mb_per_s", "p50_ms", "p99_ms", "p999_ms", "host_ms")
+        keys += ("client_cpu_us", "bookie_cpu_us")
         keys += ("ckpt_share", "p50_in_ckpt_ms", "p99_in_ckpt_ms")
         keys += ("p50_outside_ckpt_ms", "p99_outside_ckpt_ms")
         result[case] = {k: med(case, k) for k in keys if all(k in r for r in runs[case])}
