@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from polybroker.ledger.bookie.storage import (
     INDEX_HEADER_SIZE,
     INDEX_RECORD,
     MAX_ENTRY_ID,
+    VIEW_MIN_BYTES,
     LedgerStorage,
     StorageCorruptError,
 )
@@ -322,24 +324,44 @@ def test_put_entries_keeps_views_only_of_a_frame_they_mostly_are(tmp_path: Path)
     on the reactor); views of a frame they are a small part of, or of a mutable buffer, are
     copied (a view would pin the rest). Reads return bytes, and a checkpoint writes both."""
     s = _storage(tmp_path)
-    frame = b"h" * 16 + b"A" * 1000 + b"h" * 16 + b"B" * 1000
+    a, b = b"A" * VIEW_MIN_BYTES, b"B" * VIEW_MIN_BYTES
+    frame = b"h" * 16 + a + b"h" * 16 + b
     view = memoryview(frame)
-    s.put_entries(4, [(0, -1, view[16:1016]), (1, 0, view[1032:2032])])
+    s.put_entries(4, [(0, -1, view[16 : 16 + len(a)]), (1, 0, view[32 + len(a) :])])
     held = s._cache[4]
     assert isinstance(held[0], memoryview)
     assert held[0].obj is frame
-    big_read = b"x" * 100_000 + b"C" * 100
+    big_read = b"x" * 100_000 + b"C" * VIEW_MIN_BYTES
     s.put_entries(4, [(2, 1, memoryview(big_read)[100_000:])])
     assert type(held[2]) is bytes
-    mutable = bytearray(b"D" * 100)
+    mutable = bytearray(b"D" * VIEW_MIN_BYTES)
     s.put_entries(4, [(3, 2, memoryview(mutable))])
     assert type(held[3]) is bytes
-    expected = [b"A" * 1000, b"B" * 1000, b"C" * 100, b"D" * 100]
+    expected = [a, b, b"C" * VIEW_MIN_BYTES, b"D" * VIEW_MIN_BYTES]
     assert [s.read_entry(4, e) for e in range(4)] == expected
     assert all(type(s.read_entry(4, e)) is bytes for e in range(4))
-    assert s.cache_bytes == 2200
+    assert s.cache_bytes == 4 * VIEW_MIN_BYTES
     _checkpoint(s)
     assert [s.read_entry(4, e) for e in range(4)] == expected
+    s.close()
+
+
+def test_small_entries_of_a_frame_are_copied_so_the_collector_does_not_track_them(
+    tmp_path: Path,
+) -> None:
+    """Entries under VIEW_MIN_BYTES are cached as bytes even when they make up their whole
+    frame: a cached view is an object every full collection walks, a copy is not."""
+    s = _storage(tmp_path)
+    frame = b"E" * 1024 * 64
+    view = memoryview(frame)
+    s.put_entries(5, [(e, e - 1, view[e * 1024 : (e + 1) * 1024]) for e in range(64)])
+    held = s._cache[5]
+    assert all(type(held[e]) is bytes for e in range(64))
+    assert not any(gc.is_tracked(held[e]) for e in range(64))
+    assert s.read_entry(5, 63) == b"E" * 1024
+    assert s.cache_bytes == 64 * 1024
+    _checkpoint(s)
+    assert s.read_entry(5, 7) == b"E" * 1024
     s.close()
 
 
