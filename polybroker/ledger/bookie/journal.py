@@ -87,7 +87,10 @@ _MARK_MAGIC = b"PBMK"
 DeliverFn = Callable[..., Any]
 
 _ZERO_CHUNK = 256 * 1024  # zeros written at a time, holding ``_space`` (the writer may wait)
-_ZERO_SYNC = 4 * 1024 * 1024  # zeros synced at a time (each sync commits the extent changes)
+# Zeros synced at a time (each sync commits the extent changes). A journal sync made while one
+# of these runs waits for it: 4 MiB at a time (2-3 ms each) put the journal's fdatasync p99 at
+# 3-5 ms, 512 KiB at 1.9-3.7 ms (ml-1 add p99 lower in 6 of 6 alternating rounds).
+_ZERO_SYNC = 512 * 1024
 _ZEROS = memoryview(bytes(_ZERO_CHUNK))  # sliced without a copy
 _SYNCS_KEPT = 8  # group syncs whose fastest decides whether a lone group may block (Rule 2a)
 
