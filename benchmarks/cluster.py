@@ -14,7 +14,8 @@ Cases:
               messages per entry, and with it CPU per message, move with timing, while CPU
               per entry moves far less. Per entry too, over all of a side's processes: user and
               system time, and wake-ups (voluntary context switches: each bookie round trip,
-              journal hand-off and answer costs some). --repeat rounds, each running both sides
+              journal hand-off and answer costs some), and the cluster's brokers and bookies
+              apart. --repeat rounds, each running both sides
               (alternating which goes first); medians, and each round's ratio.
   broker-kill while producing at --rate msgs/s, kill -9 the broker that owns some partitions
               (the client's service URL names the other one, as a load balancer would): seconds
@@ -311,6 +312,10 @@ def throughput(
     for i, name in enumerate(("user_us_per_entry", "sys_us_per_entry", "wakeups_per_entry")):
         scale = 1e6 if i < 2 else 1
         out[name] = sum(split_by_pid[p][i] for p in cpu0) / entries * scale
+        if len(roles) > 1:  # each role's own share (brokers, bookies)
+            for role, role_pids in roles.items():
+                share = sum(split_by_pid[p][i] for p in role_pids)
+                out[f"{role}_{name}"] = share / entries * scale
     return out
 
 
@@ -456,6 +461,14 @@ def main() -> None:
             print(
                 f"{which:12s}per entry: user {r['user_us_per_entry']:.0f} us, system "
                 f"{r['sys_us_per_entry']:.0f} us, {r['wakeups_per_entry']:.1f} wake-ups"
+            )
+        for role in ("brokers", "bookies"):
+            r = results["cluster"]
+            print(
+                f"  {role:10s}per entry: {r[f'{role}_us_per_entry']:.0f} us (user "
+                f"{r[f'{role}_user_us_per_entry']:.0f} us, system "
+                f"{r[f'{role}_sys_us_per_entry']:.0f} us), "
+                f"{r[f'{role}_wakeups_per_entry']:.1f} wake-ups"
             )
         print(
             f"CPU per message, cluster / standalone: {results['cpu_ratio']:.2f}x (target <= 1.5x; "
