@@ -462,7 +462,7 @@ class Journal:
         """Hand the staged records to the writer; ``more_coming`` lets it wait for more."""
         if not self._staged_tokens:
             return
-        batch = _Batch(self._staged_parts, self._staged_tokens, self._staged_bytes)
+        parts, tokens, nbytes = self._staged_parts, self._staged_tokens, self._staged_bytes
         self._staged_parts = []
         self._staged_tokens = []
         self._staged_bytes = 0
@@ -477,8 +477,8 @@ class Journal:
                 and self._writer_waiting == _IDLE
                 and not self._queue
                 and self._handed == self._ran
-                and batch.nbytes <= self.config.lone_max_bytes
-                and self._offset + batch.nbytes <= self.config.max_file_size  # no roll here
+                and nbytes <= self.config.lone_max_bytes
+                and self._offset + nbytes <= self.config.max_file_size  # no roll here
                 and (not self._syncs or min(self._syncs) <= self.config.lone_max_sync_s)
             ):
                 # Rule 2a: the writer stays parked (it waits for a queued record) while
@@ -487,8 +487,8 @@ class Journal:
             else:
                 if not self._queue:
                     self._oldest = self._clock()
-                self._queue.append(batch)
-                self._queued_bytes += batch.nbytes
+                self._queue.append(_Batch(parts, tokens, nbytes))
+                self._queued_bytes += nbytes
                 self._burst_done = not more_coming
                 # Wake the writer only when this changes what it does (Rule 2): a wake-up is
                 # a futex call and, on a busy machine, often a switch away from the reactor.
@@ -504,10 +504,10 @@ class Journal:
                     self._writer_waiting = _NOT_WAITING
                     self.wakeups += 1
         if refused is not None:
-            self._hand(self._on_failure, refused, batch.tokens)
+            self._hand(self._on_failure, refused, tokens)
         elif lone:
             self.lone_groups += 1
-            self._write_and_hand(batch.parts, batch.tokens, batch.nbytes, self._run_now)
+            self._write_and_hand(parts, tokens, nbytes, self._run_now)
 
     def _hand(self, fn: Callable[..., None], *args: Any) -> None:
         self._handed += 1
@@ -516,7 +516,8 @@ class Journal:
     def _run_now(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a lone group's completion on the submitter's thread (Rule 2a)."""
         self._handed += 1
-        self._completion(fn, *args)
+        self._ran += 1
+        fn(*args)
 
     def _completion(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a delivered completion (reactor side)."""

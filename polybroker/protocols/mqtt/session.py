@@ -353,7 +353,12 @@ class TopicSub:
             if session.restored_out and self.group is None:
                 session.passed_restored(self.full, entry.position)
             filters = session.matching(self.name, self.group)
-            if filters and any(f.no_local for f in filters) and self._own(entry.data):
+            if len(filters) == 1:
+                # The common case, without the generators the general one runs per entry.
+                f0 = filters[0]
+                if f0.no_local and self._own(entry.data):
+                    filters = []
+            elif filters and any(f.no_local for f in filters) and self._own(entry.data):
                 filters = [f for f in filters if not f.no_local]
             if not filters or entry.publish_time_ms < self.not_before_ms:
                 self._done(entry.position, entry.num_messages)
@@ -366,16 +371,26 @@ class TopicSub:
                     log.warning("undecodable entry skipped", extra=kv(topic=self.full))
                     self._done(entry.position, entry.num_messages)
                     continue
-            granted = max(f.qos for f in filters)
-            sub_ids = sorted({f.sub_id for f in filters if f.sub_id})
-            rap = any(f.retain_as_published for f in filters)
+            if len(filters) == 1:
+                f0 = filters[0]
+                granted = f0.qos
+                sub_ids = [f0.sub_id] if f0.sub_id else []
+                rap = f0.retain_as_published
+            else:
+                granted = max(f.qos for f in filters)
+                sub_ids = sorted({f.sub_id for f in filters if f.sub_id})
+                rap = any(f.retain_as_published for f in filters)
             held = (
                 session.held.pop((self.full, self.group, entry.position), None)
                 if session.held
                 else None
             )
             skip = acked | held.sent if held is not None else acked
-            todo = [(i, m) for i, m in enumerate(msgs) if not (skip >> i) & 1]
+            todo = (
+                list(enumerate(msgs))
+                if not skip
+                else [(i, m) for i, m in enumerate(msgs) if not (skip >> i) & 1]
+            )
             if held is not None:
                 # Read again after the client came back: only what it never got is sent.
                 track = held
@@ -1594,17 +1609,18 @@ class MqttBroker:
 
     # -- publishing ----------------------------------------------------------------------
 
-    def publish(self, pub: c.Publish, client_id: str) -> Deferred[None]:
-        """Store ``pub`` on its topic (and as the retained message when flagged); fire once
-        both are durable."""
+    def publish(self, pub: c.Publish, client_id: str) -> Deferred[Any]:
+        """Store ``pub`` on its topic (and as the retained message when flagged); fire (with
+        no meaningful result) once both are durable."""
         return self.publish_batch([pub], client_id)
 
     def publish_batch(
         self, pubs: list[c.Publish], client_id: str, session: Session | None = None
-    ) -> Deferred[None]:
+    ) -> Deferred[Any]:
         """Store PUBLISHes of one topic as one entry (a batch when several), and the last
-        retained one as the topic's retained message; fire once durable. The QoS 2 packet
-        ids of a persistent ``session`` are recorded first (see the module docstring)."""
+        retained one as the topic's retained message; fire (with no meaningful result) once
+        durable. The QoS 2 packet ids of a persistent ``session`` are recorded first (see the
+        module docstring)."""
         now_ms = int(self.clock.seconds() * 1000)
         props = [stored_properties(p) for p in pubs]
         msgs = [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)]
@@ -1646,7 +1662,6 @@ class MqttBroker:
         if retained:
             last, last_props = retained[-1]
             d.addCallback(lambda _: self.set_retained(last, last_props))
-        d.addCallback(lambda _: None)
         return d
 
     async def _publish_recorded(

@@ -1401,3 +1401,30 @@ def test_publishes_answering_pubcomps_are_also_stored_together() -> None:
     _send_together(p, *(c.Publish("a/b", b"q%d" % i, 2, packet_id=i) for i in rest))
     assert [e.num_messages for e in ml.data.entries] == [ROUND, ROUND]
     assert p.packets() == [c.PubRec(i) for i in range(ROUND + 1, 2 * ROUND + 1)]
+
+
+def test_one_matching_filter_gives_its_granted_qos_and_subscription_id() -> None:
+    """A delivery matched by one filter carries that filter's subscription identifier, at
+    min(publish QoS, granted QoS)."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5)
+    sub.send(c.Subscribe(1, [c.Subscription("a/+", 1)], {c.SUBSCRIPTION_ID: [9]}))
+    sub.packets()
+    env.peer("p").send(c.Publish("a/b", b"x", 2, packet_id=1))
+    (got,) = sub.packets()
+    assert isinstance(got, c.Publish)
+    assert (got.payload, got.qos, got.properties[c.SUBSCRIPTION_ID]) == (b"x", 1, [9])
+
+
+def test_overlapping_filters_deliver_once_at_the_highest_qos_with_every_id() -> None:
+    """A message matching two filters of one client is delivered once, at the higher granted
+    QoS, with both subscription identifiers."""
+    env = Env()
+    sub = env.peer("s", c.LEVEL_5)
+    sub.send(c.Subscribe(1, [c.Subscription("a/#", 0)], {c.SUBSCRIPTION_ID: [7]}))
+    sub.send(c.Subscribe(2, [c.Subscription("a/b", 1)], {c.SUBSCRIPTION_ID: [3]}))
+    sub.packets()
+    env.peer("p").send(c.Publish("a/b", b"y", 1, packet_id=1))
+    (got,) = sub.packets()
+    assert isinstance(got, c.Publish)
+    assert (got.payload, got.qos, got.properties[c.SUBSCRIPTION_ID]) == (b"y", 1, [3, 7])
