@@ -288,7 +288,9 @@ class Bookie:
             st = self.storage.state(ledger_id)
             if st is not None and st.fenced and not req.recovery:
                 status = Status.FENCED
-            elif max(e[0] for e in req.entries) > MAX_ENTRY_ID:
+            elif (
+                req.entries[0][0] if count == 1 else max(e[0] for e in req.entries)
+            ) > MAX_ENTRY_ID:
                 status = Status.BAD_REQUEST
         if status != Status.OK:
             proto.send(encode_multi_add_response(rid, status, ledger_id, count))
@@ -578,7 +580,9 @@ class Bookie:
 
     def _after_writes(self) -> None:
         storage = self.storage
-        if storage.cache_bytes >= storage.write_cache_max_bytes // 2 and not storage.flushing:
+        if storage.cache_bytes < storage.write_cache_max_bytes // 2:
+            return  # the common case: nothing to start, nothing to throttle
+        if not storage.flushing:
             # A failure fails the bookie and is logged there; nobody else waits for this one.
             self.checkpoint().addErrback(lambda _: None)
         # The flushing half and the active half together stay within the configured maximum.

@@ -1622,8 +1622,16 @@ class MqttBroker:
         durable. The QoS 2 packet ids of a persistent ``session`` are recorded first (see the
         module docstring)."""
         now_ms = int(self.clock.seconds() * 1000)
-        props = [stored_properties(p) for p in pubs]
-        msgs = [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)]
+        if len(pubs) == 1:
+            # A lone publish (what a paced client sends): no comprehension frames.
+            first = pubs[0]
+            props = [stored_properties(first)]
+            msgs = [Message(first.payload, properties=props[0])]
+            any_qos2 = first.qos == 2
+        else:
+            props = [stored_properties(p) for p in pubs]
+            msgs = [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)]
+            any_qos2 = any(p.qos == 2 for p in pubs)
         data = encode_entry(
             msgs, producer_name="mqtt-" + client_id, sequence_id=0, publish_time_ms=now_ms
         )
@@ -1643,7 +1651,7 @@ class MqttBroker:
         known = self._partitions.get(full)
         exactly_once = (
             [p.packet_id for p in pubs if p.qos == 2 and p.packet_id is not None]
-            if session is not None and session.persistent and not session.released
+            if any_qos2 and session is not None and session.persistent and not session.released
             else []
         )
         if exactly_once:
@@ -1658,10 +1666,10 @@ class MqttBroker:
         else:
             d = self.service.publish(full, data, n, forward=True)
             d.addErrback(self._publish_partitioned, full, data, n, client_id)
-        retained = [(p, pr) for p, pr in zip(pubs, props, strict=True) if p.retain]
-        if retained:
-            last, last_props = retained[-1]
-            d.addCallback(lambda _: self.set_retained(last, last_props))
+        for i in range(n - 1, -1, -1):
+            if pubs[i].retain:
+                d.addCallback(lambda _, last=pubs[i], pr=props[i]: self.set_retained(last, pr))
+                break
         return d
 
     async def _publish_recorded(
