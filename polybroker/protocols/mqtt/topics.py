@@ -29,10 +29,17 @@ MAX_NAME_BYTES = 1024
 _PARTITION = re.compile(r"^(.+)-partition-(\d+)$")
 
 
-@functools.lru_cache(maxsize=4096)
 def to_pulsar(name: str) -> str:
-    """The full Pulsar topic name of the MQTT topic ``name`` (cached: every publish maps its
-    topic, and percent-encoding a name is a dozen Python calls)."""
+    """The full Pulsar topic name of the MQTT topic ``name``."""
+    if len(name) <= MAX_NAME_BYTES:
+        return _to_pulsar_cached(name)
+    return _PREFIX + quote(name, safe="")
+
+
+@functools.lru_cache(maxsize=1024)
+def _to_pulsar_cached(name: str) -> str:
+    """``to_pulsar`` of a name of at most ``MAX_NAME_BYTES`` characters, cached: every publish
+    maps its topic, and percent-encoding is a dozen Python calls (a few MB at most)."""
     return _PREFIX + quote(name, safe="")
 
 

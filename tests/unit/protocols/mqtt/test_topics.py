@@ -63,3 +63,14 @@ def test_filter_validity_and_shared() -> None:
     assert t.valid_name("a/b")
     assert not t.valid_name("x" * (t.MAX_NAME_BYTES + 1))
     assert not t.valid_filter("x" * (t.MAX_NAME_BYTES + 1))
+
+
+def test_mapping_is_the_same_for_cached_short_and_uncached_long_names() -> None:
+    """Short names (cached) and names longer than a topic may be (a will's, uncached) map
+    alike and back."""
+    for name in ("a/b c", "é/" * 600):
+        full = t.to_pulsar(name)
+        assert full == t.to_pulsar(name)
+        assert full.startswith("persistent://public/default/")
+        assert "/" not in full[len("persistent://public/default/") :]
+        assert t.from_pulsar(full) == name
