@@ -13,6 +13,13 @@ Then it opens ``--idle-clients`` MQTT connections with keep-alive to polybroker 
 RSS and CPU while they sit idle. The machine is shared and noisy: quote medians of ``--repeat``
 runs and ratios.
 
+``--lone N`` runs instead N lone QoS 1 publishes (each an entry and a durable write of its own:
+sent once the previous one was acknowledged and delivered) against polybroker and Mosquitto,
+with a raw MQTT client in this process: latency and the broker's CPU per publish. With
+``--callgrind FILE`` polybroker runs under callgrind, collecting only during the measured
+publishes, and the exact instructions per publish are reported: the figure to compare trees
+by on a machine whose CPU time moves with other load.
+
 Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
 """
 
@@ -100,11 +107,25 @@ class Server:
 class Polybroker(Server):
     name = "polybroker"
 
+    def __init__(self, scratch: Path, callgrind_out: Path | None = None) -> None:
+        super().__init__(scratch)
+        #: Run under callgrind with collection off until ``callgrind(True)`` (``--lone``).
+        self.callgrind_out = callgrind_out
+
     def command(self) -> list[str]:
         conf = self.scratch / "broker.conf"
         conf.write_text("messagingProtocols=mqtt\nstatsUpdateFrequencyInSecs=60\n")
+        prefix = []
+        if self.callgrind_out is not None:
+            prefix = [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={self.callgrind_out}",
+            ]
         return [
-            sys.executable,
+            *prefix,
+            os.path.realpath(sys.executable),
             "-m",
             "polybroker",
             "standalone",
@@ -168,6 +189,141 @@ def run_case(port: int, args: list[str], n: int, timeout_s: float) -> dict[str, 
     if not lines:
         return {"error": (done.stderr or done.stdout)[-300:]}
     return dict(json.loads(lines[-1]), client_cpu_s=client_cpu_s)
+
+
+def _connect_raw(port: int, client_id: bytes) -> socket.socket:
+    """A blocking MQTT 3.1.1 connection (clean session, keep-alive 60 s), CONNACK read."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    body = b"\x00\x04MQTT\x04\x02\x00\x3c" + len(client_id).to_bytes(2, "big") + client_id
+    s.sendall(b"\x10" + bytes([len(body)]) + body)
+    assert _read_packet(s, bytearray())[0] == 0x20
+    return s
+
+
+def _read_packet(s: socket.socket, buf: bytearray) -> tuple[int, bytes]:
+    """The next packet (first byte, body) of ``s`` (remaining length < 128), ``buf`` kept."""
+    while len(buf) < 2 or len(buf) < 2 + buf[1]:
+        data = s.recv(65536)
+        if not data:
+            raise RuntimeError("connection closed")
+        buf += data
+    if buf[1] >= 128:
+        raise RuntimeError("unexpected packet size")
+    first, body = buf[0], bytes(buf[2 : 2 + buf[1]])
+    del buf[: 2 + buf[1]]
+    return first, body
+
+
+def lone_publishes(
+    server: Server, count: int, warm: int, gap_s: float, on_warm: Any = None
+) -> dict[str, Any]:
+    """``warm`` then ``count`` QoS 1 publishes of 100 bytes, each sent ``gap_s`` after the
+    previous one was acknowledged and delivered (to a QoS 1 subscriber, which acknowledges it):
+    every publish is a lone one (an entry and a durable write of its own). Returns the
+    latency (publish to both PUBACK and delivery) and the broker's CPU per publish, taken
+    after the warm-up (``on_warm()`` runs then)."""
+    assert server.proc is not None
+    topic = b"bench/lone"
+    sub, pub = _connect_raw(server.port, b"lone-sub"), None
+    sub_buf, pub_buf = bytearray(), bytearray()
+    body = b"\x00\x01" + len(topic).to_bytes(2, "big") + topic + b"\x01"
+    sub.sendall(b"\x82" + bytes([len(body)]) + body)
+    assert _read_packet(sub, sub_buf)[0] == 0x90
+    pub = _connect_raw(server.port, b"lone-pub")
+    lat: list[float] = []
+    cpu0 = 0.0
+    try:
+        for i in range(warm + count):
+            if i == warm:
+                if on_warm is not None:
+                    on_warm()
+                _, cpu0 = proc_stats(server.proc.pid)
+            pid = i % 65535 + 1
+            body = len(topic).to_bytes(2, "big") + topic + pid.to_bytes(2, "big")
+            body += i.to_bytes(8, "big") + bytes(92)
+            t0 = time.perf_counter()
+            pub.sendall(b"\x32" + bytes([len(body)]) + body)
+            first, _ = _read_packet(pub, pub_buf)
+            assert first == 0x40, first
+            first, got = _read_packet(sub, sub_buf)
+            assert first & 0xF0 == 0x30, first
+            tl = int.from_bytes(got[:2], "big")
+            sub.sendall(b"\x40\x02" + got[2 + tl : 4 + tl])
+            if i >= warm:
+                lat.append(time.perf_counter() - t0)
+            time.sleep(gap_s)
+        _, cpu1 = proc_stats(server.proc.pid)
+    finally:
+        sub.close()
+        pub.close()
+    lat.sort()
+    return {
+        "publishes": count,
+        "lat_ms_p50": round(1e3 * lat[len(lat) // 2], 3),
+        "lat_ms_p99": round(1e3 * lat[int(len(lat) * 0.99)], 3),
+        "cpu_us_per_msg": round(1e6 * (cpu1 - cpu0) / count, 1),
+    }
+
+
+def callgrind_total(path: Path) -> int | None:
+    """The instruction count callgrind wrote to ``path`` (the larger of its ``summary:`` and
+    ``totals:`` lines: with collection switched on late, ``summary:`` may read 0)."""
+    counts = []
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith(("summary:", "totals:")):
+                counts.append(int(line.split()[1]))
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(counts) if counts else None
+
+
+def lone_main(args: argparse.Namespace, scratch: Path) -> None:
+    """``--lone``: lone publishes against polybroker and Mosquitto; with ``--callgrind``,
+    polybroker runs under callgrind, collecting only during the measured publishes, and the
+    instructions per publish are reported (the client runs in this process, not counted)."""
+    out = Path(args.callgrind).resolve() if args.callgrind else None
+    poly = Polybroker(scratch / "polybroker", out)
+    servers: list[Server] = [poly] if out is not None else [poly, Mosquitto(scratch / "mosq")]
+    results: dict[str, Any] = {}
+    try:
+        for s in servers:
+            s.start()
+
+        def toggle(on: bool) -> None:
+            assert poly.proc is not None
+            subprocess.run(
+                ["callgrind_control", "-i", "on" if on else "off", str(poly.proc.pid)],
+                capture_output=True,
+                timeout=60,
+                check=True,
+            )
+
+        for s in servers:
+            grind = out is not None and s is poly
+            r = lone_publishes(
+                s,
+                args.lone,
+                args.lone_warm,
+                args.lone_gap_ms / 1e3,
+                (lambda: toggle(True)) if grind else None,
+            )
+            if grind:
+                toggle(False)
+            results[s.name] = r
+    finally:
+        for s in servers:
+            s.stop()
+    if out is not None:
+        total = callgrind_total(out)
+        if total is not None:
+            results["polybroker"]["instructions_per_msg"] = round(total / args.lone)
+        if not args.keep_callgrind:
+            out.unlink(missing_ok=True)
+    for name, r in results.items():
+        print(f"lone {name:11} {r}")
+    print(json.dumps({"lone": results}))
 
 
 _IDLE_SCRIPT = r"""
@@ -245,9 +401,29 @@ def main() -> None:
     ap.add_argument("--idle-clients", type=int, default=10000)
     ap.add_argument("--idle-seconds", type=float, default=20)
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument(
+        "--lone",
+        type=int,
+        default=0,
+        help="instead: this many lone QoS 1 publishes (each after the previous one completed)",
+    )
+    ap.add_argument("--lone-warm", type=int, default=200, help="lone publishes before measuring")
+    ap.add_argument("--lone-gap-ms", type=float, default=0.5)
+    ap.add_argument(
+        "--callgrind",
+        metavar="FILE",
+        help="with --lone: run polybroker under callgrind and report instructions per publish",
+    )
+    ap.add_argument("--keep-callgrind", action="store_true", help="keep the --callgrind FILE")
     args = ap.parse_args()
     wanted = set(args.cases.split(","))
     scratch = Path(tempfile.mkdtemp(prefix="bench-mqtt-"))
+    if args.lone:
+        try:
+            lone_main(args, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
     servers: list[Server] = [
         Polybroker(scratch / "polybroker"),
         Mosquitto(scratch / "mosquitto"),
