@@ -735,6 +735,11 @@ def _dec_add(rid: int, body: memoryview) -> AddRequest:
     )
 
 
+def _pack_heads(fields: list[int]) -> bytes:
+    """The record heads whose (length, crc) fields are ``fields``, as they are on the wire."""
+    return struct.pack(f">{len(fields)}I", *fields)
+
+
 def _dec_add_multi(rid: int, body: memoryview, frame_crc: int) -> MultiAddRequest:
     """Decode and check an ADD_MULTI body (Rule 8); every bound is checked before use."""
     size = len(body)
@@ -744,9 +749,12 @@ def _dec_add_multi(rid: int, body: memoryview, frame_crc: int) -> MultiAddReques
     if count < 1 or count > (size - MULTI_HEAD_SIZE) // (RECORD_HEAD_SIZE + ADD_FIELDS_SIZE):
         raise _bad(rid, f"ADD_MULTI claims {count} records, impossible in {size} bytes")
     unpack = _RECORD_AND_FIELDS.unpack_from
-    running = crc32c(body[:MULTI_HEAD_SIZE])
     entries: list[tuple[int, int, Buffer]] = []
     append = entries.append
+    # The frame's checksum covers the multi head and the record heads: their fields are kept
+    # and summed once after the loop (one call, not one per record).
+    heads: list[int] = []
+    head_append = heads.append
     recovery = True
     off = MULTI_HEAD_SIZE
     for _ in range(count):
@@ -757,7 +765,8 @@ def _dec_add_multi(rid: int, body: memoryview, frame_crc: int) -> MultiAddReques
         end = start + length
         if length < ADD_FIELDS_SIZE or end > size:
             raise _bad(rid, f"ADD_MULTI record of {length} bytes does not fit the frame")
-        running = crc32c(body[off:start], running)
+        head_append(length)
+        head_append(crc)
         if crc32c(body[start:end]) != crc:
             raise _bad(rid, "ADD_MULTI record checksum mismatch")
         if lid != ledger_id or entry_id < 0 or flags & ~FLAG_RECOVERY:
@@ -768,7 +777,7 @@ def _dec_add_multi(rid: int, body: memoryview, frame_crc: int) -> MultiAddReques
         off = end
     if off != size:
         raise _bad(rid, "ADD_MULTI has trailing bytes")
-    if running != frame_crc:
+    if crc32c(_pack_heads(heads), crc32c(body[:MULTI_HEAD_SIZE])) != frame_crc:
         raise _bad(rid, "frame checksum mismatch")
     return MultiAddRequest(rid, ledger_id, entries, body[MULTI_HEAD_SIZE:], recovery)
 

@@ -440,6 +440,25 @@ def test_every_corrupted_byte_of_a_multi_add_body_is_refused() -> None:
         assert decoder.error.request_id == 77
 
 
+def test_multi_adds_of_any_count_pass_and_the_frame_checksum_covers_every_record_head() -> None:
+    """The frame checksum (multi head and record heads, summed once after the records) holds
+    for every count; a frame whose records are intact but whose checksum leaves out a record
+    head is refused."""
+    for count in (1, 2, 51, 130, 257):
+        message = _decode_one(_multi(rid=3, entries=count), max_frame_size=1 << 24)
+        assert isinstance(message, MultiAddRequest)
+        assert [e for e, _, _ in message.entries] == list(range(count))
+    records = [_record(7, e) for e in range(4)]
+    assert isinstance(_decode_one(_raw_multi(records)), MultiAddRequest)
+    head = struct.pack(">QI", 7, len(records))
+    body = head + b"".join(records)
+    short = crc32c(head + b"".join(r[:8] for r in records[:3]))
+    frame = HEADER.pack(HEADER_SIZE - 4 + len(body), 2, MsgType.ADD_MULTI, 6, short) + body
+    error = _multi_error(frame)
+    assert (error.status, error.request_id) == (Status.BAD_REQUEST, 6)
+    assert re.search("frame checksum", str(error))
+
+
 def _raw_multi(records: list[bytes], ledger: int = 7, count: int | None = None) -> bytes:
     """An ADD_MULTI with hand-made records and a correct frame checksum."""
     head = struct.pack(">QI", ledger, len(records) if count is None else count)
