@@ -152,6 +152,32 @@ class EntryCache:
         if manager.size > manager.max_bytes:
             manager._grew()
 
+    @property
+    def put_bytes(self) -> int:
+        """The cost of everything ever put: the ``before`` of the next slot ``put_slots`` takes."""
+        return self._put_bytes
+
+    def put_slots(
+        self, seq: int, slots: list[tuple[int, int, int, int, int, bytes, int]], end: int
+    ) -> None:
+        """``put_run`` of ready slots (ledger id, entry id, index, num messages, publish time
+        ms, data, bytes put before it) numbered from ``seq``: the first slot's ``before`` is
+        ``put_bytes``, each next one's its predecessor's plus ``len(data) + ENTRY_OVERHEAD``,
+        and ``end`` what follows the last (the caller builds them while it walks its adds)."""
+        manager = self._manager
+        if manager.max_bytes == 0 or not slots:
+            return
+        if seq != self._base + len(self._slots):
+            self.clear()
+            self._base = seq
+        self._slots.extend(slots)
+        cost = end - self._put_bytes
+        self._put_bytes = end
+        self.size += cost
+        manager.size += cost
+        if manager.size > manager.max_bytes:
+            manager._grew()
+
     def get(self, seq: int) -> Entry | None:
         """Return the cached entry number ``seq``, or None."""
         i = seq - self._base

@@ -59,6 +59,7 @@ from polybroker.ledger.api import (
     ReadHandle,
     WriteHandle,
 )
+from polybroker.ledger.cache import ENTRY_OVERHEAD as _CACHE_OVERHEAD
 from polybroker.ledger.cache import EntryCache, EntryCacheManager
 from polybroker.ledger.cursor import ROOT, ManagedCursorImpl, cursor_path
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
@@ -655,22 +656,25 @@ class ManagedLedgerImpl(ManagedLedger):
         popleft = pending.popleft
         # Record every completed entry first, then tell the callers: whatever their callbacks
         # do (append, read, close) sees the log with all of them.
-        rows: list[tuple[int, int, int, int, bytes]] = []
-        row_done = rows.append
+        # The cache's slots are made here, as the adds are walked (``EntryCache.put_slots``).
+        slots: list[tuple[int, int, int, int, int, bytes, int]] = []
+        slot_done = slots.append
+        before = cache.put_bytes
         t = 0
         # The pending adds are of consecutive entry ids (sent in order, dropped together).
         for _ in range(min(len(pending), last_entry_id - pending[0][_A_ENTRY] + 1)):
             a = popleft()
             data, num, t, _, _, _, index, asize, eid = a
             entry_done(_new(Entry, (_new(Position, (lid, eid)), index, num, t, data)))
-            row_done((eid, index, num, t, data))
+            slot_done((lid, eid, index, num, t, data, before))
+            before += len(data) + _CACHE_OVERHEAD
             add_done(a)
             index_of(index)
             time_of(t)
             size += asize
             messages += num
-        cache.put_run(seq, lid, rows)
-        seq += len(rows)
+        cache.put_slots(seq, slots, before)
+        seq += len(slots)
         ledger.entries += len(adds)
         ledger.size += size
         ledger.messages += messages

@@ -233,12 +233,13 @@ def test_entry_cache_agrees_with_a_plain_model() -> None:
 
 
 def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
-    """``put_run`` leaves a cache as ``put`` of each entry would (the same entries and bytes; a
-    gap before a run starts afresh), and under a budget keeps the newest entries, intact, within
-    it."""
+    """``put_run`` and ``put_slots`` leave a cache as ``put`` of each entry would (the same
+    entries and bytes; a gap before a run starts afresh), and under a budget keeps the newest
+    entries, intact, within it."""
     rng = random.Random(11)
     singles = EntryCacheManager(1 << 40).new_cache("singles")
     runs = EntryCacheManager(1 << 40).new_cache("runs")
+    slotted = EntryCacheManager(1 << 40).new_cache("slotted")  # ``put_slots``, as a log puts
     budget = 40 * (20 + ENTRY_OVERHEAD)
     bounded_manager = EntryCacheManager(budget)
     bounded = bounded_manager.new_cache("bounded")
@@ -260,8 +261,16 @@ def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
             singles.put(seq + i, e)
         runs.put_run(seq, 4, rows)
         bounded.put_run(seq, 4, rows)
+        before = slotted.put_bytes
+        slots = []
+        for row in rows:
+            slots.append((4, *row, before))
+            before += len(row[4]) + ENTRY_OVERHEAD
+        slotted.put_slots(seq, slots, before)
         seq += len(entries)
-        assert runs._slots == singles._slots
+        assert runs._slots == singles._slots == slotted._slots
+        assert slotted.size == singles.size
+        assert [slotted.get(s) for s in range(seq - len(entries), seq)] == entries
         assert (runs.size, runs.first_seq(), len(runs)) == (
             singles.size,
             singles.first_seq(),
