@@ -361,6 +361,14 @@ class MqttConnection(Protocol):
         self._timer = None
         self.level = c.LEVEL_5 if p.level == c.LEVEL_5 else c.LEVEL_311
         v5 = self.level == c.LEVEL_5
+        if p.will is not None and not topics.valid_name(p.will.topic):
+            # A will is published to its topic: bounded and checked as a PUBLISH's is. MQTT
+            # 3.1.1 has no CONNACK code for it, so that connection just closes.
+            if v5:
+                self.send(c.ConnAck(False, c.TOPIC_NAME_INVALID, {c.REASON_STRING: "will topic"}))
+            self._log_close("invalid will topic")
+            self.close()
+            return
         props = p.properties
         client_id = p.client_id
         assigned = False

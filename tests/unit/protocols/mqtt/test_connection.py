@@ -22,6 +22,7 @@ from polybroker.broker_core.messages import Message, decode_entry, encode_entry
 from polybroker.broker_core.service import BrokerService
 from polybroker.config import Config
 from polybroker.protocols.mqtt import codec as c
+from polybroker.protocols.mqtt import topics
 from polybroker.protocols.mqtt.connection import MqttConnection, MqttSettings
 from polybroker.protocols.mqtt.session import MqttBroker
 
@@ -529,6 +530,26 @@ def test_v5_connect_refusals_get_a_connack_reason() -> None:
         assert isinstance(connack, c.ConnAck)
         assert connack.reason_code == code
         assert peer.closed
+
+
+def test_a_will_topic_over_the_name_bound_is_refused() -> None:
+    """A will's topic is bounded as a PUBLISH topic is (each name is a managed ledger's): MQTT 5
+    gets CONNACK 0x90, 3.1.1 a closed connection; a will at the bound is accepted."""
+    env = Env()
+    long = "w/" + "x" * topics.MAX_NAME_BYTES
+    v5 = env.peer("a", c.LEVEL_5, will=c.Will(long, b"gone", 0, False, {}))
+    connack = v5.one()
+    assert isinstance(connack, c.ConnAck)
+    assert connack.reason_code == c.TOPIC_NAME_INVALID
+    assert v5.closed
+    v3 = env.peer("b", will=c.Will(long, b"gone", 0, False, {}))
+    assert v3.packets() == []
+    assert v3.closed
+    fits = env.peer("c", will=c.Will("x" * topics.MAX_NAME_BYTES, b"gone", 0, False, {}))
+    connack = fits.one()
+    assert isinstance(connack, c.ConnAck)
+    assert connack.reason_code == 0
+    assert not fits.closed
 
 
 def test_a_session_made_non_persistent_still_deletes_its_durable_subscriptions() -> None:
