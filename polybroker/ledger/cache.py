@@ -112,41 +112,13 @@ class EntryCache:
         manager = self._manager
         if manager.max_bytes == 0:
             return
-        slots = self._slots
-        if seq != self._base + len(slots):
-            # Not the next number (nothing cached yet, or a gap): start afresh from ``seq``.
-            self.clear()
-            self._base = seq
-            slots = self._slots
+        self._continue_at(seq)
         cost = len(data) + ENTRY_OVERHEAD
         before = self._put_bytes
-        slots.append((ledger_id, entry_id, index, num_messages, publish_time_ms, data, before))
+        self._slots.append(
+            (ledger_id, entry_id, index, num_messages, publish_time_ms, data, before)
+        )
         self._put_bytes = before + cost
-        self.size += cost
-        manager.size += cost
-        if manager.size > manager.max_bytes:
-            manager._grew()
-
-    def put_run(
-        self, seq: int, ledger_id: int, rows: list[tuple[int, int, int, int, bytes]]
-    ) -> None:
-        """``put_fields`` of consecutive entries of one ledger numbered from ``seq``, each row
-        (entry id, index, num messages, publish time ms, data); the budget is checked once."""
-        manager = self._manager
-        if manager.max_bytes == 0 or not rows:
-            return
-        slots = self._slots
-        if seq != self._base + len(slots):
-            self.clear()
-            self._base = seq
-            slots = self._slots
-        start = before = self._put_bytes
-        append = slots.append
-        for entry_id, index, num_messages, publish_time_ms, data in rows:
-            append((ledger_id, entry_id, index, num_messages, publish_time_ms, data, before))
-            before += len(data) + ENTRY_OVERHEAD
-        self._put_bytes = before
-        cost = before - start
         self.size += cost
         manager.size += cost
         if manager.size > manager.max_bytes:
@@ -160,16 +132,15 @@ class EntryCache:
     def put_slots(
         self, seq: int, slots: list[tuple[int, int, int, int, int, bytes, int]], end: int
     ) -> None:
-        """``put_run`` of ready slots (ledger id, entry id, index, num messages, publish time
-        ms, data, bytes put before it) numbered from ``seq``: the first slot's ``before`` is
-        ``put_bytes``, each next one's its predecessor's plus ``len(data) + ENTRY_OVERHEAD``,
-        and ``end`` what follows the last (the caller builds them while it walks its adds)."""
+        """``put_fields`` of consecutive entries given as ready slots (ledger id, entry id,
+        index, num messages, publish time ms, data, bytes put before it) numbered from
+        ``seq``: the first slot's ``before`` is ``put_bytes``, each next one's its
+        predecessor's plus ``len(data) + ENTRY_OVERHEAD``, and ``end`` what follows the last
+        (the caller builds them while it walks its adds); the budget is checked once."""
         manager = self._manager
         if manager.max_bytes == 0 or not slots:
             return
-        if seq != self._base + len(self._slots):
-            self.clear()
-            self._base = seq
+        self._continue_at(seq)
         self._slots.extend(slots)
         cost = end - self._put_bytes
         self._put_bytes = end
@@ -177,6 +148,12 @@ class EntryCache:
         manager.size += cost
         if manager.size > manager.max_bytes:
             manager._grew()
+
+    def _continue_at(self, seq: int) -> None:
+        """Make ``seq`` the next number: a gap (or nothing cached yet) starts afresh from it."""
+        if seq != self._base + len(self._slots):
+            self.clear()
+            self._base = seq
 
     def get(self, seq: int) -> Entry | None:
         """Return the cached entry number ``seq``, or None."""

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_ledger_client import Rig, failure_of, result_of
 
 from polybroker.ledger.api import BookieError, Entry, InitialPosition, Position
-from polybroker.ledger.cache import ENTRY_OVERHEAD, EntryCacheManager
+from polybroker.ledger.cache import ENTRY_OVERHEAD, EntryCache, EntryCacheManager
 
 
 def test_tailing_reads_are_served_from_memory() -> None:
@@ -232,14 +232,24 @@ def test_entry_cache_agrees_with_a_plain_model() -> None:
     assert len(cache._slots) < 20_000  # evicted slots were compacted away
 
 
+def _put_slots(cache: EntryCache, seq: int, rows: list[tuple[int, int, int, int, bytes]]) -> None:
+    """``put_slots`` of rows (entry id, index, num messages, publish time, data) of ledger 4,
+    the slots built as a log builds them."""
+    before = cache.put_bytes
+    slots = []
+    for row in rows:
+        slots.append((4, *row, before))
+        before += len(row[4]) + ENTRY_OVERHEAD
+    cache.put_slots(seq, slots, before)
+
+
 def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
-    """``put_run`` and ``put_slots`` leave a cache as ``put`` of each entry would (the same
-    entries and bytes; a gap before a run starts afresh), and under a budget keeps the newest
-    entries, intact, within it."""
+    """``put_slots`` leaves a cache as ``put`` of each entry would (the same entries and bytes;
+    a gap before a run starts afresh), and under a budget keeps the newest entries, intact,
+    within it."""
     rng = random.Random(11)
     singles = EntryCacheManager(1 << 40).new_cache("singles")
-    runs = EntryCacheManager(1 << 40).new_cache("runs")
-    slotted = EntryCacheManager(1 << 40).new_cache("slotted")  # ``put_slots``, as a log puts
+    slotted = EntryCacheManager(1 << 40).new_cache("slotted")
     budget = 40 * (20 + ENTRY_OVERHEAD)
     bounded_manager = EntryCacheManager(budget)
     bounded = bounded_manager.new_cache("bounded")
@@ -259,19 +269,12 @@ def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
         ]
         for i, e in enumerate(entries):
             singles.put(seq + i, e)
-        runs.put_run(seq, 4, rows)
-        bounded.put_run(seq, 4, rows)
-        before = slotted.put_bytes
-        slots = []
-        for row in rows:
-            slots.append((4, *row, before))
-            before += len(row[4]) + ENTRY_OVERHEAD
-        slotted.put_slots(seq, slots, before)
+        _put_slots(slotted, seq, rows)
+        _put_slots(bounded, seq, rows)
         seq += len(entries)
-        assert runs._slots == singles._slots == slotted._slots
-        assert slotted.size == singles.size
+        assert slotted._slots == singles._slots
         assert [slotted.get(s) for s in range(seq - len(entries), seq)] == entries
-        assert (runs.size, runs.first_seq(), len(runs)) == (
+        assert (slotted.size, slotted.first_seq(), len(slotted)) == (
             singles.size,
             singles.first_seq(),
             len(singles),
