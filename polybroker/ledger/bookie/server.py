@@ -288,9 +288,7 @@ class Bookie:
             st = self.storage.state(ledger_id)
             if st is not None and st.fenced and not req.recovery:
                 status = Status.FENCED
-            elif (
-                req.entries[0][0] if count == 1 else max(e[0] for e in req.entries)
-            ) > MAX_ENTRY_ID:
+            elif max(e[0] for e in req.entries) > MAX_ENTRY_ID:
                 status = Status.BAD_REQUEST
         if status != Status.OK:
             proto.send(encode_multi_add_response(rid, status, ledger_id, count))

@@ -1622,16 +1622,9 @@ class MqttBroker:
         durable. The QoS 2 packet ids of a persistent ``session`` are recorded first (see the
         module docstring)."""
         now_ms = int(self.clock.seconds() * 1000)
-        if len(pubs) == 1:
-            # A lone publish (what a paced client sends): no comprehension frames.
-            first = pubs[0]
-            props = [stored_properties(first)]
-            msgs = [Message(first.payload, properties=props[0])]
-            any_qos2 = first.qos == 2
-        else:
-            props = [stored_properties(p) for p in pubs]
-            msgs = [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)]
-            any_qos2 = any(p.qos == 2 for p in pubs)
+        props = [stored_properties(p) for p in pubs]
+        msgs = [Message(p.payload, properties=pr) for p, pr in zip(pubs, props, strict=True)]
+        any_qos2 = any(p.qos == 2 for p in pubs)
         data = encode_entry(
             msgs, producer_name="mqtt-" + client_id, sequence_id=0, publish_time_ms=now_ms
         )
