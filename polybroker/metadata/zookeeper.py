@@ -45,6 +45,12 @@ Rule Z6: ZooKeeper drops the connection of a client whose request exceeds its pa
         values of up to about 1 MiB less a few KiB are stored, not quite ``MAX_VALUE_BYTES``.
 Rule Z7: the names ``zookeeper`` and ``__polybroker`` at the root are the server's and the
         store's own: they are not listed by ``children("/")`` and paths under them are refused.
+Rule Z8: a connection attempt (TCP connect, then the session handshake) waits at most
+        ``handshake_timeout(session timeout)`` for the server, a tenth of the session timeout
+        (at least 2 s), then the next attempt starts. kazoo's own bound is the whole session
+        timeout, and a ZooKeeper server that is starting can accept a connection and never
+        answer nor close it: the client sat on that one connection until the session it was
+        trying to keep had expired on the server.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ import kazoo.exceptions as kz
 from kazoo.client import KazooClient, KazooState
 from kazoo.handlers.threading import AsyncResult as KazooAsyncResult
 from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
+from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.states import EventType as KazooEventType
 from kazoo.protocol.states import WatchedEvent, ZnodeStat
 from twisted.internet.defer import Deferred, fail
@@ -106,6 +113,9 @@ TRANSACTION_RETRIES = 20
 # request besides its value and path (headers, ACL, flags, lengths).
 ZK_MAX_PACKET = 0xFFFFF
 REQUEST_OVERHEAD = 256
+# Rule Z8: a healthy server answers a session handshake in milliseconds.
+HANDSHAKE_TIMEOUT_FLOOR_S = 2.0
+HANDSHAKE_TIMEOUT_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -209,12 +219,23 @@ class _AsyncResult(KazooAsyncResult):
 
 
 class _Handler(SequentialThreadingHandler):
-    """kazoo's threading handler whose results can complete inline (``_AsyncResult``) and
-    whose ``select`` is one ``poll`` call: kazoo's own builds and closes an epoll selector for
-    every call, and its connection thread makes about five calls per request."""
+    """kazoo's threading handler whose results can complete inline (``_AsyncResult``), whose
+    ``select`` is one ``poll`` call (kazoo's own builds and closes an epoll selector for every
+    call, and its connection thread makes about five calls per request), and whose TCP
+    connects wait at most ``connect_timeout`` seconds if given (Rule Z8)."""
+
+    def __init__(self, connect_timeout: float | None = None) -> None:
+        super().__init__()
+        self.connect_timeout = connect_timeout
 
     def async_result(self) -> _AsyncResult:
         return _AsyncResult(self)
+
+    def create_connection(self, *args: Any, **kwargs: Any) -> Any:
+        timeout = kwargs.get("timeout")
+        if self.connect_timeout is not None and (timeout is None or timeout > self.connect_timeout):
+            kwargs["timeout"] = self.connect_timeout
+        return super().create_connection(*args, **kwargs)
 
     def select(
         self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any], timeout: Any = None
@@ -251,6 +272,34 @@ class _Handler(SequentialThreadingHandler):
         return readable, writable, []
 
 
+def handshake_timeout(session_timeout_s: float) -> float:
+    """How long one connection attempt waits for the server (Rule Z8): a tenth of the session
+    timeout, at least ``HANDSHAKE_TIMEOUT_FLOOR_S``, never more than the session timeout."""
+    return min(
+        session_timeout_s,
+        max(HANDSHAKE_TIMEOUT_FLOOR_S, session_timeout_s * HANDSHAKE_TIMEOUT_SHARE),
+    )
+
+
+class _Connection(ConnectionHandler):
+    """kazoo's connection handler whose connection attempts give up after ``bound`` seconds
+    (Rule Z8). kazoo 2.x opens each attempt with ``handler.create_connection`` and sends the
+    session handshake (and any auth) through ``_invoke``, both bounded by the session timeout
+    divided by the number of hosts; both are bounded here, nothing else changes."""
+
+    def __init__(self, client: KazooClient, original: ConnectionHandler, bound: float) -> None:
+        super().__init__(
+            client,
+            original.retry_sleeper,
+            logger=original.logger,
+            sasl_options=original.sasl_options,
+        )
+        self.bound = bound
+
+    def _invoke(self, timeout: float, request: Any, xid: int | None = None) -> Any:
+        return super()._invoke(min(timeout, self.bound), request, xid)
+
+
 def _stat(zstat: ZnodeStat) -> Stat:
     return Stat(zstat.version, zstat.ephemeralOwner != 0, zstat.ctime, zstat.mtime)
 
@@ -275,13 +324,15 @@ class ZooKeeperMetadataStore(MetadataStore):
             if operation_timeout_s is not None
             else max(5.0, session_timeout_ms / 1000)
         )
+        attempt_bound = handshake_timeout(session_timeout_ms / 1000)
         self._zk = KazooClient(
             hosts=parsed.hosts,
             timeout=session_timeout_ms / 1000,
             # kazoo's default backs off up to an hour: come back soon after ZooKeeper does.
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2.0},
-            handler=_Handler(),
+            handler=_Handler(connect_timeout=attempt_bound),
         )
+        self._zk._connection = _Connection(self._zk, self._zk._connection, attempt_bound)
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zk-metadata"
         )

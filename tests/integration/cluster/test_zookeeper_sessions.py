@@ -4,6 +4,9 @@ server restart within the session timeout (the same session reconnects)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +35,40 @@ def expire_session(hosts: str, store: ZooKeeperMetadataStore) -> None:
     other.start(timeout=15)
     other.stop()
     other.close()
+
+
+class SilentListener:
+    """Listens on a port and accepts connections that it never answers nor closes, as a
+    ZooKeeper server that is starting sometimes does, until ``close``."""
+
+    def __init__(self, port: int) -> None:
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", port))
+        self.listener.listen()
+        self.accepted: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # stop_listening closed the listener
+            self.accepted.append(conn)
+
+    def stop_listening(self) -> None:
+        """Close the listening socket; the accepted connections stay open and silent."""
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.thread.join(10)
+
+    def close(self) -> None:
+        self.stop_listening()
+        for conn in self.accepted:
+            conn.close()
 
 
 class Owner:
@@ -221,5 +258,41 @@ async def test_an_operation_while_zookeeper_is_down_fails_in_bounded_time(
         await store.put("/after", b"3")
         assert (await store.get("/after")).value == b"3"
     finally:
+        await stores.close()
+        await threads.deferToThread(server.stop)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connection_the_server_never_answers_does_not_hold_the_session_back(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """While ZooKeeper is down something accepts the store's reconnection and never answers
+    (a starting ZooKeeper server can do that); the store gives that attempt up after its
+    handshake bound (Rule Z8), reaches the server once it is back and keeps its session,
+    long before the 30 s session timeout (kazoo alone waits that long on the connection)."""
+    server = await threads.deferToThread(ZooKeeperServer.start, tmp_path / "zk")
+    silent: SilentListener | None = None
+    try:
+        url = server.url(f"/silent-{uuid.uuid4().hex}")
+        store = await stores.open(url, 30_000)
+        events: list[SessionEvent] = []
+        store.add_session_listener(events.append)
+        await store.put(OWNED, b"kept", ephemeral=True)
+        await threads.deferToThread(server.stop)
+        silent = listener = SilentListener(server.port)
+        await eventually(lambda: len(listener.accepted) >= 1, 15, "a reconnection attempt")
+        listener.stop_listening()
+        start = time.monotonic()
+        await threads.deferToThread(server.restart)
+        await eventually(lambda: SessionEvent.RECONNECTED in events, 10, "reconnect")
+        assert time.monotonic() - start < 15.0
+        assert SessionEvent.SESSION_LOST not in events
+        got = await store.get(OWNED)
+        assert got is not None
+        assert got.value == b"kept"
+        assert got.stat.ephemeral
+    finally:
+        if silent is not None:
+            silent.close()
         await stores.close()
         await threads.deferToThread(server.stop)

@@ -7,13 +7,24 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from kazoo.handlers.threading import SequentialThreadingHandler
+from kazoo.protocol.connection import ConnectionHandler
 from twisted.internet.task import Clock
 
 from polybroker.config import ConfigError
 from polybroker.metadata import open_metadata_store
 from polybroker.metadata.api import EventType, Notification
 from polybroker.metadata.memory import MemoryMetadataStore
-from polybroker.metadata.zookeeper import ZooKeeperUrl, _diff, _Handler, _Seen, parse_url
+from polybroker.metadata.zookeeper import (
+    ZooKeeperMetadataStore,
+    ZooKeeperUrl,
+    _Connection,
+    _diff,
+    _Handler,
+    _Seen,
+    handshake_timeout,
+    parse_url,
+)
 
 
 @pytest.mark.parametrize(
@@ -126,6 +137,63 @@ def test_handler_select_reports_a_closed_peer_as_readable() -> None:
         assert _Handler().select([r], [], [], 0) == ([r], [], [])
     finally:
         os.close(r)
+
+
+# -- Rule Z8: a connection attempt is bounded well below the session timeout ---------------
+
+
+@pytest.mark.parametrize(
+    ("session_s", "bound"), [(30.0, 3.0), (120.0, 12.0), (10.0, 2.0), (1.5, 1.5)]
+)
+def test_handshake_timeout_is_a_tenth_of_the_session_at_least_two_seconds(
+    session_s: float, bound: float
+) -> None:
+    assert handshake_timeout(session_s) == pytest.approx(bound)
+
+
+def test_the_store_bounds_each_connection_attempt_of_its_client() -> None:
+    """The store's kazoo client connects (TCP) and waits for the handshake at most the bound,
+    not the 30 s session kazoo would wait (kazoo's internals this relies on are checked)."""
+    store = ZooKeeperMetadataStore("zk://127.0.0.1:2181", Clock(), session_timeout_ms=30_000)
+    try:
+        connection = store._zk._connection
+        assert isinstance(connection, _Connection)
+        assert connection.bound == pytest.approx(3.0)
+        assert connection.client is store._zk
+        assert connection.retry_sleeper.max_tries == -1
+        assert store._zk.handler.connect_timeout == pytest.approx(3.0)
+    finally:
+        store._worker.shutdown()
+
+
+def test_the_handshake_and_tcp_connect_timeouts_are_clamped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[str, object]] = []
+    monkeypatch.setattr(
+        ConnectionHandler, "_invoke", lambda self, t, req, xid=None: seen.append(("invoke", t))
+    )
+    monkeypatch.setattr(
+        SequentialThreadingHandler,
+        "create_connection",
+        lambda self, *a, **kw: seen.append(("connect", kw.get("timeout"))),
+    )
+    store = ZooKeeperMetadataStore("zk://127.0.0.1:2181", Clock(), session_timeout_ms=30_000)
+    try:
+        store._zk._connection._invoke(30.0, object())
+        store._zk._connection._invoke(1.0, object(), 5)
+        store._zk.handler.create_connection(address=("127.0.0.1", 2181), timeout=30.0)
+        store._zk.handler.create_connection(address=("127.0.0.1", 2181), timeout=0.5)
+        store._zk.handler.create_connection(address=("127.0.0.1", 2181))
+    finally:
+        store._worker.shutdown()
+    assert seen == [
+        ("invoke", 3.0),
+        ("invoke", 1.0),
+        ("connect", 3.0),
+        ("connect", 0.5),
+        ("connect", 3.0),
+    ]
 
 
 def test_handler_select_refuses_bad_arguments() -> None:
