@@ -51,6 +51,11 @@ Rule Z8: a connection attempt (TCP connect, then the session handshake) waits at
         timeout, and a ZooKeeper server that is starting can accept a connection and never
         answer nor close it: the client sat on that one connection until the session it was
         trying to keep had expired on the server.
+Rule Z9: kazoo's connection thread ends on an error it does not expect (a malformed frame from
+        the server, a reply to no request): kazoo then never connects again by itself. The store
+        notices, reports ``SESSION_LOST`` (if kazoo did not) and starts the client again after
+        ``RESTART_DELAY_S``; the new session is ``SESSION_REESTABLISHED`` (Rule Z4). Meanwhile
+        operations fail with ``ConnectionLossError``.
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ REQUEST_OVERHEAD = 256
 # Rule Z8: a healthy server answers a session handshake in milliseconds.
 HANDSHAKE_TIMEOUT_FLOOR_S = 2.0
 HANDSHAKE_TIMEOUT_SHARE = 0.1
+# Rule Z9: the pause before kazoo's client is started again after its connection thread died.
+RESTART_DELAY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -285,9 +292,17 @@ class _Connection(ConnectionHandler):
     """kazoo's connection handler whose connection attempts give up after ``bound`` seconds
     (Rule Z8). kazoo 2.x opens each attempt with ``handler.create_connection`` and sends the
     session handshake (and any auth) through ``_invoke``, both bounded by the session timeout
-    divided by the number of hosts; both are bounded here, nothing else changes."""
+    divided by the number of hosts; both are bounded here. And ``on_ended`` is called, last
+    thing on the connection thread, if kazoo's connection loop ends although the client was
+    not stopped (Rule Z9)."""
 
-    def __init__(self, client: KazooClient, original: ConnectionHandler, bound: float) -> None:
+    def __init__(
+        self,
+        client: KazooClient,
+        original: ConnectionHandler,
+        bound: float,
+        on_ended: Callable[[], None],
+    ) -> None:
         super().__init__(
             client,
             original.retry_sleeper,
@@ -295,9 +310,19 @@ class _Connection(ConnectionHandler):
             sasl_options=original.sasl_options,
         )
         self.bound = bound
+        self.on_ended = on_ended
 
     def _invoke(self, timeout: float, request: Any, xid: int | None = None) -> Any:
         return super()._invoke(min(timeout, self.bound), request, xid)
+
+    def zk_loop(self) -> None:
+        try:
+            super().zk_loop()
+        except Exception:
+            pass  # kazoo logged it ("Unhandled exception in connection loop")
+        finally:
+            if not self.client._stopped.is_set():
+                self.on_ended()
 
 
 def _stat(zstat: ZnodeStat) -> Stat:
@@ -332,7 +357,14 @@ class ZooKeeperMetadataStore(MetadataStore):
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2.0},
             handler=_Handler(connect_timeout=attempt_bound),
         )
-        self._zk._connection = _Connection(self._zk, self._zk._connection, attempt_bound)
+        self._zk._connection = _Connection(
+            self._zk, self._zk._connection, attempt_bound, self._on_connection_ended
+        )
+        # Held while kazoo's client is stopped (close) or started again (Rule Z9), which only
+        # happens once open() has connected (``_opened``).
+        self._lifecycle = threading.Lock()
+        self._opened = False
+        self._restart_call: Any = None
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zk-metadata"
         )
@@ -387,6 +419,7 @@ class ZooKeeperMetadataStore(MetadataStore):
             try:
                 store._session_id = store._zk.client_id[0] if store._zk.client_id else None
                 store._zk.add_listener(store._on_state)
+                store._opened = True
                 if store._chroot:
                     store._call(store._zk.ensure_path_async, store._chroot)
                 store._call(store._zk.ensure_path_async, store._full(SEQUENCE_NODE))
@@ -417,12 +450,15 @@ class ZooKeeperMetadataStore(MetadataStore):
         if self._closed:
             return d
         self._closed = True
+        if self._restart_call is not None and self._restart_call.active():
+            self._restart_call.cancel()
         zk, worker = self._zk, self._worker
 
         def stop() -> None:
             try:
-                zk.stop()
-                zk.close()
+                with self._lifecycle:
+                    zk.stop()
+                    zk.close()
             except Exception:
                 log.exception("stopping the ZooKeeper client failed")
             worker.shutdown(wait=True)
@@ -786,6 +822,46 @@ class ZooKeeperMetadataStore(MetadataStore):
                 self._session_id = sid
                 self._to_reactor(self._emit, SessionEvent.RECONNECTED)
             self._submit_quietly(self._rearm_all)
+
+    def _on_connection_ended(self) -> None:
+        """kazoo's connection thread, its last act: its loop ended though nobody stopped the
+        client, so it will not connect again by itself (Rule Z9)."""
+        if self._closed or not self._opened:
+            return  # not opened yet: open() fails by its connect timeout
+        log.warning(
+            "ZooKeeper client's connection thread ended unexpectedly; starting it again",
+            extra=logs.kv(url=self.url),
+        )
+        if not self._lost:
+            self._lost = True  # its session is given up: the next one is a new session
+            self._to_reactor(self._emit, SessionEvent.SESSION_LOST)
+        self._to_reactor(self._restart_later)
+
+    def _restart_later(self) -> None:
+        """Start kazoo's client again after ``RESTART_DELAY_S``, unless already due (reactor
+        thread)."""
+        if self._closed or (self._restart_call is not None and self._restart_call.active()):
+            return
+        self._restart_call = self._reactor.callLater(RESTART_DELAY_S, self._restart)
+
+    def _restart(self) -> None:
+        self._restart_call = None
+        if self._closed:
+            return
+        threading.Thread(
+            target=self._restart_client, name="zk-metadata-restart", daemon=True
+        ).start()
+
+    def _restart_client(self) -> None:
+        """Start kazoo's client again (its own thread: kazoo joins the ended one first)."""
+        try:
+            with self._lifecycle:
+                if self._closed:
+                    return
+                self._zk.start_async()
+        except Exception:
+            log.exception("starting the ZooKeeper client again failed; trying again")
+            self._to_reactor(self._restart_later)
 
     def _on_watch(self, event: WatchedEvent) -> None:
         """kazoo's one-shot watch trigger: re-read the node on the worker thread (Rule Z2)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -296,3 +297,31 @@ async def test_a_connection_the_server_never_answers_does_not_hold_the_session_b
             silent.close()
         await stores.close()
         await threads.deferToThread(server.stop)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connection_thread_that_dies_is_started_again(zk_url: str, stores: Stores) -> None:
+    """kazoo's connection thread ends on an error it does not expect (a frame it cannot parse,
+    injected once here), after which kazoo never connects again by itself: the store reports
+    SESSION_LOST, starts the client again and reports SESSION_REESTABLISHED, then serves
+    (Rule Z9)."""
+    store = await stores.open(zk_url, 10_000)
+    events: list[SessionEvent] = []
+    store.add_session_listener(events.append)
+    await store.put("/before", b"1")
+    connection = store._zk._connection
+
+    def malformed_once(read_timeout: float) -> None:
+        del connection._read_socket  # kazoo's own reads the frames after this one
+        raise struct.error("unpack_from requires a buffer of at least 16 bytes")
+
+    connection._read_socket = malformed_once
+    with pytest.raises(ConnectionLossError):
+        await store.get("/before")
+    await eventually(lambda: SessionEvent.SESSION_REESTABLISHED in events, 20, "a new session")
+    assert events == [SessionEvent.SESSION_LOST, SessionEvent.SESSION_REESTABLISHED]
+    got = await store.get("/before")
+    assert got is not None
+    assert got.value == b"1"
+    await store.put("/after", b"2")
+    assert (await store.get("/after")).value == b"2"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kazoo.handlers.threading import SequentialThreadingHandler
@@ -13,9 +14,10 @@ from twisted.internet.task import Clock
 
 from polybroker.config import ConfigError
 from polybroker.metadata import open_metadata_store
-from polybroker.metadata.api import EventType, Notification
+from polybroker.metadata.api import EventType, Notification, SessionEvent
 from polybroker.metadata.memory import MemoryMetadataStore
 from polybroker.metadata.zookeeper import (
+    RESTART_DELAY_S,
     ZooKeeperMetadataStore,
     ZooKeeperUrl,
     _Connection,
@@ -194,6 +196,59 @@ def test_the_handshake_and_tcp_connect_timeouts_are_clamped(
         ("connect", 0.5),
         ("connect", 3.0),
     ]
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_the_end_of_kazoos_connection_loop_is_reported_unless_the_client_was_stopped(
+    monkeypatch: pytest.MonkeyPatch, stopped: bool
+) -> None:
+    """Rule Z9: the loop ending on an error kazoo does not handle (or returning) while nobody
+    stopped the client calls ``on_ended``; a stopped client's loop ending does not."""
+    ended: list[str] = []
+
+    def loop(self: ConnectionHandler) -> None:
+        if stopped:
+            self.client._stopped.set()
+        raise RuntimeError("xids do not match")
+
+    monkeypatch.setattr(ConnectionHandler, "zk_loop", loop)
+    store = ZooKeeperMetadataStore("zk://127.0.0.1:2181", Clock(), session_timeout_ms=30_000)
+    try:
+        connection = _Connection(
+            store._zk, store._zk._connection, 3.0, lambda: ended.append("ended")
+        )
+        store._zk._stopped.clear()
+        connection.zk_loop()  # the error does not escape: kazoo logged it
+    finally:
+        store._worker.shutdown()
+    assert ended == ([] if stopped else ["ended"])
+
+
+class ClockReactor(Clock):
+    """A Clock whose ``callFromThread`` runs the call at once (one thread in these tests)."""
+
+    def callFromThread(self, f: Any, *args: Any) -> None:
+        f(*args)
+
+
+def test_a_dead_connection_loop_is_a_lost_session_and_a_restart_later() -> None:
+    """Rule Z9: the store reports SESSION_LOST once and starts kazoo again after the delay;
+    closing the store cancels the pending restart."""
+    reactor = ClockReactor()
+    store = ZooKeeperMetadataStore("zk://127.0.0.1:2181", reactor, session_timeout_ms=30_000)
+    events: list[SessionEvent] = []
+    store.add_session_listener(events.append)
+    store._opened = True
+    store._on_connection_ended()
+    assert events == [SessionEvent.SESSION_LOST]
+    assert [c.getTime() for c in reactor.getDelayedCalls()] == [RESTART_DELAY_S]
+    store._on_connection_ended()  # the loss is reported once, one restart is due
+    assert events == [SessionEvent.SESSION_LOST]
+    assert len(reactor.getDelayedCalls()) == 1
+    store.close()
+    assert all(not c.active() for c in reactor.getDelayedCalls())
+    assert store._restart_call is not None
+    assert not store._restart_call.active()
 
 
 def test_handler_select_refuses_bad_arguments() -> None:
