@@ -22,6 +22,7 @@ import pytest
 ZK_CONF_DIR = Path("/etc/zookeeper/conf")
 ZK_JARS = Path("/usr/share/java")
 ZK_JAR_GLOB = "zookeeper*.jar"
+SLF4J_BINDING = "slf4j-simple.jar"
 # Short ticks so tests may ask for short sessions (ZooKeeper's floor is 2 ticks).
 TICK_MS = 250
 
@@ -98,8 +99,13 @@ class ZooKeeperServer:
             "-XX:TieredStopAtLevel=1",
             f"-Dzookeeper.log.dir={directory}",
             "-Dzookeeper.root.logger=WARN,CONSOLE",
+            # The jar directory holds several SLF4J bindings and the first one found, nop, drops
+            # everything: the simple one goes first, so the log says why a server failed.
+            "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+            "-Dorg.slf4j.simpleLogger.showDateTime=true",
+            "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS",
             "-cp",
-            f"{ZK_CONF_DIR}:{ZK_JARS}/*",
+            f"{ZK_CONF_DIR}:{ZK_JARS}/{SLF4J_BINDING}:{ZK_JARS}/*",
             "org.apache.zookeeper.server.quorum.QuorumPeerMain",
             str(conf),
         ]
