@@ -422,7 +422,10 @@ class ManagedCursorImpl(Cursor):
             del starts[0]
             del ends[0]
         if self._read <= self._md:
+            # Acknowledged past what it read (a cursor that only acknowledges, as a Kafka
+            # group's): the cache may drop what lies behind it now.
             self._read = self._md + 1
+            self._ml._readers_moved()
 
     def mark_delete(self, position: Position) -> Deferred[None]:
         if self._closed:
@@ -464,6 +467,7 @@ class ManagedCursorImpl(Cursor):
     def seek(self, position: Position) -> None:
         self._read = max(self._ml._ceil(position), self._md + 1)
         self._generation += 1
+        self._ml._readers_moved()
         self._wake()
 
     def reset(self, position: Position) -> Deferred[None]:

@@ -125,6 +125,24 @@ def test_entries_behind_the_slowest_cursor_are_evicted() -> None:
     assert rig.client.reads == 0
 
 
+def test_a_cursor_moved_only_by_acknowledgements_evicts_behind_itself() -> None:
+    """A cursor that never reads (a Kafka group's, moved by its commits) releases the cached
+    entries its mark-delete passed: without it they stayed until the whole budget filled."""
+    rig = Rig()
+    ml = rig.open()
+    group = result_of(ml.open_cursor("group", InitialPosition.EARLIEST))
+    e = rig.append(ml, *[b"%d" % i for i in range(6)])
+    assert len(ml._cache) == 6
+    group.mark_delete(e[2].position)  # durable later: the state is written at most once a second
+    assert len(ml._cache) == 3
+    group.delete([e[3].position])
+    assert len(ml._cache) == 2
+    group.seek(e[5].position)
+    assert len(ml._cache) == 1
+    assert result_of(ml.read(e[5].position, 1)) == [e[5]]
+    assert rig.client.reads == 0
+
+
 def test_a_failed_read_leaves_the_cursor_where_it_was() -> None:
     """A read that misses the cache and fails is reported and can be retried."""
     rig = Rig(cache_size_bytes=0)
