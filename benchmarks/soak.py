@@ -673,6 +673,33 @@ def check(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+#: Run as the broker with ``--tracemalloc``: SIGUSR1 writes a snapshot to ``<dir>/tm-<n>.snap``.
+_TRACEMALLOC_BOOT = r"""
+import signal, sys, tracemalloc
+tracemalloc.start(int(sys.argv[1]))
+out, n = sys.argv[2], [0]
+def dump(_sig, _frame):
+    n[0] += 1
+    tracemalloc.take_snapshot().dump(f"{out}/tm-{n[0]:04d}.snap")
+signal.signal(signal.SIGUSR1, dump)
+from polybroker.cli import main
+sys.argv = ["polybroker", *sys.argv[3:]]
+sys.exit(main())
+"""
+
+
+def tracemalloc_growth(snaps: list[Path], top: int = 15) -> list[str]:
+    """The lines whose allocations grew most from the first snapshot to the last."""
+    import tracemalloc
+
+    if len(snaps) < 2:
+        return []
+    first = tracemalloc.Snapshot.load(str(snaps[0]))
+    last = tracemalloc.Snapshot.load(str(snaps[-1]))
+    stats = last.compare_to(first, "lineno")
+    return [str(st) for st in stats[:top]]
+
+
 def log_problems(path: Path) -> tuple[int, int, list[str]]:
     """(ERROR lines, tracebacks, the first few of them) in the broker's log."""
     errors, tracebacks, first = 0, 0, []
@@ -700,6 +727,14 @@ def main() -> None:
     ap.add_argument("--ledger-entries", type=int, default=20000, help="0: broker defaults")
     ap.add_argument("--nice", type=int, default=10, help="niceness of the client processes")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
+    ap.add_argument(
+        "--tracemalloc",
+        type=float,
+        default=0,
+        help="run the broker under tracemalloc, a snapshot every this many seconds after the "
+        "warm-up; report the lines that grew most from the first snapshot to the last",
+    )
+    ap.add_argument("--tracemalloc-frames", type=int, default=1)
     # worker mode (internal)
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--ports", help=argparse.SUPPRESS)
@@ -721,10 +756,12 @@ def main() -> None:
             "managedLedgerMinLedgerRolloverTimeMinutes=1",
         ]
     conf.write_text("\n".join(lines) + "\n")
+    boot = ["-m", "polybroker"]
+    if args.tracemalloc:
+        boot = ["-c", _TRACEMALLOC_BOOT, str(args.tracemalloc_frames), str(scratch)]
     cmd = [
         os.path.realpath(sys.executable),
-        "-m",
-        "polybroker",
+        *boot,
         "standalone",
         "--data-dir",
         str(scratch / "data"),
@@ -783,6 +820,8 @@ def main() -> None:
                 workers[name] = subprocess.Popen(wcmd, stdout=wlog, stderr=subprocess.STDOUT)
         hard_end = end + args.drain_seconds + 180
         next_print = t0
+        warm_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 5)
+        next_snap = start + warm_s
         while any(p.poll() is None for p in workers.values()) and time.time() < hard_end:
             if broker.poll() is not None:
                 raise RuntimeError(f"broker exited with {broker.returncode} during the soak")
@@ -798,6 +837,9 @@ def main() -> None:
                     flush=True,
                 )
                 next_print += 60
+            if args.tracemalloc and next_snap <= time.time() <= end:
+                broker.send_signal(signal.SIGUSR1)
+                next_snap += args.tracemalloc
             time.sleep(args.sample_seconds)
         for name, p in workers.items():
             if p.poll() is None:
@@ -832,7 +874,8 @@ def main() -> None:
 
     streams = check(results)
     run = [s for s in samples if 0 <= s["t"] <= args.minutes * 60]
-    warm = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 5)
+    warm = warm_s
+    growth = tracemalloc_growth(sorted(scratch.glob("tm-*.snap")))
     after = [s for s in run if s["t"] >= warm]
     acked_total = sum(v["acked"] for v in streams.values())
     cpu_s = run[-1]["cpu_s"] - run[0]["cpu_s"] if run else 0.0
@@ -873,6 +916,7 @@ def main() -> None:
         "client_errors": {n: r.get("error_count", 0) for n, r in results.items()},
         "sessions": {n: r.get("sessions", {}) for n, r in results.items()},
         "streams": streams,
+        "tracemalloc_growth": growth[:5],
         "scratch": str(scratch) if args.keep else None,
     }
     print()
@@ -883,6 +927,8 @@ def main() -> None:
             print(f"client {name}: {e}")
     for line in first:
         print(f"broker log: {line}")
+    for line in growth:
+        print(f"tracemalloc growth: {line}")
     for k, v in summary.items():
         if k not in ("streams", "sessions", "client_errors"):
             print(f"{k:24} {v}")
