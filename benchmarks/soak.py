@@ -700,19 +700,28 @@ def tracemalloc_growth(snaps: list[Path], top: int = 15) -> list[str]:
     return [str(st) for st in stats[:top]]
 
 
-def log_problems(path: Path) -> tuple[int, int, list[str]]:
-    """(ERROR lines, tracebacks, the first few of them) in the broker's log."""
-    errors, tracebacks, first = 0, 0, []
+def log_problems(path: Path) -> tuple[Counter[str], int, list[str]]:
+    """(lines per level, tracebacks, the first few lines at WARNING or above and tracebacks) of
+    the broker's log (text lines ``<time> <level> <logger> ...``, or JSON lines)."""
+    levels: Counter[str] = Counter()
+    tracebacks, first = 0, []
     with path.open(errors="replace") as f:
         for line in f:
-            low = line.lower()
-            is_err = "level=error" in low or " error " in line or '"level": "error"' in low
+            if line.startswith("{"):
+                try:
+                    level = str(json.loads(line).get("level", "")).lower()
+                except ValueError:
+                    level = ""
+            else:
+                parts = line.split(" ", 2)
+                level = parts[1].lower() if len(parts) > 2 else ""
             is_tb = line.startswith("Traceback")
-            errors += is_err
             tracebacks += is_tb
-            if (is_err or is_tb) and len(first) < 8:
+            if level in ("debug", "info", "warning", "error", "critical"):
+                levels[level] += 1
+            if (level in ("warning", "error", "critical") or is_tb) and len(first) < 8:
                 first.append(line.strip()[:300])
-    return errors, tracebacks, first
+    return levels, tracebacks, first
 
 
 def main() -> None:
@@ -879,7 +888,7 @@ def main() -> None:
     after = [s for s in run if s["t"] >= warm]
     acked_total = sum(v["acked"] for v in streams.values())
     cpu_s = run[-1]["cpu_s"] - run[0]["cpu_s"] if run else 0.0
-    errors, tracebacks, first = log_problems(log_path)
+    levels, tracebacks, first = log_problems(log_path)
     slope = slope_per_hour([s["t"] for s in after], [s["rss_mb"] for s in after])
     fd_slope = slope_per_hour([s["t"] for s in after], [s["fds"] for s in after])
     summary: dict[str, Any] = {
@@ -911,7 +920,8 @@ def main() -> None:
         "dups": sum(v["dups"] for v in streams.values()),
         "data_mb_end": round(run[-1]["data_mb"], 1) if run else None,
         "data_mb_max": round(max(s["data_mb"] for s in samples), 1) if samples else None,
-        "log_errors": errors,
+        "log_errors": levels["error"] + levels["critical"],
+        "log_warnings": levels["warning"],
         "log_tracebacks": tracebacks,
         "client_errors": {n: r.get("error_count", 0) for n, r in results.items()},
         "sessions": {n: r.get("sessions", {}) for n, r in results.items()},
