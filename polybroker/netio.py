@@ -1,4 +1,5 @@
-"""Writing to a Twisted TCP transport without waiting for the reactor's next turn."""
+"""Twisted TCP transport helpers: writing without waiting for the reactor's next turn, and
+naming a connection's peer in logs."""
 
 from __future__ import annotations
 
@@ -36,3 +37,14 @@ def write_now(transport: Any, data: bytes) -> None:
         return
     if sent < len(data):
         transport.write(data[sent:])
+
+
+def peer_text(transport: Any) -> str:
+    """The transport's peer as ``host:port`` for logs (``[host]:port`` for IPv6), or ``?``
+    when it has none (a closed or in-memory transport that cannot say)."""
+    try:
+        peer = transport.getPeer()
+        host, port = peer.host, peer.port
+    except Exception:
+        return "?"
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

@@ -1,5 +1,6 @@
 """``write_now``: a write goes to the socket at once when nothing is queued, and never out of
-order, lost or past a closing connection; on accepted and on made connections alike."""
+order, lost or past a closing connection; on accepted and on made connections alike.
+``peer_text``: a connection's peer as logs show it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 import pytest
 from twisted.internet import tcp
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.testing import StringTransport
 
-from polybroker.netio import write_now
+from polybroker.netio import peer_text, write_now
 
 
 class FakeSocket:
@@ -97,3 +99,11 @@ def test_other_transports_use_write() -> None:
     t = StringTransport()
     write_now(t, b"answer")
     assert t.value() == b"answer"
+
+
+def test_peer_text_names_host_and_port() -> None:
+    v4 = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 35770))
+    v6 = StringTransport(peerAddress=IPv6Address("TCP", "::1", 6650))
+    assert peer_text(v4) == "127.0.0.1:35770"
+    assert peer_text(v6) == "[::1]:6650"
+    assert peer_text(None) == "?"

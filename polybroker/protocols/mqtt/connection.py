@@ -43,7 +43,7 @@ from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
-from polybroker.netio import write_now
+from polybroker.netio import peer_text, write_now
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
 from polybroker.protocols.mqtt.session import FilterSub, MqttBroker, Session
@@ -272,10 +272,7 @@ class MqttConnection(Protocol):
         self.paused = True
 
     def _peer(self) -> str:
-        try:
-            return str(self.transport.getPeer())  # type: ignore[union-attr]
-        except Exception:
-            return "?"
+        return peer_text(self.transport)
 
     def write(self, data: bytes) -> None:
         """Write wire bytes unless the connection is closed (during a read: at its end).

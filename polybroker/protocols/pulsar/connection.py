@@ -41,7 +41,7 @@ from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
-from polybroker.netio import write_now
+from polybroker.netio import peer_text, write_now
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import (
     FRAME_OVERHEAD,
@@ -306,10 +306,7 @@ class PulsarConnection(Protocol):
         self.consumers.clear()
 
     def _peer(self) -> str:
-        try:
-            return str(self.transport.getPeer())  # type: ignore[union-attr]
-        except Exception:
-            return "?"
+        return peer_text(self.transport)
 
     def write_raw(self, data: bytes) -> None:
         """Write framed bytes unless the connection is closed: to the socket at once when it
