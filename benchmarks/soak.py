@@ -47,10 +47,10 @@ import contextlib
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +66,10 @@ from typing import Any
 # is the client.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+# The launcher the tests use: every port bound at 0, the ports read from the ready line.
+sys.path.insert(0, str(_HERE.parent / "tests" / "integration"))
+
+from standalone_process import PORT_FLAGS, READY, wait_for_line  # noqa: E402
 
 SIZE = 100
 PROTOCOLS = ("pulsar", "kafka", "mqtt", "amqp")
@@ -80,25 +84,14 @@ STREAMS = {
     "soak-p2a": ("pulsar", "amqp"),
 }
 PREFIX = "persistent://public/default/"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on {port} after {timeout_s}s")
+#: The workers' names for the broker's listeners -> the ready line's keys.
+LISTENERS = {
+    "pulsar": "brokerServicePort",
+    "http": "webServicePort",
+    "kafka": "kafkaListenerPort",
+    "mqtt": "mqttListenerPort",
+    "amqp": "amqpListenerPort",
+}
 
 
 def payload(stream: str, seq: int) -> bytes:
@@ -756,7 +749,6 @@ def main() -> None:
         return
 
     scratch = Path(tempfile.mkdtemp(prefix="polybroker-soak-"))
-    ports = {p: free_port() for p in (*PROTOCOLS, "http")}
     conf = scratch / "broker.conf"
     lines = ["messagingProtocols=pulsar,kafka,mqtt,amqp"]
     if args.ledger_entries > 0:
@@ -774,28 +766,20 @@ def main() -> None:
         "standalone",
         "--data-dir",
         str(scratch / "data"),
-        "--pulsar-port",
-        str(ports["pulsar"]),
-        "--http-port",
-        str(ports["http"]),
-        "--kafka-port",
-        str(ports["kafka"]),
-        "--mqtt-port",
-        str(ports["mqtt"]),
-        "--amqp-port",
-        str(ports["amqp"]),
-        "--config",
-        str(conf),
     ]
+    for flag in PORT_FLAGS:
+        cmd += [flag, "0"]
+    cmd += ["--config", str(conf)]
     log_path = scratch / "broker.log"
     with log_path.open("wb") as log:
-        broker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        broker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
     workers: dict[str, subprocess.Popen[bytes]] = {}
     samples: list[dict[str, float]] = []
     results: dict[str, dict[str, Any]] = {}
     try:
-        for p in ("pulsar", "http", "kafka", "mqtt", "amqp"):
-            wait_port(ports[p], 60, broker)
+        line = wait_for_line(broker, READY, log_path, 60, "standalone")
+        bound = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+        ports = {name: bound[key] for name, key in LISTENERS.items()}
         t0 = time.time()
         start = t0 + 15  # consumers subscribe first
         end = start + args.minutes * 60
@@ -874,6 +858,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 broker.kill()
                 broker.wait()
+        if broker.stdout is not None:
+            broker.stdout.close()
 
     with (scratch / "samples.csv").open("w") as f:
         keys = ["t", "rss_mb", "fds", "threads", "cpu_s", "data_mb"]
