@@ -34,8 +34,10 @@ are sampled (also written to ``samples.csv`` in the scratch dir). The summary: R
 middle and end and its least-squares slope after the warm-up (``--warmup-minutes``), fds and
 threads at start and end, broker CPU per acknowledged message, lost and duplicates per stream,
 the data dir's size, ERROR lines and tracebacks in the broker's log. Ledgers roll small and
-young (``--ledger-entries``, one minute) so that ledger deletion and the bookie's compaction run
-within the soak, as they do over hours at the defaults.
+young (``--ledger-entries``, one minute), entry logs roll small (``--entry-log-mb``) and the
+bookie compacts them every minute (major, at half live) so that ledger deletion, garbage
+collection and compaction run within the soak, as they do over hours and days at the
+defaults.
 
 Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
 """
@@ -727,6 +729,9 @@ def main() -> None:
     ap.add_argument("--warmup-minutes", type=float, default=None, help="default: 20%% of run")
     ap.add_argument("--drain-seconds", type=float, default=180, help="longest drain at the end")
     ap.add_argument("--ledger-entries", type=int, default=20000, help="0: broker defaults")
+    ap.add_argument(
+        "--entry-log-mb", type=int, default=16, help="bookie entry log size (0: the defaults)"
+    )
     ap.add_argument("--nice", type=int, default=10, help="niceness of the client processes")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
     ap.add_argument(
@@ -755,6 +760,12 @@ def main() -> None:
         lines += [
             f"managedLedgerMaxEntriesPerLedger={args.ledger_entries}",
             "managedLedgerMinLedgerRolloverTimeMinutes=1",
+        ]
+    if args.entry_log_mb > 0:
+        lines += [
+            f"entryLogSizeLimit={args.entry_log_mb * 1024 * 1024}",
+            "gcWaitTime=20000",
+            "majorCompactionInterval=60",
         ]
     conf.write_text("\n".join(lines) + "\n")
     boot = ["-m", "polybroker"]

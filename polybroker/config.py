@@ -115,6 +115,20 @@ _KEYS: tuple[Key, ...] = (
     Key("dbStorage_readAheadCacheMaxSizeMb", int, 64, "Read cache of entry log data"),
     Key("flushInterval", int, 10_000, "Checkpoint interval (ms)"),
     Key("gcWaitTime", int, 60_000, "Entry log garbage collection interval (ms)"),
+    Key(
+        "minorCompactionThreshold",
+        float,
+        0.2,
+        "Compact entry logs whose live fraction is under this, every minorCompactionInterval",
+    ),
+    Key("minorCompactionInterval", float, 3600.0, "Seconds between minor compactions (0: never)"),
+    Key(
+        "majorCompactionThreshold",
+        float,
+        0.5,
+        "Compact entry logs whose live fraction is under this, every majorCompactionInterval",
+    ),
+    Key("majorCompactionInterval", float, 86400.0, "Seconds between major compactions (0: never)"),
     # Autorecovery (BookKeeper's names): an auditor elected among the bookies re-replicates
     Key("autoRecoveryDaemonEnabled", bool, True, "Bookies with a metadata store run the auditor"),
     Key("lostBookieRecoveryDelay", float, 5.0, "Seconds a bookie is gone before re-replication"),

@@ -14,10 +14,11 @@ Rule 4: bad input gets an error frame (with the request id when the header held 
 Rule 5: backpressure: a connection with too many journaled requests in flight, or any connection
         while the write cache is full and a checkpoint is still flushing, is not read from
         (``pauseProducing``) until that clears.
-Rule 6: checkpoints (every ``flushInterval`` or when half the write cache is used) and garbage
-        collection (every ``gcWaitTime``) run on one worker thread; the journal mark is persisted
-        only after the entry logs and the index are durable, and older journal files are deleted
-        only after that.
+Rule 6: checkpoints (every ``flushInterval`` or when half the write cache is used), garbage
+        collection (every ``gcWaitTime``) and compaction steps (minor and major, each on its own
+        interval; one compaction at a time) run on one worker thread; the journal mark is
+        persisted only after the entry logs and the index are durable, and older journal files
+        are deleted only after that.
 Rule 7: what requests journal in one reactor turn, over every connection, is handed to the
         journal writer at the end of that turn (``callLater(0)``), as one submission; closing
         the bookie hands over what is staged before stopping the journal.
@@ -29,6 +30,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -191,6 +193,7 @@ class Bookie:
         self._journal_pos: JournalPosition | None = None
         self._persisted_mark: JournalPosition | None = None
         self._checkpoint_d: Deferred[None] | None = None
+        self._compaction_d: Deferred[list[int]] | None = None
         self._watchers: dict[int, list[_Watcher]] = {}
         self._throttled: set[BookieProtocol] = set()
         self._submit_call: Any = None  # the end-of-turn hand-off to the journal, when due
@@ -658,6 +661,48 @@ class Bookie:
 
         return d.addCallback(forget)
 
+    def compact(self, threshold: float) -> Deferred[list[int]]:
+        """Compact the sealed entry logs whose live fraction is under ``threshold`` (Rule 6),
+        one bounded step per worker job. Fires with the ids of the logs deleted; a compaction
+        already running is joined instead."""
+        if self._compaction_d is not None:
+            joined: Deferred[list[int]] = Deferred()
+
+            def tell(result: object) -> object:
+                joined.callback([])
+                return result
+
+            self._compaction_d.addBoth(tell)
+            return joined
+        d = Deferred.fromCoroutine(self._compact(threshold))
+        self._compaction_d = d
+
+        def failed(f: Failure) -> list[int]:
+            # The log being compacted stays whole and is tried again at the next interval.
+            log.warning("compaction failed", extra=kv(error=str(f.value)))
+            return []
+
+        def over(result: list[int]) -> list[int]:
+            self._compaction_d = None
+            return result
+
+        return d.addErrback(failed).addCallback(over)
+
+    async def _compact(self, threshold: float) -> list[int]:
+        storage = self.storage
+        plans = await self._run_blocking(lambda: storage.plan_compaction(threshold))
+        deleted = []
+        for c in plans:
+            while not (self.closing or self.failed):
+                if await self._run_blocking(lambda c=c: storage.compact_step(c)):
+                    break
+            else:
+                break
+            storage.forget_logs([c.log_id])
+            if not c.unverified:
+                deleted.append(c.log_id)
+        return deleted
+
     # -- connections ----------------------------------------------------------------------
 
     def connection_lost(self, proto: BookieProtocol) -> None:
@@ -1002,14 +1047,23 @@ class BookieServer:
 
     def _start_timers(self) -> None:
         assert self.bookie is not None
-        for interval_ms, fn in (
-            (self.config["flushInterval"], self.bookie.checkpoint),
-            (self.config["gcWaitTime"], self.bookie.collect_garbage),
-        ):
-            if interval_ms > 0:
+        bookie = self.bookie
+        config = self.config
+        jobs: list[tuple[float, Callable[[], Deferred[Any]]]] = [
+            (config["flushInterval"] / 1000.0, bookie.checkpoint),
+            (config["gcWaitTime"] / 1000.0, bookie.collect_garbage),
+        ]
+        for kind in ("minor", "major"):
+            threshold = min(1.0, config[f"{kind}CompactionThreshold"])
+            if threshold > 0:
+                jobs.append(
+                    (config[f"{kind}CompactionInterval"], partial(bookie.compact, threshold))
+                )
+        for interval_s, fn in jobs:
+            if interval_s > 0:
                 loop = LoopingCall(self._quietly(fn))
                 loop.clock = self.reactor
-                loop.start(interval_ms / 1000.0, now=False)
+                loop.start(interval_s, now=False)
                 self._loops.append(loop)
 
     @staticmethod

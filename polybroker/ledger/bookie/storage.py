@@ -3,7 +3,10 @@
 Layout under the ledgers directory::
 
     entrylogs/<id:08x>.log      16-byte header, then [u32 length][u64 ledger][i64 entry][data]...
-    entrylogs/<id:08x>.ledgers  the ledger ids an entry log holds (u64 each), for garbage collection
+    entrylogs/<id:08x>.usage    8-byte header, then per ledger the log holds [u64 ledger][u64 bytes]
+                                [i64 first entry][i64 last entry], for garbage collection and
+                                compaction (``.ledgers``, a bare list of ledger ids, is the older
+                                form: read by scanning the log once)
     index/<ledger>.idx          32-byte ledger header (fenced, LAC, last entry), then the location
                                 of entry e at offset 32 + 16*e: [u32 log id][u32 length][u64 offset]
 
@@ -26,8 +29,15 @@ Rule 2 (I6, I3): a checkpoint writes and fsyncs the entry logs, then the ledgers
         log, then the index files (locations and ledger headers) and their directory; only after
         that may the caller persist the journal mark and delete older journal files.
 Rule 3 (I8): an entry log is deleted only when none of the ledgers it holds has an index file
-        (they were all deleted); compacting partly live logs is not done yet (TODO): a log with one
-        live ledger is kept whole.
+        (they were all deleted), or when a compaction has copied every entry the index locates in
+        it into the current log: the copies are fsync'd, then the current log's usage lists their
+        ledgers, then the index points at them (fsync'd), and only then is the old log unlinked.
+        A crash at any point leaves every entry located by the index in a log that exists.
+Rule 3a: a compaction works in steps of bounded size, each one worker job, so checkpoints queue
+        between them rather than behind a whole log. It never creates an index file (a ledger
+        deleted meanwhile is skipped) and leaves a log whose entries it could not verify in place.
+        A read that raced a compaction's step (its index record named the old log, since
+        deleted, or was read half-written) looks the entry up once more.
 Rule 4: the write cache holds bytes it owns, or read-only views of one received frame that the
         entries put together make at least half of (``put_entries``), each of ``VIEW_MIN_BYTES``
         or more: those pin at most as much again as they count, and copying every entry once
@@ -74,7 +84,13 @@ LOG_HEADER_SIZE = LOG_HEADER.size  # 16
 _LOG_MAGIC = b"PBEL"
 ENTRY_HEADER = struct.Struct(">IQq")  # data length, ledger, entry
 ENTRY_HEADER_SIZE = ENTRY_HEADER.size  # 20
-_LEDGER_ID = struct.Struct(">Q")
+USAGE_HEADER = struct.Struct(">4sI")  # magic, version
+USAGE_RECORD = struct.Struct(">QQqq")  # ledger, bytes (headers included), first entry, last entry
+_USAGE_MAGIC = b"PBLU"
+
+COMPACTION_STEP_BYTES = 8 * 1024 * 1024  # live bytes one compaction step copies at most
+_COMPACTION_INDEX_BLOCK = 4096  # index records one read of a ledger's index covers
+_COMPACTION_STEP_RECORDS = 256 * 1024  # index records one step scans at most
 
 _CHUNK = 1024 * 1024  # bytes buffered before one write (and sync) of an entry log
 
@@ -117,6 +133,38 @@ def _log_name(log_id: int) -> str:
 
 def _ledgers_name(log_id: int) -> str:
     return f"{log_id:08x}.ledgers"
+
+
+def _usage_name(log_id: int) -> str:
+    return f"{log_id:08x}.usage"
+
+
+@dataclass
+class LedgerUsage:
+    """What one entry log holds of one ledger."""
+
+    bytes: int
+    first: int
+    last: int
+
+    def add(self, nbytes: int, first: int, last: int) -> None:
+        self.bytes += nbytes
+        self.first = min(self.first, first)
+        self.last = max(self.last, last)
+
+
+@dataclass
+class Compaction:
+    """One sealed entry log being compacted (worker side; see Rules 3 and 3a)."""
+
+    log_id: int
+    log_bytes: int
+    live_bytes: int
+    todo: list[tuple[int, LedgerUsage]]  # live ledgers left to copy, ascending
+    next_entry: int = -1  # where the scan of ``todo[0]``'s index resumes (-1: its first)
+    copied_bytes: int = 0
+    copied_entries: int = 0
+    unverified: int = 0  # entries left in place because their bytes were not what was indexed
 
 
 VIEW_MIN_BYTES = 8 * 1024  # smaller entries are copied into the write cache (Rule 4)
@@ -186,7 +234,7 @@ class LedgerStorage:
         self._log_id = 0  # the log being appended to, 0 = none open
         self._log_fd = -1
         self._log_size = 0
-        self._log_ledgers: set[int] = set()
+        self._log_usage: dict[int, LedgerUsage] = {}  # of the log being appended to
 
     # -- reactor side: state ----------------------------------------------------------------
 
@@ -316,13 +364,22 @@ class LedgerStorage:
         fd = self._index_fd(ledger_id)
         if fd < 0:
             return None
-        raw = os.pread(fd, INDEX_RECORD_SIZE, INDEX_HEADER_SIZE + entry_id * INDEX_RECORD_SIZE)
+        at = INDEX_HEADER_SIZE + entry_id * INDEX_RECORD_SIZE
+        raw = os.pread(fd, INDEX_RECORD_SIZE, at)
         if len(raw) < INDEX_RECORD_SIZE:
             return None
         log_id, length, offset = INDEX_RECORD.unpack(raw)
         if log_id == 0:
             return None
-        return self._read_log(log_id, offset, length, ledger_id, entry_id)
+        try:
+            return self._read_log(log_id, offset, length, ledger_id, entry_id)
+        except StorageCorruptError:
+            # Rule 3a: a compaction may have moved the entry since its record was read.
+            again = os.pread(fd, INDEX_RECORD_SIZE, at)
+            if again == raw or len(again) < INDEX_RECORD_SIZE:
+                raise
+            log_id, length, offset = INDEX_RECORD.unpack(again)
+            return self._read_log(log_id, offset, length, ledger_id, entry_id)
 
     def _read_log(
         self, log_id: int, offset: int, length: int, ledger_id: int, entry_id: int
@@ -421,8 +478,8 @@ class LedgerStorage:
 
     def _write_entries(self, job: CheckpointJob) -> dict[int, list[tuple[int, list[bytes]]]]:
         """Append the snapshot, sorted by (ledger, entry), to entry logs; fsync them; persist
-        their ledger lists. Return per ledger its runs of consecutive entries as (first entry,
-        packed index records), ready for ``_write_index``."""
+        their usage. Return per ledger its runs of consecutive entries as (first entry, packed
+        index records), ready for ``_write_index``."""
         runs: dict[int, list[tuple[int, list[bytes]]]] = {}
         if not job.snapshot:
             return runs
@@ -438,25 +495,27 @@ class LedgerStorage:
         for ledger_id in sorted(job.snapshot):
             entries = job.snapshot[ledger_id]
             ledger_runs = runs[ledger_id] = []
-            listed = False  # in the ledger list of the current log
             job.entries_written += len(entries)
             records: list[bytes] = []
             expected = -2
+            # The ledger's part of the current log: its first entry and offset.
+            seg_first, seg_start = -1, 0
             for entry_id in sorted(entries):
                 data = entries[entry_id]
                 n = len(data)
                 offset = self._log_size + chunk_bytes
                 if offset + ENTRY_HEADER_SIZE + n > limit and offset > LOG_HEADER_SIZE:
+                    if seg_first >= 0:
+                        self._account(ledger_id, offset - seg_start, seg_first, expected - 1)
+                        seg_first = -1
                     self._write_chunk(chunk)
                     chunk, chunk_bytes = [], 0
                     append = chunk.append
                     self._roll_log(job)
-                    listed = False
                     log_id = self._log_id
                     offset = self._log_size
-                if not listed:
-                    self._log_ledgers.add(ledger_id)
-                    listed = True
+                if seg_first < 0:
+                    seg_first, seg_start = entry_id, offset
                 if entry_id != expected:
                     records = []
                     ledger_runs.append((entry_id, records))
@@ -469,10 +528,21 @@ class LedgerStorage:
                     self._write_chunk(chunk)
                     chunk, chunk_bytes = [], 0
                     append = chunk.append
+            if seg_first >= 0:
+                end = self._log_size + chunk_bytes
+                self._account(ledger_id, end - seg_start, seg_first, expected - 1)
         self._write_chunk(chunk)
         os.fsync(self._log_fd)
-        self._write_ledger_list(self._log_id, self._log_ledgers)
+        self._write_usage(self._log_id, self._log_usage)
         return runs
+
+    def _account(self, ledger_id: int, nbytes: int, first: int, last: int) -> None:
+        """Count ``nbytes`` of entries ``first``..``last`` of a ledger in the current log."""
+        usage = self._log_usage.get(ledger_id)
+        if usage is None:
+            self._log_usage[ledger_id] = LedgerUsage(nbytes, first, last)
+        else:
+            usage.add(nbytes, first, last)
 
     def _write_chunk(self, chunk: list[Buffer]) -> None:
         """Write a chunk and sync it at once: a journal sync that had to flush many megabytes
@@ -487,11 +557,11 @@ class LedgerStorage:
             self._log_size = os.lseek(self._log_fd, 0, os.SEEK_CUR)
         os.fdatasync(self._log_fd)
 
-    def _roll_log(self, job: CheckpointJob) -> None:
-        """Seal the current entry log (fsync'd, ledger list written) and start the next."""
+    def _roll_log(self, job: CheckpointJob | None) -> None:
+        """Seal the current entry log (fsync'd, usage written) and start the next."""
         if self._log_fd >= 0:
             os.fsync(self._log_fd)
-            self._write_ledger_list(self._log_id, self._log_ledgers)
+            self._write_usage(self._log_id, self._log_usage)
             os.close(self._log_fd)
         log_id = self._next_log_id
         self._next_log_id += 1
@@ -501,12 +571,16 @@ class LedgerStorage:
         self._log_fd = fd
         self._log_id = log_id
         self._log_size = LOG_HEADER_SIZE
-        self._log_ledgers = set()
-        job.logs_touched.append(log_id)
+        self._log_usage = {}
+        if job is not None:
+            job.logs_touched.append(log_id)
 
-    def _write_ledger_list(self, log_id: int, ledgers: Iterable[int]) -> None:
-        raw = b"".join(_LEDGER_ID.pack(lid) for lid in sorted(ledgers))
-        write_atomically(self.log_dir / _ledgers_name(log_id), raw)
+    def _write_usage(self, log_id: int, usage: dict[int, LedgerUsage]) -> None:
+        raw = [USAGE_HEADER.pack(_USAGE_MAGIC, 1)]
+        for lid in sorted(usage):
+            u = usage[lid]
+            raw.append(USAGE_RECORD.pack(lid, u.bytes, u.first, u.last))
+        write_atomically(self.log_dir / _usage_name(log_id), b"".join(raw))
 
     def _write_index(
         self,
@@ -546,29 +620,56 @@ class LedgerStorage:
                     continue
         return sorted(ids)
 
-    def ledgers_of_log(self, log_id: int) -> set[int]:
-        """Return the ledgers an entry log holds, from its list or by scanning it."""
+    def log_usage(self, log_id: int) -> dict[int, LedgerUsage]:
+        """Return what an entry log holds of each ledger, from its usage file or, when that is
+        missing (a crash before it was written) or of the older form, by scanning the log once
+        (and writing the usage file for next time)."""
         try:
-            raw = (self.log_dir / _ledgers_name(log_id)).read_bytes()
+            raw = (self.log_dir / _usage_name(log_id)).read_bytes()
         except FileNotFoundError:
-            return self._scan_log(log_id)
-        return {v for (v,) in _LEDGER_ID.iter_unpack(raw[: len(raw) // 8 * 8])}
+            raw = b""
+        body = raw[USAGE_HEADER.size :]
+        if raw[: USAGE_HEADER.size] == USAGE_HEADER.pack(_USAGE_MAGIC, 1) and not (
+            len(body) % USAGE_RECORD.size
+        ):
+            return {
+                lid: LedgerUsage(nbytes, first, last)
+                for lid, nbytes, first, last in USAGE_RECORD.iter_unpack(body)
+            }
+        usage = self._scan_log(log_id)
+        self._write_usage(log_id, usage)
+        (self.log_dir / _ledgers_name(log_id)).unlink(missing_ok=True)
+        return usage
 
-    def _scan_log(self, log_id: int) -> set[int]:
-        """Read a log's entry headers (a crash left it without a ledger list)."""
-        ledgers: set[int] = set()
+    def _scan_log(self, log_id: int) -> dict[int, LedgerUsage]:
+        """Read a log's entry headers to learn what it holds of each ledger."""
+        usage: dict[int, LedgerUsage] = {}
         path = self.log_dir / _log_name(log_id)
         size = path.stat().st_size
         with open(path, "rb") as f:
             pos = LOG_HEADER_SIZE
             while pos + ENTRY_HEADER_SIZE <= size:
                 f.seek(pos)
-                length, ledger_id, _ = ENTRY_HEADER.unpack(f.read(ENTRY_HEADER_SIZE))
-                if pos + ENTRY_HEADER_SIZE + length > size:
+                length, ledger_id, entry_id = ENTRY_HEADER.unpack(f.read(ENTRY_HEADER_SIZE))
+                n = ENTRY_HEADER_SIZE + length
+                if pos + n > size:
                     break
-                ledgers.add(ledger_id)
-                pos += ENTRY_HEADER_SIZE + length
-        return ledgers
+                u = usage.get(ledger_id)
+                if u is None:
+                    usage[ledger_id] = LedgerUsage(n, entry_id, entry_id)
+                else:
+                    u.add(n, entry_id, entry_id)
+                pos += n
+        return usage
+
+    def _live(self, usage: dict[int, LedgerUsage]) -> list[tuple[int, LedgerUsage]]:
+        return [
+            (lid, u) for lid, u in sorted(usage.items()) if (self.index_dir / f"{lid}.idx").exists()
+        ]
+
+    def _delete_log(self, log_id: int) -> None:
+        for name in (_log_name(log_id), _usage_name(log_id), _ledgers_name(log_id)):
+            (self.log_dir / name).unlink(missing_ok=True)
 
     def collect_garbage(self) -> list[int]:
         """Delete sealed entry logs none of whose ledgers has an index any more (Rule 3).
@@ -578,14 +679,158 @@ class LedgerStorage:
         for log_id in self.log_ids():
             if log_id == self._log_id:
                 continue
-            ledgers = self.ledgers_of_log(log_id)
-            if any((self.index_dir / f"{lid}.idx").exists() for lid in ledgers):
+            usage = self.log_usage(log_id)
+            if self._live(usage):
                 continue
-            (self.log_dir / _log_name(log_id)).unlink(missing_ok=True)
-            (self.log_dir / _ledgers_name(log_id)).unlink(missing_ok=True)
+            self._delete_log(log_id)
             deleted.append(log_id)
-            log.info("entry log collected", extra=kv(log=log_id, ledgers=len(ledgers)))
+            log.info("entry log collected", extra=kv(log=log_id, ledgers=len(usage)))
         return deleted
+
+    # -- compaction (worker thread) ---------------------------------------------------------
+
+    def plan_compaction(self, threshold: float) -> list[Compaction]:
+        """Return a compaction for each sealed entry log whose live bytes (those of ledgers
+        that still have an index) are under ``threshold`` of its size, emptiest first."""
+        plans = []
+        for log_id in self.log_ids():
+            if log_id == self._log_id:
+                continue
+            try:
+                size = (self.log_dir / _log_name(log_id)).stat().st_size
+            except FileNotFoundError:
+                continue
+            live = self._live(self.log_usage(log_id))
+            live_bytes = sum(u.bytes for _, u in live)
+            if size > 0 and live_bytes < threshold * size:
+                plans.append(Compaction(log_id, size, live_bytes, live))
+        plans.sort(key=lambda c: c.live_bytes / c.log_bytes)
+        return plans
+
+    def compact_step(self, c: Compaction, budget: int = COMPACTION_STEP_BYTES) -> bool:
+        """Copy up to about ``budget`` bytes of the entries the index locates in ``c``'s log
+        into the current log and point the index at the copies (Rules 3, 3a). Once none is
+        left, delete the log. Return whether the compaction is over (``forget_logs`` then)."""
+        copied = scanned = 0
+        while c.todo and copied < budget and scanned < _COMPACTION_STEP_RECORDS:
+            ledger_id, usage = c.todo[0]
+            first = max(c.next_entry, usage.first)
+            count = min(_COMPACTION_INDEX_BLOCK, usage.last - first + 1)
+            resume = -1
+            if count > 0:
+                moved, resume = self._compact_block(c, ledger_id, first, count, budget - copied)
+                copied += moved
+                scanned += count
+            if resume < 0:
+                c.todo.pop(0)
+            c.next_entry = resume
+        if c.todo:
+            return False
+        if c.unverified:
+            log.warning(
+                "entry log kept: some of its entries are not what the index says",
+                extra=kv(log=c.log_id, entries=c.unverified),
+            )
+        else:
+            self._delete_log(c.log_id)
+            log.info(
+                "entry log compacted",
+                extra=kv(
+                    log=c.log_id,
+                    bytes=c.log_bytes,
+                    copied_bytes=c.copied_bytes,
+                    copied_entries=c.copied_entries,
+                ),
+            )
+        return True
+
+    def _compact_block(
+        self, c: Compaction, ledger_id: int, first: int, count: int, budget: int
+    ) -> tuple[int, int]:
+        """Move those of one ledger's entries ``first``..``first+count-1`` that the index
+        locates in ``c``'s log, stopping once ``budget`` bytes are copied. Return the bytes
+        copied and the entry to resume at (-1: the ledger is done)."""
+        try:
+            fd = os.open(self.index_dir / f"{ledger_id}.idx", os.O_RDWR)
+        except FileNotFoundError:
+            return 0, -1  # deleted meanwhile: nothing of it is needed
+        try:
+            at = INDEX_HEADER_SIZE + first * INDEX_RECORD_SIZE
+            raw = os.pread(fd, count * INDEX_RECORD_SIZE, at)
+            whole = len(raw) // INDEX_RECORD_SIZE
+            resume = first + count if whole == count else -1  # a short index: nothing after
+            found = []
+            for i, (log_id, length, offset) in enumerate(
+                INDEX_RECORD.iter_unpack(raw[: whole * INDEX_RECORD_SIZE])
+            ):
+                if log_id == c.log_id:
+                    found.append((first + i, length, offset))
+            if not found:
+                return 0, resume
+            copies, copied, stopped_at = self._copy_entries(c, ledger_id, found, budget)
+            if stopped_at >= 0:
+                resume = stopped_at
+            if copies:
+                # Rule 3: the copies are durable (``_write_chunk`` syncs), then the current
+                # log's usage names their ledger, then the index points at them.
+                self._write_usage(self._log_id, self._log_usage)
+                records = bytearray(raw)
+                for entry_id, record in copies:
+                    i = (entry_id - first) * INDEX_RECORD_SIZE
+                    records[i : i + INDEX_RECORD_SIZE] = record
+                os.pwrite(fd, records, at)
+                os.fsync(fd)
+            return copied, resume
+        finally:
+            os.close(fd)
+
+    def _copy_entries(
+        self, c: Compaction, ledger_id: int, found: list[tuple[int, int, int]], budget: int
+    ) -> tuple[list[tuple[int, bytes]], int, int]:
+        """Append the entries ``found`` (entry, length, offset in ``c``'s log) to the current
+        log, each after checking its header, until ``budget`` bytes are copied. Return (entry,
+        new index record) of each copy, the bytes copied, and the first entry not looked at
+        (-1 if none was left)."""
+        src = os.open(self.log_dir / _log_name(c.log_id), os.O_RDONLY)
+        copies: list[tuple[int, bytes]] = []
+        chunk: list[Buffer] = []
+        chunk_bytes = copied = 0
+        stopped_at = -1
+        try:
+            for entry_id, length, offset in found:
+                if copied >= budget:
+                    stopped_at = entry_id
+                    break
+                raw = os.pread(src, ENTRY_HEADER_SIZE + length, offset)
+                if len(raw) != ENTRY_HEADER_SIZE + length or ENTRY_HEADER.unpack_from(raw) != (
+                    length,
+                    ledger_id,
+                    entry_id,
+                ):
+                    c.unverified += 1
+                    continue
+                if self._log_fd < 0:
+                    self._roll_log(None)
+                at = self._log_size + chunk_bytes
+                if at + len(raw) > self.entry_log_size_limit and at > LOG_HEADER_SIZE:
+                    self._write_chunk(chunk)
+                    chunk, chunk_bytes = [], 0
+                    self._roll_log(None)
+                    at = self._log_size
+                chunk.append(raw)
+                chunk_bytes += len(raw)
+                copied += len(raw)
+                self._account(ledger_id, len(raw), entry_id, entry_id)
+                copies.append((entry_id, INDEX_RECORD.pack(self._log_id, length, at)))
+                if chunk_bytes >= _CHUNK:
+                    self._write_chunk(chunk)
+                    chunk, chunk_bytes = [], 0
+            self._write_chunk(chunk)
+        finally:
+            os.close(src)
+        c.copied_bytes += copied
+        c.copied_entries += len(copies)
+        return copies, copied, stopped_at
 
     def forget_logs(self, log_ids: Iterable[int]) -> None:
         """Close read handles of deleted entry logs (reactor side)."""

@@ -75,6 +75,60 @@ async def test_embedded_bookie_serves_checkpoints_collects_and_restarts(tmp_path
 
 
 @pytest_twisted.ensureDeferred
+async def test_embedded_bookie_compacts_logs_a_deleted_ledger_left_mostly_empty(
+    tmp_path: Path,
+) -> None:
+    """Ledgers 1 (big entries) and 2 (small ones) share every entry log. Once ledger 1 is
+    deleted, the minor compaction timer copies ledger 2's entries out and deletes the old logs
+    while ledger 2 is still written to; everything of ledger 2 reads back, also after a
+    restart."""
+    config = Config(
+        {
+            "flushInterval": 100,
+            "gcWaitTime": 600_000,  # compaction alone reclaims the space here
+            "entryLogSizeLimit": 64 * 1024,
+            "minorCompactionInterval": 0.2,
+            "minorCompactionThreshold": 0.5,
+            "majorCompactionInterval": 0,
+        }
+    )
+    server = BookieServer(config, tmp_path, reactor)
+    port = await server.start()
+    client = TcpBookieClient(f"127.0.0.1:{port}", reactor, timeout_s=10)
+    big, small = os.urandom(8 * 1024), os.urandom(512)
+    logs = tmp_path / "ledgers" / "entrylogs"
+    for r in range(10):
+        await DeferredList(
+            [client.add_entry(1, e, e - 1, big) for e in range(r * 4, r * 4 + 4)]
+            + [client.add_entry(2, e, e - 1, small + bytes([e])) for e in range(r * 2, r * 2 + 2)],
+            fireOnOneErrback=True,
+        )
+        await server.bookie.checkpoint()
+    before = {p.name for p in logs.glob("*.log")}
+    assert len(before) >= 4
+    await client.delete_ledger(1)
+    written = 20
+    while len(before & {p.name for p in logs.glob("*.log")}) > 1:  # the current log stays
+        assert written < 2000, "the old entry logs were not compacted"
+        await client.add_entry(2, written, written - 1, small + bytes([written % 256]))
+        written += 1
+        await deferLater(reactor, 0.01, lambda: None)
+    expected = [small + bytes([e % 256]) for e in range(written)]
+    assert [await client.read_entry(2, e) for e in range(written)] == expected
+    await client.close()
+    await server.stop()
+
+    again = BookieServer(config, tmp_path, reactor)
+    port = await again.start()
+    client = TcpBookieClient(f"127.0.0.1:{port}", reactor, timeout_s=10)
+    assert [await client.read_entry(2, e) for e in range(written)] == expected
+    with pytest.raises(NoSuchLedgerError):
+        await client.read_entry(1, 0)
+    await client.close()
+    await again.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_restart_of_a_full_bookie_is_fast_and_small(
     bookie_process_factory: BookieProcessFactory,
 ) -> None:

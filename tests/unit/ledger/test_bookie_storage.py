@@ -10,6 +10,7 @@ import pytest
 
 from polybroker.ledger.bookie.journal import JournalPosition
 from polybroker.ledger.bookie.storage import (
+    ENTRY_HEADER_SIZE,
     INDEX_HEADER_SIZE,
     INDEX_RECORD,
     MAX_ENTRY_ID,
@@ -172,7 +173,7 @@ def test_delete_hides_the_ledger_and_gc_reclaims_its_log(tmp_path: Path) -> None
 
 
 def test_gc_keeps_a_log_while_any_of_its_ledgers_lives(tmp_path: Path) -> None:
-    """A log shared by a deleted and a live ledger is kept whole (no compaction yet)."""
+    """A log shared by a deleted and a live ledger is kept whole (compaction copies it)."""
     s = _storage(tmp_path)
     s.put_entry(1, 0, -1, b"dead")
     s.put_entry(2, 0, -1, b"alive")
@@ -187,16 +188,20 @@ def test_gc_keeps_a_log_while_any_of_its_ledgers_lives(tmp_path: Path) -> None:
     again.close()
 
 
-def test_gc_scans_a_log_that_lost_its_ledger_list(tmp_path: Path) -> None:
-    """A log without its list (a crash) is scanned to learn its ledgers before deciding."""
+def test_gc_scans_a_log_that_lost_its_usage(tmp_path: Path) -> None:
+    """A log without its usage file (a crash) is scanned to learn its ledgers before deciding."""
     s = _storage(tmp_path)
     s.put_entry(7, 0, -1, b"live")
+    s.put_entry(7, 1, 0, b"live!")
     _checkpoint(s)
     s.close()
-    for p in (tmp_path / "entrylogs").glob("*.ledgers"):
+    for p in (tmp_path / "entrylogs").glob("*.usage"):
         p.unlink()
     again = _storage(tmp_path)
-    assert again.ledgers_of_log(1) == {7}
+    usage = again.log_usage(1)
+    assert list(usage) == [7]
+    assert (usage[7].bytes, usage[7].first, usage[7].last) == (2 * ENTRY_HEADER_SIZE + 9, 0, 1)
+    assert (tmp_path / "entrylogs" / "00000001.usage").exists()  # written for next time
     assert again.collect_garbage() == []
     again.delete_ledger(7)
     _checkpoint(again)
