@@ -194,6 +194,7 @@ class Bookie:
         self._persisted_mark: JournalPosition | None = None
         self._checkpoint_d: Deferred[None] | None = None
         self._compaction_d: Deferred[list[int]] | None = None
+        self._compaction_wanted = 0.0  # the threshold of the next compaction pass (0: none)
         self._watchers: dict[int, list[_Watcher]] = {}
         self._throttled: set[BookieProtocol] = set()
         self._submit_call: Any = None  # the end-of-turn hand-off to the journal, when due
@@ -663,44 +664,48 @@ class Bookie:
 
     def compact(self, threshold: float) -> Deferred[list[int]]:
         """Compact the sealed entry logs whose live fraction is under ``threshold`` (Rule 6),
-        one bounded step per worker job. Fires with the ids of the logs deleted; a compaction
-        already running is joined instead."""
-        if self._compaction_d is not None:
-            joined: Deferred[list[int]] = Deferred()
+        one bounded step per worker job. Fires with the ids of the logs deleted. A call while
+        a compaction runs is joined to it: one more pass follows, at the highest threshold
+        asked for meanwhile (a major compaction is never lost behind a minor one)."""
+        self._compaction_wanted = max(self._compaction_wanted, threshold)
+        if self._compaction_d is None:
 
-            def tell(result: object) -> object:
-                joined.callback([])
+            def failed(f: Failure) -> list[int]:
+                # The log being compacted stays whole and is tried again at the next interval.
+                log.warning("compaction failed", extra=kv(error=str(f.value)))
+                self._compaction_wanted = 0.0
+                return []
+
+            def over(result: list[int]) -> list[int]:
+                self._compaction_d = None
                 return result
 
-            self._compaction_d.addBoth(tell)
-            return joined
-        d = Deferred.fromCoroutine(self._compact(threshold))
-        self._compaction_d = d
+            d = Deferred.fromCoroutine(self._compact())
+            self._compaction_d = d.addErrback(failed).addCallback(over)
+        joined: Deferred[list[int]] = Deferred()
 
-        def failed(f: Failure) -> list[int]:
-            # The log being compacted stays whole and is tried again at the next interval.
-            log.warning("compaction failed", extra=kv(error=str(f.value)))
-            return []
-
-        def over(result: list[int]) -> list[int]:
-            self._compaction_d = None
+        def tell(result: list[int]) -> list[int]:
+            joined.callback(result)
             return result
 
-        return d.addErrback(failed).addCallback(over)
+        self._compaction_d.addCallback(tell)
+        return joined
 
-    async def _compact(self, threshold: float) -> list[int]:
+    async def _compact(self) -> list[int]:
         storage = self.storage
-        plans = await self._run_blocking(lambda: storage.plan_compaction(threshold))
-        deleted = []
-        for c in plans:
-            while not (self.closing or self.failed):
-                if await self._run_blocking(lambda c=c: storage.compact_step(c)):
-                    break
-            else:
-                break
-            storage.forget_logs([c.log_id])
-            if not c.unverified:
-                deleted.append(c.log_id)
+        deleted: list[int] = []
+        while self._compaction_wanted > 0 and not (self.closing or self.failed):
+            threshold, self._compaction_wanted = self._compaction_wanted, 0.0
+            plans = await self._run_blocking(lambda t=threshold: storage.plan_compaction(t))
+            for c in plans:
+                while not (self.closing or self.failed):
+                    if await self._run_blocking(lambda c=c: storage.compact_step(c)):
+                        break
+                else:
+                    return deleted
+                storage.forget_logs([c.log_id])
+                if not c.unverified:
+                    deleted.append(c.log_id)
         return deleted
 
     # -- connections ----------------------------------------------------------------------

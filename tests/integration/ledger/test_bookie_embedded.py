@@ -129,6 +129,47 @@ async def test_embedded_bookie_compacts_logs_a_deleted_ledger_left_mostly_empty(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_compaction_asked_for_while_one_runs_follows_it(tmp_path: Path) -> None:
+    """A major compaction asked for while a minor one runs is not lost: a pass at its
+    threshold follows, and both callers hear of every log deleted."""
+    config = Config(
+        {
+            "flushInterval": 600_000,
+            "gcWaitTime": 600_000,
+            "entryLogSizeLimit": 64 * 1024,
+            "minorCompactionInterval": 0,
+            "majorCompactionInterval": 0,
+        }
+    )
+    server = BookieServer(config, tmp_path, reactor)
+    port = await server.start()
+    client = TcpBookieClient(f"127.0.0.1:{port}", reactor, timeout_s=10)
+    big, small = os.urandom(8 * 1024), os.urandom(4 * 1024)
+    for r in range(6):
+        await DeferredList(
+            [client.add_entry(1, e, e - 1, big) for e in range(r * 4, r * 4 + 4)]
+            + [client.add_entry(2, e, e - 1, small) for e in range(r * 2, r * 2 + 2)],
+            fireOnOneErrback=True,
+        )
+        await server.bookie.checkpoint()
+    await client.delete_ledger(1)
+    await server.bookie.checkpoint()
+    await server.bookie.checkpoint()  # the one after the deletion's: the log rolled over
+    logs = tmp_path / "ledgers" / "entrylogs"
+    before = {p.name for p in logs.glob("*.log")}
+    # Ledger 2 is a fifth of each shared log: live, but above a minor threshold of 0.1.
+    minor = server.bookie.compact(0.1)
+    major = server.bookie.compact(0.5)
+    deleted_minor, deleted_major = await minor, await major
+    assert deleted_minor == deleted_major
+    assert len(deleted_major) >= 3
+    assert {f"{i:08x}.log" for i in deleted_major} <= before - {p.name for p in logs.glob("*.log")}
+    assert [await client.read_entry(2, e) for e in range(12)] == [small] * 12
+    await client.close()
+    await server.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_restart_of_a_full_bookie_is_fast_and_small(
     bookie_process_factory: BookieProcessFactory,
 ) -> None:
