@@ -17,6 +17,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.task import deferLater
 
 from polybroker.ledger.api import (
     BookieUnavailableError,
@@ -24,7 +25,7 @@ from polybroker.ledger.api import (
     LedgerFencedError,
     NoSuchLedgerError,
 )
-from polybroker.ledger.bookie.journal import JournalReplay, file_name, list_files
+from polybroker.ledger.bookie.journal import JournalReplay, file_name, list_files, read_mark
 from polybroker.ledger.bookie_client import TcpBookieClient
 from polybroker.ledger.wire import (
     HEADER,
@@ -141,6 +142,64 @@ async def test_kill_mid_stream_loses_no_acknowledged_entry(
     await read_all(client, 1, acked)
     await client.add_entry(1, 100_000, 0, b"after restart")
     assert await client.read_entry(1, 100_000) == b"after restart"
+    await client.close()
+    assert bookie_process_factory.stop(again.pid) == 0
+
+
+COMPACTING = {
+    "flushInterval": 100,
+    "gcWaitTime": 600_000,
+    "entryLogSizeLimit": 256 * 1024,
+    "minorCompactionInterval": 0.05,
+    "minorCompactionThreshold": 0.9,
+    "majorCompactionInterval": 0,
+}
+
+
+async def poll_until(check: Any, what: str, timeout: float = 30.0) -> None:
+    """Wait on the reactor, bounded, until ``check()`` is true."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await deferLater(reactor, 0.01, lambda: None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_kill_during_compaction_loses_no_entry(
+    bookie_process_factory: BookieProcessFactory,
+) -> None:
+    """SIGKILL while entry logs are being compacted (after the first one was): every entry of
+    the live ledger reads back after a restart, and the compaction goes on from where it was."""
+    bookie = bookie_process_factory(config=COMPACTING)
+    client = TcpBookieClient(bookie.address, reactor, timeout_s=20)
+    journal = bookie.data_dir / "journal"
+    for first in range(0, 400, 40):
+        # Ledger 1 (to be deleted) and ledger 2 (kept) share each checkpoint, so every log
+        # holds some of both.
+        await add_range(client, 1, first, first + 39)
+        await add_range(client, 2, first // 4, first // 4 + 9)
+        mark = read_mark(journal)
+        await poll_until(lambda m=mark: read_mark(journal) != m, "no checkpoint")
+    logs = bookie.data_dir / "ledgers" / "entrylogs"
+    before = {p.name for p in logs.glob("*.log")}
+    assert len(before) >= 6
+    await client.delete_ledger(1)
+    await poll_until(
+        lambda: "entry log compacted" in bookie_process_factory.log(bookie.pid), "no compaction"
+    )
+    bookie_process_factory.kill(bookie.pid)
+    with pytest.raises(BookieUnavailableError):
+        await client.read_entry(2, 0)
+
+    again = bookie_process_factory(bookie.data_dir, port=bookie.port, config=COMPACTING)
+    await read_all(client, 2, set(range(100)))
+    with pytest.raises(NoSuchLedgerError):
+        await client.read_entry(1, 0)
+    await poll_until(
+        lambda: len(before & {p.name for p in logs.glob("*.log")}) <= 1,
+        "the compaction did not go on after the restart",
+    )
+    await read_all(client, 2, set(range(100)))
     await client.close()
     assert bookie_process_factory.stop(again.pid) == 0
 
