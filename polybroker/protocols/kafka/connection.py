@@ -21,6 +21,7 @@ from twisted.python.failure import Failure
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
+from polybroker.netio import peer_text
 from polybroker.protocols.kafka import codec as c
 from polybroker.protocols.kafka.apis import NO_RESPONSE, KafkaApis
 
@@ -121,7 +122,9 @@ class KafkaConnection(Protocol):
             self.transport.resumeProducing()  # type: ignore[union-attr]
 
     def _fail(self, reason: str) -> None:
-        log.info("closing Kafka connection", extra=kv(peer=self.client_host, reason=reason))
+        log.info(
+            "closing Kafka connection", extra=kv(peer=peer_text(self.transport), reason=reason)
+        )
         self._flush()
         self.closed = True
         self.pending.clear()
