@@ -10,6 +10,7 @@ ZooKeeper fail, they are not skipped (CI installs the package, see ``.ci/run``).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,10 +32,27 @@ class ZooKeeperMissing(RuntimeError):
     """The ZooKeeper server is not installed here."""
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range. ``restart`` binds the same port
+    again after the server exited: a port-0 bind anywhere else (a client socket, another
+    test's server) could take an ephemeral port in that gap, never one of these."""
+    floor = _ephemeral_floor()
+    for _ in range(500):
+        port = random.randrange(max(1024, floor - 12000), floor)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _answers(port: int) -> bool:
