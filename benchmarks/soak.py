@@ -15,7 +15,10 @@ cross-protocol stream), and a fifth churns topics through the admin REST API:
   with manual acks of ``soak-amqp`` and ``soak-p2a`` (bound to ``amq.topic``: what Pulsar
   produced);
 - admin: a topic (every other one partitioned) is created, written and read through a new
-  Pulsar connection, then deleted; then a pause of ``--admin-seconds``, and the next.
+  Pulsar connection, then deleted; then a pause of ``--admin-seconds``, and the next. Also
+  ``soak-backlog``, written at a twentieth of ``--rate`` to a subscription nobody reads until
+  the producers stop (a consumer far behind): its ledger has entries in every entry log, so
+  only the bookie's compaction frees those.
 
 Churn: every producer, consumer and connection lives for a random 0.5x-1.5x ``--churn-seconds``,
 then closes and is made again (new connections and producers, a Kafka member leaving and a new
@@ -84,6 +87,7 @@ STREAMS = {
     "soak-m2p": ("mqtt", "pulsar"),
     "soak-k2m": ("kafka", "mqtt"),
     "soak-p2a": ("pulsar", "amqp"),
+    "soak-backlog": ("admin", "admin"),
 }
 PREFIX = "persistent://public/default/"
 #: The workers' names for the broker's listeners -> the ready line's keys.
@@ -589,7 +593,48 @@ def admin_worker(w: Worker) -> None:
         while time.time() < pause_until and w.producing():
             time.sleep(0.5)
 
+    backlog_seq = Seq()
+
+    def backlog() -> None:
+        """A subscription nobody reads until the producers stop (a consumer far behind, at a
+        twentieth of the rate): its ledger stays open and has entries in every entry log, so
+        only the bookie's compaction can free those logs. Drained at the end."""
+        client = pulsar.Client(url, operation_timeout_seconds=30, logger=_quiet_pulsar_logger())
+        topic = PREFIX + "soak-backlog"
+        try:
+
+            def subscribe() -> Any:
+                return client.subscribe(
+                    topic,
+                    "behind",
+                    initial_position=pulsar.InitialPosition.Earliest,
+                    receiver_queue_size=200,
+                )
+
+            if w.producing():
+                subscribe().close()  # the subscription holds everything from the first send
+                w.wait_start()
+                producer = client.create_producer(topic, batching_enabled=False)
+                for _ in w.paced(max(1.0, w.rate / 20), w.session_end()):
+                    n = backlog_seq.next()
+                    producer.send(payload("soak-backlog", n))
+                    w.ack("soak-backlog", n)
+                producer.close()
+                return
+            consumer = subscribe()
+            while w.consuming():
+                try:
+                    msg = consumer.receive(timeout_millis=500)
+                except pulsar.Timeout:
+                    continue
+                w.got(msg.data())
+                consumer.acknowledge(msg)
+            consumer.close()
+        finally:
+            client.close()
+
     w.loop("admin-topic", one, w.producing)
+    w.loop("backlog", backlog, w.consuming)
 
 
 WORKERS: dict[str, Callable[[Worker], None]] = {
@@ -832,12 +877,15 @@ def main() -> None:
             s = proc_sample(broker.pid)
             s["t"] = time.time() - start
             s["data_mb"] = dir_size_mb(scratch / "data")
+            # Entry logs and index: what garbage collection and compaction keep in check (the
+            # journal, the rest of the data dir, rolls at 2 GB).
+            s["ledgers_mb"] = dir_size_mb(scratch / "data" / "bookie" / "ledgers")
             samples.append(s)
             if time.time() >= next_print:
                 print(
                     f"t={s['t']:7.0f}s rss={s['rss_mb']:6.1f}MB fds={s['fds']:4.0f} "
                     f"threads={s['threads']:3.0f} cpu={s['cpu_s']:7.1f}s "
-                    f"data={s['data_mb']:7.1f}MB",
+                    f"data={s['data_mb']:7.1f}MB ledgers={s['ledgers_mb']:6.1f}MB",
                     flush=True,
                 )
                 next_print += 60
@@ -873,7 +921,7 @@ def main() -> None:
             broker.stdout.close()
 
     with (scratch / "samples.csv").open("w") as f:
-        keys = ["t", "rss_mb", "fds", "threads", "cpu_s", "data_mb"]
+        keys = ["t", "rss_mb", "fds", "threads", "cpu_s", "data_mb", "ledgers_mb"]
         f.write(",".join(keys) + "\n")
         for s in samples:
             f.write(",".join(f"{s[k]:.2f}" for k in keys) + "\n")
@@ -917,6 +965,8 @@ def main() -> None:
         "dups": sum(v["dups"] for v in streams.values()),
         "data_mb_end": round(run[-1]["data_mb"], 1) if run else None,
         "data_mb_max": round(max(s["data_mb"] for s in samples), 1) if samples else None,
+        "ledgers_mb_end": round(run[-1]["ledgers_mb"], 1) if run else None,
+        "ledgers_mb_max": round(max(s["ledgers_mb"] for s in samples), 1) if samples else None,
         "log_errors": levels["error"] + levels["critical"],
         "log_warnings": levels["warning"],
         "log_tracebacks": tracebacks,
