@@ -691,7 +691,8 @@ class LedgerStorage:
 
     def plan_compaction(self, threshold: float) -> list[Compaction]:
         """Return a compaction for each sealed entry log whose live bytes (those of ledgers
-        that still have an index) are under ``threshold`` of its size, emptiest first."""
+        that still have an index) are under ``threshold`` of its entries' bytes, emptiest
+        first."""
         plans = []
         for log_id in self.log_ids():
             if log_id == self._log_id:
@@ -702,7 +703,8 @@ class LedgerStorage:
                 continue
             live = self._live(self.log_usage(log_id))
             live_bytes = sum(u.bytes for _, u in live)
-            if size > 0 and live_bytes < threshold * size:
+            # Of its entries' bytes: a log all live never qualifies, whatever the threshold.
+            if live_bytes < threshold * (size - LOG_HEADER_SIZE):
                 plans.append(Compaction(log_id, size, live_bytes, live))
         plans.sort(key=lambda c: c.live_bytes / c.log_bytes)
         return plans
