@@ -248,14 +248,9 @@ def pulsar_worker(w: Worker) -> None:
                 receiver_queue_size=200,
             )
             until = w.session_end()
-            while w.consuming() and (time.time() < until or not w.producing()):
-                try:
-                    msg = consumer.receive(timeout_millis=500)
-                except pulsar.Timeout:
-                    continue
-                w.got(msg.data())
-                consumer.acknowledge(msg)
-            consumer.close()
+            receive_all(
+                w, consumer, lambda: w.consuming() and (time.time() < until or not w.producing())
+            )
         finally:
             client.close()
 
@@ -291,6 +286,20 @@ def pulsar_worker(w: Worker) -> None:
 
     w.loop("pulsar-consumer", consume, w.consuming)
     w.loop("pulsar-producer", produce, w.producing)
+
+
+def receive_all(w: Worker, consumer: Any, more: Callable[[], bool]) -> None:
+    """Receive, record and acknowledge with a Pulsar consumer while ``more()``; close it."""
+    import pulsar
+
+    while more():
+        try:
+            msg = consumer.receive(timeout_millis=500)
+        except pulsar.Timeout:
+            continue
+        w.got(msg.data())
+        consumer.acknowledge(msg)
+    consumer.close()
 
 
 def _quiet_pulsar_logger() -> Any:
@@ -621,15 +630,7 @@ def admin_worker(w: Worker) -> None:
                     w.ack("soak-backlog", n)
                 producer.close()
                 return
-            consumer = subscribe()
-            while w.consuming():
-                try:
-                    msg = consumer.receive(timeout_millis=500)
-                except pulsar.Timeout:
-                    continue
-                w.got(msg.data())
-                consumer.acknowledge(msg)
-            consumer.close()
+            receive_all(w, subscribe(), w.consuming)
         finally:
             client.close()
 
