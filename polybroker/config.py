@@ -114,6 +114,14 @@ _KEYS: tuple[Key, ...] = (
     Key("dbStorage_writeCacheMaxSizeMb", int, 64, "Write cache of recent entries"),
     Key("dbStorage_readAheadCacheMaxSizeMb", int, 64, "Read cache of entry log data"),
     Key("flushInterval", int, 10_000, "Checkpoint interval (ms)"),
+    Key(
+        "diskUsageThreshold",
+        float,
+        0.95,
+        "Refuse adds (read-only) when the bookie's disk is used above this fraction (1: never)",
+    ),
+    Key("diskUsageLwmThreshold", float, 0.90, "Take adds again below this used fraction"),
+    Key("diskCheckInterval", int, 10_000, "How often the bookie checks its disk usage (ms)"),
     Key("gcWaitTime", int, 60_000, "Entry log garbage collection interval (ms)"),
     Key(
         "minorCompactionThreshold",

@@ -259,7 +259,10 @@ class Standalone(BrokerProcess):
         # The broker reaches its own bookie in memory (same frames, no loopback socket); the
         # bookie still listens on its address for everyone else.
         connect = local_connector(reactor, {bookie.address: serving(bookie)})
-        client = BookKeeperClient(store, StaticBookieRegistry([bookie.address]), connect, reactor)
+        # A bookie refusing adds (its disk is full) is left out of new ensembles, so appends
+        # fail at once with "no bookie" instead of making a ledger that cannot take them.
+        registry = StaticBookieRegistry([bookie.address], lambda _: not bookie.read_only)
+        client = BookKeeperClient(store, registry, connect, reactor)
         self._stops.append(("ledger client", client.close))
         factory = ManagedLedgerFactoryImpl(
             store,

@@ -2,8 +2,10 @@
 
 Rule 1: ``writable_bookies`` answers "host:port" addresses, each at most once, in a stable order.
 Rule 2: ``MetadataBookieRegistry`` lists the children of ``/bookies/available`` (the ephemeral
-        nodes bookies register) and keeps a cached copy current through a watch, so a bookie that
-        dies (its session ends) stops being offered without a round trip per question.
+        nodes bookies register) less those of ``/bookies/readonly`` (bookies refusing adds, as
+        their disk is full), and keeps a cached copy current through watches of both, so a
+        bookie that dies (its session ends) or turns read-only stops being offered without a
+        round trip per question.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
 from polybroker.ledger.api import BookieClient
-from polybroker.ledger.bookie.cookie import AVAILABLE_PATH
+from polybroker.ledger.bookie.cookie import AVAILABLE_PATH, READONLY_PATH
 from polybroker.metadata.api import MetadataStore, Notification
 
 log = logging.getLogger(__name__)
@@ -35,40 +37,54 @@ class BookieRegistry(abc.ABC):
 
 
 class StaticBookieRegistry(BookieRegistry):
-    """A fixed list of bookies (a standalone broker, tests, benchmarks)."""
+    """A fixed list of bookies (a standalone broker, tests, benchmarks), less those that
+    ``writable`` (when given) says refuse adds now."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(
+        self, addresses: Sequence[str], writable: Callable[[str], bool] | None = None
+    ) -> None:
         self._addresses = list(dict.fromkeys(addresses))
+        self._writable = writable
 
     def writable_bookies(self) -> Deferred[list[str]]:
-        return succeed(list(self._addresses))
+        if self._writable is None:
+            return succeed(list(self._addresses))
+        return succeed([a for a in self._addresses if self._writable(a)])
 
 
 class MetadataBookieRegistry(BookieRegistry):
-    """The bookies announced under ``/bookies/available`` in the metadata store (Rule 2)."""
+    """The writable bookies announced in the metadata store (Rule 2)."""
 
     def __init__(self, store: MetadataStore) -> None:
         self._store = store
         self._cached: list[str] | None = None
         self._generation = 0
-        self._unwatch: Callable[[], None] | None = store.watch(AVAILABLE_PATH, self._changed)
+        self._unwatch: list[Callable[[], None]] | None = [
+            store.watch(AVAILABLE_PATH, self._changed),
+            store.watch(READONLY_PATH, self._changed),
+        ]
 
     def writable_bookies(self) -> Deferred[list[str]]:
         if self._cached is not None:
             return succeed(list(self._cached))
         generation = self._generation
 
-        def got(names: list[str]) -> list[str]:
-            # A change seen while the read was in flight makes this answer stale: do not keep it.
+        def got(read_only: list[str], available: list[str]) -> list[str]:
+            names = [n for n in available if n not in set(read_only)]
+            # A change seen while the reads were in flight makes this answer stale: do not keep it.
             if generation == self._generation and self._unwatch is not None:
                 self._cached = list(names)
-            return list(names)
+            return names
 
-        return self._store.children(AVAILABLE_PATH).addCallback(got)
+        d = self._store.children(AVAILABLE_PATH)
+        return d.addCallback(
+            lambda available: self._store.children(READONLY_PATH).addCallback(got, available)
+        )
 
     def close(self) -> None:
         if self._unwatch is not None:
-            self._unwatch()
+            for unwatch in self._unwatch:
+                unwatch()
             self._unwatch = None
         self._cached = None
 

@@ -39,6 +39,7 @@ JOURNAL_DIR = "journal"
 LEDGERS_DIR = "ledgers"
 COOKIES_PATH = "/bookies/cookies"
 AVAILABLE_PATH = "/bookies/available"
+READONLY_PATH = "/bookies/readonly"  # bookies refusing adds for now (the server's Rule 8)
 
 
 class CookieError(StorageError):

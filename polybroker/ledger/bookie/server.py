@@ -22,11 +22,20 @@ Rule 6: checkpoints (every ``flushInterval`` or when half the write cache is use
 Rule 7: what requests journal in one reactor turn, over every connection, is handed to the
         journal writer at the end of that turn (``callLater(0)``), as one submission; closing
         the bookie hands over what is staged before stopping the journal.
+Rule 8: a bookie whose disk fills past ``diskUsageThreshold`` turns read-only (checked every
+        ``diskCheckInterval`` and at start): adds are refused (ERROR, saying why) so the ledger
+        client writes elsewhere, before a full disk could tear a write; recovery adds, fences,
+        explicit LACs, deletes and reads go on (they write little, and deletes free space).
+        Below ``diskUsageLwmThreshold`` it takes adds again, with no restart. With a metadata
+        store it announces the state under ``/bookies/readonly`` (re-asserted at every check,
+        as the node is ephemeral), so new ensembles leave it out while the auditor still
+        counts it available.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -42,7 +51,7 @@ from twisted.python.failure import Failure
 from typing_extensions import override
 from zope.interface import implementer
 
-from polybroker.config import Config
+from polybroker.config import Config, ConfigError
 from polybroker.ledger.bookie import cookie as cookies
 from polybroker.ledger.bookie.journal import (
     META_DELETE,
@@ -65,6 +74,7 @@ from polybroker.ledger.wire import (
     SUPPORTED_VERSIONS,
     WIRE_VERSION,
     AddRequest,
+    AddResponse,
     Buffer,
     DeleteLedgerRequest,
     DeleteLedgerResponse,
@@ -77,6 +87,7 @@ from polybroker.ledger.wire import (
     HelloResponse,
     Message,
     MultiAddRequest,
+    MultiAddResponse,
     ReadLacRequest,
     ReadLacResponse,
     ReadRangeRequest,
@@ -90,7 +101,7 @@ from polybroker.ledger.wire import (
     encode_multi_add_response,
 )
 from polybroker.logs import kv
-from polybroker.metadata.api import MetadataStore
+from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
 from polybroker.netio import write_now
 
 log = logging.getLogger(__name__)
@@ -189,6 +200,7 @@ class Bookie:
         self.max_in_flight = max_in_flight_per_connection
         self.journal: Journal | None = None
         self.failed: BaseException | None = None
+        self.read_only: str | None = None  # why adds are refused for now (Rule 8), or None
         self.closing = False
         self._journal_pos: JournalPosition | None = None
         self._persisted_mark: JournalPosition | None = None
@@ -254,13 +266,36 @@ class Bookie:
         self._persisted_mark = mark
         self.storage.finish_checkpoint(job)
 
+    def _refusal(self) -> str:
+        """Why adds are refused now (failed, closing or read-only)."""
+        if self.failed is not None:
+            return f"bookie failed: {self.failed}"
+        if self.closing:
+            return "bookie is shutting down"
+        return f"bookie is read-only: {self.read_only}"
+
+    def set_read_only(self, reason: str | None) -> bool:
+        """Refuse adds for ``reason`` from now on, or take them again with None (Rule 8);
+        return whether the state changed."""
+        if (reason is None) == (self.read_only is None):
+            if reason is not None:
+                self.read_only = reason  # the newest figures
+            return False
+        self.read_only = reason
+        if reason is None:
+            log.info("bookie writable again")
+        else:
+            log.warning("bookie read-only: refusing adds", extra=kv(reason=reason))
+        return True
+
     # -- requests -------------------------------------------------------------------------
 
     def add(self, proto: BookieProtocol, req: AddRequest) -> None:
         """Journal an add (the hot path; answered in ``_journal_done``)."""
-        if self.failed is not None or self.closing:
+        if self.failed is not None or self.closing or (self.read_only and not req.recovery):
+            why = self._refusal()
             proto.send(
-                encode_add_response(req.request_id, Status.ERROR, req.ledger_id, req.entry_id)
+                AddResponse(req.request_id, Status.ERROR, why, req.ledger_id, req.entry_id).encode()
             )
             return
         ledger_id = req.ledger_id
@@ -285,9 +320,9 @@ class Bookie:
     def add_multi(self, proto: BookieProtocol, req: MultiAddRequest) -> None:
         """Journal the entries of an ADD_MULTI as one submission (answered together)."""
         ledger_id, rid, count = req.ledger_id, req.request_id, len(req.entries)
-        status = Status.OK
-        if self.failed is not None or self.closing:
-            status = Status.ERROR
+        status, why = Status.OK, ""
+        if self.failed is not None or self.closing or (self.read_only and not req.recovery):
+            status, why = Status.ERROR, self._refusal()
         else:
             st = self.storage.state(ledger_id)
             if st is not None and st.fenced and not req.recovery:
@@ -295,7 +330,7 @@ class Bookie:
             elif max(e[0] for e in req.entries) > MAX_ENTRY_ID:
                 status = Status.BAD_REQUEST
         if status != Status.OK:
-            proto.send(encode_multi_add_response(rid, status, ledger_id, count))
+            proto.send(MultiAddResponse(rid, status, why, ledger_id, count).encode())
             return
         assert self.journal is not None
         self.journal.add_records(req.records, (proto, req))
@@ -914,6 +949,15 @@ def journal_config(config: Config) -> JournalConfig:
     )
 
 
+def used_fraction(path: Path) -> float:
+    """The used fraction of the file system holding ``path``, as an unprivileged writer sees
+    it (space reserved for root counts as used)."""
+    st = os.statvfs(path)
+    if st.f_blocks == 0:
+        return 0.0
+    return 1.0 - st.f_bavail / st.f_blocks
+
+
 class BookieServer:
     """A bookie embeddable in any process: ``start()`` listens, ``stop()`` shuts down cleanly.
 
@@ -933,8 +977,18 @@ class BookieServer:
         bind: str = "127.0.0.1",
         metadata_store: MetadataStore | None = None,
         allow_address_change: bool | None = None,
+        disk_usage: Callable[[Path], float] | None = None,
     ) -> None:
         self.config = config
+        threshold, lwm = config["diskUsageThreshold"], config["diskUsageLwmThreshold"]
+        if not 0 < lwm <= threshold:
+            raise ConfigError(
+                f"diskUsageLwmThreshold ({lwm}) must be above 0 and at most diskUsageThreshold "
+                f"({threshold})"
+            )
+        #: The used fraction of the file system holding a path (Rule 8); tests inject one.
+        self.disk_usage = disk_usage or used_fraction
+        self._announced_read_only: bool | None = None  # None: not known (a marker may be left)
         self.data_dir = Path(data_dir)
         if allow_address_change is None:
             allow_address_change = bool(config["allowBookieAddressChange"])
@@ -956,6 +1010,11 @@ class BookieServer:
         """``host:port`` as clients and the metadata store know this bookie."""
         host = self.config["advertisedAddress"] or self.bind
         return f"{host}:{self.port}"
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the bookie refuses adds now (Rule 8)."""
+        return self.bookie is not None and self.bookie.read_only is not None
 
     @property
     def instance_id(self) -> str:
@@ -1038,6 +1097,7 @@ class BookieServer:
             run_blocking=self._worker.run,
         )
         self.bookie = bookie
+        self._check_disk_usage()  # a full disk at start: read-only from the first add
         bookie.recover()
         assert bookie.journal is not None
         bookie.journal.start()
@@ -1064,12 +1124,71 @@ class BookieServer:
                 jobs.append(
                     (config[f"{kind}CompactionInterval"], partial(bookie.compact, threshold))
                 )
+        if config["diskUsageThreshold"] < 1:
+            jobs.append((config["diskCheckInterval"] / 1000.0, self.check_disk))
         for interval_s, fn in jobs:
             if interval_s > 0:
                 loop = LoopingCall(self._quietly(fn))
                 loop.clock = self.reactor
                 loop.start(interval_s, now=False)
                 self._loops.append(loop)
+
+    def check_disk(self) -> Deferred[None]:
+        """Compare the disk's used fraction with the thresholds and announce the outcome
+        (Rule 8); fires when the announcement is written (at once without a store)."""
+        if self.bookie is None:
+            return succeed(None)
+        self._check_disk_usage()
+        return self._announce_read_only()
+
+    def _check_disk_usage(self) -> None:
+        assert self.bookie is not None
+        threshold = self.config["diskUsageThreshold"]
+        if threshold >= 1:
+            return
+        try:
+            used = max(
+                self.disk_usage(self.data_dir / d)
+                for d in (cookies.JOURNAL_DIR, cookies.LEDGERS_DIR)
+            )
+        except OSError as e:
+            log.warning("cannot read the disk usage", extra=kv(error=str(e)))
+            return
+        if used >= threshold:
+            self.bookie.set_read_only(
+                f"disk {used:.1%} used, diskUsageThreshold is {threshold:.1%}"
+            )
+        elif used < self.config["diskUsageLwmThreshold"]:
+            self.bookie.set_read_only(None)
+
+    def _announce_read_only(self) -> Deferred[None]:
+        """Keep ``/bookies/readonly/<address>`` in step with the bookie's state: put (again,
+        as an ephemeral node goes with a lost session) while read-only, deleted once writable
+        (also at the first check, in case an earlier run of this bookie left one)."""
+        store, bookie = self.metadata_store, self.bookie
+        if store is None or not self._registered or bookie is None:
+            return succeed(None)
+        path = f"{cookies.READONLY_PATH}/{self.address}"
+        read_only = bookie.read_only is not None
+        if read_only:
+            d: Deferred[Any] = store.put(path, b"", expected_version=-1, ephemeral=True)
+            d.addErrback(lambda f: f.trap(BadVersionError))  # there already
+        elif self._announced_read_only is False:
+            return succeed(None)
+        else:
+            d = store.delete(path)
+            d.addErrback(lambda f: f.trap(NotFoundError))
+
+        def done(_: object) -> None:
+            self._announced_read_only = read_only
+
+        def failed(f: Failure) -> None:
+            log.warning(
+                "cannot announce the bookie's read-only state",
+                extra=kv(read_only=read_only, error=f.getErrorMessage()),
+            )
+
+        return d.addCallbacks(done, failed)
 
     @staticmethod
     def _quietly(fn: Callable[[], Deferred[Any]]) -> Callable[[], None]:

@@ -17,8 +17,8 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.task import deferLater
 
-from polybroker.config import Config
-from polybroker.ledger.api import NoSuchLedgerError
+from polybroker.config import Config, ConfigError
+from polybroker.ledger.api import BookieError, NoSuchLedgerError
 from polybroker.ledger.bookie.cookie import CookieError
 from polybroker.ledger.bookie.journal import read_mark
 from polybroker.ledger.bookie.server import BookieServer
@@ -327,3 +327,76 @@ async def test_a_bookie_keeps_its_address_and_refuses_another(tmp_path: Path) ->
     last = BookieServer(Config(), data, reactor, metadata_store=store)  # type: ignore[arg-type]
     assert await last.start() == other
     await last.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_filling_disk_makes_the_bookie_read_only_until_space_is_freed(
+    tmp_path: Path,
+) -> None:
+    """Above diskUsageThreshold (checked on the bookie's timer) adds are refused with the
+    reason, reads go on, and the bookie is announced read-only, so the registry stops offering
+    it; between the thresholds it stays so; below diskUsageLwmThreshold it takes adds again
+    and the announcement goes, with no restart. A disk full at start is read-only at once."""
+    from polybroker.ledger.registry import MetadataBookieRegistry
+    from polybroker.metadata.memory import MemoryMetadataStore
+
+    used = {"fraction": 0.5}
+    store = MemoryMetadataStore(reactor)
+    config = Config(
+        {"diskUsageThreshold": 0.95, "diskUsageLwmThreshold": 0.9, "diskCheckInterval": 20}
+    )
+    server = BookieServer(
+        config, tmp_path, reactor, metadata_store=store, disk_usage=lambda _: used["fraction"]
+    )
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    registry = MetadataBookieRegistry(store)
+    client = TcpBookieClient(address, reactor, timeout_s=10)
+    try:
+        await client.add_entry(1, 0, -1, b"before")
+        assert await registry.writable_bookies() == [address]
+
+        used["fraction"] = 0.97
+        await eventually(lambda: server.read_only)
+        with pytest.raises(BookieError, match=r"read-only: disk 97\.0% used"):
+            await client.add_entry(1, 1, 0, b"refused")
+        assert await client.read_entry(1, 0) == b"before"
+        await server.check_disk()  # the announcement is written when this fires
+        assert await store.children("/bookies/readonly") == [address]
+        assert await registry.writable_bookies() == []
+
+        used["fraction"] = 0.92  # under the threshold, above the low-water mark
+        await server.check_disk()
+        assert server.read_only
+
+        used["fraction"] = 0.5
+        await eventually(lambda: not server.read_only)
+        await client.add_entry(1, 1, 0, b"after")
+        assert await client.read_entry(1, 1) == b"after"
+        await server.check_disk()
+        assert await store.children("/bookies/readonly") == []
+        assert await registry.writable_bookies() == [address]
+    finally:
+        registry.close()
+        await client.close()
+        await server.stop()
+
+    used["fraction"] = 0.99
+    full = BookieServer(config, tmp_path, reactor, disk_usage=lambda _: used["fraction"])
+    await full.start()
+    try:
+        assert full.read_only
+        client = TcpBookieClient(address, reactor, timeout_s=10)
+        with pytest.raises(BookieError, match="read-only"):
+            await client.add_entry(2, 0, -1, b"refused")
+        assert await client.read_entry(1, 1) == b"after"
+        await client.close()
+    finally:
+        await full.stop()
+
+
+def test_a_low_water_mark_above_the_threshold_is_refused(tmp_path: Path) -> None:
+    """diskUsageLwmThreshold above diskUsageThreshold would flap: a clear error at once."""
+    config = Config({"diskUsageThreshold": 0.8, "diskUsageLwmThreshold": 0.9})
+    with pytest.raises(ConfigError, match="diskUsageLwmThreshold"):
+        BookieServer(config, tmp_path, reactor)

@@ -616,4 +616,37 @@ def test_journal_failure_answers_a_multi_add_with_an_error(
     assert (err.request_id, err.status) == (1, Status.ERROR)
     assert proto.in_flight == 0
     send(proto, multi(2, 1, range(3, 4)))
-    assert answers(t) == [MultiAddResponse(2, Status.ERROR, "", 1, 1)]
+    why = "bookie failed: journal write failed: [Errno 5] Input/output error"
+    assert answers(t) == [MultiAddResponse(2, Status.ERROR, why, 1, 1)]
+
+
+def test_a_read_only_bookie_refuses_adds_saying_why_and_serves_the_rest(h: Harness) -> None:
+    """Read-only (a full disk): adds and ADD_MULTIs answer ERROR with the reason and store
+    nothing; recovery adds, fences, deletes and reads go on; writable again, adds are taken."""
+    proto, t = h.connect()
+    send(proto, add(1, 7, 0), add(2, 8, 0))
+    h.flush()
+    answers(t)
+    assert h.bookie.set_read_only("disk 96.0% used") is True
+    assert h.bookie.set_read_only("disk 97.0% used") is False  # no change of state
+    send(proto, add(3, 7, 1), multi(4, 7, range(1, 3)))
+    why = "bookie is read-only: disk 97.0% used"
+    assert answers(t) == [
+        AddResponse(3, Status.ERROR, why, 7, 1),
+        MultiAddResponse(4, Status.ERROR, why, 7, 2),
+    ]
+    h.flush()
+    assert h.storage.read_entry(7, 1) is None
+    send(proto, FenceRequest(5, 7).encode(), add(6, 7, 1, recovery=True))
+    send(proto, DeleteLedgerRequest(7, 8).encode(), ReadRequest(8, 7, 0).encode())
+    h.flush()
+    by_id = {m.request_id: m for m in answers(t)}
+    assert by_id[5] == FenceResponse(5, Status.OK, "", 7, -1, 0)
+    assert by_id[6] == AddResponse(6, Status.OK, "", 7, 1)
+    assert by_id[7] == DeleteLedgerResponse(7, Status.OK, "", 8)
+    assert isinstance(by_id[8], ReadResponse)
+    assert (by_id[8].status, bytes(by_id[8].data)) == (Status.OK, b"e0")
+    assert h.bookie.set_read_only(None) is True
+    send(proto, add(9, 9, 0))
+    h.flush()
+    assert answers(t) == [AddResponse(9, Status.OK, "", 9, 0)]
