@@ -349,6 +349,32 @@ def test_no_new_ledger_fails_appends_cleanly_and_the_next_append_retries() -> No
     assert [x.data for x in read_all(ml)] == [b"ok", b"next"]
 
 
+def test_appends_failing_for_want_of_a_ledger_warn_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every append retries the ledger creation; while it keeps failing the same way, the
+    warning is logged once per 30 s with the count of the repeats, not once per append."""
+    rig = Rig()
+    ml = rig.open()
+    result_of(ml.append(b"ok"))
+    rig.client.fail_creates = 1000
+    rig.client.hold = True
+    d = ml.append(b"lost")
+    rig.client.fail_pending(ml.ledgers[-1].ledger_id)
+    assert isinstance(failure_of(d), BookieError)
+    rig.client.hold = False
+    with caplog.at_level("WARNING", logger="polybroker.ledger.managed"):
+        for _ in range(50):
+            assert isinstance(failure_of(ml.append(b"x")), BookieError)
+        rig.clock.advance(31)
+        assert isinstance(failure_of(ml.append(b"x")), BookieError)
+    said = [r.getMessage() for r in caplog.records if "no ledger" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[1].endswith("(and 50 times more)")
+    rig.client.fail_creates = 0
+    assert result_of(ml.append(b"next")).index == 1
+
+
 def test_fenced_ledger_fences_the_managed_ledger() -> None:
     """A fenced add means another owner: pending and later appends fail with
     ManagedLedgerFencedError."""
