@@ -470,3 +470,44 @@ def test_a_busy_remembered_bookie_port_is_explained(
     assert code == 1
     assert f"bookiePort on 127.0.0.1:{first.ports['bookiePort']}" in err
     assert "ledgers record that address" in err
+
+
+def _kafka_produce(port: int, value: bytes) -> Any:
+    """Produce one record with confluent-kafka, no retries; return the delivery error (a
+    ``KafkaError``), or None."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": f"127.0.0.1:{port}", "acks": "all", "retries": 0})
+    outcome: list[Any] = []
+    producer.produce("disk", value, on_delivery=lambda err, _: outcome.append(err))
+    producer.flush(30)
+    assert len(outcome) == 1, "no delivery report within 30 s"
+    return outcome[0]
+
+
+def test_a_full_disk_refuses_writes_with_an_error_and_keeps_serving(
+    standalones: Standalones, tmp_path: Path
+) -> None:
+    """A bookie whose disk is above diskUsageThreshold refuses adds: a produce fails with
+    Kafka's storage error (retriable: a client with retries left would try again), not a hang
+    or a crash; the broker stays healthy and says why in its log; on the same data dir with
+    room again, the produce succeeds."""
+    from confluent_kafka import KafkaError
+
+    conf = tmp_path / "full.conf"
+    # Any real disk holds more than a millionth of itself: read-only from the start.
+    conf.write_text("diskUsageThreshold=0.000001\ndiskUsageLwmThreshold=0.0000001\n")
+    data = tmp_path / "data"
+    broker = standalones.start(data, "--config", str(conf))
+    wait_healthy(broker)
+    error = _kafka_produce(broker.ports["kafkaListenerPort"], b"refused")
+    assert error is not None
+    assert error.code() == KafkaError.KAFKA_STORAGE_ERROR, error
+    wait_healthy(broker)
+    assert "bookie read-only: refusing adds" in standalones.log(broker.pid)
+    assert standalones.stop(broker.pid) == 0
+
+    again = standalones.start(data)
+    wait_healthy(again)
+    assert _kafka_produce(again.ports["kafkaListenerPort"], b"taken") is None
+    assert standalones.stop(again.pid) == 0

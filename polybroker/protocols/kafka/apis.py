@@ -53,6 +53,7 @@ from polybroker.broker_core import messages
 from polybroker.broker_core.errors import (
     InvalidTopicNameError,
     NotAllowedError,
+    PersistenceError,
     ServiceNotReadyError,
     TopicAlreadyExistsError,
     TopicNotFoundError,
@@ -139,6 +140,18 @@ def entry_as_batch(index: int, data: bytes) -> bytes:
     if not records:
         return b""
     return rec.build_batch(index, records)
+
+
+def _produce_error(topic: str, error: BaseException) -> tuple[int, int, int]:
+    """The answer to a partition's produce that raised ``error``: the storage refusing it
+    (no writable bookie, say, their disks full) is Kafka's retriable storage error, so clients
+    try again until their delivery timeout (the managed ledger logs why); anything else is
+    unexpected, logged and answered as an unknown server error."""
+    if isinstance(error, PersistenceError):
+        log.debug("produce not stored", extra=kv(topic=topic, error=str(error)))
+        return c.KAFKA_STORAGE_ERROR, -1, -1
+    log.warning("produce failed", extra=kv(topic=topic, error=str(error)))
+    return c.UNKNOWN_SERVER_ERROR, -1, -1
 
 
 def producer_name(producer_id: int, epoch: int, base_sequence: int) -> str:
@@ -799,8 +812,7 @@ class KafkaApis:
             try:
                 results = [await self._produce_partition(req, name, p)]
             except Exception as e:
-                log.warning("produce failed", extra=kv(topic=name, error=str(e)))
-                results = [(c.UNKNOWN_SERVER_ERROR, -1, -1)]
+                results = [_produce_error(name, e)]
         else:
             answers = await DeferredList(
                 [Deferred.fromCoroutine(self._produce_partition(req, n, p)) for n, p in wanted],
@@ -809,8 +821,7 @@ class KafkaApis:
             results = []
             for (ok, value), (name, _) in zip(answers, wanted, strict=True):
                 if not ok:
-                    log.warning("produce failed", extra=kv(topic=name, error=str(value.value)))
-                    value = (c.UNKNOWN_SERVER_ERROR, -1, -1)
+                    value = _produce_error(name, value.value)
                 results.append(value)
         topics: list[tuple[str, list[c.ProducedPartition]]] = []
         answered = iter(results)
