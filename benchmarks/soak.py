@@ -142,6 +142,18 @@ class Worker:
     def ack(self, stream: str, seq: int) -> None:
         self.acked.setdefault(stream, []).append(seq)
 
+    def confirmer(self, what: str, stream: str, seq: int) -> Callable[[Any, Any], None]:
+        """A send callback ``(error, _)``: acks ``seq`` of ``stream`` when error is None, or
+        notes the error as ``what`` failing."""
+
+        def confirm(error: Any, _: Any) -> None:
+            if error is None:
+                self.ack(stream, seq)
+            else:
+                self.note(f"{what} {stream}:{seq}: {error}")
+
+        return confirm
+
     def got(self, body: bytes) -> None:
         p = parse(body)
         if p is None:
@@ -266,13 +278,8 @@ def pulsar_worker(w: Worker) -> None:
             }
 
             def sent(stream: str, seq: int) -> Callable[[Any, Any], None]:
-                def cb(res: Any, _msg_id: Any) -> None:
-                    if res == pulsar.Result.Ok:
-                        w.ack(stream, seq)
-                    else:
-                        w.note(f"pulsar send {stream}:{seq}: {res}")
-
-                return cb
+                confirm = w.confirmer("pulsar send", stream, seq)
+                return lambda res, msg_id: confirm(None if res == pulsar.Result.Ok else res, msg_id)
 
             for i, _ in enumerate(w.paced(w.rate * 1.25, w.session_end())):
                 s = "soak-p2a" if i % 5 == 4 else "soak-pulsar"
@@ -381,19 +388,11 @@ def kafka_worker(w: Worker) -> None:
             }
         )
 
-        def sent(stream: str, seq: int) -> Callable[[Any, Any], None]:
-            def cb(err: Any, _msg: Any) -> None:
-                if err is None:
-                    w.ack(stream, seq)
-                else:
-                    w.note(f"kafka produce {stream}:{seq}: {err}")
-
-            return cb
-
         for i, _ in enumerate(w.paced(w.rate * 1.25, w.session_end())):
             s = "soak-k2m" if i % 5 == 4 else "soak-kafka"
             n = seqs[s].next()
-            p.produce(s, payload(s, n), key=str(n).encode(), on_delivery=sent(s, n))
+            confirm = w.confirmer("kafka produce", s, n)
+            p.produce(s, payload(s, n), key=str(n).encode(), on_delivery=confirm)
             p.poll(0)
         left = p.flush(30)
         if left:
