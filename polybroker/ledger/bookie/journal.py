@@ -33,6 +33,9 @@ Rule 4 (I3): journal files are named by increasing id and never appended to afte
         before it are the only ones ever deleted.
 Rule 5 (I2): a write or sync error fails the journal for good: nothing queued is acknowledged,
         every pending and later record fails.
+Rule 5a: except when the file cannot grow for the group (``posix_fallocate`` finds the disk
+        full): nothing of it was written, so only its records fail (``JournalFullError``) and
+        the journal takes later groups, at the same offset, once there is room.
 Rule 6: the space ahead of the writer is made of written blocks, not merely allocated ones: a
         second thread writes zeros there (``zero_ahead`` bytes ahead, through its own file
         descriptor, so a sync error it meets is still reported to the writer's) and syncs them.
@@ -45,6 +48,7 @@ Rule 6: the space ahead of the writer is made of written blocks, not merely allo
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -97,6 +101,16 @@ _SYNCS_KEPT = 8  # group syncs whose fastest decides whether a lone group may bl
 
 class JournalError(StorageError):
     """The journal failed (a write or sync error) or is corrupt before its end."""
+
+
+class JournalFullError(JournalError):
+    """A group was refused whole, as the disk had no room to extend the journal file: nothing
+    of it was written, and later groups are taken (Rule 5a)."""
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the file system has no room (for now)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -626,6 +640,10 @@ class Journal:
             hand = self._hand
         try:
             position = self._write_group(parts, nbytes)
+        except JournalFullError as e:
+            log.warning("journal group refused: disk full", extra=kv(error=str(e)))
+            hand(self._on_failure, e, tokens)
+            return
         except OSError as e:
             error = JournalError(f"journal write failed: {e}")
             log.critical("journal failed; no further adds", extra=kv(error=str(e)))
@@ -653,7 +671,12 @@ class Journal:
                 self._space.notify()
         if end > self._allocated and end > written and self.config.prealloc_size > 0:
             grow = max(self.config.prealloc_size, end - self._allocated)
-            os.posix_fallocate(self._fd, self._allocated, grow)
+            try:
+                os.posix_fallocate(self._fd, self._allocated, grow)
+            except OSError as e:
+                if disk_full(e):  # Rule 5a: nothing of the group is written yet
+                    raise JournalFullError(f"journal cannot grow: {e}") from e
+                raise
             self._allocated += grow
         started = perf_counter()
         write_parts(self._fd, parts)

@@ -30,6 +30,13 @@ Rule 8: a bookie whose disk fills past ``diskUsageThreshold`` turns read-only (c
         store it announces the state under ``/bookies/readonly`` (re-asserted at every check,
         as the node is ephemeral), so new ensembles leave it out while the auditor still
         counts it available.
+Rule 9: a full disk met despite Rule 8 (filled faster than checked, or by someone else) is
+        not a failure: a checkpoint that failed for want of room leaves everything in the
+        journal and the write cache, turns the bookie read-only and is run again, the same
+        job, at every checkpoint interval; the bookie takes adds again only once it went
+        through. A journal group the disk had no room for fails alone (journal Rule 5a) and
+        turns the bookie read-only. Either way, with the thresholds on, the disk check makes
+        it writable again below the low-water mark; with them off, at the next check.
 """
 
 from __future__ import annotations
@@ -60,15 +67,22 @@ from polybroker.ledger.bookie.journal import (
     RECORD_HEADER,
     Journal,
     JournalConfig,
+    JournalFullError,
     JournalPosition,
     JournalReplay,
     delete_files_before,
+    disk_full,
     list_files,
     meta_record,
     read_mark,
     write_mark,
 )
-from polybroker.ledger.bookie.storage import MAX_ENTRY_ID, LedgerStorage, StorageCorruptError
+from polybroker.ledger.bookie.storage import (
+    MAX_ENTRY_ID,
+    CheckpointJob,
+    LedgerStorage,
+    StorageCorruptError,
+)
 from polybroker.ledger.wire import (
     FRAME_OVERHEAD,
     SUPPORTED_VERSIONS,
@@ -113,6 +127,7 @@ RunBlocking = Callable[[Callable[[], Any]], Deferred[Any]]
 _TWISTED_READ_SIZE = 65536
 MAX_LONG_POLL_MS = 10 * 60 * 1000
 MAX_WATCHERS_PER_CONNECTION = 10_000
+_STALLED = "a checkpoint found the disk full (retried every flushInterval)"
 
 
 class BlockingWorker:
@@ -205,6 +220,7 @@ class Bookie:
         self._journal_pos: JournalPosition | None = None
         self._persisted_mark: JournalPosition | None = None
         self._checkpoint_d: Deferred[None] | None = None
+        self._stalled: CheckpointJob | None = None  # a checkpoint a full disk failed (Rule 9)
         self._compaction_d: Deferred[list[int]] | None = None
         self._compaction_wanted = 0.0  # the threshold of the next compaction pass (0: none)
         self._watchers: dict[int, list[_Watcher]] = {}
@@ -275,8 +291,11 @@ class Bookie:
         return f"bookie is read-only: {self.read_only}"
 
     def set_read_only(self, reason: str | None) -> bool:
-        """Refuse adds for ``reason`` from now on, or take them again with None (Rule 8);
-        return whether the state changed."""
+        """Refuse adds for ``reason`` from now on, or take them again with None (Rule 8; not
+        while a checkpoint a full disk failed is still to be written, Rule 9); return whether
+        the state changed."""
+        if reason is None and self._stalled is not None:
+            return False
         if (reason is None) == (self.read_only is None):
             if reason is not None:
                 self.read_only = reason  # the newest figures
@@ -606,7 +625,9 @@ class Bookie:
     def _journal_failed(
         self, error: BaseException, tokens: list[tuple[BookieProtocol, Message]]
     ) -> None:
-        if self.failed is None:
+        if isinstance(error, JournalFullError):
+            self.set_read_only(str(error))  # Rule 9: those records only; nothing else failed
+        elif self.failed is None:
             self.failed = error
             log.critical("bookie failed: refusing writes", extra=kv(error=str(error)))
         for proto, req in tokens:
@@ -644,9 +665,11 @@ class Bookie:
         if self.failed is not None:
             return fail(self.failed)
         storage = self.storage
-        mark = self._journal_pos
         started = self.reactor.seconds()
-        job = storage.begin_checkpoint(mark)
+        job = self._stalled
+        if job is None:
+            job = storage.begin_checkpoint(self._journal_pos)
+        mark = job.mark
         persisted = self._persisted_mark
         journal_dir = self.journal_dir
 
@@ -664,6 +687,11 @@ class Bookie:
             if mark is not None:
                 self._persisted_mark = mark
             storage.finish_checkpoint(job)
+            if self._stalled is not None:
+                self._stalled = None
+                log.info("checkpoint written after a full disk")
+                if self.read_only == _STALLED:
+                    self.set_read_only(None)
             if job.entries_written:
                 log.debug(
                     "checkpoint",
@@ -680,6 +708,13 @@ class Bookie:
 
         def failed(f: Failure) -> Failure:
             self._checkpoint_d = None
+            if disk_full(f.value):
+                # Rule 9: nothing is lost (the journal holds it all); wait for room.
+                if self._stalled is None:
+                    log.warning("checkpoint failed: disk full", extra=kv(error=str(f.value)))
+                self._stalled = job
+                self.set_read_only(_STALLED)
+                return f
             self.failed = f.value
             log.critical("checkpoint failed: refusing writes", extra=kv(error=str(f.value)))
             return f
@@ -1145,6 +1180,8 @@ class BookieServer:
         assert self.bookie is not None
         threshold = self.config["diskUsageThreshold"]
         if threshold >= 1:
+            # No thresholds: only a full disk (Rule 9) made it read-only; try again.
+            self.bookie.set_read_only(None)
             return
         try:
             used = max(
@@ -1193,7 +1230,7 @@ class BookieServer:
     @staticmethod
     def _quietly(fn: Callable[[], Deferred[Any]]) -> Callable[[], None]:
         def run() -> None:
-            # A failed checkpoint already failed the bookie and was logged; the loop goes on.
+            # A failed checkpoint was logged (and failed the bookie or stalled, Rule 9).
             fn().addErrback(lambda f: None)
 
         return run

@@ -28,6 +28,10 @@ Rule 1 (I7): an entry is readable as soon as ``put_entry`` returned: reads consu
 Rule 2 (I6, I3): a checkpoint writes and fsyncs the entry logs, then the ledgers' lists of each
         log, then the index files (locations and ledger headers) and their directory; only after
         that may the caller persist the journal mark and delete older journal files.
+Rule 2a: a checkpoint that failed (a full disk) may run again with the same job, and only it:
+        its deletions are idempotent, its entries are appended again (a write that failed
+        part-way is cut off the log first, so logs hold whole records) and the index then
+        points at the new copies; copies a failed run left become dead bytes for compaction.
 Rule 3 (I8): an entry log is deleted only when none of the ledgers it holds has an index file
         (they were all deleted), or when a compaction has copied every entry the index locates in
         it into the current log: the copies are fsync'd, then the current log's usage lists their
@@ -55,7 +59,7 @@ import os
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from polybroker.ledger.api import StorageError
@@ -124,7 +128,6 @@ class CheckpointJob:
     states: list[tuple[int, bool, int, int]]  # ledger, fenced, lac, last entry
     deletions: list[int]
     entries_written: int = 0
-    logs_touched: list[int] = field(default_factory=list)
 
 
 def _log_name(log_id: int) -> str:
@@ -451,7 +454,9 @@ class LedgerStorage:
         return CheckpointJob(mark, snapshot, self._flushing_bytes, states, deletions)
 
     def run_checkpoint(self, job: CheckpointJob) -> None:
-        """Write a job to disk in the order of Rule 2 (worker thread; blocking)."""
+        """Write a job to disk in the order of Rule 2 (worker thread; blocking); run it again
+        after it failed (Rule 2a)."""
+        job.entries_written = 0
         for ledger_id in job.deletions:
             (self.index_dir / f"{ledger_id}.idx").unlink(missing_ok=True)
         runs = self._write_entries(job)
@@ -490,7 +495,7 @@ class LedgerStorage:
         append = chunk.append
         chunk_bytes = 0
         if self._log_fd < 0:
-            self._roll_log(job)
+            self._roll_log()
         log_id = self._log_id
         for ledger_id in sorted(job.snapshot):
             entries = job.snapshot[ledger_id]
@@ -511,7 +516,7 @@ class LedgerStorage:
                     self._write_chunk(chunk)
                     chunk, chunk_bytes = [], 0
                     append = chunk.append
-                    self._roll_log(job)
+                    self._roll_log()
                     log_id = self._log_id
                     offset = self._log_size
                 if seg_first < 0:
@@ -549,15 +554,23 @@ class LedgerStorage:
         of entry log with it (one file system journal) would stall every add behind it."""
         if not chunk:
             return
+        start = self._log_size
         # Gathered by the kernel: a joined copy would hold the GIL the reactor needs.
         try:
             write_parts(self._log_fd, chunk)
-        finally:
-            # What reached the file, even if a write failed part-way (as ``os.write`` kept it).
-            self._log_size = os.lseek(self._log_fd, 0, os.SEEK_CUR)
+        except OSError:
+            # A write failed part-way (a full disk): cut what reached the file, so that the
+            # log holds whole records only and the retried checkpoint appends at ``start``.
+            try:
+                os.ftruncate(self._log_fd, start)
+                os.lseek(self._log_fd, start, os.SEEK_SET)
+            except OSError:
+                self._log_size = os.lseek(self._log_fd, 0, os.SEEK_CUR)
+            raise
+        self._log_size = os.lseek(self._log_fd, 0, os.SEEK_CUR)
         os.fdatasync(self._log_fd)
 
-    def _roll_log(self, job: CheckpointJob | None) -> None:
+    def _roll_log(self) -> None:
         """Seal the current entry log (fsync'd, usage written) and start the next."""
         if self._log_fd >= 0:
             os.fsync(self._log_fd)
@@ -572,8 +585,6 @@ class LedgerStorage:
         self._log_id = log_id
         self._log_size = LOG_HEADER_SIZE
         self._log_usage = {}
-        if job is not None:
-            job.logs_touched.append(log_id)
 
     def _write_usage(self, log_id: int, usage: dict[int, LedgerUsage]) -> None:
         raw = [USAGE_HEADER.pack(_USAGE_MAGIC, 1)]
@@ -812,12 +823,12 @@ class LedgerStorage:
                     c.unverified += 1
                     continue
                 if self._log_fd < 0:
-                    self._roll_log(None)
+                    self._roll_log()
                 at = self._log_size + chunk_bytes
                 if at + len(raw) > self.entry_log_size_limit and at > LOG_HEADER_SIZE:
                     self._write_chunk(chunk)
                     chunk, chunk_bytes = [], 0
-                    self._roll_log(None)
+                    self._roll_log()
                     at = self._log_size
                 chunk.append(raw)
                 chunk_bytes += len(raw)

@@ -3,6 +3,7 @@ polls, bad input, backpressure, deletion and restart (journal pumped by hand, Cl
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from polybroker.ledger.bookie import journal as journal_mod
+from polybroker.ledger.bookie import storage as storage_mod
 from polybroker.ledger.bookie.journal import JournalConfig, list_files, read_mark
 from polybroker.ledger.bookie.server import Bookie, BookieProtocol
 from polybroker.ledger.bookie.storage import LedgerStorage
@@ -67,6 +69,7 @@ class Harness:
         *,
         cache_bytes: int = 1 << 20,
         run_blocking: Callable[[Callable[[], Any]], Deferred[Any]] | None = None,
+        journal: JournalConfig | None = None,
         **kw: Any,
     ) -> None:
         self.clock = Clock()
@@ -74,7 +77,7 @@ class Harness:
         self.bookie = Bookie(
             self.storage,
             root / "journal",
-            JournalConfig(prealloc_size=0),
+            journal or JournalConfig(prealloc_size=0),
             self.clock,
             "instance-1",
             deliver=lambda fn, *args: fn(*args),
@@ -650,3 +653,90 @@ def test_a_read_only_bookie_refuses_adds_saying_why_and_serves_the_rest(h: Harne
     send(proto, add(9, 9, 0))
     h.flush()
     assert answers(t) == [AddResponse(9, Status.OK, "", 9, 0)]
+
+
+def _disk_full(*_: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_checkpoint_a_full_disk_fails_stalls_read_only_until_it_goes_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint whose entry-log write finds the disk full (part-way) is no failure: the
+    bookie turns read-only, keeps serving reads from memory and stays read-only whatever the
+    disk check says, until the same checkpoint runs again and goes through; the log holds
+    whole records only, and a restart finds every acknowledged entry."""
+    h = Harness(tmp_path)
+    proto, t = h.connect()
+    send(proto, *(add(i + 1, 1, i, bytes([i]) * 3000) for i in range(4)))
+    h.flush()
+    assert len(answers(t)) == 4
+    real_write = storage_mod.write_parts
+
+    def half_then_full(fd: int, parts: list[Any]) -> None:
+        os.write(fd, bytes(parts[0]) + bytes(parts[1])[:100])  # a torn record, then no room
+        _disk_full()
+
+    monkeypatch.setattr(storage_mod, "write_parts", half_then_full)
+    failed: list[Failure] = []
+    h.bookie.checkpoint().addErrback(failed.append)
+    assert [f.value.errno for f in failed] == [errno.ENOSPC]
+    assert h.bookie.failed is None
+    assert h.bookie.read_only is not None
+    assert "disk full" in h.bookie.read_only
+    assert read_mark(tmp_path / "journal") is None
+    (log_file,) = (tmp_path / "ledgers" / "entrylogs").glob("*.log")
+    assert log_file.stat().st_size == 16  # the torn record was cut off: the header alone
+    send(proto, add(10, 1, 4), ReadRequest(11, 1, 2).encode())
+    refused, read = answers(t)
+    assert refused.status == Status.ERROR
+    assert "disk full" in refused.message
+    assert isinstance(read, ReadResponse)
+    assert bytes(read.data) == bytes([2]) * 3000
+    assert h.bookie.set_read_only(None) is False  # the disk check cannot end it yet
+
+    monkeypatch.setattr(storage_mod, "write_parts", real_write)
+    assert h.bookie.checkpoint().called
+    assert h.bookie.read_only is None
+    assert read_mark(tmp_path / "journal") is not None
+    send(proto, add(12, 1, 4, b"after"))
+    h.flush()
+    assert answers(t) == [AddResponse(12, Status.OK, "", 1, 4)]
+    h.crash()
+    again = Harness(tmp_path)
+    assert again.replay.records_read == 1  # the add after the checkpoint
+    assert [again.storage.read_entry(1, i) for i in range(5)] == [
+        *(bytes([i]) * 3000 for i in range(4)),
+        b"after",
+    ]
+
+
+def test_a_journal_group_the_disk_has_no_room_for_fails_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the journal file cannot grow for a group, only that group's adds fail, saying so;
+    the bookie turns read-only instead of failing, takes adds again once made writable, and
+    the journal stays whole: a restart replays exactly the acknowledged entries."""
+    h = Harness(tmp_path, journal=JournalConfig(prealloc_size=8192, zero_ahead=0))
+    proto, t = h.connect()
+    send(proto, add(1, 1, 0, b"a" * 3000))
+    h.flush()
+    assert answers(t) == [AddResponse(1, Status.OK, "", 1, 0)]
+    monkeypatch.setattr(journal_mod.os, "posix_fallocate", _disk_full)
+    send(proto, add(2, 1, 1, b"b" * 9000))
+    h.flush()
+    (err,) = answers(t)
+    assert (err.request_id, err.status) == (2, Status.ERROR)  # type: ignore[union-attr]
+    assert "journal cannot grow" in err.message  # type: ignore[union-attr]
+    assert h.bookie.failed is None
+    assert h.bookie.read_only is not None
+    assert h.storage.read_entry(1, 1) is None
+    monkeypatch.undo()
+    assert h.bookie.set_read_only(None) is True
+    send(proto, add(3, 1, 1, b"c" * 9000))
+    h.flush()
+    assert answers(t) == [AddResponse(3, Status.OK, "", 1, 1)]
+    h.crash()
+    again = Harness(tmp_path)
+    assert again.replay.records_read == 2
+    assert again.storage.read_entry(1, 1) == b"c" * 9000
