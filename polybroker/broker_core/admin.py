@@ -312,7 +312,7 @@ class AdminServer:
         dom = "{domain:persistent|non-persistent}"
         topic = f"/admin/v2/{dom}/{{tenant}}/{{ns}}/{{topic}}"
         r("GET", "/admin/v2/brokers/health", self._health)
-        r("GET", "/admin/v2/brokers/ready", self._health)
+        r("GET", "/admin/v2/brokers/ready", self._ready)
         r("GET", "/admin/v2/brokers/{cluster}", self._brokers)
         r("GET", "/metrics", self._metrics)
         r("GET", f"/lookup/v2/topic/{dom}/{{tenant}}/{{ns}}/{{topic}}", self._lookup)
@@ -377,6 +377,14 @@ class AdminServer:
     # -- broker ---------------------------------------------------------------------------
 
     async def _health(self, call: Call) -> Response:
+        """As Pulsar's: ok only while the broker could store a message; 503 saying why."""
+        problem = await self.service.storage_problem()
+        if problem is not None:
+            return _error(503, problem)
+        return Response.text("ok")
+
+    async def _ready(self, call: Call) -> Response:
+        """Up and serving (storage may still refuse writes: see ``_health``)."""
         return Response.text("ok")
 
     async def _brokers(self, call: Call) -> Response:

@@ -85,6 +85,7 @@ PARTITIONED_ROOT = "/admin/partitioned-topics"
 PARTITION_SUFFIX = "-partition-"
 _PARTITION_RE = re.compile(r"^(.+)-partition-(\d+)$")
 _DOMAINS = ("persistent", "non-persistent")
+HEALTH_TIMEOUT_S = 10.0  # each check of ``storage_problem``
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,26 @@ class BrokerService:
             )
 
     # -- names ----------------------------------------------------------------------------
+
+    async def storage_problem(self) -> str | None:
+        """Why this broker could not store a message now, or None (``/brokers/health``): its
+        metadata store must answer, and enough bookies take writes for a new ledger, each
+        within ``HEALTH_TIMEOUT_S``."""
+        checks: list[tuple[str, Callable[[], Deferred[Any]]]] = [
+            ("metadata store", lambda: self.metadata_store.exists("/")),
+            (
+                "bookies",
+                lambda: self.ledger_factory.storage_problem(self.ledger_config.ensemble_size),
+            ),
+        ]
+        for what, check in checks:
+            try:
+                problem = await check().addTimeout(HEALTH_TIMEOUT_S, self.reactor)
+            except Exception as e:
+                return f"{what}: {e or type(e).__name__}"
+            if isinstance(problem, str):
+                return problem
+        return None
 
     def topic_ref(self, name: str) -> TopicRef:
         """Parse (and cache) a topic name; raise ``InvalidTopicNameError``."""

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from twisted.internet.defer import Deferred, fail, gatherResults
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.python.failure import Failure
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +353,11 @@ class LedgerClient(abc.ABC):
     def close(self) -> Deferred[None]:
         """Close every bookie connection."""
 
+    def storage_problem(self, ensemble_size: int) -> Deferred[str | None]:
+        """Why a new ledger of ``ensemble_size`` bookies could not be created now (too few
+        bookies take writes), or None; a client that cannot tell answers None."""
+        return succeed(None)
+
 
 # ---------------------------------------------------------------------------------------------
 # Managed-ledger level
@@ -670,3 +675,8 @@ class ManagedLedgerFactory(abc.ABC):
     @abc.abstractmethod
     def close(self) -> Deferred[None]:
         """Close every open log and the ledger client."""
+
+    def storage_problem(self, ensemble_size: int) -> Deferred[str | None]:
+        """Why appends needing a new ledger of ``ensemble_size`` bookies would fail now, or
+        None (``LedgerClient.storage_problem``); a factory that cannot tell answers None."""
+        return succeed(None)

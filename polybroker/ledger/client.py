@@ -1043,6 +1043,16 @@ class BookKeeperClient(LedgerClient):
         return self._get(ledger_id).addCallback(lambda found: found[0])
 
     @override
+    def storage_problem(self, ensemble_size: int) -> Deferred[str | None]:
+        def judge(writable: list[str]) -> str | None:
+            if len(writable) >= ensemble_size:
+                return None
+            n = len(writable)
+            return f"writable bookies: {n} of the {ensemble_size} a new ledger needs {writable}"
+
+        return self._registry.writable_bookies().addCallback(judge)
+
+    @override
     def close(self) -> Deferred[None]:
         self._closed = True
         self._batched.clear()

@@ -1533,6 +1533,9 @@ class ManagedLedgerFactoryImpl(ManagedLedgerFactory):
         self._opening: dict[str, list[Deferred[ManagedLedger]]] = {}
         self._closed = False
 
+    def storage_problem(self, ensemble_size: int) -> Deferred[str | None]:
+        return self.client.storage_problem(ensemble_size)
+
     def open(self, name: str, config: ManagedLedgerConfig | None = None) -> Deferred[ManagedLedger]:
         if self._closed:
             return fail(ManagedLedgerClosedError("the managed ledger factory is closed"))

@@ -53,13 +53,13 @@ def http(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tupl
         return e.code, e.read()
 
 
-def wait_healthy(broker: Broker, timeout: float = 30.0) -> None:
-    """Poll the health endpoint until it answers 200 ok, within ``timeout``."""
+def wait_healthy(broker: Broker, timeout: float = 30.0, endpoint: str = "health") -> None:
+    """Poll ``/admin/v2/brokers/<endpoint>`` until it answers 200 ok, within ``timeout``."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
         try:
-            status, body = http("GET", f"{broker.http}/admin/v2/brokers/health", timeout=2)
+            status, body = http("GET", f"{broker.http}/admin/v2/brokers/{endpoint}", timeout=2)
             if (status, body) == (200, b"ok"):
                 return
             last = (status, body)
@@ -490,8 +490,9 @@ def test_a_full_disk_refuses_writes_with_an_error_and_keeps_serving(
 ) -> None:
     """A bookie whose disk is above diskUsageThreshold refuses adds: a produce fails with
     Kafka's storage error (retriable: a client with retries left would try again), not a hang
-    or a crash; the broker stays healthy and says why in its log; on the same data dir with
-    room again, the produce succeeds."""
+    or a crash; the broker keeps serving, its health check says why it cannot store (ready
+    stays ok) and so does its log; on the same data dir with room again, the produce
+    succeeds and health is ok."""
     from confluent_kafka import KafkaError
 
     conf = tmp_path / "full.conf"
@@ -499,11 +500,16 @@ def test_a_full_disk_refuses_writes_with_an_error_and_keeps_serving(
     conf.write_text("diskUsageThreshold=0.000001\ndiskUsageLwmThreshold=0.0000001\n")
     data = tmp_path / "data"
     broker = standalones.start(data, "--config", str(conf))
-    wait_healthy(broker)
+    wait_healthy(broker, endpoint="ready")
     error = _kafka_produce(broker.ports["kafkaListenerPort"], b"refused")
     assert error is not None
     assert error.code() == KafkaError.KAFKA_STORAGE_ERROR, error
-    wait_healthy(broker)
+    status, body = http("GET", f"{broker.http}/admin/v2/brokers/health")
+    assert (status, json.loads(body)) == (
+        503,
+        {"reason": "writable bookies: 0 of the 1 a new ledger needs []"},
+    )
+    wait_healthy(broker, endpoint="ready")
     assert "bookie read-only: refusing adds" in standalones.log(broker.pid)
     assert standalones.stop(broker.pid) == 0
 

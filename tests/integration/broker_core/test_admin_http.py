@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.internet.defer import fail, succeed
 
 from polybroker.broker_core.errors import TopicNotFoundError
+from polybroker.metadata.api import MetadataError
 
 sys.path.insert(0, str(Path(__file__).parent.parent.parent / "unit" / "broker_core"))
 
@@ -28,6 +30,26 @@ async def test_health_answers_ok(admin: Admin) -> None:
     """GET /admin/v2/brokers/health answers 200 with the body ok."""
     reply = await admin.request("GET", "/admin/v2/brokers/health")
     assert (reply.status, reply.body) == (200, b"ok")
+
+
+@pytest_twisted.ensureDeferred
+async def test_health_says_why_the_broker_cannot_store(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While storage would refuse a message (too few bookies take writes, or the metadata
+    store fails), health answers 503 with the reason and ready stays 200; ok again after."""
+    problem: list[str | None] = ["writable bookies: 0 of the 1 a new ledger needs []"]
+    factory = admin.service.ledger_factory
+    monkeypatch.setattr(factory, "storage_problem", lambda ensemble: succeed(problem[0]))
+    reply = await admin.request("GET", "/admin/v2/brokers/health")
+    assert (reply.status, reply.json()) == (503, {"reason": problem[0]})
+    ready = await admin.request("GET", "/admin/v2/brokers/ready")
+    assert (ready.status, ready.body) == (200, b"ok")
+    problem[0] = None
+    assert (await admin.request("GET", "/admin/v2/brokers/health")).body == b"ok"
+    monkeypatch.setattr(admin.store, "exists", lambda path: fail(MetadataError("session lost")))
+    reply = await admin.request("GET", "/admin/v2/brokers/health")
+    assert (reply.status, reply.json()) == (503, {"reason": "metadata store: session lost"})
 
 
 @pytest_twisted.ensureDeferred

@@ -437,6 +437,23 @@ def test_client_over_metadata_registry_creates_ledgers() -> None:
     assert set(w.metadata.fragments[0][1]) == set(cluster.addresses[:2])
 
 
+def test_storage_problem_counts_the_bookies_taking_writes() -> None:
+    """A client names the problem while fewer bookies take writes than a new ledger's
+    ensemble needs (read-only ones do not count), and None once enough do."""
+    clock = Clock()
+    store = MemoryMetadataStore(clock)
+    cluster = FakeCluster(clock, 2)
+    read_only: set[str] = {cluster.addresses[0]}
+    registry = StaticBookieRegistry(cluster.addresses, lambda a: a not in read_only)
+    client = BookKeeperClient(store, registry, cluster.connect, clock)
+    assert result_of(client.storage_problem(1)) is None
+    assert result_of(client.storage_problem(2)) == (
+        f"writable bookies: 1 of the 2 a new ledger needs ['{cluster.addresses[1]}']"
+    )
+    read_only.clear()
+    assert result_of(client.storage_problem(2)) is None
+
+
 def test_closed_client_fails_adds_without_reconnecting() -> None:
     """After close, a writer's adds fail with LedgerClosedError and no bookie is reconnected."""
     rig = LedgerRig(3)
