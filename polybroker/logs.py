@@ -11,9 +11,42 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 _RESERVED = frozenset(("ts", "level", "logger", "msg"))
+
+
+class Repeats:
+    """Keeps a warning that repeats from flooding the log: ``news(text)`` lets it through when
+    its text changed or ``interval_s`` passed since the last one let through (``clock``
+    seconds), and answers the suffix to log with it (how many were held back meanwhile, of
+    this text or of the one before); otherwise it counts one more held back and answers None.
+    ``reset`` makes the next repeat news again (the condition ended)."""
+
+    def __init__(self, clock: Callable[[], float], interval_s: float = 30.0) -> None:
+        self._clock = clock
+        self.interval_s = interval_s
+        self._said: str | None = None
+        self._at = 0.0
+        self._held = 0
+
+    def news(self, text: str) -> str | None:
+        now = self._clock()
+        if text == self._said and now - self._at < self.interval_s:
+            self._held += 1
+            return None
+        if not self._held:
+            suffix = ""
+        elif text == self._said:
+            suffix = f" (and {self._held} times more)"
+        else:
+            suffix = f" (the previous warning {self._held} times more)"
+        self._said, self._at, self._held = text, now, 0
+        return suffix
+
+    def reset(self) -> None:
+        self._said, self._held = None, 0
 
 
 def kv(**fields: Any) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from polybroker.ledger.api import (
 from polybroker.ledger.cache import ENTRY_OVERHEAD as _CACHE_OVERHEAD
 from polybroker.ledger.cache import EntryCache, EntryCacheManager
 from polybroker.ledger.cursor import ROOT, ManagedCursorImpl, cursor_path
+from polybroker.logs import Repeats
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -298,11 +299,8 @@ class ManagedLedgerImpl(ManagedLedger):
         self._error: Exception | None = None
         self._closing: list[Deferred[None]] | None = None  # waiters while a close runs
         self._switching = False  # a _start_ledger runs
-        # The last "no ledger" warning (its text and time) and how many repeats went unlogged:
-        # every append retries, and a broker whose bookies refuse writes must not flood its log.
-        self._no_ledger_said = ""
-        self._no_ledger_at = 0.0
-        self._no_ledger_quiet = 0
+        # Every append retries, and a broker whose bookies refuse writes must not flood its log.
+        self._no_ledger_repeats = Repeats(self._reactor.seconds, _REPEAT_WARNING_S)
 
     @property
     def config(self) -> ManagedLedgerConfig:
@@ -859,7 +857,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._current_ledger = ledger
         self._created_at = self._reactor.seconds()
         self._young_until = 0.0
-        self._no_ledger_said = ""  # a later failure is news again
+        self._no_ledger_repeats.reset()  # a later failure is news again
         self._sent_entries = 0
         self._sent_bytes = 0
         self._sent_index = self._next_index
@@ -869,13 +867,9 @@ class ManagedLedgerImpl(ManagedLedger):
 
     def _no_ledger(self, error: Exception) -> None:
         """No ledger to write to: fail what waits; the next append tries again."""
-        now, said = self._reactor.seconds(), str(error)
-        if said != self._no_ledger_said or now - self._no_ledger_at >= _REPEAT_WARNING_S:
-            more = f" (and {self._no_ledger_quiet} times more)" if self._no_ledger_quiet else ""
+        more = self._no_ledger_repeats.news(str(error))
+        if more is not None:
             log.warning("no ledger for %s: %s%s", self.name, error, more)
-            self._no_ledger_said, self._no_ledger_at, self._no_ledger_quiet = said, now, 0
-        else:
-            self._no_ledger_quiet += 1
         if self._state is _State.ROLLING:
             self._state = _State.NO_LEDGER
         self._fail_queued(error)

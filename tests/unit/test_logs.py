@@ -4,7 +4,7 @@ import io
 import json
 import logging
 
-from polybroker.logs import StructuredFormatter, kv
+from polybroker.logs import Repeats, StructuredFormatter, kv
 
 
 def _record(text: str, **fields: object) -> logging.LogRecord:
@@ -45,3 +45,20 @@ def test_formatter_handles_no_fields() -> None:
     logger.propagate = False
     logger.warning("hello %s", "world")
     assert "warning polybroker.plain hello world" in stream.getvalue()
+
+
+def test_repeats_let_news_through_and_count_what_they_held_back() -> None:
+    """A new text passes at once; the same text again only after the interval, saying how
+    often it was held back; after ``reset`` the same text is news again."""
+    now = [100.0]
+    r = Repeats(lambda: now[0], interval_s=30)
+    assert r.news("disk full") == ""
+    assert r.news("disk full") is None
+    now[0] += 29.9
+    assert r.news("disk full") is None
+    assert r.news("bookie gone") == " (the previous warning 2 times more)"
+    assert r.news("bookie gone") is None
+    now[0] += 30
+    assert r.news("bookie gone") == " (and 1 times more)"
+    r.reset()
+    assert r.news("bookie gone") == ""

@@ -721,9 +721,13 @@ class MqttConnection(Protocol):
         self._flush_acks()
 
     def _publish_failed(self, f: Failure, topic: str) -> None:
-        log.warning(
-            "mqtt publish failed", extra=kv(client=self.client_id, topic=topic, error=str(f.value))
-        )
+        error = str(f.value)
+        more = self.broker.publish_failures.news(error)
+        if more is not None:
+            log.warning(
+                f"mqtt publish failed{more}",
+                extra=kv(client=self.client_id, topic=topic, error=error),
+            )
 
     def _flush_releases(self) -> None:
         """Forget the PUBRELed ids of the read (one durable write), then send their PUBCOMPs.

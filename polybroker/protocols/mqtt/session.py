@@ -88,7 +88,7 @@ from polybroker.broker_core.messages import (
     split_entry,
 )
 from polybroker.ledger.api import InitialPosition, Position
-from polybroker.logs import kv
+from polybroker.logs import Repeats, kv
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
 
@@ -1289,6 +1289,8 @@ class MqttBroker:
         #: Client ids with a stored (persistent) session: only those are looked up at CONNECT.
         self.stored_ids: set[str] = set()
         self.retained: dict[str, Retained] = {}
+        #: Publishes failing (storage refusing writes) are warned of at most every 30 s each.
+        self.publish_failures = Repeats(clock.seconds)
         #: The messages of the entries written here lately, by entry bytes: a subscriber
         #: reading an entry this broker just wrote skips decoding it.
         self.written: dict[bytes, list[Message]] = {}

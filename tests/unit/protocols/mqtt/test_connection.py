@@ -3,12 +3,14 @@ ledger and the fake metadata store."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -130,8 +132,12 @@ def test_puback_waits_for_the_durable_write() -> None:
     assert ("mqtt.qos", "2") in stored[2].properties
 
 
-def test_failed_write_v5_gets_a_negative_ack_and_v311_a_close() -> None:
-    """A failed durable write is PUBACK 0x80 for MQTT 5 and a closed connection for 3.1.1."""
+def test_failed_write_v5_gets_a_negative_ack_and_v311_a_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failed durable write is PUBACK 0x80 for MQTT 5 and a closed connection for 3.1.1;
+    the same failure is warned of once per interval, over every connection, with a count."""
+    caplog.set_level(logging.WARNING, "polybroker.protocols.mqtt.connection")
     env = Env()
     p5 = env.peer("p5", c.LEVEL_5)
     p5.packets()
@@ -147,6 +153,13 @@ def test_failed_write_v5_gets_a_negative_ack_and_v311_a_close() -> None:
     ml.release_appends(error=RuntimeError("bookies gone"))
     assert p3.packets() == []
     assert p3.closed
+    env.clock.advance(30)
+    p5.send(c.Publish("a/b", b"z", 1, packet_id=2))
+    ml.release_appends(error=RuntimeError("bookies gone"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "mqtt publish failed",
+        "mqtt publish failed (and 1 times more)",
+    ]
 
 
 def test_keep_alive_enforced_at_one_and_a_half_times() -> None:
