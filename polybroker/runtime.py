@@ -1,7 +1,9 @@
-"""What every long-running polybroker process does once it has started."""
+"""What every long-running polybroker process does once it has started, and what its parts
+share about the machine they run on."""
 
 from __future__ import annotations
 
+import errno
 import gc
 
 
@@ -12,3 +14,8 @@ def settle_heap() -> None:
     10-20 ms each."""
     gc.collect()
     gc.freeze()
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the file system has no room (for now)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

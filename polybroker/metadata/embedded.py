@@ -28,6 +28,11 @@ Rule E4: when the log grows past ``max(compact_min_bytes, 2 * snapshot size)`` t
 Rule E5: ephemeral nodes are never written; the sequence counters and the sequence floor are.
 Rule E6: a failed write or sync fails the store for good: pending and later operations fail
         with ``MetadataError``; ``close`` still releases the lock.
+Rule E6a: except for want of room (a full disk): what the failed write left is cut off the
+        log, and the writer tries the same group (or snapshot) again, after 0.1 s, then at
+        most every second, until it goes through or the store closes. Outcomes wait meanwhile
+        (Rule E2), so nothing is acknowledged before it is durable and nothing is lost; the
+        store serves again once there is room, with no restart.
 Rule E7: the store emits no session events; it only ever closes.
 """
 
@@ -44,7 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from crc32c import crc32c
 from twisted.internet.defer import Deferred, fail
@@ -65,6 +70,7 @@ from polybroker.metadata.memory import (
     TreeSession,
     validate_path,
 )
+from polybroker.runtime import disk_full
 
 log = logging.getLogger(__name__)
 
@@ -418,6 +424,9 @@ def load(directory: Path, clock: Any) -> _Loaded:
 # ---------------------------------------------------------------------------------------------
 
 _RECORD, _SNAPSHOT, _STOP = 0, 1, 2
+_FULL_RETRY_FIRST_S = 0.1  # Rule E6a: the first wait for room, doubled up to the next
+_FULL_RETRY_MAX_S = 1.0
+_T = TypeVar("_T")
 
 
 class _LogWriter:
@@ -489,10 +498,57 @@ class _LogWriter:
 
     def _flush(self, group: list[bytes]) -> None:
         if group:
-            _write_all(self._fd, b"".join(group))
+            data = b"".join(group)
+            self._while_full(lambda: self._append(data))
+
+    def _append(self, data: bytes) -> None:
+        start = os.fstat(self._fd).st_size  # the log is opened O_APPEND
+        try:
+            _write_all(self._fd, data)
             _fdatasync(self._fd)
+        except OSError:
+            # Cut what reached the log (a group is whole or absent), and the pages a failed
+            # sync may have left marked clean: a retry writes and syncs them all again.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise
+
+    def _while_full(self, write: Callable[[], _T]) -> _T:
+        """Run ``write``; while it fails for want of room, run it again (Rule E6a)."""
+        delay, waited = _FULL_RETRY_FIRST_S, False
+        while True:
+            try:
+                result = write()
+            except OSError as e:
+                if not disk_full(e):
+                    raise
+                if not waited:
+                    log.warning(
+                        "metadata log: disk full; operations wait for room",
+                        extra=kv(directory=self._directory, error=str(e)),
+                    )
+                    waited = True
+                with self._cond:
+                    if self._stopping():
+                        raise
+                    self._cond.wait(delay)
+                    if self._stopping():
+                        raise
+                delay = min(delay * 2, _FULL_RETRY_MAX_S)
+                continue
+            if waited:
+                log.info("metadata log written again", extra=kv(directory=self._directory))
+            return result
+
+    def _stopping(self) -> bool:
+        """Whether the store asked the writer to stop (under ``_cond``)."""
+        return any(item[0] == _STOP for item in self._queue)
 
     def _write_snapshot(self, blob: bytes, generation: int) -> None:
+        self._while_full(lambda: self._write_snapshot_file(blob))
+        self._start_generation(generation)
+
+    def _write_snapshot_file(self, blob: bytes) -> None:
         tmp = self._directory / (SNAPSHOT_FILE + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -502,7 +558,9 @@ class _LogWriter:
             os.close(fd)
         os.replace(tmp, self._directory / SNAPSHOT_FILE)
         fsync_dir(self._directory)
-        new_fd = _create_log(self._directory, generation)
+
+    def _start_generation(self, generation: int) -> None:
+        new_fd = self._while_full(lambda: _create_log(self._directory, generation))
         old_fd, old_generation = self._fd, self._generation
         self._fd, self._generation = new_fd, generation
         os.close(old_fd)

@@ -48,7 +48,6 @@ Rule 6: the space ahead of the writer is made of written blocks, not merely allo
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import struct
@@ -66,6 +65,7 @@ from crc32c import crc32c
 from polybroker.ledger.api import StorageError
 from polybroker.ledger.wire import ADD_FIELDS, ADD_FIELDS_SIZE, Buffer
 from polybroker.logs import kv
+from polybroker.runtime import disk_full
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,6 @@ class JournalError(StorageError):
 class JournalFullError(JournalError):
     """A group was refused whole, as the disk had no room to extend the journal file: nothing
     of it was written, and later groups are taken (Rule 5a)."""
-
-
-def disk_full(error: BaseException) -> bool:
-    """Whether ``error`` says the file system has no room (for now)."""
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True, order=True, slots=True)

@@ -71,7 +71,6 @@ from polybroker.ledger.bookie.journal import (
     JournalPosition,
     JournalReplay,
     delete_files_before,
-    disk_full,
     list_files,
     meta_record,
     read_mark,
@@ -117,6 +116,7 @@ from polybroker.ledger.wire import (
 from polybroker.logs import kv
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
 from polybroker.netio import write_now
+from polybroker.runtime import disk_full
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ opens its own directory under ``tmp_path``.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -15,8 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from twisted.internet import reactor
+from twisted.internet import reactor, task
 
+from polybroker.metadata import embedded
+from polybroker.metadata.api import MetadataError
 from polybroker.metadata.embedded import (
     CorruptStoreError,
     EmbeddedMetadataStore,
@@ -180,5 +183,87 @@ async def test_kill_9_loses_no_acknowledged_put(tmp_path: Path) -> None:
             got = await store.get(f"/seq/{i}")
             assert got is not None
             assert got.value == str(i).encode()
+    finally:
+        await store.close()
+
+
+class _Disk:
+    """Stands in for the log writes of ``embedded``: while ``full``, a write puts half of its
+    bytes in the file, then fails as a full disk does."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.refused = 0
+        self._real = embedded._write_all
+
+    def write_all(self, fd: int, data: bytes) -> None:
+        if self.full:
+            os.write(fd, data[: len(data) // 2])
+            self.refused += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._real(fd, data)
+
+
+async def _until(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        await task.deferLater(reactor, 0.01, lambda: None)
+
+
+async def test_a_full_disk_holds_operations_until_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log write that finds the disk full is cut off and tried again: operations wait
+    rather than fail (reads too, Rule E2), and complete once there is room, with no reopen;
+    the log holds whole records only, and a reopen finds every acknowledged put."""
+    disk = _Disk()
+    monkeypatch.setattr(embedded, "_write_all", disk.write_all)
+    store = await _open(tmp_path)
+    await store.put("/k/before", b"1")
+    (log,) = _logs(tmp_path)
+    size = log.stat().st_size
+    disk.full = True
+    put = store.put("/k/during", b"2")
+    read = store.get("/k/before")
+    await _until(lambda: disk.refused >= 2)  # tried again, and again
+    assert not put.called
+    assert not read.called
+    assert log.stat().st_size == size  # what each failed write left was cut off
+    disk.full = False
+    await put
+    assert (await read).value == b"1"  # type: ignore[union-attr]
+    await store.put("/k/after", b"3")
+    await store.close()
+    store = await _open(tmp_path)
+    try:
+        for key, value in (("before", b"1"), ("during", b"2"), ("after", b"3")):
+            got = await store.get(f"/k/{key}")
+            assert got is not None
+            assert got.value == value
+    finally:
+        await store.close()
+
+
+async def test_closing_a_store_waiting_for_room_fails_what_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store closed while its disk is full fails the operations that wait (they were never
+    acknowledged) and releases its lock: it opens again, without them."""
+    disk = _Disk()
+    monkeypatch.setattr(embedded, "_write_all", disk.write_all)
+    store = await _open(tmp_path)
+    await store.put("/k/kept", b"1")
+    disk.full = True
+    put = store.put("/k/lost", b"2")
+    await _until(lambda: disk.refused >= 1)
+    await store.close()
+    with pytest.raises(MetadataError):
+        await put
+    disk.full = False
+    store = await _open(tmp_path)
+    try:
+        assert (await store.get("/k/kept")).value == b"1"  # type: ignore[union-attr]
+        assert await store.get("/k/lost") is None
     finally:
         await store.close()
