@@ -112,6 +112,7 @@ class ClusterBroker(BrokerProcess):
             client,
             reactor,
             cache_size_bytes=int(config["managedLedgerCacheSizeMB"]) * 1024 * 1024,
+            tail_cache_ms=int(config["managedLedgerCacheEvictionTimeThresholdMillis"]),
         )
         service = BrokerService(factory, reactor, config, store)
         self.service = service

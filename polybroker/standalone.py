@@ -269,6 +269,7 @@ class Standalone(BrokerProcess):
             client,
             reactor,
             cache_size_bytes=int(config["managedLedgerCacheSizeMB"]) * 1024 * 1024,
+            tail_cache_ms=int(config["managedLedgerCacheEvictionTimeThresholdMillis"]),
         )
         service = BrokerService(factory, reactor, config, store)
         # Closing the service closes the ledger factory too.

@@ -5,9 +5,11 @@ Rule 2: each log's cache holds entries in append order, so the oldest is always 
         eviction behind the slowest reader and eviction by size both pop from the front.
 Rule 3: the caches of one factory share one byte budget; when it is exceeded, the largest caches
         give back their oldest entries until the total is under 90% of the budget.
-Rule 4: a log with no cursor still caches what it appends, for readers by position (Kafka
-        fetches, readers without a cursor), and drops what it appended longer ago than its tail
-        window (the log tracks when, by its clock); Rule 3's budget bounds it like any cache.
+Rule 4: a log caches what it appends also with no cursor, for readers by position (Kafka
+        fetches, readers without a cursor), and every log drops what it appended longer ago
+        than its tail window, read or not (the log tracks when, by its clock), as Pulsar's
+        cache evicts by age: a subscription that fell behind reads its backlog from the
+        bookies rather than pinning it here up to Rule 3's budget.
 Rule 5: an entry is held as a plain tuple of its fields (ledger, entry, index, messages, publish
         time, data), and ``get`` builds the ``Entry``: a plain tuple of ints and bytes leaves the
         garbage collector's lists at the first collection it survives, whereas named tuples stay

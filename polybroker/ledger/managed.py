@@ -69,8 +69,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE_BYTES = 256 * 1024 * 1024
 FORMAT_VERSION = 1
-# With no cursor, a log keeps the entries appended this recently (ms) for readers by position
-# (Pulsar's managedLedgerCacheEvictionTimeThresholdMillis).
+# A log keeps in its cache only entries appended this recently (ms), read or not (Pulsar's
+# managedLedgerCacheEvictionTimeThresholdMillis): a subscription that fell behind reads its
+# backlog from the bookies instead of pinning it in memory.
 DEFAULT_TAIL_CACHE_MS = 1000
 # Reads that miss the cache fetch at most this many entries from a ledger in one request.
 READ_BATCH = 100
@@ -291,7 +292,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._opening_handles: dict[int, list[Deferred[ReadHandle]]] = {}
         self._cursors: dict[str, ManagedCursorImpl] = {}
         self._waiting: list[ManagedCursorImpl] = []
-        # (when, first seq) of each completion cached with no cursor open (``_trim_tail``).
+        # (when, first seq) of each completion cached (``_trim_tail``).
         self._tail_marks: deque[tuple[float, int]] = deque()
         self._trimming = False
         self._trim_again = False
@@ -685,8 +686,7 @@ class ManagedLedgerImpl(ManagedLedger):
         ledger.last_time = t
         self._next_seq = seq
         self._next_index += messages
-        if not self._cursors:
-            self._trim_tail(seq - len(adds))
+        self._trim_tail(seq - len(adds))
         for a, entry in zip(adds, entries, strict=True):
             on_done = a[_A_DONE]
             if on_done is not None:
@@ -712,12 +712,14 @@ class ManagedLedgerImpl(ManagedLedger):
             self._check_idle()
 
     def _trim_tail(self, first_seq: int) -> None:
-        """With no cursor holding entries back, keep only those cached within the tail window
+        """Keep only the entries cached within the tail window, whoever has read them
         (entries numbered from ``first_seq`` were cached just now)."""
         now = self._reactor.seconds()
         marks = self._tail_marks
         marks.append((now, first_seq))
         cutoff = now - self._factory.tail_cache_ms / 1000.0
+        if marks[0][0] >= cutoff:
+            return  # nothing cached has aged out
         while marks[0][0] < cutoff:
             marks.popleft()
         self._cache.evict_before(marks[0][1])
