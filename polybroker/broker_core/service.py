@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
+from twisted.internet import defer
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall, deferLater
@@ -265,7 +266,7 @@ class BrokerService:
                 lambda f: log.error("stats updater stopped", extra=kv(error=str(f.value)))
             )
 
-    # -- names ----------------------------------------------------------------------------
+    # -- health ---------------------------------------------------------------------------
 
     async def storage_problem(self) -> str | None:
         """Why this broker could not store a message now, or None (``/brokers/health``): its
@@ -281,11 +282,15 @@ class BrokerService:
         for what, check in checks:
             try:
                 problem = await check().addTimeout(HEALTH_TIMEOUT_S, self.reactor)
+            except defer.TimeoutError:
+                return f"{what}: no answer within {HEALTH_TIMEOUT_S:g} s"
             except Exception as e:
                 return f"{what}: {e or type(e).__name__}"
             if isinstance(problem, str):
                 return problem
         return None
+
+    # -- names ----------------------------------------------------------------------------
 
     def topic_ref(self, name: str) -> TopicRef:
         """Parse (and cache) a topic name; raise ``InvalidTopicNameError``."""

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet.defer import fail, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 
+from polybroker.broker_core import service as service_module
 from polybroker.broker_core.errors import TopicNotFoundError
 from polybroker.metadata.api import MetadataError
 
@@ -50,6 +51,13 @@ async def test_health_says_why_the_broker_cannot_store(
     monkeypatch.setattr(admin.store, "exists", lambda path: fail(MetadataError("session lost")))
     reply = await admin.request("GET", "/admin/v2/brokers/health")
     assert (reply.status, reply.json()) == (503, {"reason": "metadata store: session lost"})
+    monkeypatch.setattr(service_module, "HEALTH_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(admin.store, "exists", lambda path: Deferred())  # never answers
+    reply = await admin.request("GET", "/admin/v2/brokers/health")
+    assert (reply.status, reply.json()) == (
+        503,
+        {"reason": "metadata store: no answer within 0.05 s"},
+    )
 
 
 @pytest_twisted.ensureDeferred
