@@ -73,12 +73,7 @@ _KEYS: tuple[Key, ...] = (
     Key("managedLedgerMaxLedgerRolloverTimeMinutes", int, 240, "Roll a ledger after this age"),
     Key("managedLedgerMinLedgerRolloverTimeMinutes", int, 10, "Never roll a younger ledger"),
     Key("managedLedgerCacheSizeMB", int, 256, "Entry cache for tailing reads"),
-    Key(
-        "managedLedgerCacheEvictionTimeThresholdMillis",
-        int,
-        1000,
-        "Cached entries older than this are dropped, read or not",
-    ),
+    Key("managedLedgerCacheEvictionTimeThresholdMillis", int, 1000, "Cached entries' age limit"),
     Key("managedLedgerDefaultMarkDeleteRateLimit", float, 1.0, "Cursor persists per second"),
     Key("defaultRetentionTimeInMinutes", int, 0, "Keep consumed ledgers this long (-1: forever)"),
     Key("defaultRetentionSizeInMB", int, 0, "Keep consumed ledgers up to this size (-1: no cap)"),

@@ -70,7 +70,8 @@ class MetadataBookieRegistry(BookieRegistry):
         generation = self._generation
 
         def got(read_only: list[str], available: list[str]) -> list[str]:
-            names = [n for n in available if n not in set(read_only)]
+            refusing = set(read_only)
+            names = [n for n in available if n not in refusing]
             # A change seen while the reads were in flight makes this answer stale: do not keep it.
             if generation == self._generation and self._unwatch is not None:
                 self._cached = list(names)
