@@ -43,7 +43,8 @@ Rule 6: the space ahead of the writer is made of written blocks, not merely allo
         also commit the file system's journal; overwriting written blocks syncs data only.
         The zeros never reach a byte the writer reserved (both hold ``_space`` for that), and
         zeros read back as preallocated space, so replay is unchanged. An error there only
-        stops the zeroing: groups then go to fallocated space as before.
+        stops the zeroing: groups then go to fallocated space as before. A disk found full
+        (ENOSPC, EDQUOT) stops it for the current file only; the next file is zeroed again.
 """
 
 from __future__ import annotations
@@ -448,6 +449,7 @@ class Journal:
         self._zero_fd = -1  # the zeroing side's own descriptor of file _zero_fd_file
         self._zero_fd_file = -1
         self._zero_stopped = False
+        self._zero_paused_file = -1  # the file the disk had no room to zero (Rule 6)
         self._zero_thread: threading.Thread | None = None
         self.zero_error: BaseException | None = None
         self._open_file(first_file_id)
@@ -752,7 +754,8 @@ class Journal:
                 if self._zero_stopped or self._stopping:
                     return False
                 start = max(self._zero_written, self._reserved)
-                if self._space_file >= 0 and start < self._zero_target:
+                wanted = self._space_file >= 0 and self._space_file != self._zero_paused_file
+                if wanted and start < self._zero_target:
                     break
                 if not block:
                     return False
@@ -763,26 +766,41 @@ class Journal:
                 self._zero_fd = os.open(self.directory / file_name(file_id), os.O_WRONLY)
                 self._zero_fd_file = file_id
             fd = self._zero_fd
+        try:
+            end = self._write_zeros(fd, file_id, start)
+            if end == start:
+                return True  # the writer got there first, or moved to another file
+            os.fdatasync(fd)
+        except OSError as e:
+            if not disk_full(e):
+                raise
+            self.zero_error = e
+            with self._space:
+                self._zero_paused_file = file_id
+            log.warning("journal zeroing paused until the next file", extra=kv(error=str(e)))
+            return True
+        with self._space:
+            if self._space_file == file_id:
+                self._zeroed = max(self._zeroed, min(end, self._zero_written))
+        return True
+
+    def _write_zeros(self, fd: int, file_id: int, start: int) -> int:
+        """Write zeros into file ``file_id`` from ``start`` on, at most ``_ZERO_SYNC`` bytes, off
+        what the writer reserves; return the end written (``start`` when nothing was, or when
+        the writer moved to another file meanwhile)."""
         stop = start + _ZERO_SYNC
         end = start
         while True:
             with self._space:
                 # The writer may have reserved more, or moved to another file, meanwhile.
                 if self._space_file != file_id or self._stopping:
-                    return True
+                    return start
                 pos = max(self._zero_written, self._reserved)
                 chunk_end = min(pos + _ZERO_CHUNK, self._zero_target, stop)
                 if pos >= chunk_end:
-                    break
-                os.pwrite(fd, _ZEROS[: chunk_end - pos], pos)
-                self._zero_written = end = chunk_end
-        if end == start:
-            return True  # the writer got there first
-        os.fdatasync(fd)
-        with self._space:
-            if self._space_file == file_id:
-                self._zeroed = max(self._zeroed, min(end, self._zero_written))
-        return True
+                    return end
+                # A short write claims only what it wrote; the next one reports the error.
+                self._zero_written = end = pos + os.pwrite(fd, _ZEROS[: chunk_end - pos], pos)
 
     def _close_zero_fd(self) -> None:
         if self._zero_fd >= 0:

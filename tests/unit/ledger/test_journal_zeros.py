@@ -150,3 +150,41 @@ def test_zero_ahead_zero_turns_it_off(tmp_path: Path) -> None:
     assert (tmp_path / file_name(1)).stat().st_size == 16 * 1024
     j.stop()
     assert _replayed(tmp_path) == _expected(10)
+
+
+def test_a_full_disk_pauses_the_zeroing_until_the_next_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room for zeros stops the zeroing of the current file only: a short write claims only
+    what it wrote, the writer fallocates past it as before, and the next file is zeroed again."""
+    config = JournalConfig(prealloc_size=16 * 1024, zero_ahead=AHEAD, max_file_size=256 * 1024)
+    j, rec = _journal(tmp_path, config)
+    real_pwrite = journal_mod.os.pwrite
+    calls: list[int] = []
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) == 1:
+            return real_pwrite(fd, data[:4096], offset)  # room for one block only
+        raise OSError(errno.ENOSPC, "injected")
+
+    _group(j, 0, 1)  # asks for zeros
+    first_end = rec.groups[-1][1].offset
+    monkeypatch.setattr(journal_mod.os, "pwrite", full)
+    assert j.zero_step() is True  # the short write, then ENOSPC: paused, not stopped
+    assert isinstance(j.zero_error, OSError)
+    assert j._zero_written == first_end + 4096
+    assert j._zeroed < first_end  # nothing of it was synced as zeros
+    assert j.zero_step() is False  # file 1 is not zeroed again
+    _group(j, 1, 99)  # into fallocated space past the short write
+    assert rec.failures == []
+    assert j.zero_step() is False
+    monkeypatch.setattr(journal_mod.os, "pwrite", real_pwrite)
+    entry = 100
+    while rec.groups[-1][1].file_id == 1:
+        _group(j, entry, 1, size=8000)
+        entry += 1
+    assert j.zero_step() is True  # file 2: zeroed again
+    assert j._zeroed > rec.groups[-1][1].offset
+    j.stop()
+    assert [e for e, _ in _replayed(tmp_path)] == list(range(entry))
