@@ -3,7 +3,9 @@
 Names follow Pulsar's broker metrics: per topic ``pulsar_rate_in``, ``pulsar_storage_size``,
 ``pulsar_in_messages_total`` ... labelled ``cluster``, ``namespace``, ``topic``; broker-wide
 totals as ``pulsar_broker_*``. Only loaded topics are counted: a topic nobody used since the
-broker started has no rates to report.
+broker started has no rates to report. The entry cache as Pulsar's ``pulsar_ml_cache_used_size``
+and ``pulsar_ml_count``, with counters where Pulsar reports per-second rates
+(``pulsar_ml_cache_hits_total`` is what ``pulsar_ml_cache_hits_rate`` is the rate of).
 """
 
 from __future__ import annotations
@@ -26,6 +28,22 @@ _TOPIC_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("pulsar_in_bytes_total", "counter", "Bytes published since load", "bytesInCounter"),
     ("pulsar_out_messages_total", "counter", "Messages delivered since load", "msgOutCounter"),
     ("pulsar_out_bytes_total", "counter", "Bytes delivered since load", "bytesOutCounter"),
+)
+
+
+#: (metric, Prometheus type, help, key of ``ManagedLedgerFactory.cache_stats``)
+_CACHE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("pulsar_ml_cache_used_size", "gauge", "Bytes held by the entry cache", "used_bytes"),
+    ("pulsar_ml_cache_max_size", "gauge", "The entry cache's byte budget", "max_bytes"),
+    ("pulsar_ml_count", "gauge", "Managed ledgers open on this broker", "logs"),
+    ("pulsar_ml_cache_hits_total", "counter", "Entries read from the entry cache", "hits"),
+    ("pulsar_ml_cache_misses_total", "counter", "Entries read from the bookies", "misses"),
+    (
+        "pulsar_ml_cache_evictions_total",
+        "counter",
+        "Times the cache's byte budget made it drop entries",
+        "evictions",
+    ),
 )
 
 
@@ -97,4 +115,10 @@ def render_metrics(service: Any, cluster: str) -> str:
         lines.append(f"# HELP {broker_metric} {help_text} (all topics)")
         lines.append(f"# TYPE {broker_metric} {kind}")
         lines.append(f"{broker_metric}{_labels(base)} {_number(totals.get(metric, 0))}")
+    cache = service.ledger_factory.cache_stats()
+    for metric, kind, help_text, key in _CACHE_METRICS:
+        if key in cache:
+            lines.append(f"# HELP {metric} {help_text}")
+            lines.append(f"# TYPE {metric} {kind}")
+            lines.append(f"{metric}{_labels(base)} {_number(cache[key])}")
     return "\n".join(lines) + "\n"

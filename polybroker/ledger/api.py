@@ -680,3 +680,9 @@ class ManagedLedgerFactory(abc.ABC):
         """Why appends needing a new ledger of ``ensemble_size`` bookies would fail now, or
         None (``LedgerClient.storage_problem``); a factory that cannot tell answers None."""
         return succeed(None)
+
+    def cache_stats(self) -> dict[str, int]:
+        """The entry cache's figures for metrics: ``used_bytes``, ``max_bytes``, ``logs`` (with
+        a cache), and the counters ``hits``, ``misses`` (entries read) and ``evictions``
+        (times the byte budget made a cache give back entries); empty without a cache."""
+        return {}

@@ -42,7 +42,20 @@ class EntryCacheManager:
         self.max_bytes = max(0, max_bytes)
         self.size = 0
         self._caches: set[EntryCache] = set()
-        self.evictions = 0
+        self.evictions = 0  # times the budget made a cache give back entries (Rule 3)
+        self.hits = 0  # entries read from a cache
+        self.misses = 0  # entries read that a cache did not hold
+
+    def stats(self) -> dict[str, int]:
+        """Bytes used and allowed, the logs with a cache, and the counters since start."""
+        return {
+            "used_bytes": self.size,
+            "max_bytes": self.max_bytes,
+            "logs": len(self._caches),
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
 
     def new_cache(self, name: str) -> EntryCache:
         """Return a cache for one log; release it with ``EntryCache.close``."""
@@ -165,6 +178,12 @@ class EntryCache:
         t = self._slots[i]
         assert t is not None
         return _new(Entry, (_new(Position, (t[0], t[1])), t[2], t[3], t[4], t[5]))
+
+    def count_reads(self, hits: int, misses: int) -> None:
+        """Count a read of ``hits`` entries found here and ``misses`` not (for metrics)."""
+        manager = self._manager
+        manager.hits += hits
+        manager.misses += misses
 
     def first_seq(self) -> int | None:
         """The oldest cached entry's number, or None if empty."""

@@ -306,14 +306,17 @@ class ManagedCursorImpl(Cursor):
         return d
 
     def _cached(self, seqs: list[int]) -> list[Entry] | None:
-        """The entries numbered ``seqs`` if the log's cache holds every one of them."""
-        get = self._ml._cache.get
+        """The entries numbered ``seqs`` if the log's cache holds every one of them (counted
+        as read only then: otherwise ``_read_seqs`` reads and counts them)."""
+        cache = self._ml._cache
+        get = cache.get
         out: list[Entry] = []
         for s in seqs:
             e = get(s)
             if e is None:
                 return None
             out.append(e)
+        cache.count_reads(len(out), 0)
         return out
 
     def _fetch(self, seqs: list[int], after: int) -> Deferred[list[Entry]]:

@@ -1035,12 +1035,13 @@ class ManagedLedgerImpl(ManagedLedger):
         """Return the entries numbered ``seqs`` (ascending, all confirmed), cache first."""
         cache = self._cache
         out: list[Entry | None] = []
-        missing = False
+        missing = 0
         for s in seqs:
             e = cache.get(s)
             out.append(e)
             if e is None:
-                missing = True
+                missing += 1
+        cache.count_reads(len(out) - missing, missing)
         if not missing:
             return succeed(out)  # type: ignore[arg-type]
         return Deferred.fromCoroutine(self._fill(list(seqs), out))
@@ -1531,6 +1532,9 @@ class ManagedLedgerFactoryImpl(ManagedLedgerFactory):
 
     def storage_problem(self, ensemble_size: int) -> Deferred[str | None]:
         return self.client.storage_problem(ensemble_size)
+
+    def cache_stats(self) -> dict[str, int]:
+        return self.cache_manager.stats()
 
     def open(self, name: str, config: ManagedLedgerConfig | None = None) -> Deferred[ManagedLedger]:
         if self._closed:

@@ -151,6 +151,17 @@ class Standalones:
                     proc.stdout.close()
 
 
+def _metric(text: bytes, name: str) -> float:
+    """The value of the one sample of ``name`` in a Prometheus text page."""
+    values = [
+        float(line.rsplit(b" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name.encode() + b"{")
+    ]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
 @pytest.fixture
 def standalones(tmp_path: Path) -> Iterator[Standalones]:
     """A factory of standalone processes, all stopped at teardown."""
@@ -302,6 +313,16 @@ def test_pulsar_client_over_http_service_url(standalones: Standalones, tmp_path:
             assert m.topic_name().startswith(f"{parts}-partition-")
             p_consumer.acknowledge(m)
         assert got == {f"p{i}" for i in range(12)}
+
+        # The entry cache in /metrics: four logs, and the 13 entries delivered were read.
+        status, text = http("GET", f"{broker.http}/metrics")
+        assert status == 200
+        assert _metric(text, "pulsar_ml_count") == 4
+        used = _metric(text, "pulsar_ml_cache_used_size")  # 0 once every cursor acked
+        assert 0 <= used <= _metric(text, "pulsar_ml_cache_max_size")
+        assert _metric(text, "pulsar_ml_cache_max_size") > 0
+        read = _metric(text, "pulsar_ml_cache_hits_total")
+        assert read + _metric(text, "pulsar_ml_cache_misses_total") >= 13
 
         # A pattern subscription lists the namespace's topics over HTTP.
         pattern = re.compile(r"persistent://public/default/rx-.*")

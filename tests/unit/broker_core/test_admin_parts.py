@@ -56,9 +56,18 @@ class _Broken:
         raise RuntimeError("closing")
 
 
+class _Factory:
+    def __init__(self, cache: dict[str, int]) -> None:
+        self.cache = cache
+
+    def cache_stats(self) -> dict[str, int]:
+        return self.cache
+
+
 class _Service:
-    def __init__(self, topics: dict[str, Any]) -> None:
+    def __init__(self, topics: dict[str, Any], cache: dict[str, int] | None = None) -> None:
         self.topics = topics
+        self.ledger_factory = _Factory(cache or {})
 
 
 def test_metrics_text_sums_and_escapes() -> None:
@@ -88,6 +97,21 @@ def test_metrics_text_sums_and_escapes() -> None:
     assert 'pulsar_broker_consumers_count{cluster="c1"} 4.0' in lines
     assert 'pulsar_broker_topics_count{cluster="c1"} 2' in lines
     assert not any("broken" in line for line in lines)
+    assert not any(line.startswith("pulsar_ml_") for line in lines)  # a factory with no cache
+
+
+def test_metrics_text_has_the_entry_cache() -> None:
+    """The factory's cache figures appear under Pulsar's names, counters as counters."""
+    cache = {"used_bytes": 4096, "max_bytes": 1 << 20, "logs": 3, "hits": 90, "misses": 10}
+    lines = render_metrics(_Service({}, cache | {"evictions": 2}), "c1").splitlines()
+    assert 'pulsar_ml_cache_used_size{cluster="c1"} 4096' in lines
+    assert 'pulsar_ml_cache_max_size{cluster="c1"} 1048576' in lines
+    assert 'pulsar_ml_count{cluster="c1"} 3' in lines
+    assert 'pulsar_ml_cache_hits_total{cluster="c1"} 90' in lines
+    assert 'pulsar_ml_cache_misses_total{cluster="c1"} 10' in lines
+    assert 'pulsar_ml_cache_evictions_total{cluster="c1"} 2' in lines
+    assert "# TYPE pulsar_ml_cache_hits_total counter" in lines
+    assert "# TYPE pulsar_ml_cache_used_size gauge" in lines
 
 
 def _policies() -> PolicyStore:

@@ -24,6 +24,8 @@ def test_tailing_reads_are_served_from_memory() -> None:
         result_of(ml.append(b"x%d" % i))
         assert [e.data for e in result_of(c.read(10))] == [b"x%d" % i]
     assert rig.client.reads == 0
+    stats = rig.factory.cache_stats()
+    assert (stats["hits"], stats["misses"]) == (50, 0)
 
 
 def test_a_read_just_after_an_append_is_served_from_the_cache_with_no_cursor() -> None:
@@ -104,6 +106,26 @@ def test_cache_stays_within_its_budget_and_misses_go_to_the_ledger() -> None:
     got = result_of(c.read(40))
     assert got == entries
     assert rig.client.reads > 0
+
+
+def test_reads_are_counted_as_hits_and_misses_for_metrics() -> None:
+    """Every entry read counts once: a hit when the cache held it, a miss when the ledger had
+    to be asked; the factory's figures are the manager's."""
+    budget = 10 * (100 + 24 + ENTRY_OVERHEAD)
+    rig = Rig(cache_size_bytes=budget)
+    ml = rig.open()
+    c = result_of(ml.open_cursor("sub", InitialPosition.EARLIEST))
+    for i in range(40):
+        result_of(ml.append(bytes([i]) * 100))
+    cached = len(ml._cache)
+    assert 0 < cached < 40
+    assert len(result_of(c.read(40))) == 40
+    stats = rig.factory.cache_stats()
+    assert (stats["hits"], stats["misses"]) == (cached, 40 - cached)
+    assert stats["logs"] == 1
+    assert stats["evictions"] > 0
+    assert stats["used_bytes"] == rig.factory.cache_manager.size
+    assert stats["max_bytes"] == budget
 
 
 def test_budget_is_shared_between_logs() -> None:
