@@ -22,14 +22,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from benchlib import free_port, wait_port
 
 BENCH = Path(os.environ.get("BENCH_AMQP", Path(__file__).parent / "clients" / "bench_amqp.py"))
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
@@ -88,25 +88,6 @@ def cpu_seconds(session: int) -> float:
         if int(fields[3]) == session:  # session id
             total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / _TICK
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on {port} after {timeout_s}s")
 
 
 class Rabbit:

@@ -46,6 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Before the sys.path filter below, which takes this folder (and benchlib) off the path.
+from benchlib import percentile
+
 # Keep this folder off the path so `import pulsar` is the client, not benchmarks/pulsar.py.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -62,13 +65,6 @@ REPLICATION = {
     "managedLedgerDefaultWriteQuorum": 2,
     "managedLedgerDefaultAckQuorum": 2,
 }
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))]
 
 
 def cpu_seconds(pid: int) -> float:

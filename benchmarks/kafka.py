@@ -29,7 +29,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# Before the sys.path filter below, which takes this folder (and benchlib) off the path.
+from benchlib import free_port, wait_port
 
 SIZES = (100, 1024)
 
@@ -54,25 +56,6 @@ client's own sleep, not the broker's work (see 'srv us out')."""
 # This file is named like the kafka-python package: keep its folder off the import path.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on {port} after {timeout_s}s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

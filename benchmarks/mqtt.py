@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import free_port, wait_port
+
 BENCH = Path(os.environ.get("BENCH_MQTT", Path(__file__).parent / "clients" / "bench_mqtt.py"))
 
 CASES: list[tuple[str, list[str], int]] = [
@@ -48,25 +50,6 @@ CASES: list[tuple[str, list[str], int]] = [
     ("qos1", ["--qos", "1"], 1),
     ("qos1-paced-2k", ["--qos", "1", "--rate", "2000"], 2),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on {port} after {timeout_s}s")
 
 
 class Server:

@@ -57,6 +57,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Before the sys.path filter below, which takes this folder (and benchlib) off the path.
+from benchlib import free_port, percentile
+
 # This file is named pulsar.py: keep its folder off the path so `import pulsar` is the client.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -66,15 +69,6 @@ _READY = "polybroker standalone ready "
 _LITE_CONFIG = "[metrics]\nenabled = false\n"
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Return the q-th percentile (0..100) of ``values`` by nearest rank."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
 _STAMP = struct.Struct(">qq")
 _FILL = b"x" * (SIZE - _STAMP.size)
 
@@ -82,13 +76,6 @@ _FILL = b"x" * (SIZE - _STAMP.size)
 def payload(now_ns: int, index: int = 0) -> bytes:
     """A 100-byte message carrying its send time and its index in the run."""
     return _STAMP.pack(now_ns, index) + _FILL
-
-
-def free_port() -> int:
-    """A port free on loopback now (the broker binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mb(pid: int) -> float:

@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,18 +33,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from benchlib import free_port, percentile
+
 RECORD = 1024
 OUTSTANDING = 256
 THRESHOLD = 512 * 1024  # journalBufferedWritesThreshold
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Return the q-th percentile (0..100) of ``values`` by nearest rank."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def summarize(
@@ -111,13 +103,6 @@ def run_raw(directory: Path, seconds: float, window_s: float) -> dict[str, float
     finally:
         os.close(fd)
     return summarize("raw" if window_s else "raw-nowait", len(latencies), elapsed, latencies)
-
-
-def free_port() -> int:
-    """Return a port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class BookieProcess:
