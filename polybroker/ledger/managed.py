@@ -661,9 +661,10 @@ class ManagedLedgerImpl(ManagedLedger):
         popleft = pending.popleft
         # Record every completed entry first, then tell the callers: whatever their callbacks
         # do (append, read, close) sees the log with all of them.
-        # The cache's slots are made here, as the adds are walked (``EntryCache.put_slots``).
-        slots: list[tuple[int, int, int, int, int, bytes, int]] = []
-        slot_done = slots.append
+        # The cache's columns are made here, as the adds are walked (``EntryCache.put_run``).
+        ints: list[int] = []
+        datas: list[bytes] = []
+        ints_done, data_done = ints.extend, datas.append
         before = cache.put_bytes
         t = 0
         # The pending adds are of consecutive entry ids (sent in order, dropped together).
@@ -671,15 +672,16 @@ class ManagedLedgerImpl(ManagedLedger):
             a = popleft()
             data, num, t, _, _, _, index, asize, eid = a
             entry_done(_new(Entry, (_new(Position, (lid, eid)), index, num, t, data)))
-            slot_done((lid, eid, index, num, t, data, before))
+            ints_done((lid, eid, index, num, t, before))
+            data_done(data)
             before += len(data) + _CACHE_OVERHEAD
             add_done(a)
             index_of(index)
             time_of(t)
             size += asize
             messages += num
-        cache.put_slots(seq, slots, before)
-        seq += len(slots)
+        cache.put_run(seq, ints, datas, before)
+        seq += len(datas)
         ledger.entries += len(adds)
         ledger.size += size
         ledger.messages += messages

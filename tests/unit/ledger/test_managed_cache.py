@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_ledger_client import Rig, failure_of, result_of
 
 from polybroker.ledger.api import BookieError, Entry, InitialPosition, Position
-from polybroker.ledger.cache import ENTRY_OVERHEAD, EntryCache, EntryCacheManager
+from polybroker.ledger.cache import ENTRY_OVERHEAD, FIELDS, EntryCache, EntryCacheManager
 
 
 def test_tailing_reads_are_served_from_memory() -> None:
@@ -220,21 +220,36 @@ def test_manager_accounts_every_put_and_eviction() -> None:
     assert two.get(29) is None
 
 
-def test_cached_entries_leave_the_garbage_collectors_lists() -> None:
-    """What the cache holds for an entry is untracked by the collector after one collection
-    (Rule 5), and ``get`` gives back an ``Entry`` equal to the one appended."""
+def test_cached_entries_are_nothing_the_garbage_collector_walks() -> None:
+    """Caching entries adds no tracked object per entry to the collector's youngest
+    generation (Rule 5): a collection there never walks the cache. ``get`` gives back an
+    ``Entry`` equal to the one put."""
+    cache = EntryCacheManager(1 << 30).new_cache("t")
+    entries = [Entry(Position(1, i), 2 * i, 1, 1000 + i, b"x%d" % i) for i in range(5000)]
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects(0))
+        for i, e in enumerate(entries):
+            cache.put(i, e)
+        grown = len(gc.get_objects(0)) - before
+    finally:
+        gc.enable()
+    assert grown < 50
+    got = [cache.get(i) for i in range(5000)]
+    assert got == entries
+    assert all(type(e) is Entry and type(e.position) is Position for e in got)
+
+
+def test_a_log_caches_its_appends_as_appended() -> None:
+    """What a log caches as its adds complete reads back equal to what the appends returned."""
     rig = Rig()
     ml = rig.open()
     appended = rig.append(ml, b"a", b"b", b"c")
-    gc.collect()
-    held = ml._cache._slots[ml._cache._head :]
-    assert len(held) == 3
-    assert not any(gc.is_tracked(fields) for fields in held)
     seq = ml._cache.first_seq()
     assert seq is not None
-    got = [ml._cache.get(seq + i) for i in range(3)]
-    assert got == appended
-    assert all(type(e) is Entry and type(e.position) is Position for e in got)
+    assert [ml._cache.get(seq + i) for i in range(3)] == appended
+    assert ml._cache.get(seq + 3) is None
 
 
 def test_entry_cache_agrees_with_a_plain_model() -> None:
@@ -284,22 +299,25 @@ def test_entry_cache_agrees_with_a_plain_model() -> None:
                 assert cache.get(k) == model[k]
             assert cache.get(min(model) - 1) is None
             assert cache.get(max(model) + 1) is None
-    assert len(cache._slots) < 20_000  # evicted slots were compacted away
+    assert len(cache._data) < 20_000  # evicted entries were compacted away
+    assert len(cache._ints) == FIELDS * len(cache._data)
 
 
-def _put_slots(cache: EntryCache, seq: int, rows: list[tuple[int, int, int, int, bytes]]) -> None:
-    """``put_slots`` of rows (entry id, index, num messages, publish time, data) of ledger 4,
-    the slots built as a log builds them."""
+def _put_run(cache: EntryCache, seq: int, rows: list[tuple[int, int, int, int, bytes]]) -> None:
+    """``put_run`` of rows (entry id, index, num messages, publish time, data) of ledger 4,
+    the columns built as a log builds them."""
     before = cache.put_bytes
-    slots = []
+    ints: list[int] = []
+    data: list[bytes] = []
     for row in rows:
-        slots.append((4, *row, before))
+        ints.extend((4, *row[:4], before))
+        data.append(row[4])
         before += len(row[4]) + ENTRY_OVERHEAD
-    cache.put_slots(seq, slots, before)
+    cache.put_run(seq, ints, data, before)
 
 
 def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
-    """``put_slots`` leaves a cache as ``put`` of each entry would (the same entries and bytes;
+    """``put_run`` leaves a cache as ``put`` of each entry would (the same entries and bytes;
     a gap before a run starts afresh), and under a budget keeps the newest entries, intact,
     within it."""
     rng = random.Random(11)
@@ -324,10 +342,10 @@ def test_a_run_put_at_once_is_cached_as_its_entries_put_one_by_one() -> None:
         ]
         for i, e in enumerate(entries):
             singles.put(seq + i, e)
-        _put_slots(slotted, seq, rows)
-        _put_slots(bounded, seq, rows)
+        _put_run(slotted, seq, rows)
+        _put_run(bounded, seq, rows)
         seq += len(entries)
-        assert slotted._slots == singles._slots
+        assert (slotted._ints, slotted._data) == (singles._ints, singles._data)
         assert [slotted.get(s) for s in range(seq - len(entries), seq)] == entries
         assert (slotted.size, slotted.first_seq(), len(slotted)) == (
             singles.size,
