@@ -323,11 +323,15 @@ def encode_varint(value: int) -> bytes:
             return bytes(out)
 
 
-def decode_varint(data: bytes | bytearray | memoryview, pos: int) -> tuple[int, int] | None:
-    """``(value, next_pos)``, or None when ``data`` ends first; ``MqttError`` past 4 bytes."""
+def decode_varint(
+    data: bytes | bytearray | memoryview, pos: int, end: int | None = None
+) -> tuple[int, int] | None:
+    """``(value, next_pos)``, or None when ``data`` (or ``data[:end]``) ends first;
+    ``MqttError`` past 4 bytes."""
+    limit = len(data) if end is None else end
     value = 0
     for i in range(4):
-        if pos + i >= len(data):
+        if pos + i >= limit:
             return None
         byte = data[pos + i]
         value |= (byte & 0x7F) << (7 * i)
@@ -381,7 +385,7 @@ class _Reader:
         return int(struct.unpack(">I", self.take(4))[0])
 
     def varint(self) -> int:
-        got = decode_varint(self.data[: self.end], self.pos)
+        got = decode_varint(self.data, self.pos, self.end)
         if got is None:
             raise MqttError(MALFORMED_PACKET, "packet ends inside a variable byte integer")
         value, self.pos = got
@@ -472,10 +476,14 @@ def _check_qos(qos: int) -> int:
     return qos
 
 
+#: The (protocol name, level) pairs of MQTT 3.1, 3.1.1 and 5.0 in CONNECT.
+_PROTOCOLS = frozenset({("MQIsdp", LEVEL_31), ("MQTT", LEVEL_311), ("MQTT", LEVEL_5)})
+
+
 def _decode_connect(r: _Reader) -> Connect:
     name = r.string()
     level = r.byte()
-    if name not in ("MQTT", "MQIsdp") or (name == "MQTT") != (level in (LEVEL_311, LEVEL_5)):
+    if (name, level) not in _PROTOCOLS:
         raise UnsupportedProtocolError(level, f"protocol {name!r} level {level}")
     flags = r.byte()
     if flags & 0x01:

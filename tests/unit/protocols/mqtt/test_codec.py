@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -144,6 +145,59 @@ def test_unknown_protocol_level() -> None:
     err = _error(bytes(data))
     assert isinstance(err, c.UnsupportedProtocolError)
     assert err.level == 9
+
+
+def _connect(name: str, level: int) -> bytes:
+    """A CONNECT naming ``name`` at ``level`` with client id "x" (no properties below 5)."""
+    body = c._string(name) + bytes([level, 0x02, 0x00, 0x3C])
+    body += (b"\x00" if level == c.LEVEL_5 else b"") + c._string("x")
+    return b"\x10" + c.encode_varint(len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("name", "level"), [("MQIsdp", 0), ("MQIsdp", 4), ("MQIsdp", 255), ("MQTT", 3), ("MQTT", 0)]
+)
+def test_a_protocol_name_goes_with_its_own_levels_only(name: str, level: int) -> None:
+    """MQIsdp is level 3 (MQTT 3.1) and MQTT is 4 or 5: any other pair is unsupported."""
+    err = _error(_connect(name, level))
+    assert isinstance(err, c.UnsupportedProtocolError)
+    assert err.level == level
+
+
+def test_mqtt_31_connects_and_a_second_connect_is_refused() -> None:
+    """MQIsdp at level 3 sets the reader's level, so a second CONNECT is a protocol error."""
+    reader = c.PacketReader()
+    reader.feed(_connect("MQIsdp", c.LEVEL_31) + _connect("MQTT", c.LEVEL_5))
+    first = reader.next_packet()
+    assert isinstance(first, c.Connect)
+    assert reader.level == c.LEVEL_31
+    with pytest.raises(c.MqttError) as info:
+        reader.next_packet()
+    assert info.value.reason_code == c.PROTOCOL_ERROR
+
+
+class _CountingBytes(bytes):
+    """Bytes that count what slicing them copies."""
+
+    copied = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        out = super().__getitem__(key)
+        if isinstance(key, slice):
+            _CountingBytes.copied += len(out)
+        return out
+
+
+def test_properties_are_read_without_copying_the_packet_per_property() -> None:
+    """Reading a property block copies each field once, not the block per property: a packet
+    of many small properties costs time in proportion to its size."""
+    props = b"\x0b\x01" * 5000  # subscription identifiers
+    data = _CountingBytes(c.encode_varint(len(props)) + props)
+    _CountingBytes.copied = 0
+    reader = c._Reader(data)
+    c._read_properties(reader)
+    assert reader.remaining() == 0
+    assert _CountingBytes.copied <= len(data)
 
 
 @pytest.mark.parametrize(
