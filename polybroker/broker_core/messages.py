@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError, EncodeError
 
 from polybroker.broker_core.stored import stored_message_pb2 as pb
+from polybroker.compression import snappy_length
 
 try:  # the checksum is in C when the crc32c package is there (a declared dependency)
     from crc32c import crc32c as _crc32c
@@ -263,13 +264,16 @@ def metadata_format(md: pb.Metadata) -> str:
 
 def decompress(code: int, uncompressed_size: int, payload: bytes, limit: int) -> bytes:
     """Undo a payload's compression (``code`` as Pulsar numbers it: 0 none, 1 LZ4, 2 ZLIB,
-    3 ZSTD, 4 SNAPPY); refuse a result above ``limit`` bytes."""
+    3 ZSTD, 4 SNAPPY); refuse a result above ``limit`` bytes, and a payload whose own header
+    declares more than ``uncompressed_size`` (or ``limit``) before decompressing it (the zstd
+    and snappy libraries set aside what the data declares)."""
     if code == pb.NONE:
         return payload
     if uncompressed_size > limit:
         raise MessageFormatError(
             f"uncompressed size {uncompressed_size} exceeds the limit of {limit}"
         )
+    bound = uncompressed_size or limit
     try:
         if code == pb.LZ4:
             import lz4.block
@@ -280,12 +284,15 @@ def decompress(code: int, uncompressed_size: int, payload: bytes, limit: int) ->
         elif code == pb.ZSTD:
             import zstandard
 
-            out = zstandard.ZstdDecompressor().decompress(
-                payload, max_output_size=uncompressed_size or limit
-            )
+            if zstandard.frame_content_size(payload) > bound:
+                raise MessageFormatError(f"zstd frame declares more than {bound} bytes")
+            out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=bound)
         elif code == pb.SNAPPY:
             import snappy
 
+            declared = snappy_length(payload)
+            if declared is None or declared > bound:
+                raise MessageFormatError(f"snappy block declares {declared}, above {bound} bytes")
             out = snappy.uncompress(payload)
         else:
             raise MessageFormatError(f"unknown compression {code}")

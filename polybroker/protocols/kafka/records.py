@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 from crc32c import crc32c
 
+from polybroker.compression import snappy_length
+
 HEADER = struct.Struct(">qiibIhiqqqhii")
 HEADER_SIZE = HEADER.size  # 61
 _CRC_START = 21  # offset of attributes: what the CRC covers
@@ -140,14 +142,11 @@ def _bounded(chunks: io.RawIOBase | io.BufferedIOBase, limit: int) -> bytes:
     return bytes(out)
 
 
-def _snappy_length(block: bytes) -> int:
-    # A raw snappy block starts with its uncompressed length as an unsigned varint.
-    value = 0
-    for i, b in enumerate(block[:5]):
-        value |= (b & 0x7F) << (7 * i)
-        if not b & 0x80:
-            return value
-    raise RecordError("malformed snappy block")
+def _snappy_length(block: bytes | memoryview) -> int:
+    length = snappy_length(block)
+    if length is None:
+        raise RecordError("malformed snappy block")
+    return length
 
 
 def _snappy(data: bytes | memoryview, limit: int) -> bytes:

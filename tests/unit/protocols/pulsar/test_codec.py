@@ -259,6 +259,26 @@ def test_decompress_refuses_declared_size_over_limit() -> None:
         decompress(md, b"\x00", limit=1000)
 
 
+@pytest.mark.parametrize(
+    ("kind", "pack"),
+    [(pb.ZSTD, lambda b: zstandard.ZstdCompressor().compress(b)), (pb.SNAPPY, snappy.compress)],
+)
+def test_decompress_refuses_data_declaring_more_than_its_metadata(kind: int, pack: object) -> None:
+    """zstd and snappy data declare their own size and the libraries set that much aside:
+    more than the metadata's uncompressed size is refused before decompressing."""
+    md = metadata(compression=kind, uncompressed_size=100)
+    with pytest.raises(CodecError, match="declares"):
+        decompress(md, pack(b"abc" * 1000), limit=1 << 20)  # type: ignore[operator]
+
+
+def test_decompress_refuses_a_snappy_block_declaring_gigabytes() -> None:
+    """A 9-byte snappy block declaring 4 GiB is refused without asking the library, whatever
+    the metadata leaves out."""
+    md = metadata(compression=pb.SNAPPY)
+    with pytest.raises(CodecError, match="declares"):
+        decompress(md, b"\xff\xff\xff\xff\x0f\x00abc", limit=1 << 20)
+
+
 def test_decompress_garbage_raises_codec_error() -> None:
     """Corrupt compressed data raises CodecError, not the library's own error."""
     md = metadata(compression=pb.ZLIB, uncompressed_size=10)
