@@ -756,6 +756,11 @@ class PulsarConnection(Protocol):
         if not complete:
             self._protocol_error("SEND whose message metadata lacks required fields")
             return
+        if self._metadata_scratch.HasField("marker_type"):
+            # The broker's own mark (an entry stored in another protocol's format, read as
+            # such by that protocol's consumers): never a client's to set.
+            self._send_error(pid, seq, pb.NotAllowedError, "marker_type is set by the broker")
+            return
         pending = _PendingSend(seq, highest)
         state.sends.append(pending)
         if num > 1:

@@ -471,6 +471,19 @@ def test_send_with_invalid_metadata_closes(peer: Peer) -> None:
     assert peer.one(T.ERROR).error.message.startswith("SEND whose message metadata")
 
 
+def test_send_with_the_brokers_marker_is_refused_and_stays_open(peer: Peer) -> None:
+    """``marker_type`` marks entries the broker stored in another protocol's format: a SEND
+    carrying it gets NotAllowedError, nothing is stored, and the link stays up."""
+    peer.producer(1)
+    peer.publish(1, 0, b"not a record batch", marker_type=1000)
+    error = peer.one(T.SEND_ERROR).send_error
+    assert (error.sequence_id, error.error) == (0, pb.NotAllowedError)
+    assert not peer.closed
+    assert peer.factory.ledger(ML).data.entries == []
+    peer.publish(1, 1, b"fine")
+    assert peer.one(T.SEND_RECEIPT).send_receipt.sequence_id == 1
+
+
 def test_send_to_unknown_producer_is_refused(peer: Peer) -> None:
     """A SEND naming no producer of this connection gets SEND_ERROR."""
     peer.publish(7, 0, b"x")
