@@ -136,6 +136,51 @@ PROPERTY_TYPES: dict[int, int] = {
 }
 #: Properties that may appear more than once.
 _REPEATABLE = frozenset({USER_PROPERTY, SUBSCRIPTION_ID})
+#: The properties each packet type may carry (MQTT 5.0 section 2.2.2.2); any other is malformed.
+_MESSAGE_PROPS = frozenset(
+    {PAYLOAD_FORMAT, MESSAGE_EXPIRY, CONTENT_TYPE, RESPONSE_TOPIC, CORRELATION_DATA}
+)
+_PUBLISH_PROPS = frozenset({*_MESSAGE_PROPS, SUBSCRIPTION_ID, TOPIC_ALIAS, USER_PROPERTY})
+_WILL_PROPS = frozenset({*_MESSAGE_PROPS, WILL_DELAY, USER_PROPERTY})
+_CONNECT_PROPS = frozenset(
+    {
+        SESSION_EXPIRY,
+        AUTH_METHOD,
+        AUTH_DATA,
+        REQUEST_PROBLEM_INFO,
+        REQUEST_RESPONSE_INFO,
+        RECEIVE_MAXIMUM,
+        TOPIC_ALIAS_MAXIMUM,
+        USER_PROPERTY,
+        MAXIMUM_PACKET_SIZE,
+    }
+)
+_CONNACK_PROPS = frozenset(
+    {
+        SESSION_EXPIRY,
+        ASSIGNED_CLIENT_ID,
+        SERVER_KEEP_ALIVE,
+        AUTH_METHOD,
+        AUTH_DATA,
+        RESPONSE_INFO,
+        SERVER_REFERENCE,
+        REASON_STRING,
+        RECEIVE_MAXIMUM,
+        TOPIC_ALIAS_MAXIMUM,
+        MAXIMUM_QOS,
+        RETAIN_AVAILABLE,
+        USER_PROPERTY,
+        MAXIMUM_PACKET_SIZE,
+        WILDCARD_SUB_AVAILABLE,
+        SUB_ID_AVAILABLE,
+        SHARED_SUB_AVAILABLE,
+    }
+)
+_ACK_PROPS = frozenset({REASON_STRING, USER_PROPERTY})  # PUBACK ... PUBCOMP, SUBACK, UNSUBACK
+_SUBSCRIBE_PROPS = frozenset({SUBSCRIPTION_ID, USER_PROPERTY})
+_UNSUBSCRIBE_PROPS = frozenset({USER_PROPERTY})
+_DISCONNECT_PROPS = frozenset({SESSION_EXPIRY, REASON_STRING, SERVER_REFERENCE, USER_PROPERTY})
+_AUTH_PROPS = frozenset({AUTH_METHOD, AUTH_DATA, REASON_STRING, USER_PROPERTY})
 #: The largest remaining length a four-byte variable byte integer can express.
 MAX_REMAINING_LENGTH = 268_435_455
 
@@ -405,7 +450,9 @@ class _Reader:
         return text
 
 
-def _read_properties(r: _Reader) -> Properties:
+def _read_properties(r: _Reader, allowed: frozenset[int]) -> Properties:
+    """The property block at ``r``: a property outside ``allowed`` (those of the packet type)
+    is a malformed packet."""
     length = r.varint()
     if length > r.remaining():
         raise MqttError(MALFORMED_PACKET, "property length exceeds the packet")
@@ -417,6 +464,8 @@ def _read_properties(r: _Reader) -> Properties:
         kind = PROPERTY_TYPES.get(pid)
         if kind is None:
             raise MqttError(MALFORMED_PACKET, f"unknown property 0x{pid:02x}")
+        if pid not in allowed:
+            raise MqttError(MALFORMED_PACKET, f"property 0x{pid:02x} is not valid in this packet")
         value: Any
         if kind == _BYTE:
             value = sub.byte()
@@ -489,13 +538,13 @@ def _decode_connect(r: _Reader) -> Connect:
     if flags & 0x01:
         raise MqttError(MALFORMED_PACKET, "reserved CONNECT flag set")
     keep_alive = r.int2()
-    props = _read_properties(r) if level == LEVEL_5 else {}
+    props = _read_properties(r, _CONNECT_PROPS) if level == LEVEL_5 else {}
     client_id = r.string()
     will: Will | None = None
     will_qos = _check_qos((flags >> 3) & 0x03)
     will_retain = bool(flags & 0x20)
     if flags & 0x04:
-        will_props = _read_properties(r) if level == LEVEL_5 else {}
+        will_props = _read_properties(r, _WILL_PROPS) if level == LEVEL_5 else {}
         topic = r.string()
         _check_topic_name(topic)
         will = Will(topic, r.binary(), will_qos, will_retain, will_props)
@@ -540,7 +589,7 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
             packet_id = r.int2()
             if packet_id == 0:
                 raise MqttError(MALFORMED_PACKET, "packet identifier 0")
-        props = _read_properties(r) if v5 else {}
+        props = _read_properties(r, _PUBLISH_PROPS) if v5 else {}
         return Publish(topic, r.take(r.remaining()), qos, bool(flags & 0x01), dup, packet_id, props)
     expected_flags = 0x02 if ptype in (PUBREL, SUBSCRIBE, UNSUBSCRIBE) else 0
     if flags != expected_flags:
@@ -554,7 +603,7 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         if v5 and r.remaining():
             code = r.byte()
             if r.remaining():
-                props = _read_properties(r)
+                props = _read_properties(r, _ACK_PROPS)
         _expect_end(r)
         return _ACK_CLASSES[ptype](packet_id, code, props)
     if ptype == CONNACK:
@@ -562,12 +611,12 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         if ack_flags & 0xFE:
             raise MqttError(MALFORMED_PACKET, "reserved CONNACK flags set")
         code = r.byte()
-        props = _read_properties(r) if v5 and r.remaining() else {}
+        props = _read_properties(r, _CONNACK_PROPS) if v5 and r.remaining() else {}
         _expect_end(r)
         return ConnAck(bool(ack_flags & 1), code, props)
     if ptype == SUBSCRIBE:
         packet_id = r.int2()
-        props = _read_properties(r) if v5 else {}
+        props = _read_properties(r, _SUBSCRIBE_PROPS) if v5 else {}
         subs = []
         while r.remaining():
             topic_filter = r.string()
@@ -591,11 +640,11 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         return Subscribe(packet_id, subs, props)
     if ptype == SUBACK:
         packet_id = r.int2()
-        props = _read_properties(r) if v5 else {}
+        props = _read_properties(r, _ACK_PROPS) if v5 else {}
         return SubAck(packet_id, list(r.take(r.remaining())), props)
     if ptype == UNSUBSCRIBE:
         packet_id = r.int2()
-        props = _read_properties(r) if v5 else {}
+        props = _read_properties(r, _UNSUBSCRIBE_PROPS) if v5 else {}
         filters = []
         while r.remaining():
             filters.append(r.string())
@@ -604,7 +653,7 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         return Unsubscribe(packet_id, filters, props)
     if ptype == UNSUBACK:
         packet_id = r.int2()
-        props = _read_properties(r) if v5 else {}
+        props = _read_properties(r, _ACK_PROPS) if v5 else {}
         codes = list(r.take(r.remaining())) if v5 else []
         return UnsubAck(packet_id, codes, props)
     if ptype in (PINGREQ, PINGRESP):
@@ -616,7 +665,9 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         if v5 and r.remaining():
             code = r.byte()
             if r.remaining():
-                props = _read_properties(r)
+                props = _read_properties(
+                    r, _DISCONNECT_PROPS if ptype == DISCONNECT else _AUTH_PROPS
+                )
         _expect_end(r)
         if ptype == AUTH:
             if not v5:

@@ -513,6 +513,9 @@ class MqttConnection(Protocol):
     def _on_publish(self, p: c.Publish) -> None:
         session = self.session
         assert session is not None
+        if c.SUBSCRIPTION_ID in p.properties:
+            # The server's to set on what it delivers [MQTT-3.3.4-6].
+            raise c.MqttError(c.PROTOCOL_ERROR, "PUBLISH from a client with a subscription id")
         if self.level == c.LEVEL_5 and c.TOPIC_ALIAS in p.properties:
             alias = int(p.properties.pop(c.TOPIC_ALIAS))
             if not 0 < alias <= TOPIC_ALIAS_MAX:
@@ -818,6 +821,8 @@ class MqttConnection(Protocol):
         sub_id = int(sub_ids[0]) if sub_ids else 0
         if sub_ids and sub_id == 0:
             raise c.MqttError(c.PROTOCOL_ERROR, "subscription identifier 0")
+        if len(sub_ids) > 1:
+            raise c.MqttError(c.PROTOCOL_ERROR, "more than one subscription identifier")
         codes: list[int] = [0] * len(p.subscriptions)
         pending: list[tuple[int, FilterSub, Deferred[bool]]] = []
         now_ms = int(self.clock.seconds() * 1000)

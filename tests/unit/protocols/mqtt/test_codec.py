@@ -176,6 +176,29 @@ def test_mqtt_31_connects_and_a_second_connect_is_refused() -> None:
     assert info.value.reason_code == c.PROTOCOL_ERROR
 
 
+@pytest.mark.parametrize(
+    "packet",
+    [
+        c.Connect("a", c.LEVEL_5, properties={c.TOPIC_ALIAS: 1}),
+        c.Connect("a", c.LEVEL_5, will=c.Will("w", b"", 0, False, {c.SESSION_EXPIRY: 1})),
+        c.Publish("t", b"", 0, False, False, None, {c.RECEIVE_MAXIMUM: 5}),
+        c.Subscribe(1, [c.Subscription("t", 0)], {c.CONTENT_TYPE: "x"}),
+        c.Unsubscribe(1, ["t"], {c.SUBSCRIPTION_ID: [3]}),
+        c.PubAck(1, c.SUCCESS, {c.TOPIC_ALIAS: 2}),
+        c.Disconnect(c.SUCCESS, {c.WILL_DELAY: 1}),
+    ],
+)
+def test_a_property_outside_its_packet_types_is_malformed(packet: c.Packet) -> None:
+    """Each property belongs to some packet types only (MQTT 5.0 2.2.2.2); elsewhere the packet
+    is malformed."""
+    reader = c.PacketReader(level=c.LEVEL_5)
+    reader.feed(c.encode(packet, c.LEVEL_5))
+    with pytest.raises(c.MqttError) as info:
+        reader.next_packet()
+    assert info.value.reason_code == c.MALFORMED_PACKET
+    assert "not valid in this packet" in str(info.value)
+
+
 class _CountingBytes(bytes):
     """Bytes that count what slicing them copies."""
 
@@ -195,7 +218,7 @@ def test_properties_are_read_without_copying_the_packet_per_property() -> None:
     data = _CountingBytes(c.encode_varint(len(props)) + props)
     _CountingBytes.copied = 0
     reader = c._Reader(data)
-    c._read_properties(reader)
+    c._read_properties(reader, c._SUBSCRIBE_PROPS)
     assert reader.remaining() == 0
     assert _CountingBytes.copied <= len(data)
 

@@ -1462,3 +1462,33 @@ def test_overlapping_filters_deliver_once_at_the_highest_qos_with_every_id() -> 
     (got,) = sub.packets()
     assert isinstance(got, c.Publish)
     assert (got.payload, got.qos, got.properties[c.SUBSCRIPTION_ID]) == (b"y", 1, [3, 7])
+
+
+def test_subscription_identifiers_where_a_client_may_not_send_them_are_refused() -> None:
+    """A client's PUBLISH carrying a subscription identifier, and a SUBSCRIBE carrying two,
+    are protocol errors: DISCONNECT 0x82 and a closed connection, nothing stored."""
+    env = Env()
+    pub = env.peer("p", c.LEVEL_5)
+    pub.packets()
+    pub.send(c.Publish("a/b", b"x", 1, False, False, 1, {c.SUBSCRIPTION_ID: [7]}))
+    sub = env.peer("s", c.LEVEL_5)
+    sub.packets()
+    sub.send(c.Subscribe(1, [c.Subscription("a/#", 1)], {c.SUBSCRIPTION_ID: [1, 2]}))
+    for peer in (pub, sub):
+        (disconnect,) = peer.packets()
+        assert isinstance(disconnect, c.Disconnect)
+        assert disconnect.reason_code == c.PROTOCOL_ERROR
+        assert peer.closed
+    assert env.factory.logs.get(ML_AB) is None or env.factory.ledger(ML_AB).data.entries == []
+
+
+def test_a_property_another_packet_type_owns_is_malformed() -> None:
+    """A CONNACK-only property in a client's PUBLISH is a malformed packet: DISCONNECT 0x81."""
+    env = Env()
+    pub = env.peer("p", c.LEVEL_5)
+    pub.packets()
+    pub.send(c.Publish("a/b", b"x", 0, False, False, None, {c.MAXIMUM_QOS: 1}))
+    (disconnect,) = pub.packets()
+    assert isinstance(disconnect, c.Disconnect)
+    assert disconnect.reason_code == c.MALFORMED_PACKET
+    assert pub.closed
