@@ -106,7 +106,6 @@ class _State(enum.Enum):
 
 _OPEN = _State.OPEN
 _MAX_NUM_MESSAGES = entry_format.MAX_NUM_MESSAGES
-_REPEAT_WARNING_S = 30.0  # the same "no ledger" warning at most this often
 
 
 class _Ledger:
@@ -301,7 +300,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._closing: list[Deferred[None]] | None = None  # waiters while a close runs
         self._switching = False  # a _start_ledger runs
         # Every append retries, and a broker whose bookies refuse writes must not flood its log.
-        self._no_ledger_repeats = Repeats(self._reactor.seconds, _REPEAT_WARNING_S)
+        self._no_ledger_repeats = Repeats(self._reactor.seconds)
 
     @property
     def config(self) -> ManagedLedgerConfig:
