@@ -96,7 +96,11 @@ COMPACTION_STEP_BYTES = 8 * 1024 * 1024  # live bytes one compaction step copies
 _COMPACTION_INDEX_BLOCK = 4096  # index records one read of a ledger's index covers
 _COMPACTION_STEP_RECORDS = 256 * 1024  # index records one step scans at most
 
-_CHUNK = 1024 * 1024  # bytes buffered before one write (and sync) of an entry log
+# Bytes buffered before one write (and sync) of an entry log. A journal sync that lands on one of
+# these syncs waits for it: at 1 MiB the managed-ledger add p99 of the storage benchmark was
+# 4.1x the raw loop's (median of 7 alternating rounds), at 256 KiB 3.6x (10 rounds) at the same
+# throughput; 128 KiB gained little more (3.4x, 7 rounds) for twice the syncs.
+_CHUNK = 256 * 1024
 
 
 class StorageCorruptError(StorageError):
