@@ -39,6 +39,9 @@ Rule 5a: except when the file cannot grow for the group (``posix_fallocate`` fin
 Rule 6: the space ahead of the writer is made of written blocks, not merely allocated ones: a
         second thread writes zeros there (``zero_ahead`` bytes ahead, through its own file
         descriptor, so a sync error it meets is still reported to the writer's) and syncs them.
+        In a new file the distance starts at twice ``_ZERO_SYNC`` and grows to twice what the
+        file holds, up to ``zero_ahead``: zeroing all of it at once, as fast as the disk takes
+        it, made every group sync wait behind a zero sync for the first ~80 ms of each file.
         Writing into fallocated space converts unwritten extents, so every group sync would
         also commit the file system's journal; overwriting written blocks syncs data only.
         The zeros never reach a byte the writer reserved (both hold ``_space`` for that), and
@@ -659,6 +662,8 @@ class Journal:
             self._roll()
         end = self._offset + nbytes
         ahead = self.config.zero_ahead
+        if ahead > 0:
+            ahead = min(ahead, max(2 * _ZERO_SYNC, 2 * end))  # a new file ramps up (Rule 6)
         with self._space:
             # From here on the zeroing thread keeps off these bytes (Rule 6).
             self._reserved = end

@@ -97,6 +97,34 @@ def test_records_written_into_zeroed_space_are_never_overwritten(tmp_path: Path)
     assert _replayed(tmp_path) == _expected(count)
 
 
+def test_a_new_file_zeroes_ahead_by_what_it_holds_up_to_zero_ahead(tmp_path: Path) -> None:
+    """A new file is zeroed ahead by twice ``_ZERO_SYNC`` at first, then by twice what it
+    holds, never more than ``zero_ahead``: its first groups do not wait behind megabytes of
+    zeros being synced."""
+    step = journal_mod._ZERO_SYNC
+    config = JournalConfig(prealloc_size=0, zero_ahead=16 * step, max_file_size=1 << 30)
+    j, rec = _journal(tmp_path, config)
+    _group(j, 0, 1)
+    while j.zero_step():
+        pass
+    first_end = rec.groups[-1][1].offset
+    assert j._zeroed == first_end + 2 * step
+    _group(j, 1, 3, size=step)  # the file now holds over 1.5 steps: ahead grows past 2 steps
+    while j.zero_step():
+        pass
+    end = rec.groups[-1][1].offset
+    assert j._zeroed == end + 2 * end
+    _group(j, 4, 16, size=step)  # twice this would pass ``zero_ahead``: capped there
+    while j.zero_step():
+        pass
+    end = rec.groups[-1][1].offset
+    assert j._zeroed == end + 16 * step
+    j.stop()
+    assert _replayed(tmp_path) == [
+        (e, bytes([e % 251]) * (300 if e == 0 else step)) for e in range(20)
+    ]
+
+
 def test_a_roll_moves_the_zeros_to_the_new_file(tmp_path: Path) -> None:
     """The file rolled away from is closed at its last record and gets no zeros after that."""
     config = JournalConfig(prealloc_size=0, zero_ahead=AHEAD, max_file_size=8 * 1024)
