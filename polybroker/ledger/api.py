@@ -144,10 +144,17 @@ class BookieClient(abc.ABC):
 
     @abc.abstractmethod
     def read_range(
-        self, ledger_id: int, first_entry_id: int, last_entry_id: int, max_bytes: int
+        self,
+        ledger_id: int,
+        first_entry_id: int,
+        last_entry_id: int,
+        max_bytes: int,
+        stride: int = 1,
     ) -> Deferred[list[ReadResult]]:
-        """Return consecutive entries from ``first_entry_id``, stopping at ``last_entry_id``,
-        at ``max_bytes`` (at least one entry is returned) or at the first entry it lacks."""
+        """Return the entries ``first_entry_id``, ``first_entry_id + stride``, ..., stopping
+        at ``last_entry_id``, at ``max_bytes`` (at least one entry is returned) or at the first
+        entry it lacks. A bookie too old for a stride above 1 fails it with
+        ``BookieProtocolError``."""
 
     @abc.abstractmethod
     def read_lac(

@@ -23,6 +23,9 @@ Rule 5: ``add_entry_batched`` (``add_record_batched``: of ready records) stages 
         one turn leave in one write handed to the kernel at once (``netio.write_now``). Staged
         adds that cannot be sent (the connection failed, the client closed) fail like pending
         ones.
+Rule 6: a request of a frame type that the bookie's chosen wire version lacks (``READ_STRIDE``
+        before version 3) is never sent: it fails with ``BookieProtocolError``, and the caller
+        reads another way.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from polybroker.ledger.wire import (
     MULTI_ADD_VERSION,
     MULTI_HEAD_SIZE,
     RECORD_HEAD_SIZE,
+    STRIDE_READ_VERSION,
     WIRE_VERSION,
     AddResponse,
     Buffer,
@@ -260,7 +264,7 @@ class TcpBookieClient(BookieClient):
         self._state = _IDLE
         self._proto: _ClientProtocol | None = None
         self._connector: Any = None
-        self._backlog: list[bytes] = []
+        self._backlog: list[tuple[bytes, int, int]] = []  # (frame, request id, version)
         self._pending: dict[int, _Pending] = {}
         self._long_polls: dict[int, _Pending] = {}
         self._next_id = 1
@@ -383,12 +387,17 @@ class TcpBookieClient(BookieClient):
 
     @override
     def read_range(
-        self, ledger_id: int, first_entry_id: int, last_entry_id: int, max_bytes: int
+        self,
+        ledger_id: int,
+        first_entry_id: int,
+        last_entry_id: int,
+        max_bytes: int,
+        stride: int = 1,
     ) -> Deferred[list[ReadResult]]:
         rid, d = self._register(_RANGE, ledger_id, first_entry_id)
         if not d.called:
-            req = ReadRangeRequest(rid, ledger_id, first_entry_id, last_entry_id, max_bytes)
-            self._send(req.encode())
+            req = ReadRangeRequest(rid, ledger_id, first_entry_id, last_entry_id, max_bytes, stride)
+            self._send(req.encode(), rid, WIRE_VERSION if stride == 1 else STRIDE_READ_VERSION)
         return d
 
     @override
@@ -474,13 +483,30 @@ class TcpBookieClient(BookieClient):
                 self._sweep_call = self._reactor.callLater(self._sweep_interval, self._sweep)
         return rid, d
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, frame: bytes, rid: int = 0, version: int = WIRE_VERSION) -> None:
+        """Send request ``rid``'s frame, a type of wire ``version``: at once when connected,
+        else after the handshake. A bookie that chose an older version never gets it: the
+        request fails with ``BookieProtocolError`` instead (Rule 6)."""
         if self._write is not None:
+            if version > self._version:
+                self._unsupported(rid, version)
+                return
             self._write(frame)
             return
-        self._backlog.append(frame)
+        self._backlog.append((frame, rid, version))
         if self._state == _IDLE:
             self._connect()
+
+    def _unsupported(self, rid: int, version: int) -> None:
+        p = self._pending.pop(rid, None)
+        if p is not None:
+            self._reject(
+                p,
+                BookieProtocolError(
+                    f"{self.address}: {p.describe()}: needs wire version {version}, the bookie "
+                    f"chose {self._version}"
+                ),
+            )
 
     def _write_sequence(self, parts: list[Buffer]) -> None:
         """Send the frames of one group: gathered while a turn's groups are flushed, else to
@@ -638,8 +664,14 @@ class TcpBookieClient(BookieClient):
         assert self._proto.transport is not None
         self._write = self._proto.transport.write
         backlog, self._backlog = self._backlog, []
-        if backlog:
-            self._proto.transport.writeSequence(backlog)
+        frames = []
+        for frame, rid, version in backlog:
+            if version > self._version:
+                self._unsupported(rid, version)
+            else:
+                frames.append(frame)
+        if frames:
+            self._proto.transport.writeSequence(frames)
         unsent, self._unsent = self._unsent, []
         for ledger_id, group in unsent:
             self._flush_group(ledger_id, group)

@@ -1090,19 +1090,13 @@ class BookKeeperClient(LedgerClient):
         return out
 
     def _read_entries(self, meta: LedgerMetadata, first: int, last: int) -> Deferred[list[bytes]]:
-        """Read first..last; ranges from one bookie where it holds them all (E == Qw)."""
+        """Read first..last: ranges from one bookie where it holds them all (E == Qw), strided
+        ranges where the ensemble stripes them (E > Qw)."""
         return Deferred.fromCoroutine(self._read_entries_async(meta, first, last))
 
     async def _read_entries_async(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
         if meta.ensemble_size != meta.write_quorum:
-            # Striped: each bookie holds every E-th... entries; read them one by one, in parallel.
-            results = await _gather_all([self._read_one(meta, e) for e in range(first, last + 1)])
-            out = []
-            for ok, value in results:
-                if not ok:
-                    value.raiseException()
-                out.append(value[0])
-            return out
+            return await self._read_striped(meta, first, last)
         out = []
         entry_id = first
         while entry_id <= last:
@@ -1114,14 +1108,65 @@ class BookKeeperClient(LedgerClient):
             entry_id += len(got)
         return out
 
+    async def _read_striped(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
+        """Read first..last of a striped ledger. Within a fragment the entries of one residue
+        modulo E share a write set, so each residue is one strided read (the residues in
+        parallel), not one read per entry; what a read left out is asked for again."""
+        size = meta.ensemble_size
+        got: dict[int, bytes] = {}
+        entry_id = first
+        while entry_id <= last:
+            end = _fragment_end(meta, entry_id, last)
+            starts = []
+            for start in range(entry_id, min(entry_id + size, end + 1)):
+                while start <= end and start in got:
+                    start += size
+                if start <= end:
+                    starts.append(start)
+            # Each read gives at least its first entry, or raises: every round makes progress.
+            for ok, value in await _gather_all(
+                [Deferred.fromCoroutine(self._read_residue(meta, s, end)) for s in starts]
+            ):
+                if not ok:
+                    value.raiseException()
+                got.update(value)
+            while entry_id <= end and entry_id in got:
+                entry_id += 1
+        return [got[e] for e in range(first, last + 1)]
+
+    async def _read_residue(self, meta: LedgerMetadata, start: int, end: int) -> dict[int, bytes]:
+        """Entries start, start + E, ... up to ``end`` (within one fragment): a verified prefix
+        from the first replica that gives one, else ``start`` alone, replica after replica."""
+        ledger_id, size = meta.ledger_id, meta.ensemble_size
+        for address in meta.write_set(start):
+            try:
+                results: list[ReadResult] = await self._timed(
+                    self._bookie(address).read_range(
+                        ledger_id, start, end, _READ_RANGE_BYTES // size, size
+                    ),
+                    f"read {ledger_id}:{start}..{end} by {size} on {address}",
+                )
+            except BookieError as e:
+                log.debug("ledger %d: strided read on %s: %s", ledger_id, address, e)
+                continue
+            out: dict[int, bytes] = {}
+            for expected, result in zip(range(start, end + 1, size), results, strict=False):
+                if result.entry_id != expected:
+                    break
+                try:
+                    out[expected] = decode_record(ledger_id, expected, result.data)[0]
+                except DigestMismatchError as e:
+                    log.warning("ledger %d on %s: %s", ledger_id, address, e)
+                    break
+            if out:
+                return out
+        data, _, _ = await self._read_one(meta, start)
+        return {start: data}
+
     async def _read_range(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
         """Read a verified prefix of first..last (within one fragment) from one replica; []
         when no replica gave a usable first entry (the caller falls back to single reads)."""
-        fragment_end = last
-        for start, _ in meta.fragments:
-            if start > first:
-                fragment_end = min(last, start - 1)
-                break
+        fragment_end = _fragment_end(meta, first, last)
         ledger_id = meta.ledger_id
         for address in meta.write_set(first):
             try:
@@ -1397,7 +1442,12 @@ class _ClosedBookie(BookieClient):
         return self._closed()
 
     def read_range(
-        self, ledger_id: int, first_entry_id: int, last_entry_id: int, max_bytes: int
+        self,
+        ledger_id: int,
+        first_entry_id: int,
+        last_entry_id: int,
+        max_bytes: int,
+        stride: int = 1,
     ) -> Deferred[list[ReadResult]]:
         return self._closed()
 
@@ -1417,6 +1467,14 @@ class _ClosedBookie(BookieClient):
 
     def close(self) -> Deferred[None]:
         return succeed(None)
+
+
+def _fragment_end(meta: LedgerMetadata, first: int, last: int) -> int:
+    """The last entry up to ``last`` in the fragment holding ``first``."""
+    for start, _ in meta.fragments:
+        if start > first:
+            return min(last, start - 1)
+    return last
 
 
 def _best_error(errors: Sequence[Failure]) -> Failure:

@@ -24,14 +24,21 @@ Rule 6: a HELLO is always sent in a version-1 frame; its body carries the range 
         client speaks and the answer the version chosen (or ``BAD_VERSION``) and the bookie's
         instance id.
 Rule 7: a frame's version byte is the version that defined its type: 1 for every type of
-        version 1, 2 for ``ADD_MULTI`` and its answer (a type in a header of another version is
-        refused). A client sends ``ADD_MULTI`` only to a bookie that chose version 2 or later.
+        version 1, 2 for ``ADD_MULTI`` and its answer, 3 for ``READ_STRIDE`` (a type in a
+        header of another version is refused). A client sends ``ADD_MULTI`` only to a bookie
+        that chose version 2 or later, and ``READ_STRIDE`` only to one that chose 3 or later.
 Rule 8: the ``ADD_MULTI`` body is ``[u64 ledger][u32 count]`` then ``count`` journal records
         ``[u32 length][u32 crc32c(record body)][record body]``, each record body an ADD body of
         that ledger (entry id >= 0, no flag but recovery). Each record's checksum covers its own
         body and the frame checksum covers every other byte (the 12-byte head and each record's
         8-byte head, in order), so every byte is checked once and the records are journaled
         verbatim. The entries of one ``ADD_MULTI`` share one fate and one answer (the count).
+Rule 9: ``READ_STRIDE`` is a ``READ_RANGE`` body followed by ``[u32 stride]`` (at least 1): it
+        reads entries first, first + stride, ... up to last, with the range's bounds (byte
+        budget, at least one entry, stop at the first entry missing), and is answered with a
+        ``READ_RANGE_RESPONSE``. In a ledger striped over E bookies, the entries of one
+        residue modulo E share one write set, so one strided read per bookie replaces one
+        read per entry.
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ from polybroker.ledger.api import BookieProtocolError
 
 WIRE_VERSION = 1  # the version of the base frame types (and of every HELLO)
 MULTI_ADD_VERSION = 2  # adds ADD_MULTI and ADD_MULTI_RESPONSE (Rules 7, 8)
-LATEST_VERSION = MULTI_ADD_VERSION
-SUPPORTED_VERSIONS = frozenset({WIRE_VERSION, MULTI_ADD_VERSION})
+STRIDE_READ_VERSION = 3  # adds READ_STRIDE (Rules 7, 9)
+LATEST_VERSION = STRIDE_READ_VERSION
+SUPPORTED_VERSIONS = frozenset({WIRE_VERSION, MULTI_ADD_VERSION, STRIDE_READ_VERSION})
 
 # Room for the ledger client's record header around a largest message, and for response fields.
 FRAME_OVERHEAD = 64 * 1024
@@ -74,6 +82,7 @@ FLAG_LONG_POLL = 0x01
 _HELLO_REQ = struct.Struct(">BBH")
 _READ_REQ = struct.Struct(">QqB")
 _READ_RANGE_REQ = struct.Struct(">QqqI")
+_READ_STRIDE_REQ = struct.Struct(">QqqII")
 _READ_LAC_REQ = struct.Struct(">QqIB")
 _LEDGER = struct.Struct(">Q")
 _LEDGER_LAC = struct.Struct(">Qq")
@@ -109,6 +118,7 @@ class MsgType(enum.IntEnum):
     DELETE_LEDGER = 7
     WRITE_LAC = 8
     ADD_MULTI = 9  # version 2
+    READ_STRIDE = 10  # version 3, answered with READ_RANGE_RESPONSE
 
     RESPONSE = 0x80
     HELLO_RESPONSE = 0x81
@@ -231,20 +241,25 @@ class ReadRequest:
 
 @dataclass(slots=True)
 class ReadRangeRequest:
-    """Read consecutive entries first..last, at most ``max_bytes`` of data (at least one)."""
+    """Read entries first..last, every ``stride``-th one, at most ``max_bytes`` of data (at
+    least one). A stride of 1 is a ``READ_RANGE`` frame, any other a ``READ_STRIDE`` one
+    (Rule 9)."""
 
     request_id: int
     ledger_id: int
     first_entry_id: int
     last_entry_id: int
     max_bytes: int
+    stride: int = 1
     TYPE: ClassVar[MsgType] = MsgType.READ_RANGE
 
     def encode(self) -> bytes:
-        body = _READ_RANGE_REQ.pack(
-            self.ledger_id, self.first_entry_id, self.last_entry_id, self.max_bytes
-        )
-        return _frame(self.TYPE, self.request_id, body)
+        first, last = self.first_entry_id, self.last_entry_id
+        if self.stride == 1:
+            body = _READ_RANGE_REQ.pack(self.ledger_id, first, last, self.max_bytes)
+            return _frame(self.TYPE, self.request_id, body)
+        body = _READ_STRIDE_REQ.pack(self.ledger_id, first, last, self.max_bytes, self.stride)
+        return _frame(MsgType.READ_STRIDE, self.request_id, body, STRIDE_READ_VERSION)
 
 
 @dataclass(slots=True)
@@ -793,6 +808,14 @@ def _dec_read_range(rid: int, body: memoryview) -> ReadRangeRequest:
     return ReadRangeRequest(rid, *_READ_RANGE_REQ.unpack_from(body, 0))
 
 
+def _dec_read_stride(rid: int, body: memoryview) -> ReadRangeRequest:
+    _exact(body, _READ_STRIDE_REQ.size, rid, "READ_STRIDE")
+    req = ReadRangeRequest(rid, *_READ_STRIDE_REQ.unpack_from(body, 0))
+    if req.stride < 1:
+        raise _bad(rid, "READ_STRIDE stride must be at least 1")
+    return req
+
+
 def _dec_read_lac(rid: int, body: memoryview) -> ReadLacRequest:
     _exact(body, _READ_LAC_REQ.size, rid, "READ_LAC")
     ledger, previous, timeout_ms, flags = _READ_LAC_REQ.unpack_from(body, 0)
@@ -904,6 +927,7 @@ _DECODERS = {
     MsgType.ADD: _dec_add,
     MsgType.READ: _dec_read,
     MsgType.READ_RANGE: _dec_read_range,
+    MsgType.READ_STRIDE: _dec_read_stride,
     MsgType.READ_LAC: _dec_read_lac,
     MsgType.FENCE: _dec_fence,
     MsgType.DELETE_LEDGER: _dec_delete,
@@ -923,6 +947,7 @@ _DECODERS = {
 _TYPE_VERSION = {int(t): WIRE_VERSION for t in _DECODERS}
 _TYPE_VERSION[MsgType.ADD_MULTI] = MULTI_ADD_VERSION
 _TYPE_VERSION[MsgType.ADD_MULTI_RESPONSE] = MULTI_ADD_VERSION
+_TYPE_VERSION[MsgType.READ_STRIDE] = STRIDE_READ_VERSION
 _STATUSES = tuple(Status(i) for i in range(len(Status)))
 # Plain-int keys: the lookup runs once per frame.
 _DECODE_BY_INT = {int(k): v for k, v in _DECODERS.items()}

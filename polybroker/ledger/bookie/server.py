@@ -449,7 +449,7 @@ class Bookie:
         entries: list[tuple[int, Buffer]] = []
         used = 0
         try:
-            for eid in range(first, min(last, MAX_ENTRY_ID) + 1):
+            for eid in range(first, min(last, MAX_ENTRY_ID) + 1, req.stride):
                 data = self.storage.read_entry(lid, eid)
                 if data is None:
                     break

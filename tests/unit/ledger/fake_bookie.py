@@ -160,7 +160,12 @@ class FakeBookie(BookieClient):
         return succeed(raw)
 
     def read_range(
-        self, ledger_id: int, first_entry_id: int, last_entry_id: int, max_bytes: int
+        self,
+        ledger_id: int,
+        first_entry_id: int,
+        last_entry_id: int,
+        max_bytes: int,
+        stride: int = 1,
     ) -> Deferred[list[ReadResult]]:
         refused = self._refuse()
         if refused is not None:
@@ -171,7 +176,7 @@ class FakeBookie(BookieClient):
             return fail(NoSuchLedgerError(f"{self.address}: no ledger {ledger_id}"))
         out: list[ReadResult] = []
         size = 0
-        for entry_id in range(first_entry_id, last_entry_id + 1):
+        for entry_id in range(first_entry_id, last_entry_id + 1, stride):
             raw = st.entries.get(entry_id)
             if raw is None or (out and size + len(raw) > max_bytes):
                 break

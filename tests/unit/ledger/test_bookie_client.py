@@ -36,6 +36,7 @@ from polybroker.ledger.wire import (
     MultiAddResponse,
     ReadLacRequest,
     ReadLacResponse,
+    ReadRangeRequest,
     ReadRangeResponse,
     ReadRequest,
     ReadResponse,
@@ -669,3 +670,40 @@ def test_a_frame_sent_early_leaves_at_once_and_the_rest_at_the_end_of_the_turn(
     rest = decode_all(sock.sent[0])
     assert [(m.ledger_id, [e for e, _, _ in m.entries]) for m in rest] == [(1, [4]), (2, [0])]
     assert queued == [queued[0]]  # only the handshake went through Twisted's write
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["before-handshake", "after-handshake"])
+def test_strided_reads_go_only_to_a_bookie_that_chose_version_3(
+    reactor: MemoryReactorClock, early: bool
+) -> None:
+    """A bookie of wire version 2 never receives a READ_STRIDE (it would drop the connection):
+    the read fails locally with ``BookieProtocolError``, and the requests around it go on. One
+    of version 3 gets it and its answer comes back as the entries."""
+    for version in (2, 3):
+        client = TcpBookieClient("127.0.0.1:3181", reactor, timeout_s=5.0)
+        before = client.read_entry(3, 0)
+        peer = Peer(reactor)
+        strided = client.read_range(3, 1, 9, 1000, 4) if early else None
+        peer.handshake(version=version)
+        if strided is None:
+            strided = client.read_range(3, 1, 9, 1000, 4)
+        after = client.read_range(3, 1, 9, 1000)
+        sent = peer.received()
+        kinds = [(type(m), getattr(m, "stride", None)) for m in sent]
+        if version == 2:
+            assert kinds == [(ReadRequest, None), (ReadRangeRequest, 1)]
+            error = failure_of(strided)
+            assert isinstance(error, BookieProtocolError)
+            assert "version 3" in str(error)
+        else:
+            assert kinds == [(ReadRequest, None), (ReadRangeRequest, 4), (ReadRangeRequest, 1)]
+            peer.answer(ReadRangeResponse(sent[1].request_id, Status.OK, "", 3, [(1, b"a")]))
+            assert result_of(strided) == [ReadResult(1, b"a")]
+        peer.answer(
+            ReadResponse(sent[0].request_id, Status.OK, "", 3, 0, b"z"),
+            ReadRangeResponse(sent[-1].request_id, Status.OK, "", 3, [(1, b"a"), (2, b"b")]),
+        )
+        assert result_of(before) == b"z"
+        assert result_of(after) == [ReadResult(1, b"a"), ReadResult(2, b"b")]
+        assert not peer.transport.disconnecting
+        client.close()

@@ -330,6 +330,33 @@ def test_read_range_honours_max_bytes_and_gaps(h: Harness) -> None:
     assert d.status == Status.NO_SUCH_ENTRY  # type: ignore[union-attr]
 
 
+def test_strided_read_takes_every_kth_entry_with_the_range_bounds(h: Harness) -> None:
+    """A strided read answers first, first + stride, ... and, like a range, stops at
+    max_bytes (one entry at least) and at the first entry it lacks."""
+    proto, t = h.connect()
+    have = (0, 1, 2, 3, 4, 6, 9, 12)
+    send(proto, *(add(i, 2, e, b"x" * 100) for i, e in enumerate(have)))
+    h.flush()
+    answers(t)
+    send(
+        proto,
+        ReadRangeRequest(10, 2, 0, 12, 10_000, 3).encode(),
+        ReadRangeRequest(11, 2, 0, 12, 250, 3).encode(),
+        ReadRangeRequest(12, 2, 1, 12, 10_000, 3).encode(),
+        ReadRangeRequest(13, 2, 5, 12, 10_000, 3).encode(),
+    )
+    a, b, c, d = answers(t)
+    assert isinstance(a, ReadRangeResponse)
+    assert [e for e, _ in a.entries] == [0, 3, 6, 9, 12]
+    assert [bytes(x) for _, x in a.entries] == [
+        h.storage.read_entry(2, e) for e in (0, 3, 6, 9, 12)
+    ]
+    assert [e for e, _ in b.entries] == [0, 3]  # type: ignore[union-attr]
+    assert [e for e, _ in c.entries] == [1, 4]  # type: ignore[union-attr]
+    assert d.status == Status.NO_SUCH_ENTRY  # type: ignore[union-attr]
+    assert not t.disconnecting
+
+
 def test_delete_in_journal_order_never_resurrects(tmp_path: Path) -> None:
     """An add journaled before a delete completes first; the delete wins, also after a crash."""
     h = Harness(tmp_path)
@@ -370,7 +397,7 @@ def test_random_bytes_get_an_error_and_a_close_and_others_go_on(h: Harness) -> N
     ("frame", "status", "rid"),
     [
         (HEADER.pack(50_000_000, WIRE_VERSION, MsgType.ADD, 21, 0), Status.TOO_LARGE, 21),
-        (HEADER.pack(14, 3, MsgType.FENCE, 22, 0), Status.BAD_VERSION, 22),
+        (HEADER.pack(14, 9, MsgType.FENCE, 22, 0), Status.BAD_VERSION, 22),
         (
             HEADER.pack(14 + 8, WIRE_VERSION, MsgType.FENCE, 23, 1) + b"\x00" * 8,
             Status.BAD_REQUEST,

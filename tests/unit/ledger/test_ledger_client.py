@@ -483,6 +483,28 @@ def test_range_reads_cross_fragments() -> None:
     assert result_of(reader.read(3, 6)) == [data(i) for i in range(3, 7)]
 
 
+def test_striped_reads_go_one_per_residue_and_around_a_missing_bookie() -> None:
+    """With E > Qw the entries of one residue modulo E share a write set: a read takes one
+    strided read per residue, not one per entry, within each fragment, and a residue whose
+    first bookie is gone is read from its next one."""
+    rig = LedgerRig(4)
+    w = rig.create(3, 2, 2)
+    for i in range(20):
+        result_of(w.append(data(i)))
+    before = sum(b.reads for b in rig.cluster.bookies.values())
+    assert result_of(w.read(0, 19)) == [data(i) for i in range(20)]
+    assert result_of(w.read(4, 5)) == [data(4), data(5)]
+    assert sum(b.reads for b in rig.cluster.bookies.values()) - before == 3 + 2
+    first = w.metadata.fragments[0][1]
+    rig.bookie(first[1]).down = True
+    for i in range(20, 30):
+        result_of(w.append(data(i)))
+    assert len(w.metadata.fragments) == 2  # the ensemble changed without first[1]
+    reader = result_of(rig.new_client().open(w.ledger_id, recovery=True))
+    assert result_of(reader.read(0, 29)) == [data(i) for i in range(30)]
+    assert result_of(reader.read(17, 23)) == [data(i) for i in range(17, 24)]
+
+
 def test_delayed_acks_complete_on_the_clock_without_a_timeout() -> None:
     """Acks that take less than the add timeout complete when they arrive and replace no one."""
     rig = LedgerRig(3, add_timeout_s=2.0)

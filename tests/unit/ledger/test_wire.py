@@ -15,6 +15,7 @@ from polybroker.ledger.wire import (
     HEADER,
     HEADER_SIZE,
     MULTI_ADD_VERSION,
+    STRIDE_READ_VERSION,
     SUPPORTED_VERSIONS,
     WIRE_VERSION,
     AddRequest,
@@ -59,6 +60,7 @@ MESSAGES: list[Message] = [
     AddRequest(3, 2**63, 2**36, 41, True, b""),
     ReadRequest(4, 7, 5, fence=True),
     ReadRangeRequest(5, 7, 0, 99, 1 << 20),
+    ReadRangeRequest(24, 7, 2, 99, 1 << 20, 3),
     ReadLacRequest(6, 7),
     ReadLacRequest(7, 7, previous_lac=-1, timeout_ms=5000),
     FenceRequest(8, 7),
@@ -514,7 +516,24 @@ def test_frame_types_live_in_their_own_wire_version() -> None:
     fence[4] = MULTI_ADD_VERSION
     error = _multi_error(bytes(fence))
     assert (error.status, error.request_id) == (Status.BAD_REQUEST, 9)
-    assert {WIRE_VERSION, MULTI_ADD_VERSION} == SUPPORTED_VERSIONS
+    stride = bytearray(ReadRangeRequest(10, 7, 0, 9, 100, 2).encode())
+    assert stride[4:6] == bytes([STRIDE_READ_VERSION, MsgType.READ_STRIDE])
+    stride[4] = MULTI_ADD_VERSION
+    error = _multi_error(bytes(stride))
+    assert (error.status, error.request_id) == (Status.BAD_REQUEST, 10)
+    assert {WIRE_VERSION, MULTI_ADD_VERSION, STRIDE_READ_VERSION} == SUPPORTED_VERSIONS
+
+
+def test_a_range_read_is_a_read_range_frame_unless_strided() -> None:
+    """Stride 1 keeps the version-1 READ_RANGE frame (old bookies read it); a stride below 1
+    is refused with the request's id."""
+    plain = ReadRangeRequest(11, 7, 0, 9, 100).encode()
+    assert plain[4:6] == bytes([WIRE_VERSION, MsgType.READ_RANGE])
+    body = struct.pack(">QqqII", 7, 0, 9, 100, 0)
+    with pytest.raises(FrameError) as e:
+        decode_all(_frame(MsgType.READ_STRIDE, 12, body, version=STRIDE_READ_VERSION))
+    assert (e.value.status, e.value.request_id) == (Status.BAD_REQUEST, 12)
+    assert "stride" in str(e.value)
 
 
 def test_multi_add_size_predicts_the_frame_size() -> None:
