@@ -1136,7 +1136,8 @@ class BookKeeperClient(LedgerClient):
 
     async def _read_residue(self, meta: LedgerMetadata, start: int, end: int) -> dict[int, bytes]:
         """Entries start, start + E, ... up to ``end`` (within one fragment): a verified prefix
-        from the first replica that gives one, else ``start`` alone, replica after replica."""
+        from the first replica that gives one, else read one by one (at least ``start``, or
+        raise its error)."""
         ledger_id, size = meta.ledger_id, meta.ensemble_size
         for address in meta.write_set(start):
             try:
@@ -1160,8 +1161,19 @@ class BookKeeperClient(LedgerClient):
                     break
             if out:
                 return out
-        data, _, _ = await self._read_one(meta, start)
-        return {start: data}
+        # No replica gave one (a bookie too old for strided reads, or none answering): the
+        # entries one by one, in parallel, each replica after replica.
+        ids = range(start, end + 1, size)
+        out = {}
+        for entry_id, (ok, value) in zip(
+            ids, await _gather_all([self._read_one(meta, e) for e in ids]), strict=True
+        ):
+            if not ok:
+                if entry_id == start:
+                    value.raiseException()
+                break
+            out[entry_id] = value[0]
+        return out
 
     async def _read_range(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
         """Read a verified prefix of first..last (within one fragment) from one replica; []

@@ -24,6 +24,7 @@ from twisted.python.failure import Failure
 from polybroker.ledger.api import (
     BookieClient,
     BookieError,
+    BookieProtocolError,
     BookieUnavailableError,
     FenceResult,
     LedgerConfig,
@@ -62,6 +63,7 @@ class FakeBookie(BookieClient):
         self.add_delay = 0.0
         self.down = False
         self.silent = False
+        self.strided = True  # False: a bookie of wire version 2, refusing strided reads
         self.fail_adds = 0
         self.adds: list[tuple[int, int, int, bool]] = []  # (ledger, entry, lac, recovery)
         self.reads = 0
@@ -170,6 +172,8 @@ class FakeBookie(BookieClient):
         refused = self._refuse()
         if refused is not None:
             return refused
+        if stride != 1 and not self.strided:
+            return fail(BookieProtocolError(f"{self.address}: strided reads need version 3"))
         self.reads += 1
         st = self.ledgers.get(ledger_id)
         if st is None:

@@ -505,6 +505,23 @@ def test_striped_reads_go_one_per_residue_and_around_a_missing_bookie() -> None:
     assert result_of(reader.read(17, 23)) == [data(i) for i in range(17, 24)]
 
 
+def test_striped_reads_from_bookies_too_old_for_strides_go_entry_by_entry() -> None:
+    """Bookies that refuse strided reads (an older wire version) are read one entry at a
+    time, all in parallel; an entry no replica has still fails the read."""
+    rig = LedgerRig(3)
+    w = rig.create(3, 2, 2)
+    for i in range(12):
+        result_of(w.append(data(i)))
+    for b in rig.cluster.bookies.values():
+        b.strided = False
+    before = sum(b.reads for b in rig.cluster.bookies.values())
+    assert result_of(w.read(0, 11)) == [data(i) for i in range(12)]
+    assert sum(b.reads for b in rig.cluster.bookies.values()) - before == 12
+    for address in w.metadata.write_set(7):
+        rig.bookie(address).ledgers[w.ledger_id].entries.pop(7)
+    assert isinstance(failure_of(w.read(0, 11)), NoSuchEntryError)
+
+
 def test_delayed_acks_complete_on_the_clock_without_a_timeout() -> None:
     """Acks that take less than the add timeout complete when they arrive and replace no one."""
     rig = LedgerRig(3, add_timeout_s=2.0)
