@@ -14,6 +14,12 @@ Rule 3: ranges are read from one bookie of the fragment's write set with up to `
         record, bad frame) the read goes on from the first entry not yet handed out with the next
         bookie of the write set. ``DirectReadError`` once every bookie failed for an entry.
 Rule 4: entries come out in order, each exactly once.
+Rule 5: a striped fragment (E > Qw) is read in chunks: the entries of one residue modulo E share
+        a write set, so each residue of a chunk is one strided request (``READ_STRIDE``) to its
+        first bookie, all sent before any answer is read, again from the first entry missing
+        until the chunk is whole. A residue's request goes to the first bookie of its write set
+        that connects and chose wire version 3 or later; one whose request failed or found no
+        such bookie has its next entry read alone, replica after replica.
 """
 
 from __future__ import annotations
@@ -169,13 +175,17 @@ class BookieConnection:
             self._sock = connect(address, timeout)
         except OSError as e:
             raise DirectReadError(f"bookie {address}: {e}") from None
+        self.version = wire.WIRE_VERSION  # what the bookie chose at the handshake
         try:
             rid = self.request_id()
-            version = wire.WIRE_VERSION
-            self.send(wire.HelloRequest(rid, version, version, "direct-reader").encode())
+            hello_req = wire.HelloRequest(
+                rid, wire.WIRE_VERSION, wire.STRIDE_READ_VERSION, "direct-reader"
+            )
+            self.send(hello_req.encode())
             hello = self.receive(rid)
             if not isinstance(hello, wire.HelloResponse) or hello.status != wire.Status.OK:
                 raise DirectReadError(f"bookie {address} refused the session: {hello!r}")
+            self.version = hello.version
         except BaseException:
             self.close()
             raise
@@ -289,8 +299,7 @@ class DirectLedgerReader:
             if layout.ensemble_size == layout.write_quorum:
                 yield from self._read_fragment(layout, entry, stop)
             else:
-                for e in range(entry, stop + 1):
-                    yield e, self._read_one(layout, e)
+                yield from self._read_striped(layout, entry, stop)
             entry = stop + 1
 
     def _read_fragment(
@@ -370,6 +379,75 @@ class DirectLedgerReader:
                 c = self._conns.pop(address, None)
                 if c is not None:
                     c.close()
+
+    def _read_striped(
+        self, layout: LedgerLayout, first: int, last: int
+    ) -> Iterator[tuple[int, bytes]]:
+        """Entries of one fragment of a striped ledger (E > Qw), by chunks of strided reads
+        (Rule 5)."""
+        size = layout.ensemble_size
+        entry = first
+        while entry <= last:
+            stop = min(last, entry + size * self.range_entries - 1)
+            got: dict[int, bytes] = {}
+            while entry <= stop:
+                starts = []
+                for start in range(entry, min(entry + size, stop + 1)):
+                    while start <= stop and start in got:
+                        start += size
+                    if start <= stop:
+                        starts.append(start)
+                for start in self._strided_round(layout, starts, stop, got):
+                    got[start] = self._read_one(layout, start)
+                while entry <= stop and entry in got:
+                    yield entry, got.pop(entry)
+                    entry += 1
+
+    def _strided_round(
+        self, layout: LedgerLayout, starts: list[int], stop: int, got: dict[int, bytes]
+    ) -> list[int]:
+        """One strided request per residue start (up to ``stop``), each to the first bookie
+        of the residue's write set that connects and speaks version 3; verified entries go to
+        ``got``. Return the starts no answer gave."""
+        wire = _wire()
+        size, ledger_id = layout.ensemble_size, layout.ledger_id
+        budget = max(1, self.range_bytes // size)
+        asked: list[tuple[BookieConnection, int, int]] = []
+        missed: list[int] = []
+        for start in starts:
+            for address in layout.write_set(start):
+                try:
+                    conn = self._conn(address)
+                    if conn.version < wire.STRIDE_READ_VERSION:
+                        continue
+                    rid = conn.request_id()
+                    req = wire.ReadRangeRequest(rid, ledger_id, start, stop, budget, size)
+                    conn.send(req.encode())
+                    asked.append((conn, rid, start))
+                    break
+                except DirectReadError as e:
+                    self._drop(address, str(e))
+            else:
+                missed.append(start)
+        for conn, rid, start in asked:
+            try:
+                answer = conn.receive(rid)
+                if (
+                    not isinstance(answer, wire.ReadRangeResponse)
+                    or answer.status != wire.Status.OK
+                ):
+                    raise DirectReadError(f"ledger {ledger_id} {start}..{stop}: {answer!r}"[:300])
+                for expected, (e, raw) in zip(
+                    range(start, stop + 1, size), answer.entries, strict=False
+                ):
+                    if e != expected:
+                        break
+                    got[e] = decode_record(ledger_id, e, raw)
+            except DirectReadError as e:
+                self._drop(conn.address, str(e))
+            if start not in got:
+                missed.append(start)
+        return missed
 
     def _read_one(self, layout: LedgerLayout, entry_id: int) -> bytes:
         """One entry of a striped ledger (E > Qw), replica after replica."""

@@ -23,6 +23,7 @@ from polybroker.ledger.api import (
 )
 from polybroker.ledger.bookie.server import BookieServer
 from polybroker.ledger.client import BookKeeperClient, tcp_connector
+from polybroker.ledger.direct import DirectLedgerReader, LedgerLayout
 from polybroker.ledger.registry import MetadataBookieRegistry, StaticBookieRegistry
 from polybroker.metadata.memory import MemoryMetadataStore
 
@@ -165,6 +166,13 @@ async def test_ensemble_change_after_a_bookie_dies_mid_stream(
             assert await check_readable(reader_client, handle.ledger_id, stream.acked) == 3999
         finally:
             await reader_client.close()
+        # The striped ledger read straight from the bookies (strided reads, the dead bookie's
+        # residues from their other replica), as a Spark worker does.
+        meta = await writer_client.get_metadata(handle.ledger_id)
+        fragments = tuple((start, tuple(ensemble)) for start, ensemble in meta.fragments)
+        layout = LedgerLayout(handle.ledger_id, 3, 2, fragments)
+        with DirectLedgerReader(timeout=5.0) as direct:
+            assert dict(direct.read(layout, 0, 3999)) == stream.acked
     finally:
         await writer_client.close()
 

@@ -42,6 +42,7 @@ class FakeBookie:
         self.fail_after: int | None = None  # answer NO_SUCH_ENTRY from this entry on
         self.recv_error: Exception | None = None  # raised by recv once set
         self.garbage = b""  # bytes sent instead of the next answer
+        self.version = 1  # the wire version it chooses (3: it takes strided reads)
 
     def answer(self, req: object) -> bytes:
         self.requests.append(req)
@@ -49,7 +50,8 @@ class FakeBookie:
             out, self.garbage = self.garbage, b""
             return out
         if isinstance(req, HelloRequest):
-            return HelloResponse(req.request_id, Status.OK, "", 1, "fake").encode()
+            version = min(self.version, req.max_version)
+            return HelloResponse(req.request_id, Status.OK, "", version, "fake").encode()
         if isinstance(req, ReadRequest):
             data = self.entries.get(req.ledger_id, {}).get(req.entry_id)
             if data is None or (self.fail_after is not None and req.entry_id >= self.fail_after):
@@ -60,10 +62,11 @@ class FakeBookie:
                 req.request_id, Status.OK, "", req.ledger_id, req.entry_id, data
             ).encode()
         assert isinstance(req, ReadRangeRequest)
+        assert req.stride == 1 or self.version >= 3
         stored = self.entries.get(req.ledger_id, {})
         out: list[tuple[int, bytes]] = []
         used = 0
-        for e in range(req.first_entry_id, req.last_entry_id + 1):
+        for e in range(req.first_entry_id, req.last_entry_id + 1, req.stride):
             data = stored.get(e)
             if data is None or (self.fail_after is not None and e >= self.fail_after):
                 break
@@ -180,20 +183,33 @@ def test_every_replica_failing_raises() -> None:
         next(it)
 
 
-def test_striped_ledger_reads_each_entry_from_its_write_set_across_fragments() -> None:
-    # E=3, Qw=2: entry e lives on ensemble[e % 3] and ensemble[(e + 1) % 3]; from entry 6 on,
-    # bookie c was replaced by d.
-    stored = _stored(4, 10)
-    layout = LedgerLayout(4, 3, 2, ((0, ("a:1", "b:1", "c:1")), (6, ("a:1", "b:1", "d:1"))))
+@pytest.mark.parametrize("version", [1, 3])
+def test_striped_ledger_reads_each_entry_from_its_write_set_across_fragments(version: int) -> None:
+    """E=3, Qw=2: entry e lives on ensemble[e % 3] and ensemble[(e + 1) % 3]; from entry 12
+    on, bookie c was replaced by d, and c is gone. Bookies of wire version 3 answer one
+    strided read per residue and chunk; older ones one read per entry."""
+    stored = _stored(4, 30, size=50)
+    layout = LedgerLayout(4, 3, 2, ((0, ("a:1", "b:1", "c:1")), (12, ("a:1", "b:1", "d:1"))))
     holders: dict[str, FakeBookie] = {n: FakeBookie({4: {}}) for n in ("a:1", "b:1", "c:1", "d:1")}
     for e, data in stored.items():
         for address in layout.write_set(e):
             holders[address].entries[4][e] = data
+    for bookie in holders.values():
+        bookie.version = version
     del holders["c:1"]  # c is gone: its entries are read from the other replica
-    reader = DirectLedgerReader(connect=_connector(holders))
-    got = list(reader.read(layout, 0, 9))
-    assert [e for e, _ in got] == list(range(10))
-    assert all(isinstance(r, ReadRequest | HelloRequest) for r in holders["a:1"].requests)
+    # A chunk is 3 x 2 entries.
+    reader = DirectLedgerReader(connect=_connector(holders), range_entries=2)
+    got = list(reader.read(layout, 0, 29))
+    assert got == [(e, decode_record(4, e, raw)) for e, raw in sorted(stored.items())]
+    asked = [r for b in holders.values() for r in b.requests if not isinstance(r, HelloRequest)]
+    if version == 1:
+        assert all(isinstance(r, ReadRequest) for r in asked)
+    else:
+        assert all(isinstance(r, ReadRangeRequest) and r.stride == 3 for r in asked)
+        # One request per residue of each 6-entry chunk; c's residue goes to its next replica.
+        assert len(asked) == 15
+        firsts = [r.first_entry_id for r in holders["a:1"].requests[1:]]  # type: ignore[attr-defined]
+        assert firsts == [0, 2, 6, 8, 12, 18, 24]
 
 
 def test_an_abandoned_read_drops_its_connection_and_the_next_read_starts_clean() -> None:
