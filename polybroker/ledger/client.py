@@ -61,7 +61,7 @@ from polybroker.ledger.api import (
 )
 from polybroker.ledger.placement import choose_ensemble, replace_bookies
 from polybroker.ledger.registry import BookieRegistry, tcp_connector
-from polybroker.ledger.wire import ADD_FIELDS_SIZE, RECORD_HEAD, RECORD_HEAD_SIZE
+from polybroker.ledger.wire import ADD_FIELDS_SIZE, RECORD_HEAD, RECORD_HEAD_SIZE, stride_starts
 from polybroker.metadata.api import BadVersionError, MetadataStore
 
 __all__ = ["BookKeeperClient", "decode_metadata", "encode_metadata", "tcp_connector"]
@@ -1117,12 +1117,7 @@ class BookKeeperClient(LedgerClient):
         entry_id = first
         while entry_id <= last:
             end = _fragment_end(meta, entry_id, last)
-            starts = []
-            for start in range(entry_id, min(entry_id + size, end + 1)):
-                while start <= end and start in got:
-                    start += size
-                if start <= end:
-                    starts.append(start)
+            starts = stride_starts(entry_id, end, size, got)
             # Each read gives at least its first entry, or raises: every round makes progress.
             for ok, value in await _gather_all(
                 [Deferred.fromCoroutine(self._read_residue(meta, s, end)) for s in starts]

@@ -391,12 +391,7 @@ class DirectLedgerReader:
             stop = min(last, entry + size * self.range_entries - 1)
             got: dict[int, bytes] = {}
             while entry <= stop:
-                starts = []
-                for start in range(entry, min(entry + size, stop + 1)):
-                    while start <= stop and start in got:
-                        start += size
-                    if start <= stop:
-                        starts.append(start)
+                starts = _wire().stride_starts(entry, stop, size, got)
                 for start in self._strided_round(layout, starts, stop, got):
                     got[start] = self._read_one(layout, start)
                 while entry <= stop and entry in got:

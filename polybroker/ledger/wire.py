@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -685,6 +685,18 @@ def encode_add_request_of_record(request_id: int, record: bytes) -> list[Buffer]
     length, crc = RECORD_HEAD.unpack_from(record)
     head = HEADER.pack(_LENGTH_AFTER_PREFIX + length, WIRE_VERSION, MsgType.ADD, request_id, crc)
     return [head, memoryview(record)[RECORD_HEAD_SIZE:]]
+
+
+def stride_starts(first: int, last: int, stride: int, have: Container[int]) -> list[int]:
+    """Where the strided reads of first..last start (Rule 9): for each residue modulo
+    ``stride``, its first entry from ``first`` on that is not in ``have``, if up to ``last``."""
+    starts = []
+    for start in range(first, min(first + stride, last + 1)):
+        while start <= last and start in have:
+            start += stride
+        if start <= last:
+            starts.append(start)
+    return starts
 
 
 def multi_add_size(data_sizes: int, count: int) -> int:

@@ -52,6 +52,7 @@ from polybroker.ledger.wire import (
     encode_multi_add_records,
     encode_multi_add_response,
     multi_add_size,
+    stride_starts,
 )
 
 MESSAGES: list[Message] = [
@@ -585,3 +586,11 @@ def test_whole_frames_in_several_chunks_are_decoded_in_place() -> None:
     assert [v.obj for v in views] == [first, second]  # type: ignore[union-attr]
     assert views[1].obj is second  # type: ignore[union-attr]
     assert decoder.buffered() == 0
+
+
+def test_stride_starts_skip_what_is_had_and_stop_at_the_end() -> None:
+    """Each residue modulo the stride starts at its first entry not had, within first..last."""
+    assert stride_starts(10, 30, 3, set()) == [10, 11, 12]
+    assert stride_starts(10, 30, 3, {10, 13, 11}) == [16, 14, 12]
+    assert stride_starts(10, 11, 3, set()) == [10, 11]
+    assert stride_starts(10, 14, 3, {10, 13}) == [11, 12]
