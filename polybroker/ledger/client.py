@@ -1090,37 +1090,23 @@ class BookKeeperClient(LedgerClient):
         return out
 
     def _read_entries(self, meta: LedgerMetadata, first: int, last: int) -> Deferred[list[bytes]]:
-        """Read first..last: ranges from one bookie where it holds them all (E == Qw), strided
-        ranges where the ensemble stripes them (E > Qw)."""
+        """Read first..last by range reads: of consecutive entries where every bookie of a
+        fragment holds them all (E == Qw), strided where the ensemble stripes them (E > Qw)."""
         return Deferred.fromCoroutine(self._read_entries_async(meta, first, last))
 
     async def _read_entries_async(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
-        if meta.ensemble_size != meta.write_quorum:
-            return await self._read_striped(meta, first, last)
-        out = []
-        entry_id = first
-        while entry_id <= last:
-            got = await self._read_range(meta, entry_id, last)
-            if not got:
-                data, _, _ = await self._read_one(meta, entry_id)
-                got = [data]
-            out.extend(got)
-            entry_id += len(got)
-        return out
-
-    async def _read_striped(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
-        """Read first..last of a striped ledger. Within a fragment the entries of one residue
-        modulo E share a write set, so each residue is one strided read (the residues in
-        parallel), not one read per entry; what a read left out is asked for again."""
-        size = meta.ensemble_size
+        # Within a fragment the entries of one residue modulo the stride share a write set, so
+        # each residue is one read (the residues in parallel), not one read per entry; what a
+        # read left out (its byte budget, a replica lacking it) is asked for again.
+        stride = 1 if meta.ensemble_size == meta.write_quorum else meta.ensemble_size
         got: dict[int, bytes] = {}
         entry_id = first
         while entry_id <= last:
             end = _fragment_end(meta, entry_id, last)
-            starts = stride_starts(entry_id, end, size, got)
+            starts = stride_starts(entry_id, end, stride, got)
             # Each read gives at least its first entry, or raises: every round makes progress.
             for ok, value in await _gather_all(
-                [Deferred.fromCoroutine(self._read_residue(meta, s, end)) for s in starts]
+                [Deferred.fromCoroutine(self._read_residue(meta, s, end, stride)) for s in starts]
             ):
                 if not ok:
                     value.raiseException()
@@ -1129,24 +1115,26 @@ class BookKeeperClient(LedgerClient):
                 entry_id += 1
         return [got[e] for e in range(first, last + 1)]
 
-    async def _read_residue(self, meta: LedgerMetadata, start: int, end: int) -> dict[int, bytes]:
-        """Entries start, start + E, ... up to ``end`` (within one fragment): a verified prefix
-        from the first replica that gives one, else read one by one (at least ``start``, or
-        raise its error)."""
-        ledger_id, size = meta.ledger_id, meta.ensemble_size
+    async def _read_residue(
+        self, meta: LedgerMetadata, start: int, end: int, stride: int
+    ) -> dict[int, bytes]:
+        """Entries start, start + stride, ... up to ``end`` (within one fragment): a verified
+        prefix from the first replica that gives one, else read one by one (at least
+        ``start``, or raise its error)."""
+        ledger_id = meta.ledger_id
         for address in meta.write_set(start):
             try:
                 results: list[ReadResult] = await self._timed(
                     self._bookie(address).read_range(
-                        ledger_id, start, end, _READ_RANGE_BYTES // size, size
+                        ledger_id, start, end, _READ_RANGE_BYTES // stride, stride
                     ),
-                    f"read {ledger_id}:{start}..{end} by {size} on {address}",
+                    f"read {ledger_id}:{start}..{end} by {stride} on {address}",
                 )
             except BookieError as e:
-                log.debug("ledger %d: strided read on %s: %s", ledger_id, address, e)
+                log.debug("ledger %d: range read on %s: %s", ledger_id, address, e)
                 continue
             out: dict[int, bytes] = {}
-            for expected, result in zip(range(start, end + 1, size), results, strict=False):
+            for expected, result in zip(range(start, end + 1, stride), results, strict=False):
                 if result.entry_id != expected:
                     break
                 try:
@@ -1156,9 +1144,9 @@ class BookKeeperClient(LedgerClient):
                     break
             if out:
                 return out
-        # No replica gave one (a bookie too old for strided reads, or none answering): the
-        # entries one by one, in parallel, each replica after replica.
-        ids = range(start, end + 1, size)
+        # No replica gave one (none answering, or too old for strided reads): the entries one
+        # by one, in parallel, each replica after replica.
+        ids = range(start, end + 1, stride)
         out = {}
         for entry_id, (ok, value) in zip(
             ids, await _gather_all([self._read_one(meta, e) for e in ids]), strict=True
@@ -1169,35 +1157,6 @@ class BookKeeperClient(LedgerClient):
                 break
             out[entry_id] = value[0]
         return out
-
-    async def _read_range(self, meta: LedgerMetadata, first: int, last: int) -> list[bytes]:
-        """Read a verified prefix of first..last (within one fragment) from one replica; []
-        when no replica gave a usable first entry (the caller falls back to single reads)."""
-        fragment_end = _fragment_end(meta, first, last)
-        ledger_id = meta.ledger_id
-        for address in meta.write_set(first):
-            try:
-                results: list[ReadResult] = await self._timed(
-                    self._bookie(address).read_range(
-                        ledger_id, first, fragment_end, _READ_RANGE_BYTES
-                    ),
-                    f"read {ledger_id}:{first}..{fragment_end} on {address}",
-                )
-            except BookieError as e:
-                log.debug("ledger %d: range read on %s: %s", ledger_id, address, e)
-                continue
-            out: list[bytes] = []
-            for expected, result in enumerate(results, start=first):
-                if result.entry_id != expected or expected > fragment_end:
-                    break
-                try:
-                    out.append(decode_record(ledger_id, expected, result.data)[0])
-                except DigestMismatchError as e:
-                    log.warning("ledger %d on %s: %s", ledger_id, address, e)
-                    break
-            if out:
-                return out
-        return []
 
     def _read_lac(self, meta: LedgerMetadata) -> Deferred[int]:
         """Return the highest LAC the bookies of the last ensemble report."""
