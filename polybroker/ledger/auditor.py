@@ -18,6 +18,13 @@ Rule A4 (copy, then switch: I22): every entry of the fragment whose write set he
         by compare-and-set on a fresh read that still shows the old ensemble (else nothing is
         written and the next audit plans again). A crash before the CAS leaves the metadata as
         it was; the next audit copies again (adding an entry a bookie holds is idempotent).
+Rule A4a (how): the entries of a fragment with one residue modulo E share a write set, so their
+        copies share sources and targets. Each such run is read in chunks of at most
+        ``COPY_CHUNK_BYTES``, each by one strided read (wire version 3) from the first source
+        that answers it, and a chunk's entries are written before the run's next chunk is
+        read; the runs go side by side, with at most ``COPY_WINDOW`` copies being written at
+        once. Where no source answers a strided read (an older bookie, a missing entry), that
+        entry is read alone, source after source.
 Rule A5 (visible): a ledger with a fragment naming a lost bookie has a marker
         ``/ledgers/underreplication/<ledger id>`` (JSON: the lost bookies, since when, and
         whether an open last fragment waits for its writer), written before the copy and deleted
@@ -49,7 +56,6 @@ from twisted.internet.defer import (
     DeferredSemaphore,
     TimeoutError,
     gatherResults,
-    succeed,
 )
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
@@ -94,7 +100,8 @@ AUDITOR_PATH = f"{LEDGERS_PATH}/auditor"
 UNDERREPLICATED_PATH = f"{LEDGERS_PATH}/underreplication"
 RETRY_S = 5.0
 MAX_RETRY_S = 120.0
-COPY_WINDOW = 32  # entries copied at once
+COPY_WINDOW = 128  # copies being written at once
+COPY_CHUNK_BYTES = 1024 * 1024  # bytes one strided read of a copy run asks for
 METADATA_BATCH = 64  # ledger metadata reads in flight at once
 _CAS_ATTEMPTS = 5
 
@@ -540,7 +547,7 @@ class Auditor:
             }
             copies = copy_plan(meta, repair, replacements)
             try:
-                await self._copy(term, ledger_id, copies)
+                await self._copy(term, ledger_id, copies, meta.ensemble_size)
             except StorageError as e:
                 log.warning("ledger %d: copying fragment %d failed: %s", ledger_id, repair.first, e)
                 complete = False
@@ -624,29 +631,83 @@ class Auditor:
         d.addTimeout(seconds, self._reactor)
         return d.addErrback(timed_out)
 
-    async def _copy(self, term: int, ledger_id: int, copies: list[EntryCopy]) -> None:
-        """Make every copy (Rule A4), ``COPY_WINDOW`` at a time; after a failure the copies not
-        yet started are skipped, and once those in flight are done the first failure is
-        raised."""
-        if not copies:
-            return
+    async def _copy(self, term: int, ledger_id: int, copies: list[EntryCopy], stride: int) -> None:
+        """Make every copy (Rule A4a): the copies of one residue modulo ``stride`` (one write
+        set: the same sources and targets) are read in strided chunks and written, the runs
+        side by side; after a failure nothing more is started, and once what is in flight is
+        done the first failure is raised."""
+        runs: dict[int, list[EntryCopy]] = {}
+        for c in copies:  # ascending: each run's entries are ``stride`` apart
+            runs.setdefault(c.entry_id % stride, []).append(c)
         window = DeferredSemaphore(COPY_WINDOW)
         failures: list[Failure] = []
-
-        def one(c: EntryCopy) -> Deferred[None]:
-            if failures:
-                return succeed(None)
-            d = Deferred.fromCoroutine(self._copy_one(term, ledger_id, c))
-            return d.addErrback(failures.append)
-
-        await DeferredList([window.run(one, c) for c in copies])
+        await DeferredList(
+            [
+                Deferred.fromCoroutine(
+                    self._copy_run(term, ledger_id, run, stride, window, failures)
+                ).addErrback(failures.append)
+                for run in runs.values()
+            ]
+        )
         if failures:
             failures[0].raiseException()
 
-    async def _copy_one(self, term: int, ledger_id: int, c: EntryCopy) -> None:
-        self._check(term)
-        raw, lac = await self._read_verified(ledger_id, c.entry_id, c.sources)
-        self._check(term)
+    async def _copy_run(
+        self,
+        term: int,
+        ledger_id: int,
+        run: list[EntryCopy],
+        stride: int,
+        window: DeferredSemaphore,
+        failures: list[Failure],
+    ) -> None:
+        i = 0
+        while i < len(run) and not failures:
+            self._check(term)
+            c = run[i]
+            got = await self._read_strided(ledger_id, run[i:], stride)
+            if not got:  # no source reads strided: this entry alone, from any source
+                got = [await self._read_verified(ledger_id, c.entry_id, c.sources)]
+            self._check(term)
+            writes = [
+                window.run(self._write_copy, ledger_id, copy, raw, lac).addErrback(failures.append)
+                for copy, (raw, lac) in zip(run[i : i + len(got)], got, strict=True)
+            ]
+            await DeferredList(writes)
+            i += len(got)
+
+    async def _read_strided(
+        self, ledger_id: int, run: list[EntryCopy], stride: int
+    ) -> list[tuple[bytes, int]]:
+        """The entries of ``run`` (``stride`` apart, one write set) with their LACs: a prefix of
+        them, at most ``COPY_CHUNK_BYTES`` and up to the first that fails its digest, from the
+        first of their sources that reads them strided; [] if none does."""
+        first, last = run[0].entry_id, run[-1].entry_id
+        for address in run[0].sources:
+            try:
+                results = await self._timed(
+                    self._bookie(address).read_range(
+                        ledger_id, first, last, COPY_CHUNK_BYTES, stride
+                    ),
+                    f"read {ledger_id}:{first}..{last}/{stride} on {address}",
+                )
+            except StorageError as e:
+                log.debug("ledger %d: strided read on %s: %s", ledger_id, address, e)
+                continue
+            out: list[tuple[bytes, int]] = []
+            for k, r in enumerate(results):
+                try:
+                    if k >= len(run) or r.entry_id != run[k].entry_id:
+                        raise DigestMismatchError(f"{ledger_id}: entry {r.entry_id} out of place")
+                    out.append((r.data, decode_record(ledger_id, r.entry_id, r.data)[1]))
+                except DigestMismatchError as e:
+                    log.warning("ledger %d: strided read on %s: %s", ledger_id, address, e)
+                    break  # the good prefix is kept; the bad entry is looked for elsewhere
+            if out:
+                return out
+        return []
+
+    async def _write_copy(self, ledger_id: int, c: EntryCopy, raw: bytes, lac: int) -> None:
         await gatherResults(
             [
                 self._timed(

@@ -308,6 +308,69 @@ def test_a_failed_copy_leaves_the_metadata_and_the_marker_and_is_redone() -> Non
     assert rig.marker(ledger) is None
 
 
+def _survivor_reads(rig: Rig, ensemble: tuple[str, ...], victim: str) -> int:
+    return sum(rig.cluster.bookies[a].reads for a in ensemble if a != victim)
+
+
+def test_copies_are_read_by_strided_chunks_from_the_survivors(monkeypatch: Any) -> None:
+    """A residue's copies share their sources: they are read by strided reads, a bounded chunk
+    at a time (here 10 entries), not one read per entry; every copy is made."""
+    rig = Rig(bookies=4, delay=0.0)
+    w = result_of(rig.client.create(LedgerConfig(3, 2, 2)))
+    for i in range(300):
+        result_of(w.append(b"%03d" % i))
+    result_of(w.close_ledger())
+    ledger = int(w.ledger_id)
+    ensemble = rig.metadata(ledger).fragments[0][1]
+    record = len(rig.cluster.bookies[ensemble[0]].ledgers[ledger].entries[0])
+    monkeypatch.setattr("polybroker.ledger.auditor.COPY_CHUNK_BYTES", 10 * record)
+    before = _survivor_reads(rig, ensemble, ensemble[1])
+    auditor = rig.auditor()
+    rig.kill(ensemble[1])
+    assert rig.fully_replicated(ledger)
+    assert auditor.last_result is not None
+    assert auditor.last_result.copied_entries == 200
+    # Two residues of 100 entries each, 10 entries a chunk.
+    assert _survivor_reads(rig, ensemble, ensemble[1]) - before == 20
+
+
+def test_copies_from_bookies_refusing_strided_reads_are_read_entry_by_entry() -> None:
+    """Survivors of an older wire version refuse strided reads: each entry is read alone, and
+    the repair completes as before."""
+    rig = Rig(bookies=4, delay=0.0)
+    ledger = rig.closed_ledger(entries=30)
+    ensemble = rig.metadata(ledger).fragments[0][1]
+    for address in ensemble:
+        rig.cluster.bookies[address].strided = False
+    before = _survivor_reads(rig, ensemble, ensemble[0])
+    auditor = rig.auditor()
+    rig.kill(ensemble[0])
+    assert rig.fully_replicated(ledger)
+    assert auditor.last_result is not None
+    assert auditor.last_result.copied_entries == 20
+    assert _survivor_reads(rig, ensemble, ensemble[0]) - before == 20
+
+
+def test_a_corrupt_entry_in_a_strided_chunk_is_copied_from_another_source() -> None:
+    """E=3, Qw=3: every entry has two survivors. An entry corrupt on the first one ends that
+    chunk there (the entries before it are copied); it is read from the second, and the
+    replacement gets the good bytes."""
+    rig = Rig(bookies=4, delay=0.0)
+    ledger = rig.closed_ledger(entries=30, cfg=(3, 3, 2))
+    ensemble = rig.metadata(ledger).fragments[0][1]
+    good = rig.cluster.bookies[ensemble[0]].ledgers[ledger].entries[12]
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    rig.cluster.bookies[ensemble[0]].ledgers[ledger].entries[12] = bytes(bad)
+    auditor = rig.auditor()
+    rig.kill(ensemble[2])
+    assert rig.fully_replicated(ledger)
+    assert auditor.last_result is not None
+    assert auditor.last_result.copied_entries == 30
+    (replacement,) = set(rig.metadata(ledger).fragments[0][1]) - set(ensemble)
+    assert rig.cluster.bookies[replacement].ledgers[ledger].entries[12] == good
+
+
 def test_no_spare_bookie_keeps_the_ledger_marked() -> None:
     """With no bookie outside the ensemble, nothing changes but the marker."""
     rig = Rig(bookies=3, delay=0.0)
