@@ -308,8 +308,17 @@ def test_a_failed_copy_leaves_the_metadata_and_the_marker_and_is_redone() -> Non
     assert rig.marker(ledger) is None
 
 
-def _survivor_reads(rig: Rig, ensemble: tuple[str, ...], victim: str) -> int:
-    return sum(rig.cluster.bookies[a].reads for a in ensemble if a != victim)
+def _repair_reads(rig: Rig, ledger: int, victim: str) -> tuple[int, int]:
+    """Kill ``victim`` under a new auditor: (entries copied, reads the survivors served), once
+    the ledger is fully replicated again."""
+    ensemble = rig.metadata(ledger).fragments[0][1]
+    survivors = [rig.cluster.bookies[a] for a in ensemble if a != victim]
+    before = sum(b.reads for b in survivors)
+    auditor = rig.auditor()
+    rig.kill(victim)
+    assert rig.fully_replicated(ledger)
+    assert auditor.last_result is not None
+    return auditor.last_result.copied_entries, sum(b.reads for b in survivors) - before
 
 
 def test_copies_are_read_by_strided_chunks_from_the_survivors(monkeypatch: Any) -> None:
@@ -324,14 +333,8 @@ def test_copies_are_read_by_strided_chunks_from_the_survivors(monkeypatch: Any) 
     ensemble = rig.metadata(ledger).fragments[0][1]
     record = len(rig.cluster.bookies[ensemble[0]].ledgers[ledger].entries[0])
     monkeypatch.setattr("polybroker.ledger.auditor.COPY_CHUNK_BYTES", 10 * record)
-    before = _survivor_reads(rig, ensemble, ensemble[1])
-    auditor = rig.auditor()
-    rig.kill(ensemble[1])
-    assert rig.fully_replicated(ledger)
-    assert auditor.last_result is not None
-    assert auditor.last_result.copied_entries == 200
     # Two residues of 100 entries each, 10 entries a chunk.
-    assert _survivor_reads(rig, ensemble, ensemble[1]) - before == 20
+    assert _repair_reads(rig, ledger, ensemble[1]) == (200, 20)
 
 
 def test_copies_from_bookies_refusing_strided_reads_are_read_entry_by_entry() -> None:
@@ -342,13 +345,7 @@ def test_copies_from_bookies_refusing_strided_reads_are_read_entry_by_entry() ->
     ensemble = rig.metadata(ledger).fragments[0][1]
     for address in ensemble:
         rig.cluster.bookies[address].strided = False
-    before = _survivor_reads(rig, ensemble, ensemble[0])
-    auditor = rig.auditor()
-    rig.kill(ensemble[0])
-    assert rig.fully_replicated(ledger)
-    assert auditor.last_result is not None
-    assert auditor.last_result.copied_entries == 20
-    assert _survivor_reads(rig, ensemble, ensemble[0]) - before == 20
+    assert _repair_reads(rig, ledger, ensemble[0]) == (20, 20)
 
 
 def test_a_corrupt_entry_in_a_strided_chunk_is_copied_from_another_source() -> None:
