@@ -29,6 +29,11 @@ the owner of the group's coordinator slot, and the group APIs on any other broke
 NOT_COORDINATOR. Groups whose slot this broker lost are forgotten (checked every
 ``SWEEP_INTERVAL_S`` and on each request); producer states are kept per loaded topic, so a
 partition that comes back after another broker served it is rebuilt from its log again.
+
+Large requests: one request may name hundreds of thousands of topics or partitions, each a
+store probe. Its work hands the reactor back every ``ELEMENTS_PER_TURN`` of them (``_Turns``),
+so it delays other connections by one turn's work, not by its own. A topic named twice in one
+Metadata request, or a partition twice in one OffsetFetch, is answered once, as Kafka does.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.python.failure import Failure
 
 from polybroker.broker_core import messages
 from polybroker.broker_core.errors import (
@@ -78,6 +84,8 @@ _REBUILD_MAX_BYTES = 32 * 1024 * 1024
 _REBUILD_MAX_SECONDS = 3.0
 #: Messages in the first (newest) window of the tail; each older window is 4 times larger.
 _REBUILD_FIRST_SPAN = 256
+#: Topics or partitions one request works through before it hands the reactor back.
+ELEMENTS_PER_TURN = 256
 #: How often (seconds) a cluster broker drops the groups whose coordinator slot it lost.
 SWEEP_INTERVAL_S = 1.0
 #: Topic ids are derived from the full topic name: stable across restarts with no stored state.
@@ -224,6 +232,23 @@ class _PartitionRead:
     @property
     def size(self) -> int:
         return self.out.size
+
+
+class _Turns:
+    """One request's count of elements worked through; ``step`` hands the reactor back (a
+    zero-delay call on the clock) every ``ELEMENTS_PER_TURN`` of them."""
+
+    __slots__ = ("clock", "left")
+
+    def __init__(self, clock: IReactorTime) -> None:
+        self.clock = clock
+        self.left = ELEMENTS_PER_TURN
+
+    async def step(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.left = ELEMENTS_PER_TURN
+            await deferLater(self.clock, 0)
 
 
 class KafkaApis:
@@ -424,7 +449,12 @@ class KafkaApis:
                 log.info("not the group's coordinator", extra=kv(group=b.group_id, api=req.api_key))
                 return _not_coordinator(req)
             return await _resolved(method(self, req, host))
-        refused = [g for g in dict.fromkeys(ids) if not await self._coordinates(g)]
+        refused = []
+        turns = _Turns(self.clock)
+        for g in dict.fromkeys(ids):
+            await turns.step()
+            if not await self._coordinates(g):
+                refused.append(g)
         if not refused:
             return await _resolved(method(self, req, host))
         cls = c.response_class(key)
@@ -471,9 +501,14 @@ class KafkaApis:
             names = await self._all_topics()
             auto = False
         else:
-            names = [self.topic_name(t.topic_id, t.name) for t in body.topics]
+            # Each name once (an unknown topic id, None, stays once per id).
+            named = [self.topic_name(t.topic_id, t.name) for t in body.topics]
+            names = [n for n in dict.fromkeys(named) if n is not None]
+            names += [n for n in named if n is None]
         found: list[tuple[str | None, int, int]] = []  # (name, error, partitions)
+        turns = _Turns(self.clock)
         for name in names:
+            await turns.step()
             error = c.NONE
             n = 0
             if name is not None:
@@ -574,7 +609,9 @@ class KafkaApis:
     async def _create_topics_async(self, req: c.Request) -> Any:
         cls = c.response_class(c.API_CREATE_TOPICS)
         results = []
+        turns = _Turns(self.clock)
         for t in req.body.topics:
+            await turns.step()
             error, message = c.NONE, None
             n = t.num_partitions if t.num_partitions > 0 else self.settings.default_partitions
             try:
@@ -612,7 +649,9 @@ class KafkaApis:
         requested = list(body.topic_names or [])
         if req.api_version >= 6:
             requested = [self.topic_name(t.topic_id, t.name) or "" for t in body.topics or []]
+        turns = _Turns(self.clock)
         for name in requested:
+            await turns.step()
             error, message = c.NONE, None
             self._partitions.pop(name, None)
             try:
@@ -666,7 +705,9 @@ class KafkaApis:
     async def _create_partitions_async(self, req: c.Request) -> Any:
         cls = c.response_class(c.API_CREATE_PARTITIONS)
         results = []
+        turns = _Turns(self.clock)
         for t in req.body.topics:
+            await turns.step()
             error, message = c.NONE, None
             try:
                 n = await self.service.partitioned_topic_metadata(t.name)
@@ -693,7 +734,9 @@ class KafkaApis:
         cls = c.response_class(c.API_DESCRIBE_CONFIGS)
         item = cls.DescribeConfigsResult.DescribeConfigsResourceResult
         results = []
+        turns = _Turns(self.clock)
         for r in req.body.resources:
+            await turns.step()
             error, message = c.NONE, None
             configs: dict[str, str] = {}
             if r.resource_type == 2:  # topic
@@ -1112,9 +1155,11 @@ class KafkaApis:
         budget = body.max_bytes if body.max_bytes and body.max_bytes > 0 else 50 * 1024 * 1024
         reads: list[_PartitionRead] = []
         topics: list[Any] = []
+        turns = _Turns(self.clock)
         for t in body.topics:
             name = self.topic_name(t.topic_id, t.topic)
             for p in t.partitions:
+                await turns.step()
                 out = c.FetchedPartition(p.partition)
                 r = _PartitionRead(name or "", t.topic_id or _NO_TOPIC_ID, out)
                 reads.append(r)
@@ -1217,9 +1262,11 @@ class KafkaApis:
     async def _list_offsets_async(self, req: c.Request) -> Any:
         cls = c.response_class(c.API_LIST_OFFSETS)
         out = []
+        turns = _Turns(self.clock)
         for t in req.body.topics:
             parts = []
             for p in t.partitions:
+                await turns.step()
                 error, offset, ts = c.NONE, -1, -1
                 try:
                     topic = await self._partition_topic(t.name, p.partition_index, False)
@@ -1391,7 +1438,9 @@ class KafkaApis:
         topic_cls = group_cls.OffsetFetchResponseTopics
         part_cls = topic_cls.OffsetFetchResponsePartitions
         groups = []
+        turns = _Turns(self.clock)
         for g in b.groups or []:
+            await turns.step()
             found = await self.groups.fetch_offsets(g.group_id)
             requested = None
             if g.topics is not None:
@@ -1419,11 +1468,12 @@ class KafkaApis:
             groups.append(group_cls(group_id=g.group_id, topics=topics, error_code=c.NONE))
         return cls(throttle_time_ms=0, groups=groups)
 
-    def _committed(self, group: str, topic: str, partition: int, offset: int) -> None:
-        """Mirror a durable commit on a Pulsar subscription named after the group, so the
-        group's backlog shows in topic stats (best effort: a failure is only logged)."""
+    def _committed(self, group: str, offsets: list[tuple[str, int, int]]) -> None:
+        """Mirror a durable commit of (topic, partition, offset) on Pulsar subscriptions named
+        after the group, so the group's backlog shows in topic stats (best effort: a failure is
+        only logged). The partitions are mirrored concurrently, started a turn at a time."""
 
-        async def mirror() -> None:
+        async def mirror(topic: str, partition: int, offset: int) -> None:
             # Only the partition's owner holds its subscriptions.
             if self.cluster is not None and (
                 topic not in self._partitions
@@ -1434,12 +1484,19 @@ class KafkaApis:
             if found is not None and offset >= 0:
                 await found.mark_subscription_at_index(group, offset)
 
-        Deferred.fromCoroutine(mirror()).addErrback(
-            lambda f: log.warning(
+        def failed(f: Failure, topic: str) -> None:
+            log.warning(
                 "mirroring a commit on a subscription failed",
                 extra=kv(group=group, topic=topic, error=str(f.value)),
             )
-        )
+
+        async def start_all() -> None:
+            turns = _Turns(self.clock)
+            for topic, partition, offset in offsets:
+                await turns.step()
+                Deferred.fromCoroutine(mirror(topic, partition, offset)).addErrback(failed, topic)
+
+        Deferred.fromCoroutine(start_all())
 
     def _list_groups(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_LIST_GROUPS)
@@ -1506,22 +1563,25 @@ class KafkaApis:
         return cls(throttle_time_ms=0, groups=out)
 
     def _delete_groups(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._delete_groups_async(req))
+
+    async def _delete_groups_async(self, req: c.Request) -> Any:
+        """The groups are deleted concurrently, started a turn at a time."""
         cls = c.response_class(c.API_DELETE_GROUPS)
         names = list(req.body.groups_names)
-        ds = [self.groups.delete(g) for g in names]
-
-        def answer(results: list[tuple[bool, Any]]) -> Any:
-            return cls(
-                throttle_time_ms=0,
-                results=[
-                    cls.DeletableGroupResult(
-                        group_id=g, error_code=v if ok else c.UNKNOWN_SERVER_ERROR
-                    )
-                    for g, (ok, v) in zip(names, results, strict=True)
-                ],
-            )
-
-        return DeferredList(ds, consumeErrors=True).addCallback(answer)
+        ds = []
+        turns = _Turns(self.clock)
+        for g in names:
+            await turns.step()
+            ds.append(self.groups.delete(g))
+        results = await DeferredList(ds, consumeErrors=True)
+        return cls(
+            throttle_time_ms=0,
+            results=[
+                cls.DeletableGroupResult(group_id=g, error_code=v if ok else c.UNKNOWN_SERVER_ERROR)
+                for g, (ok, v) in zip(names, results, strict=True)
+            ],
+        )
 
 
 @dataclass
@@ -1533,7 +1593,8 @@ class _Wanted:
 def _wanted_offsets(
     found: dict[tuple[str, int], tuple[int, str]], requested: Any
 ) -> list[tuple[str, list[tuple[int, int, str]]]]:
-    """(topic, [(partition, offset, metadata)]) for the requested topics, or every stored one."""
+    """(topic, [(partition, offset, metadata)]) for the requested topics, or every stored one;
+    each partition once."""
     wanted: dict[str, list[int]] = {}
     if requested is None:
         for topic, partition in sorted(found):
@@ -1542,7 +1603,7 @@ def _wanted_offsets(
         for t in requested:
             wanted.setdefault(t.name, []).extend(t.partition_indexes)
     return [
-        (name, [(i, *found.get((name, i), (-1, ""))) for i in parts])
+        (name, [(i, *found.get((name, i), (-1, ""))) for i in dict.fromkeys(parts)])
         for name, parts in wanted.items()
     ]
 

@@ -12,7 +12,8 @@ The classic group protocol, as Kafka's coordinator runs it for one broker:
 * A member silent for its session timeout is removed (timers on the injected clock).
 * Committed offsets are kept per group in the metadata store at ``/kafka/groups/<group>``
   (written before the commit is acknowledged) and cached in memory; ``on_commit`` is told of
-  each durable commit (the handler mirrors it on a Pulsar subscription named after the group).
+  each durable commit, once with all its partitions (the handler mirrors it on a Pulsar
+  subscription named after the group).
   A group's commits are written one at a time, in arrival order, by compare-and-set against
   the version last read or written: a copy cached here never overwrites commits another
   broker made meanwhile (the document is read again and the commit applied on top). With
@@ -94,7 +95,8 @@ class Group:
     writes: DeferredLock = field(default_factory=DeferredLock)
 
 
-OnCommit = Callable[[str, str, int, int], None]
+#: Told of each durable commit: (group id, [(topic, partition, offset)]).
+OnCommit = Callable[[str, list[tuple[str, int, int]]], None]
 
 
 class GroupCoordinator:
@@ -442,11 +444,10 @@ class GroupCoordinator:
         if not written:
             return c.NOT_COORDINATOR
         if self.on_commit is not None:
-            for topic, partition, offset, _ in offsets:
-                try:
-                    self.on_commit(g.group_id, topic, partition, offset)
-                except Exception:
-                    log.exception("commit listener failed", extra=kv(group=g.group_id))
+            try:
+                self.on_commit(g.group_id, [(t, p, o) for t, p, o, _ in offsets])
+            except Exception:
+                log.exception("commit listener failed", extra=kv(group=g.group_id))
         return c.NONE
 
     async def _write(self, g: Group, offsets: list[tuple[str, int, int, str]]) -> bool:

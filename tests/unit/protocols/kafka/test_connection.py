@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,15 +115,10 @@ class Wire:
         return out
 
     def call(self, request: Any) -> Any:
-        version = request.API_VERSION
         corr = self.send(request)
         [(got, body)] = self.responses()
         assert got == corr
-        cls = c.response_class(request.API_KEY)
-        if cls.flexible_version_q(version) and request.API_KEY != c.API_API_VERSIONS:
-            assert body[0] == 0  # response header v1: no tagged fields
-            body = body[1:]
-        return cls[version].decode(body)
+        return decoded(request, body)
 
     def produce(self, data: bytes, topic: str = "t", acks: int = -1) -> Any:
         req = ProduceRequest[7](
@@ -142,6 +138,16 @@ class Wire:
             self.send(req)
             return None
         return self.call(req).responses[0].partition_responses[0]
+
+
+def decoded(request: Any, body: bytes) -> Any:
+    """The response to ``request`` whose body (after the correlation id) is ``body``."""
+    version = request.API_VERSION
+    cls = c.response_class(request.API_KEY)
+    if cls.flexible_version_q(version) and request.API_KEY != c.API_API_VERSIONS:
+        assert body[0] == 0  # response header v1: no tagged fields
+        body = body[1:]
+    return cls[version].decode(body)
 
 
 def fetch_request(
@@ -651,3 +657,106 @@ def test_modern_group_apis_take_batches() -> None:
         )
     )
     assert (bumped.producer_id, bumped.producer_epoch) == (first.producer_id, 1)
+
+
+def _many_topics_metadata(names: list[str]) -> Any:
+    topics = [MetadataRequest.MetadataRequestTopic(name=n) for n in names]
+    return MetadataRequest[7](topics=topics, allow_auto_topic_creation=False)
+
+
+def _many_partitions_list_offsets(names: list[str]) -> Any:
+    topic = ListOffsetsRequest.ListOffsetsTopic
+    parts = [topic.ListOffsetsPartition(partition_index=i, timestamp=-1) for i in range(len(names))]
+    return ListOffsetsRequest[2](
+        replica_id=-1, isolation_level=0, topics=[topic(name="none", partitions=parts)]
+    )
+
+
+def _many_topics_fetch(names: list[str]) -> Any:
+    req = fetch_request("x", 0)
+    req.topics = [
+        FetchRequest.FetchTopic(topic=n, partitions=req.topics[0].partitions) for n in names
+    ]
+    return req
+
+
+def _many_topics_describe_configs(names: list[str]) -> Any:
+    from kafka.protocol.admin import DescribeConfigsRequest
+
+    resource = DescribeConfigsRequest.DescribeConfigsResource
+    return DescribeConfigsRequest[1](
+        resources=[
+            resource(resource_type=2, resource_name=n, configuration_keys=None) for n in names
+        ],
+        include_synonyms=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "answers"),
+    [
+        (_many_topics_metadata, lambda r: [(t.name, t.error_code) for t in r.topics]),
+        (
+            _many_partitions_list_offsets,
+            lambda r: [(p.partition_index, p.error_code) for p in r.topics[0].partitions],
+        ),
+        (
+            _many_topics_fetch,
+            lambda r: [(t.topic, t.partitions[0].error_code) for t in r.responses],
+        ),
+        (
+            _many_topics_describe_configs,
+            lambda r: [(x.resource_name, x.error_code) for x in r.results],
+        ),
+    ],
+    ids=["metadata", "list_offsets", "fetch", "describe_configs"],
+)
+def test_a_request_naming_many_topics_hands_the_reactor_back(
+    build: Callable[[list[str]], Any],
+    answers: Callable[[Any], list[tuple[Any, int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """600 unknown topics (or partitions): the work pauses on the clock after each 256, and
+    another connection's request is answered in the pause; then all 600 are answered."""
+    from kafka.protocol.metadata import ApiVersionsRequest
+
+    w = Wire()
+    pauses: list[float] = []
+    call_later = w.clock.callLater
+
+    def counted(delay: float, f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if delay == 0:
+            pauses.append(w.clock.seconds())
+        return call_later(delay, f, *args, **kwargs)
+
+    monkeypatch.setattr(w.clock, "callLater", counted)
+    request = build([f"u{i}" for i in range(600)])
+    corr = w.send(request)
+    assert (w.responses(), len(pauses)) == ([], 1)
+    other, conn = w.connect()
+    w.send(ApiVersionsRequest[0](), conn)
+    assert len(w.responses(other)) == 1
+    w.clock.advance(0)
+    assert len(pauses) == 2  # after elements 256 and 512
+    [(got, body)] = w.responses()
+    assert got == corr
+    found = answers(decoded(request, body))
+    assert len(found) == 600
+    assert {error for _, error in found} == {c.UNKNOWN_TOPIC_OR_PARTITION}
+
+
+def test_topics_and_partitions_named_twice_are_answered_once() -> None:
+    """Metadata answers each named topic once and OffsetFetch each named partition once, in
+    the order first named."""
+    from kafka.protocol.consumer import OffsetFetchRequest
+
+    w = Wire()
+    meta = w.call(_many_topics_metadata(["b", "a", "b", "c", "a"]))
+    assert [t.name for t in meta.topics] == ["b", "a", "c"]
+    topic = OffsetFetchRequest.OffsetFetchRequestTopic
+    fetch = w.call(
+        OffsetFetchRequest[5](
+            group_id="g", topics=[topic(name="t", partition_indexes=[2, 0, 2, 1, 0])]
+        )
+    )
+    assert [p.partition_index for p in fetch.topics[0].partitions] == [2, 0, 1]

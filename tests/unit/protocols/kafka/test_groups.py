@@ -118,13 +118,13 @@ def test_commits_are_durable_and_fenced_by_generation() -> None:
     """Commits land in the metadata store, survive a new coordinator, and a stale
     generation is refused; generation -1 commits from outside the group."""
     store = FakeMetadataStore()
-    mirrored: list[tuple[str, str, int, int]] = []
+    mirrored: list[tuple[str, list[tuple[str, int, int]]]] = []
     g = GroupCoordinator(Clock(), store, on_commit=lambda *a: mirrored.append(a))
     a = result_of(_join(g, require_known_member_id=False)).member_id
     assert result_of(g.commit("g", 1, a, [("t", 0, 5, "m")])) == c.NONE
     assert result_of(g.commit("g", 0, a, [("t", 0, 9, "")])) == c.ILLEGAL_GENERATION
     assert result_of(g.commit("g", -1, "", [("t", 1, 3, "")])) == c.NONE
-    assert mirrored == [("g", "t", 0, 5), ("g", "t", 1, 3)]
+    assert mirrored == [("g", [("t", 0, 5)]), ("g", [("t", 1, 3)])]
     again = GroupCoordinator(Clock(), store)
     assert result_of(again.fetch_offsets("g")) == {("t", 0): (5, "m"), ("t", 1): (3, "")}
     g.leave("g", a)
