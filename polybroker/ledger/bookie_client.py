@@ -20,7 +20,9 @@ Rule 5: ``add_entry_batched`` (``add_record_batched``: of ready records) stages 
         while the turn goes on; never above the frame limit) to a bookie that negotiated wire
         version 2, as single ADD frames to an older one; the listener hears once per frame
         which entries were acknowledged or failed, with no Deferred per entry. The frames of
-        one turn leave in one write handed to the kernel at once (``netio.write_now``). Staged
+        one turn leave in one write handed to the kernel at once (``netio.write_now``), at the
+        turn's end (``turns.at_turn_end``, the pass an in-process bookie's journal hand-off
+        shares, so a lone add takes one reactor turn). Staged
         adds that cannot be sent (the connection failed, the client closed) fail like pending
         ones.
 Rule 6: a request of a frame type that the bookie's chosen wire version lacks (``READ_STRIDE``
@@ -88,6 +90,7 @@ from polybroker.ledger.wire import (
     encode_multi_add_parts,
 )
 from polybroker.netio import write_now
+from polybroker.turns import at_turn_end
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +369,7 @@ class TcpBookieClient(BookieClient):
             del self._staged[ledger_id]
             self._flush_group(ledger_id, group)
         elif self._flush_call is None:
-            self._flush_call = self._reactor.callLater(0, self._flush)
+            self._flush_call = at_turn_end(self._reactor, self._flush)
 
     def _too_large(self, ledger_id: int, entry_id: int, size: int, listener: AddListener) -> None:
         self._tell_failed(

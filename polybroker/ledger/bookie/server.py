@@ -20,8 +20,9 @@ Rule 6: checkpoints (every ``flushInterval`` or when half the write cache is use
         persisted only after the entry logs and the index are durable, and older journal files
         are deleted only after that.
 Rule 7: what requests journal in one reactor turn, over every connection, is handed to the
-        journal writer at the end of that turn (``callLater(0)``), as one submission; closing
-        the bookie hands over what is staged before stopping the journal.
+        journal writer at the end of that turn (``turns.at_turn_end``: in the same pass as an
+        in-process client's flush that brought them), as one submission; closing the bookie
+        hands over what is staged before stopping the journal.
 Rule 8: a bookie whose disk fills past ``diskUsageThreshold`` turns read-only (checked every
         ``diskCheckInterval`` and at start): adds are refused (ERROR, saying why) so the ledger
         client writes elsewhere, before a full disk could tear a write; recovery adds, fences,
@@ -117,6 +118,7 @@ from polybroker.logs import kv
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
 from polybroker.netio import write_now
 from polybroker.runtime import disk_full
+from polybroker.turns import at_turn_end
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +333,7 @@ class Bookie:
         assert self.journal is not None
         self.journal.add(RECORD_HEADER.pack(len(body), req.crc), body, (proto, req))
         if self._submit_call is None:
-            self._submit_call = self.reactor.callLater(0, self._submit_turn)
+            self._submit_call = at_turn_end(self.reactor, self._submit_turn)
         proto.in_flight += 1
         if proto.in_flight >= self.max_in_flight:
             proto.set_paused("in_flight", True)
@@ -354,7 +356,7 @@ class Bookie:
         assert self.journal is not None
         self.journal.add_records(req.records, (proto, req))
         if self._submit_call is None:
-            self._submit_call = self.reactor.callLater(0, self._submit_turn)
+            self._submit_call = at_turn_end(self.reactor, self._submit_turn)
         proto.in_flight += count
         if proto.in_flight >= self.max_in_flight:
             proto.set_paused("in_flight", True)
@@ -541,7 +543,7 @@ class Bookie:
         assert self.journal is not None
         self.journal.add(header, body, (proto, req))
         if self._submit_call is None:
-            self._submit_call = self.reactor.callLater(0, self._submit_turn)
+            self._submit_call = at_turn_end(self.reactor, self._submit_turn)
         proto.in_flight += 1
 
     # -- journal completions (reactor thread) ---------------------------------------------
