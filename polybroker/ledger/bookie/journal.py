@@ -339,20 +339,24 @@ _IOV_MAX = 1024  # the least IOV_MAX POSIX systems give; writev takes at most th
 def write_parts(fd: int, parts: list[Buffer]) -> None:
     """Write ``parts`` in order at ``fd``'s offset with ``os.writev``: the kernel gathers them,
     so no joined copy is made (one on the writer thread held the GIL the reactor needs for as
-    long as the copy of a group took). Raises ``OSError`` as ``os.write`` does."""
-    pending = list(parts)
-    start = 0
-    while start < len(pending):
-        batch = pending[start : start + _IOV_MAX]
+    long as the copy of a group took). Raises ``OSError`` as ``os.write`` does. Only a short
+    write is accounted part by part: a checkpoint's chunk has hundreds of parts."""
+    pending: list[Buffer] = parts
+    while pending:
+        batch = pending if len(pending) <= _IOV_MAX else pending[:_IOV_MAX]
         written = os.writev(fd, batch)
+        if written == sum(map(len, batch)):
+            pending = pending[len(batch) :]
+            continue
+        # A short write: the parts written whole are done, the rest of the next goes first.
+        i = 0
         for part in batch:
             size = len(part)
             if written < size:
-                # A short write: the rest of this part goes first in the next call.
-                pending[start] = memoryview(part)[written:]
                 break
             written -= size
-            start += 1
+            i += 1
+        pending = [memoryview(batch[i])[written:], *pending[i + 1 :]]
 
 
 def group_wait(
