@@ -57,9 +57,11 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import accumulate, repeat
 from pathlib import Path
 
 from polybroker.ledger.api import StorageError
@@ -200,6 +202,23 @@ def _views_pin_little(entries: list[tuple[int, int, Buffer]]) -> bool:
             return False
         total += n
     return total * 2 >= len(base)
+
+
+def _runs(eids: list[int], records: list[bytes]) -> list[tuple[int, list[bytes]]]:
+    """Split sorted entry ids and their index records into runs of consecutive ids, as
+    (first entry id, records)."""
+    if not eids:
+        return []
+    if eids[-1] - eids[0] == len(eids) - 1:
+        return [(eids[0], records)]
+    out = []
+    start = 0
+    for r in range(1, len(eids)):
+        if eids[r] != eids[r - 1] + 1:
+            out.append((eids[start], records[start:r]))
+            start = r
+    out.append((eids[start], records[start:]))
+    return out
 
 
 class LedgerStorage:
@@ -488,58 +507,64 @@ class LedgerStorage:
     def _write_entries(self, job: CheckpointJob) -> dict[int, list[tuple[int, list[bytes]]]]:
         """Append the snapshot, sorted by (ledger, entry), to entry logs; fsync them; persist
         their usage. Return per ledger its runs of consecutive entries as (first entry, packed
-        index records), ready for ``_write_index``."""
+        index records), ready for ``_write_index``.
+
+        A ledger's entries are laid out a log's worth at a time with whole-list operations
+        (offsets by ``accumulate``, headers and index records by ``map``), not a Python loop
+        per entry: this runs on the worker thread, and each entry's bytecode held the GIL the
+        reactor needs (a checkpoint cost the bookie about a third of its CPU per entry)."""
         runs: dict[int, list[tuple[int, list[bytes]]]] = {}
         if not job.snapshot:
             return runs
         pack_header = ENTRY_HEADER.pack
         pack_index = INDEX_RECORD.pack
         limit = self.entry_log_size_limit
-        chunk: list[Buffer] = []
-        append = chunk.append
+        chunk: list[Buffer] = []  # holds the log's bytes from ``_log_size`` on, not yet written
         chunk_bytes = 0
         if self._log_fd < 0:
             self._roll_log()
-        log_id = self._log_id
         for ledger_id in sorted(job.snapshot):
             entries = job.snapshot[ledger_id]
-            ledger_runs = runs[ledger_id] = []
-            job.entries_written += len(entries)
+            eids = sorted(entries)
+            datas = [entries[e] for e in eids]
+            lens = list(map(len, datas))
+            sizes = [n + ENTRY_HEADER_SIZE for n in lens]
+            k = len(eids)
+            job.entries_written += k
             records: list[bytes] = []
-            expected = -2
-            # The ledger's part of the current log: its first entry and offset.
-            seg_first, seg_start = -1, 0
-            for entry_id in sorted(entries):
-                data = entries[entry_id]
-                n = len(data)
-                offset = self._log_size + chunk_bytes
-                if offset + ENTRY_HEADER_SIZE + n > limit and offset > LOG_HEADER_SIZE:
-                    if seg_first >= 0:
-                        self._account(ledger_id, offset - seg_start, seg_first, expected - 1)
-                        seg_first = -1
-                    self._write_chunk(chunk)
+            i = 0
+            while i < k:
+                # Entries i.. from where the current log ends: as many as it has room for.
+                base = self._log_size + chunk_bytes
+                offs = list(accumulate(sizes[i:], initial=base))
+                fit = bisect_right(offs, limit, 1) - 1
+                if fit == 0:
+                    if base > LOG_HEADER_SIZE:
+                        self._write_chunk(chunk)
+                        chunk, chunk_bytes = [], 0
+                        self._roll_log()
+                        continue
+                    fit = 1  # an entry larger than a log gets a log of its own
+                j = i + fit
+                self._account(ledger_id, offs[fit] - base, eids[i], eids[j - 1])
+                records.extend(map(pack_index, repeat(self._log_id), lens[i:j], offs))
+                parts: list[Buffer] = [b""] * (2 * fit)
+                parts[0::2] = map(pack_header, lens[i:j], repeat(ledger_id), eids[i:j])
+                parts[1::2] = datas[i:j]
+                # Written a chunk at a time: each time the entries gathered reach _CHUNK bytes.
+                p = 0
+                while p < fit:
+                    t = bisect_left(offs, self._log_size + _CHUNK, p + 1, fit + 1)
+                    if t > fit:
+                        chunk += parts[2 * p :]
+                        chunk_bytes = offs[fit] - self._log_size
+                        break
+                    chunk += parts[2 * p : 2 * t]
+                    self._write_chunk(chunk)  # the log now ends at offs[t]
                     chunk, chunk_bytes = [], 0
-                    append = chunk.append
-                    self._roll_log()
-                    log_id = self._log_id
-                    offset = self._log_size
-                if seg_first < 0:
-                    seg_first, seg_start = entry_id, offset
-                if entry_id != expected:
-                    records = []
-                    ledger_runs.append((entry_id, records))
-                expected = entry_id + 1
-                append(pack_header(n, ledger_id, entry_id))
-                append(data)
-                records.append(pack_index(log_id, n, offset))
-                chunk_bytes += ENTRY_HEADER_SIZE + n
-                if chunk_bytes >= _CHUNK:
-                    self._write_chunk(chunk)
-                    chunk, chunk_bytes = [], 0
-                    append = chunk.append
-            if seg_first >= 0:
-                end = self._log_size + chunk_bytes
-                self._account(ledger_id, end - seg_start, seg_first, expected - 1)
+                    p = t
+                i = j
+            runs[ledger_id] = _runs(eids, records)
         self._write_chunk(chunk)
         os.fsync(self._log_fd)
         self._write_usage(self._log_id, self._log_usage)

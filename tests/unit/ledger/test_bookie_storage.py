@@ -10,9 +10,11 @@ import pytest
 
 from polybroker.ledger.bookie.journal import JournalPosition
 from polybroker.ledger.bookie.storage import (
+    ENTRY_HEADER,
     ENTRY_HEADER_SIZE,
     INDEX_HEADER_SIZE,
     INDEX_RECORD,
+    LOG_HEADER_SIZE,
     MAX_ENTRY_ID,
     VIEW_MIN_BYTES,
     LedgerStorage,
@@ -391,3 +393,49 @@ def test_checkpoint_syncs_entry_logs_as_it_writes_them(
     assert len(synced) >= 2
     assert all(s.read_entry(8, e) == blob[: 500 + e % 500] for e in range(3000))
     s.close()
+
+
+def test_a_checkpoint_lays_out_ledgers_in_order_across_log_rolls(tmp_path: Path) -> None:
+    """Several ledgers, entry ids with gaps, logs rolled mid-ledger and an entry larger than a
+    log: each log holds whole records sorted by (ledger, entry), its usage counts what it holds
+    of each ledger, and after a restart every entry reads back through the index."""
+    limit = 6000
+    s = _storage(tmp_path, entry_log_size_limit=limit)
+    written: dict[tuple[int, int], bytes] = {}
+    for ledger in (3, 1, 2):
+        for e in [*range(0, 12), *range(15, 30), 40]:
+            data = _data(ledger, e) * (1 + (e * ledger) % 40)
+            s.put_entry(ledger, e, e - 1, data)
+            written[ledger, e] = data
+    big = os.urandom(limit + 100)
+    s.put_entry(4, 0, -1, big)
+    written[4, 0] = big
+    s.put_entry(4, 1, 0, b"after the big one")
+    written[4, 1] = b"after the big one"
+    _checkpoint(s)
+    laid_out: list[tuple[int, int]] = []
+    for log_id in s.log_ids():
+        raw = (tmp_path / "entrylogs" / f"{log_id:08x}.log").read_bytes()
+        at = LOG_HEADER_SIZE
+        held: dict[int, list[int]] = {}
+        while at < len(raw):
+            n, ledger, entry = ENTRY_HEADER.unpack_from(raw, at)
+            assert (
+                raw[at + ENTRY_HEADER_SIZE : at + ENTRY_HEADER_SIZE + n] == written[ledger, entry]
+            )
+            laid_out.append((ledger, entry))
+            held.setdefault(ledger, [0, entry, entry])
+            held[ledger][0] += ENTRY_HEADER_SIZE + n
+            held[ledger][2] = entry
+            at += ENTRY_HEADER_SIZE + n
+        assert at == len(raw)
+        assert len(raw) <= limit or held == {4: [ENTRY_HEADER_SIZE + len(big), 0, 0]}
+        usage = s.log_usage(log_id)
+        assert {k: [u.bytes, u.first, u.last] for k, u in usage.items()} == held
+    assert laid_out == sorted(written)
+    assert len(s.log_ids()) >= 5
+    s.close()
+    again = _storage(tmp_path, entry_log_size_limit=limit)
+    assert all(again.read_entry(lid, e) == data for (lid, e), data in written.items())
+    assert again.read_entry(1, 13) is None
+    again.close()
