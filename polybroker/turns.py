@@ -21,7 +21,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 from polybroker.logs import kv
 
@@ -50,40 +50,49 @@ class TurnEndCall:
 
 
 class _TurnEnd:
-    """The queue of one clock (Rule 4)."""
+    """The queue of one clock (Rule 4). It holds its clock weakly: the map's value must not
+    keep the map's key alive."""
 
     __slots__ = ("__weakref__", "calls", "clock", "scheduled")
 
     def __init__(self, clock: Any) -> None:
-        self.clock = clock
+        self.clock = ref(clock)
         self.calls: deque[TurnEndCall] = deque()
         self.scheduled = False
 
     def add(self, call: TurnEndCall) -> None:
         self.calls.append(call)
         if not self.scheduled:
-            self.scheduled = True
-            self.clock.callLater(0, self.run)
+            self._schedule()
+
+    def _schedule(self) -> None:
+        clock = self.clock()
+        self.scheduled = clock is not None
+        if clock is not None:
+            clock.callLater(0, self.run)
 
     def run(self) -> None:
         calls = self.calls
         budget = len(calls) + PASS_EXTRA
-        while calls and budget > 0:
-            budget -= 1
-            call = calls.popleft()
-            fn, args = call.fn, call.args
-            if fn is None:
-                continue
-            call.fn = None
-            call.args = ()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("end-of-turn call failed", extra=kv(call=repr(fn)))
-        if calls:
-            self.clock.callLater(0, self.run)
-        else:
-            self.scheduled = False
+        try:
+            while calls and budget > 0:
+                budget -= 1
+                call = calls.popleft()
+                fn, args = call.fn, call.args
+                if fn is None:
+                    continue
+                call.fn = None
+                call.args = ()
+                try:
+                    fn(*args)
+                except Exception:
+                    log.exception("end-of-turn call failed", extra=kv(call=repr(fn)))
+        finally:
+            # Even past an exception no call catches, what is queued still gets a pass.
+            if calls:
+                self._schedule()
+            else:
+                self.scheduled = False
 
 
 _queues: WeakKeyDictionary[Any, _TurnEnd] = WeakKeyDictionary()

@@ -113,3 +113,35 @@ def test_each_clock_has_its_own_passes() -> None:
     assert ran == ["b"]
     a.advance(0)
     assert ran == ["b", "a"]
+
+
+def test_a_queue_does_not_keep_its_clock_alive() -> None:
+    """The per-clock queue holds its clock weakly, so a clock that is dropped is collected."""
+    import gc
+    import weakref
+
+    clock = Clock()
+    at_turn_end(clock, lambda: None)
+    clock.advance(0)
+    gone = weakref.ref(clock)
+    del clock
+    gc.collect()
+    assert gone() is None
+
+
+def test_an_exception_no_call_catches_leaves_the_rest_for_the_next_pass() -> None:
+    """A BaseException out of one call ends its pass, and what is still queued runs on the next
+    one rather than never."""
+    clock = Clock()
+    ran: list[int] = []
+
+    def stop() -> None:
+        raise KeyboardInterrupt
+
+    at_turn_end(clock, stop)
+    at_turn_end(clock, ran.append, 1)
+    with pytest.raises(KeyboardInterrupt):
+        clock.advance(0)
+    assert ran == []
+    clock.advance(0)
+    assert ran == [1]
