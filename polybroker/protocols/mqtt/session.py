@@ -436,7 +436,11 @@ class TopicSub:
             key = (self.full, position)
             if key in self.session.qos2_out:
                 d.addCallback(lambda _: self.session.qos2_acked(key))
-        d.addErrback(lambda f: None)
+        if not d.called or d.paused or isinstance(d.result, Failure):
+            # Its failure is of no consequence (the entry is delivered again). An ack that
+            # has already succeeded, the usual case, needs no errback: adding one would run
+            # the Deferred's callback loop for nothing.
+            d.addErrback(_ignore)
         self.to_flow += size
         if self.to_flow >= FLOW_WINDOW // 2:
             server.flow(self.to_flow)
@@ -455,6 +459,10 @@ class TopicSub:
             return
         self.closed = True
         self.session.consumer_lost(self)
+
+
+def _ignore(_: object) -> None:
+    return None
 
 
 def subscription_name(client_id: str, group: str | None) -> str:
@@ -866,6 +874,11 @@ class Session:
     def pump(self, at_read_end: bool = False) -> None:
         """Send what the connection and the client's receive maximum allow (during the
         connection's read: at its end, ``at_read_end``)."""
+        queue = self.queue
+        if not queue:
+            # Nothing to send (a PUBACK's pump, mostly): nothing waits for the read's end.
+            self.pump_due = False
+            return
         link = self.link
         if link is None or link.paused:
             return
@@ -874,21 +887,28 @@ class Session:
             return
         self.pump_due = False
         chunks: list[bytes] = []
-        now = self.broker.clock.seconds()
+        now: float | None = None
         level = link.level
-        queue = self.queue
+        inflight = self.inflight
         while queue:
             out = queue[0]
-            if out.qos and len(self.inflight) >= link.client_receive_max:
+            if out.qos and len(inflight) >= link.client_receive_max:
                 break
             queue.popleft()
             if out.expiry_at is not None:
+                if now is None:
+                    now = self.broker.clock.seconds()
                 left = int(out.expiry_at - now)
                 if left <= 0:
                     self._complete(out)
                     continue
                 out.properties[c.MESSAGE_EXPIRY] = left
-            pid = self._packet_id() if out.qos else None
+            pid: int | None = None
+            if out.qos:
+                # ``_packet_id``'s first try, without its call: the next id is mostly free.
+                pid = self._next_pid = self._next_pid % 65535 + 1
+                if pid in inflight:
+                    pid = self._packet_id()
             try:
                 data = c.encode_publish(
                     topic_field(out.topic),
@@ -914,9 +934,9 @@ class Session:
                 self._complete(out)
             else:
                 out.packet_id = pid
-                self.inflight[pid] = out
+                inflight[pid] = out
         if chunks:
-            link.write(b"".join(chunks))
+            link.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     def _complete(self, out: Outgoing) -> None:
         track = out.track
@@ -927,8 +947,11 @@ class Session:
         out = self.inflight.get(pid)
         if out is not None and out.qos == 1:
             del self.inflight[pid]
-            self._complete(out)
-            self.pump()
+            track = out.track
+            if track is not None:
+                track.sub.complete(track)
+            if self.queue:
+                self.pump()
 
     def on_pubrec(self, pid: int, reason_code: int) -> bool:
         """PUBREC of a QoS 2 delivery; return whether to answer PUBREL (else not found)."""
