@@ -777,12 +777,17 @@ class PacketReader:
         """The next complete packet, or None until more bytes arrive."""
         buf = self._buf
         pos = self._pos
-        if pos >= len(buf):
+        if pos + 1 >= len(buf):
             return None
-        got = decode_varint(buf, pos + 1)
-        if got is None:
-            return None
-        length, start = got
+        length = buf[pos + 1]
+        if length < 0x80:
+            # One length byte (a packet under 128 bytes), read without decode_varint's call.
+            start = pos + 2
+        else:
+            got = decode_varint(buf, pos + 1)
+            if got is None:
+                return None
+            length, start = got
         if start - pos + length > self.max_packet_size:
             raise MqttError(PACKET_TOO_LARGE, f"packet of {start - pos + length} bytes")
         end = start + length

@@ -58,6 +58,13 @@ _FOREVER = 0xFFFFFFFF
 #: Acknowledgements older than this many group waits are no longer answered by what arrives.
 OWED_HORIZON = 20
 
+# Connection states (see the module docstring), as module constants: the read path tests
+# them several times per packet, and a class attribute read through ``self`` is not cached.
+_AWAIT_CONNECT = "await-connect"
+_CONNECTING = "connecting"
+_READY = "ready"
+_CLOSED = "closed"
+
 
 @dataclass
 class MqttSettings:
@@ -100,16 +107,16 @@ class _AckSlot:
 class MqttConnection(Protocol):
     """One client connection (see the module docstring)."""
 
-    AWAIT_CONNECT = "await-connect"
-    CONNECTING = "connecting"
-    READY = "ready"
-    CLOSED = "closed"
+    AWAIT_CONNECT = _AWAIT_CONNECT
+    CONNECTING = _CONNECTING
+    READY = _READY
+    CLOSED = _CLOSED
 
     def __init__(self, settings: MqttSettings) -> None:
         self.settings = settings
         self.broker = settings.broker
         self.clock = settings.clock
-        self.state = self.AWAIT_CONNECT
+        self.state = _AWAIT_CONNECT
         self.reader = c.PacketReader(settings.max_packet_size)
         self.level = c.LEVEL_311
         self.client_receive_max = 65535
@@ -170,18 +177,19 @@ class MqttConnection(Protocol):
         self._timer = self.clock.callLater(self.settings.connect_timeout_s, self._connect_timeout)
 
     def dataReceived(self, data: bytes) -> None:
-        if self.state == self.CLOSED:
+        if self.state == _CLOSED:
             return
         self._last_heard = self.clock.seconds()
-        self.reader.feed(data)
+        reader = self.reader
+        reader.feed(data)
         # What this read makes the connection write goes out as one write at its end.
         self.reading = True
         try:
-            while self.state != self.CLOSED:
-                packet = self.reader.next_packet()
+            while self.state != _CLOSED:
+                packet = reader.next_packet()
                 if packet is None:
                     break
-                if self.state == self.CONNECTING:
+                if self.state == _CONNECTING:
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
@@ -236,17 +244,17 @@ class MqttConnection(Protocol):
         if self._out:
             data = b"".join(self._out)
             self._out = []
-            if self.state != self.CLOSED and self.transport is not None:
+            if self.state != _CLOSED and self.transport is not None:
                 write_now(self.transport, data)
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
-        if self.state == self.CLOSED:
+        if self.state == _CLOSED:
             return
         if self._batches:
             # What arrived before the end is stored (its acks can no longer be sent).
             self._flush_publishes()
         self._stop_group_timer()
-        self.state = self.CLOSED
+        self.state = _CLOSED
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -282,7 +290,7 @@ class MqttConnection(Protocol):
         read produced is all there is to write for it."""
         if self.reading:
             self._out.append(data)
-        elif self.state != self.CLOSED and self.transport is not None:
+        elif self.state != _CLOSED and self.transport is not None:
             write_now(self.transport, data)
 
     def send(self, packet: c.Packet) -> None:
@@ -290,7 +298,7 @@ class MqttConnection(Protocol):
 
     def close(self) -> None:
         """Close the connection (what is buffered is still sent); an unsent will fires."""
-        if self.state == self.CLOSED:
+        if self.state == _CLOSED:
             return
         self._flush_out()
         if self.transport is not None:
@@ -299,14 +307,14 @@ class MqttConnection(Protocol):
 
     def kick(self, reason_code: int) -> None:
         """The broker ends this connection (session taken over, shutdown)."""
-        if self.level == c.LEVEL_5 and self.state == self.READY:
+        if self.level == c.LEVEL_5 and self.state == _READY:
             self.send(c.Disconnect(reason_code))
         self._log_close(f"kicked 0x{reason_code:02x}")
         self.close()
 
     def _fail(self, reason_code: int, message: str) -> None:
         self._log_close(message)
-        if self.level == c.LEVEL_5 and self.state in (self.READY, self.CONNECTING):
+        if self.level == c.LEVEL_5 and self.state in (_READY, _CONNECTING):
             self.send(c.Disconnect(reason_code, {c.REASON_STRING: message[:200]}))
         self.close()
 
@@ -317,13 +325,13 @@ class MqttConnection(Protocol):
 
     def _connect_timeout(self) -> None:
         self._timer = None
-        if self.state == self.AWAIT_CONNECT:
+        if self.state == _AWAIT_CONNECT:
             self._log_close("no CONNECT in time")
             self.close()
 
     def _keep_alive_check(self) -> None:
         self._timer = None
-        if self.state == self.CLOSED:
+        if self.state == _CLOSED:
             return
         limit = 1.5 * self.keep_alive_s
         idle = self.clock.seconds() - self._last_heard
@@ -403,12 +411,12 @@ class MqttConnection(Protocol):
         if cap and (keep_alive == 0 or keep_alive > cap) and v5:
             keep_alive = server_keep_alive = cap
         self.keep_alive_s = keep_alive
-        self.state = self.CONNECTING
+        self.state = _CONNECTING
         d = self.broker.open_session(client_id, p.clean_start, expiry_s)
 
         def opened(got: tuple[Session, bool]) -> None:
             session, present = got
-            if self.state == self.CLOSED:
+            if self.state == _CLOSED:
                 session.detach(self)
                 if session.link is None and not session.persistent:
                     self.broker.end_session(session)
@@ -430,21 +438,21 @@ class MqttConnection(Protocol):
                 if server_keep_alive is not None:
                     ack_props[c.SERVER_KEEP_ALIVE] = server_keep_alive
             self.send(c.ConnAck(present, c.SUCCESS, ack_props))
-            self.state = self.READY
+            self.state = _READY
             if self.keep_alive_s > 0:
                 self._timer = self.clock.callLater(1.5 * self.keep_alive_s, self._keep_alive_check)
             session.attach(self)
             waiting, self._waiting = self._waiting, []
             for packet in waiting:
-                if self.state != self.READY:
+                if self.state != _READY:
                     break
                 self._dispatch_safely(packet)
-            if self._batches and self.state == self.READY:
+            if self._batches and self.state == _READY:
                 self._flush_publishes()
 
         def failed(f: Failure) -> None:
             log.warning("mqtt session open failed", extra=kv(client=client_id, error=str(f.value)))
-            if self.state != self.CLOSED:
+            if self.state != _CLOSED:
                 self.send(c.ConnAck(False, c.SERVER_UNAVAILABLE if v5 else c.V3_SERVER_UNAVAILABLE))
                 self.close()
 
@@ -503,7 +511,7 @@ class MqttConnection(Protocol):
         while acks and acks[0].done:
             out.append(acks.popleft().data)
         data = out[0] if len(out) == 1 else b"".join(out)
-        if self.reading or self.state == self.CLOSED or self.transport is None:
+        if self.reading or self.state == _CLOSED or self.transport is None:
             self.write(data)
         else:
             # A durable write completed: its publisher waits for these acks, so they go to the
@@ -549,7 +557,8 @@ class MqttConnection(Protocol):
                 self._peak = self._inbound_pending
             if self.level == c.LEVEL_5 and self._inbound_pending > self.settings.receive_maximum:
                 raise c.MqttError(c.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
-            slot = self._ack_slot()
+            slot = _AckSlot()
+            self._acks.append(slot)
             if p.qos == 2:
                 self._qos2_unstored[pid] = [slot]
         if p.retain:
@@ -596,19 +605,20 @@ class MqttConnection(Protocol):
         if (
             self._storing
             and wait > 0
-            and self.state == self.READY
+            and self.state == _READY
             and self._window >= self.settings.publish_group_min_window
         ):
             return True
         if (
             self._owed <= 0
             or wait <= 0
-            or self.state != self.READY
+            or self.state != _READY
             or self.clock.seconds() - self._owed_at > OWED_HORIZON * wait
             or (self._group_timer is None and self._window < self.settings.publish_group_min_window)
         ):
             self._owed = 0
-            self._stop_group_timer()
+            if self._group_timer is not None:
+                self._stop_group_timer()
             return False
         if self._group_timer is None:
             self._group_timer = self.clock.callLater(wait, self._group_wait_over)
@@ -617,7 +627,7 @@ class MqttConnection(Protocol):
     def _group_wait_over(self) -> None:
         self._group_timer = None
         self._owed = 0
-        if self._batches and self.state == self.READY:
+        if self._batches and self.state == _READY:
             self.reading = True
             try:
                 self._flush_publishes()
@@ -631,7 +641,8 @@ class MqttConnection(Protocol):
 
     def _flush_publishes(self) -> None:
         """Store the PUBLISHes read and held: one entry per topic, each a batch."""
-        self._stop_group_timer()
+        if self._group_timer is not None:
+            self._stop_group_timer()
         batches, self._batches = self._batches, {}
         for batch in batches.values():
             self._store(batch)
@@ -688,13 +699,14 @@ class MqttConnection(Protocol):
             else:
                 self._store_next()
 
-        d = self.broker.publish_batch([p for p, _ in batch], self.client_id, session)
+        pubs = [batch[0][0]] if len(batch) == 1 else [p for p, _ in batch]
+        d = self.broker.publish_batch(pubs, self.client_id, session)
         d.addCallbacks(stored, failed)
 
     def _store_next(self) -> None:
         """A store completed: store what waited for it, unless that still waits for more
         (``_hold_publishes``)."""
-        if not self._batches or self._storing or self.state != self.READY:
+        if not self._batches or self._storing or self.state != _READY:
             return
         if self._hold_publishes():
             return
@@ -878,7 +890,7 @@ class MqttConnection(Protocol):
                 all_done()
 
         def all_done() -> None:
-            if self.state == self.CLOSED:
+            if self.state == _CLOSED:
                 return
             if session.persistent:
                 self.broker.save(session).addErrback(lambda _: None)
