@@ -11,7 +11,10 @@ follows the schema rather than hand-written packing.
 
 Rule 1: ``FrameDecoder`` refuses a frame larger than its limit before buffering it.
 Rule 2: ``parse_request`` never reads past the frame it is given; anything malformed raises
-        ``KafkaCodecError`` (the connection then closes).
+        ``KafkaCodecError`` (the connection then closes). That includes a null where the schema
+        does not allow one (an array, string, bytes or struct outside its ``nullableVersions``):
+        the schema classes decode it as None, which the handler never has to expect; Kafka
+        refuses such a request as malformed too.
 Rule 3: the advertised table lists only what the handler implements: ``API_VERSIONS`` (the
         Kafka 2.1-era table, plus DescribeCluster) or ``API_VERSIONS_MODERN`` (flexible versions
         and topic ids); ApiVersions above it gets error 35 and a v0 body.
@@ -323,7 +326,56 @@ def parse_request(frame: bytes, table: dict[int, tuple[int, int]] = API_VERSIONS
         body = cls[version].decode(frame[pos:])
     except Exception as e:
         raise KafkaCodecError(f"malformed {cls.name} v{version}: {e!r}") from None
+    plan = _NULL_PLANS.get((api_key, version))
+    if plan is None:
+        plan = _NULL_PLANS[api_key, version] = _null_plan(cls._struct._fields, version)
+    if plan:
+        null = _first_null(body, plan, "")
+        if null is not None:
+            raise KafkaCodecError(f"malformed {cls.name} v{version}: {null} is null")
     return Request(api_key, version, correlation_id, client_id, body, len(frame))
+
+
+# -- nulls the schema does not allow (Rule 2) ------------------------------------------------
+
+# (attribute, schema name, whether it may not be null, checks inside it, whether it is an array)
+_NullCheck = tuple[str, str, bool, tuple[Any, ...], bool]
+_NULL_PLANS: dict[tuple[int, int], tuple[_NullCheck, ...]] = {}
+_NULLABLE_TYPES = frozenset({"string", "bytes", "records"})  # besides arrays and structs
+
+
+def _null_plan(fields: Any, version: int) -> tuple[_NullCheck, ...]:
+    """The checks that find a forbidden null in a body of ``version`` with these schema fields:
+    only fields that may decode as None, and structs holding such fields (tagged fields are
+    optional, so never checked)."""
+    plan: list[_NullCheck] = []
+    for f in fields:
+        if not f.for_version_q(version) or f.tagged_field_q(version):
+            continue
+        composite = f.is_struct_array() or f.is_struct()
+        inner = _null_plan(f._fields, version) if composite else ()
+        forbidden = (
+            f.is_array() or f.is_struct() or f.type_str in _NULLABLE_TYPES
+        ) and not f.nullable_for_version_q(version)
+        if forbidden or inner:
+            plan.append((f.name, f._name, forbidden, inner, f.is_struct_array()))
+    return tuple(plan)
+
+
+def _first_null(obj: Any, plan: tuple[_NullCheck, ...], where: str) -> str | None:
+    """The schema path of the first forbidden null in ``obj``, or None."""
+    for attr, name, forbidden, inner, many in plan:
+        value = getattr(obj, attr, None)
+        if value is None:
+            if forbidden:
+                return where + name
+            continue
+        if inner:
+            for item in value if many else (value,):
+                found = _first_null(item, inner, f"{where}{name}.")
+                if found is not None:
+                    return found
+    return None
 
 
 # -- direct decoding of Produce requests (the hot path) ------------------------------------
@@ -400,10 +452,13 @@ class _Reader:
             raise KafkaCodecError("string is not UTF-8") from None
 
     def count(self) -> int:
+        """The length of an array the schema does not let be null."""
         n = self.length()
+        if n < 0:
+            raise KafkaCodecError("null array")
         if n > self.end - self.pos:  # every element takes at least one byte
             raise KafkaCodecError(f"array of {n} elements cannot fit the frame")
-        return max(n, 0)
+        return n
 
     def tags(self) -> None:
         if self.flexible:

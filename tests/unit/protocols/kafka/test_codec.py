@@ -266,3 +266,89 @@ def test_truncated_or_padded_produce_requests_are_codec_errors() -> None:
     huge[at : at + 4] = (1 << 30).to_bytes(4, "big")
     with pytest.raises(c.KafkaCodecError, match="cannot fit"):
         c.parse_request(bytes(huge), c.API_VERSIONS_MODERN)
+
+
+def _null_fields(api_key: int, version: int) -> list[str]:
+    """The top-level fields of a request that may decode as None but that the schema does not
+    let be null at ``version`` (arrays, strings, bytes, structs)."""
+    names = []
+    for f in c.request_class(api_key)._struct._fields:
+        if not f.for_version_q(version) or f.tagged_field_q(version):
+            continue
+        may_be_null = f.is_array() or f.is_struct() or f.type_str in ("string", "bytes")
+        if may_be_null and not f.nullable_for_version_q(version):
+            names.append(f.name)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("api_key", "version"),
+    [
+        (k, v)
+        for k, (lo, hi) in c.API_VERSIONS_MODERN.items()
+        if k != c.API_PRODUCE
+        for v in range(lo, hi + 1)
+    ],
+)
+def test_a_null_the_schema_forbids_is_a_codec_error(api_key: int, version: int) -> None:
+    """Each non-nullable field of every served request, sent as null, is refused as malformed
+    rather than handed to the handler as None (a fuzzed Fetch v12 with null topics once
+    reached it and failed there). Where the schema class writes no null (an empty v0 array),
+    the handler gets what was written, never None."""
+    cls = c.request_class(api_key)
+    for name in _null_fields(api_key, version):
+        frame = _frame(cls[version](**{name: None}))
+        try:
+            body = c.parse_request(frame, c.API_VERSIONS_MODERN).body
+        except c.KafkaCodecError as e:
+            refusal = str(e)
+        else:
+            refusal = ""
+            assert getattr(body, name) is not None, name
+        assert not refusal or refusal.endswith("is null"), refusal
+
+
+def test_a_null_inside_an_array_is_refused_and_allowed_nulls_pass() -> None:
+    """A null partitions array inside a Fetch topic is refused with its path; nulls the schema
+    allows (Metadata's topics for all topics, a commit's metadata) still parse."""
+    from kafka.protocol.consumer import FetchRequest, OffsetCommitRequest
+
+    fetch = FetchRequest[12](
+        max_wait_ms=1,
+        min_bytes=1,
+        topics=[FetchRequest.FetchTopic(topic="t", partitions=None)],
+        forgotten_topics_data=[],
+    )
+    with pytest.raises(c.KafkaCodecError, match=r"Topics\.Partitions is null"):
+        c.parse_request(_frame(fetch), c.API_VERSIONS_MODERN)
+    everything = c.parse_request(_frame(MetadataRequest[7](topics=None)), c.API_VERSIONS_MODERN)
+    assert everything.body.topics is None
+    commit = OffsetCommitRequest[8](
+        group_id="g",
+        generation_id_or_member_epoch=1,
+        member_id="m",
+        topics=[
+            OffsetCommitRequest.OffsetCommitRequestTopic(
+                name="t",
+                partitions=[
+                    OffsetCommitRequest.OffsetCommitRequestTopic.OffsetCommitRequestPartition(
+                        partition_index=0, committed_offset=5, committed_metadata=None
+                    )
+                ],
+            )
+        ],
+    )
+    req = c.parse_request(_frame(commit), c.API_VERSIONS_MODERN)
+    assert req.body.topics[0].partitions[0].committed_metadata is None
+
+
+@pytest.mark.parametrize("version", [3, 9])
+def test_a_produce_request_with_null_arrays_is_a_codec_error(version: int) -> None:
+    """The direct Produce decoder refuses a null topic or partition array, as the schema does."""
+    from kafka.protocol.producer import ProduceRequest
+
+    data = ProduceRequest.TopicProduceData
+    for topics in (None, [data(name="t", partition_data=None)]):
+        req = ProduceRequest[version](acks=1, timeout_ms=1, topic_data=topics)
+        with pytest.raises(c.KafkaCodecError, match="null array"):
+            c.parse_request(_frame(req), c.API_VERSIONS_MODERN)
