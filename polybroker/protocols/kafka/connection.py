@@ -4,6 +4,14 @@ Frames are decoded as they arrive and each request is handed to ``KafkaApis`` at
 long-polling Fetch does not hold up the next request's work), but responses leave strictly in
 request order, as Kafka requires. A Produce with acks=0 gets no response.
 
+Requests are taken (parsed and handed on) while fewer than ``MAX_IN_FLIGHT`` await their
+responses (after that, until half of them left) and while the socket's send buffer is not
+full; frames read beyond that wait, and reading pauses until they are taken. A client that
+sends requests but does not read their answers (a fetch answer may be megabytes) stops being
+read, as Kafka stops reading a connection until its response is sent, instead of having every
+answer buffered in the broker's memory: what is buffered is at most the answers to the
+requests already taken.
+
 Bad input (an oversize or malformed frame, an unknown API key, an unsupported version) closes
 the connection after the responses already due; an unsupported ApiVersions version is answered
 with error 35 and a v0 body. No exception escapes ``dataReceived``.
@@ -16,8 +24,10 @@ from collections import deque
 from typing import Any
 
 from twisted.internet.defer import maybeDeferred
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
@@ -39,6 +49,7 @@ class _Slot:
         self.data: bytes | None = None
 
 
+@implementer(IPushProducer)
 class KafkaConnection(Protocol):
     """Serves one client socket (see the module docstring)."""
 
@@ -47,11 +58,17 @@ class KafkaConnection(Protocol):
         self.decoder = c.FrameDecoder(max_frame)
         self.pending: deque[_Slot] = deque()
         self.closed = False
-        self.paused = False
+        self.paused = False  # reading is paused (for one of the reasons below)
+        self._frames: deque[bytes] = deque()  # read, not yet taken
+        self._busy = False  # MAX_IN_FLIGHT requests awaited their answers
+        self._blocked = False  # the socket's send buffer is full
+        self._taking = False
         self.client_host = ""
 
     def connectionMade(self) -> None:
         set_no_delay(self.transport)
+        # The transport tells (pauseProducing) when what was written waits in its buffer.
+        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
         peer = self.transport.getPeer()  # type: ignore[union-attr]
         self.client_host = f"/{getattr(peer, 'host', '')}"
 
@@ -59,22 +76,56 @@ class KafkaConnection(Protocol):
         if self.closed:
             return
         try:
-            frames = self.decoder.feed(data)
+            self._frames.extend(self.decoder.feed(data))
         except c.KafkaCodecError as e:
             self._fail(str(e))
             return
-        for frame in frames:
-            if self.closed:
-                return
-            try:
-                req = c.parse_request(frame, self.apis.settings.api_versions)
-            except c.KafkaCodecError as e:
-                self._fail(str(e))
-                return
-            self._dispatch(req)
-        if len(self.pending) >= MAX_IN_FLIGHT and not self.paused:
-            self.paused = True
-            self.transport.pauseProducing()  # type: ignore[union-attr]
+        self._take()
+
+    def _take(self) -> None:
+        """Take the frames read while there is room (see the module docstring), then pause or
+        resume reading. Not re-entered: an answer given at once only makes room."""
+        if self._taking:
+            return
+        self._taking = True
+        try:
+            frames = self._frames
+            while frames and not (self._busy or self._blocked or self.closed):
+                try:
+                    req = c.parse_request(frames.popleft(), self.apis.settings.api_versions)
+                except c.KafkaCodecError as e:
+                    self._fail(str(e))
+                    return
+                self._dispatch(req)
+                if len(self.pending) >= MAX_IN_FLIGHT:
+                    self._busy = True
+        finally:
+            self._taking = False
+        self._read_or_not()
+
+    # -- IPushProducer: the transport's send buffer -----------------------------------------
+
+    def pauseProducing(self) -> None:
+        self._blocked = True
+        self._read_or_not()
+
+    def resumeProducing(self) -> None:
+        self._blocked = False
+        self._take()
+
+    def stopProducing(self) -> None:
+        self._blocked = True
+
+    def _read_or_not(self) -> None:
+        """Read the socket only while nothing waits to be taken and there is room."""
+        pause = self._busy or self._blocked or bool(self._frames)
+        if pause == self.paused or self.closed or self.transport is None:
+            return
+        self.paused = pause
+        if pause:
+            self.transport.pauseProducing()
+        else:
+            self.transport.resumeProducing()
 
     def _dispatch(self, req: c.Request) -> None:
         slot = _Slot()
@@ -117,9 +168,9 @@ class KafkaConnection(Protocol):
                 out.append(slot.data)
         if out and not self.closed:
             self.transport.writeSequence(out)  # type: ignore[union-attr]
-        if self.paused and len(self.pending) < MAX_IN_FLIGHT // 2 and not self.closed:
-            self.paused = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
+        if self._busy and len(self.pending) < MAX_IN_FLIGHT // 2:
+            self._busy = False
+            self._take()
 
     def _fail(self, reason: str) -> None:
         log.info(
@@ -128,6 +179,7 @@ class KafkaConnection(Protocol):
         self._flush()
         self.closed = True
         self.pending.clear()
+        self._frames.clear()
         if self.transport is not None:
             self.transport.loseConnection()
 

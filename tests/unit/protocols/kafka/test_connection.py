@@ -760,3 +760,69 @@ def test_topics_and_partitions_named_twice_are_answered_once() -> None:
         )
     )
     assert [p.partition_index for p in fetch.topics[0].partitions] == [2, 0, 1]
+
+
+class FillingTransport(StringTransport):
+    """A StringTransport whose send buffer fills: past ``limit`` buffered bytes it tells its
+    producer to pause, as a TCP transport does when the client does not read."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        if len(self.value()) > self.limit and self.producer is not None:
+            self.producer.pauseProducing()
+
+    def writeSequence(self, seq: Any) -> None:
+        self.write(b"".join(seq))
+
+
+def test_a_client_that_does_not_read_its_answers_stops_being_read() -> None:
+    """200 fetches in one read: once the answers fill the send buffer nothing more is taken
+    and the socket is not read, so the broker holds no more answers; as the client reads,
+    the rest are answered, all in order."""
+    w = Wire()
+    w.produce(batch(50, size=1000))
+    transport = FillingTransport(limit=100_000)
+    w.conn.makeConnection(transport)
+    req = fetch_request("t", 0)
+    frames = b""
+    for corr in range(1, 201):
+        req.with_header(correlation_id=corr, client_id="unit")
+        frames += bytes(req.encode(header=True, framed=True))
+    w.conn.dataReceived(frames)
+    answered = w.responses(transport)
+    assert 0 < len(answered) < 10  # each answer is ~50 KB: the buffer filled at once
+    assert transport.producerState == "paused"  # the socket is not read meanwhile
+    while transport.producerState == "paused":
+        w.conn.resumeProducing()  # the client read what was buffered
+        answered += w.responses(transport)
+    assert [corr for corr, _ in answered] == list(range(1, 201))
+    assert all(
+        len(records_of(decoded(req, body).responses[0].partitions[0])) == 50 for _, body in answered
+    )
+
+
+def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
+    """100 long-polling fetches in one read: 64 are taken, the rest wait with the socket
+    unread; as the polls end, the rest are taken, and all are answered in order."""
+    from polybroker.protocols.kafka.connection import MAX_IN_FLIGHT
+
+    w = Wire()
+    w.produce(batch(1))
+    req = fetch_request("t", 1, max_wait_ms=500)
+    frames = b""
+    for corr in range(1, 101):
+        req.with_header(correlation_id=corr, client_id="unit")
+        frames += bytes(req.encode(header=True, framed=True))
+    w.conn.dataReceived(frames)
+    assert len(w.conn.pending) == MAX_IN_FLIGHT
+    assert w.transport.producerState == "paused"
+    answered: list[int] = []
+    for _ in range(10):
+        w.clock.advance(0.5)
+        answered += [corr for corr, _ in w.responses()]
+    assert answered == list(range(1, 101))
+    assert w.transport.producerState == "producing"
