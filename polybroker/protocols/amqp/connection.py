@@ -4,7 +4,9 @@ the virtual hosts.
 Ordering: the methods of one channel run in arrival order; a method that waits (a declare
 persisted in the metadata store, a basic.get waiting for appends under way) holds back the
 methods after it on that channel only. Publishes do not wait for their writes: confirms and
-``tx.commit`` do.
+``tx.commit`` do. While a channel holds back ``MAX_BACKLOG`` methods, the socket is not read
+(until half of them ran), so a client that pipelines methods faster than they complete is
+slowed by TCP, as RabbitMQ's flow control slows its reader, rather than queued in memory.
 
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
@@ -53,6 +55,9 @@ from polybroker.protocols.amqp.vhost import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Methods one channel holds back (behind one that waits) before the socket stops being read.
+MAX_BACKLOG = 1024
 
 CLOSE_GRACE_S = 5.0
 PRODUCT = "polybroker"
@@ -158,6 +163,10 @@ class AmqpConnection(Protocol):
         self.proxied = False
         self.link: OwnerLink | None = None
         self._relay_pending: list[bytes] = []
+        #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed".
+        self._pauses: set[str] = set()
+        #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
+        self._backlogged: set[int] = set()
 
     # -- Twisted -----------------------------------------------------------------------------
 
@@ -197,6 +206,10 @@ class AmqpConnection(Protocol):
             self.closed = True
             return
         except c.AmqpError as e:
+            # The stream cannot be framed past this point, so no close-ok can come: what
+            # was buffered goes, and nothing more is read until the grace period ends.
+            self.reader.take_rest()
+            self._pause("unframed", True)
             self.connection_error(e)
             return
         self._in_data = True
@@ -258,10 +271,20 @@ class AmqpConnection(Protocol):
         if self.blocked_notify:
             method = c.ConnectionBlocked("low on memory") if high else c.ConnectionUnblocked()
             self.send(0, method)
-        if high:
-            self.transport.pauseProducing()
+        self._pause("memory", high)
+
+    def _pause(self, reason: str, on: bool) -> None:
+        """Stop reading the socket while any reason holds; read again when none does."""
+        was = bool(self._pauses)
+        if on:
+            self._pauses.add(reason)
         else:
-            self.transport.resumeProducing()
+            self._pauses.discard(reason)
+        if bool(self._pauses) != was and not self.closed:
+            if was:
+                self.transport.resumeProducing()
+            else:
+                self.transport.pauseProducing()
 
     def send(self, channel: int, method: c.Method) -> None:
         if not self.closed:
@@ -667,6 +690,7 @@ class AmqpConnection(Protocol):
                 qc.queue.remove_consumer(qc)
         ch.consumers.clear()
         ch.backlog.clear()
+        self._backlog_ran(ch)
         ch.tx_work.clear()
         by_queue: dict[int, tuple[Queue, list[QueuedMessage]]] = {}
         for qm, q, _ in ch.unacked.values():
@@ -680,10 +704,21 @@ class AmqpConnection(Protocol):
     def _submit(self, ch: Channel, m: Any) -> None:
         if ch.busy:
             ch.backlog.append(m)
+            if len(ch.backlog) >= MAX_BACKLOG and ch.number not in self._backlogged:
+                self._backlogged.add(ch.number)
+                self._pause("backlog", True)
             return
         self._run(ch, m)
         while ch.backlog and not ch.busy and not ch.closing and not self.closing:
             self._run(ch, ch.backlog.popleft())
+        self._backlog_ran(ch)
+
+    def _backlog_ran(self, ch: Channel) -> None:
+        """Read again once no channel holds back more than half of MAX_BACKLOG."""
+        if ch.number in self._backlogged and len(ch.backlog) < MAX_BACKLOG // 2:
+            self._backlogged.discard(ch.number)
+            if not self._backlogged:
+                self._pause("backlog", False)
 
     def _run(self, ch: Channel, m: Any) -> None:
         try:
@@ -712,6 +747,7 @@ class AmqpConnection(Protocol):
         ch.busy = False
         while ch.backlog and not ch.busy and not ch.closing and not self.closed:
             self._run(ch, ch.backlog.popleft())
+        self._backlog_ran(ch)
 
     def _failed(self, f: Failure, ch: Channel, m: Any) -> None:
         ch.busy = False

@@ -437,3 +437,54 @@ def test_a_multiple_ack_settles_exactly_the_tags_up_to_it() -> None:
     assert list(unacked) == []
     p.method(1, c.QueueDeclare(queue="t", passive=True))
     assert p.methods() == [c.QueueDeclareOk("t", 0, 1)]
+
+
+def test_methods_held_back_beyond_the_backlog_limit_pause_reading() -> None:
+    """1500 methods pipelined behind one that waits: from MAX_BACKLOG on the socket is not
+    read; once the wait ends they all run, in order, and reading resumes."""
+    from twisted.internet.defer import Deferred
+
+    from polybroker.protocols.amqp.connection import MAX_BACKLOG
+
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.methods()
+    held: Deferred[None] = Deferred()
+    declare = p.conn.on_QueueDeclare
+
+    def waiting(ch: object, m: c.QueueDeclare) -> Deferred[object]:
+        return held.addCallback(lambda _: declare(ch, m))
+
+    p.conn.on_QueueDeclare = waiting
+    batch = c.encode_method(1, c.QueueDeclare(queue="q"))
+    batch += c.encode_method(1, c.BasicQos(0, 7, False)) * 1500
+    p.send(batch)
+    assert p.methods() == []
+    assert len(p.conn.channels[1].backlog) == 1500 > MAX_BACKLOG
+    assert p.transport.producerState == "paused"
+    held.callback(None)
+    out = p.methods()
+    assert isinstance(out[0], c.QueueDeclareOk)
+    assert out[1:] == [c.BasicQosOk()] * 1500
+    assert p.transport.producerState == "producing"
+
+
+def test_an_unframed_stream_is_not_buffered_while_the_close_waits() -> None:
+    """After a frame-end error nothing of the stream can be framed, so none of it is kept:
+    the socket is not read, and the connection goes after the grace period."""
+    from polybroker.protocols.amqp.connection import CLOSE_GRACE_S
+
+    p = Peer()
+    p.handshake()
+    bad = bytearray(c.encode_method(0, c.ConnectionCloseOk()))
+    bad[-1] = 0
+    p.send(bytes(bad) + b"x" * 100_000)
+    (close,) = p.methods()
+    assert isinstance(close, c.ConnectionClose)
+    assert close.reply_code == c.FRAME_ERROR
+    assert p.transport.producerState == "paused"
+    p.send(b"y" * 100_000)  # what the kernel had already read
+    assert p.conn.reader.take_rest() == b""
+    p.clock.advance(CLOSE_GRACE_S)
+    assert p.transport.disconnecting
