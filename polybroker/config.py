@@ -32,6 +32,13 @@ _KEYS: tuple[Key, ...] = (
     Key("clusterName", str, "standalone", "Name of this cluster"),
     Key("bindAddress", str, "127.0.0.1", "Address every listener binds"),
     Key("advertisedAddress", str, "", "Host clients are told to connect to (default: bind)"),
+    Key(
+        "brokerMaxConnections",
+        int,
+        0,
+        "Client connections on all listeners at once (0: as many as the open-files limit "
+        "leaves after the descriptors kept for storage)",
+    ),
     Key("brokerServicePort", int, 6650, "Pulsar binary protocol port"),
     Key("webServicePort", int, 8080, "HTTP admin and lookup port"),
     Key("kafkaListenerPort", int, 9092, "Kafka protocol port"),

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import errno
 import gc
+import resource
+
+#: File descriptors kept for storage (journal, entry logs, index files), logs and the metadata
+#: store: client connections may take all the others (``broker_core.host.ConnectionBudget``).
+RESERVED_FDS = 512
 
 
 def settle_heap() -> None:
@@ -19,3 +24,26 @@ def settle_heap() -> None:
 def disk_full(error: BaseException) -> bool:
     """Whether ``error`` says the file system has no room (for now)."""
     return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_room(error: BaseException) -> bool:
+    """Whether ``error`` says the disk, or this process's or the system's file descriptors,
+    ran out (for now): work that failed so may be tried again later."""
+    return disk_full(error) or (
+        isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE)
+    )
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit, as servers do (the
+    soft default, often 1024, is far below what client connections need); return the soft
+    limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft

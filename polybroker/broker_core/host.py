@@ -15,6 +15,11 @@ Contract:
   its bound ports through ``bound(key, port)``.
 - ``stop()`` closes every listening socket first, then stops the handlers in reverse order.
   A failing ``stop`` of one handler is logged and does not keep the others running.
+- Every listener's connections count against one ``ConnectionBudget``: ``brokerMaxConnections``,
+  or (0) the open-files limit less ``RESERVED_FDS``. Storage shares the process's file
+  descriptors (a standalone's bookie opens index files and entry logs as it goes), so a flood
+  of connections must not take the last of them: past the budget a connection is closed as
+  soon as it is accepted, and the refusals are logged (at most every 10 s).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
 from twisted.internet.error import CannotListenError
+from twisted.python.failure import Failure
 
 from polybroker.broker_core.protocol_handler import (
     ENTRY_POINT_GROUP,
@@ -36,6 +42,7 @@ from polybroker.broker_core.protocol_handler import (
 )
 from polybroker.config import Config, ConfigError
 from polybroker.logs import kv
+from polybroker.runtime import RESERVED_FDS, raise_fd_limit
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,71 @@ class ListenerError(Exception):
 def installed_entry_points() -> list[EntryPointLike]:
     """Every entry point of the protocol-handler group in the installed distributions."""
     return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+class ConnectionBudget:
+    """Client connections open at once on every listener it guards, against ``limit``."""
+
+    WARN_EVERY_S = 10.0
+
+    def __init__(self, limit: int, clock: Any) -> None:
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+        self._clock = clock
+        self._warned_at: float | None = None
+        self._refused_then = 0
+
+    @classmethod
+    def for_process(cls, config: Config, clock: Any) -> ConnectionBudget:
+        """The budget of ``brokerMaxConnections``, or of what the open-files limit (raised to
+        its hard limit first) leaves after ``RESERVED_FDS``."""
+        soft = raise_fd_limit()
+        by_fds = soft - RESERVED_FDS if soft > 2 * RESERVED_FDS else soft // 2
+        wanted = int(config.get("brokerMaxConnections"))
+        return cls(min(wanted, by_fds) if wanted > 0 else by_fds, clock)
+
+    def guard(self, factory: Any) -> None:
+        """Count the connections ``factory`` builds; refuse (close at once) those past the
+        limit."""
+        build = factory.buildProtocol
+
+        def build_within_budget(addr: Any) -> Any:
+            if self.open >= self.limit:
+                self._refuse(addr)
+                return None
+            proto = build(addr)
+            if proto is not None:
+                self.open += 1
+                lost = proto.connectionLost
+
+                def counted_lost(reason: Failure | None = None) -> None:
+                    self.open -= 1
+                    if reason is None:
+                        lost()
+                    else:
+                        lost(reason)
+
+                proto.connectionLost = counted_lost
+            return proto
+
+        factory.buildProtocol = build_within_budget
+
+    def _refuse(self, addr: Any) -> None:
+        self.refused += 1
+        now = self._clock.seconds()
+        if self._warned_at is None or now - self._warned_at >= self.WARN_EVERY_S:
+            log.warning(
+                "connection refused: too many connections",
+                extra=kv(
+                    peer=str(getattr(addr, "host", addr)),
+                    open=self.open,
+                    limit=self.limit,
+                    refused=self.refused - self._refused_then,
+                ),
+            )
+            self._warned_at = now
+            self._refused_then = self.refused
 
 
 @dataclass(frozen=True)
@@ -95,6 +167,8 @@ class ProtocolHost:
         self._started: list[ProtocolHandler] = []
         #: Bound port of every listener key, once started.
         self.ports: dict[str, int] = {}
+        #: The connections of every listener, once bound.
+        self.budget: ConnectionBudget | None = None
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -177,8 +251,10 @@ class ProtocolHost:
         return bindings
 
     def _bind_all(self, bindings: list[_Binding]) -> None:
+        self.budget = ConnectionBudget.for_process(self.config, self.reactor)
         for b in bindings:
             lsn = b.listener
+            self.budget.guard(lsn.factory)
             try:
                 port = self.reactor.listenTCP(
                     lsn.port, lsn.factory, backlog=lsn.backlog, interface=lsn.host

@@ -32,7 +32,9 @@ Rule 8: a bookie whose disk fills past ``diskUsageThreshold`` turns read-only (c
         as the node is ephemeral), so new ensembles leave it out while the auditor still
         counts it available.
 Rule 9: a full disk met despite Rule 8 (filled faster than checked, or by someone else) is
-        not a failure: a checkpoint that failed for want of room leaves everything in the
+        not a failure, nor is a process out of file descriptors (``runtime.out_of_room``;
+        the broker keeps some for storage, but a file system may still run out): a
+        checkpoint that failed for want of room leaves everything in the
         journal and the write cache, turns the bookie read-only and is run again, the same
         job, at every checkpoint interval; the bookie takes adds again only once it went
         through. A journal group the disk had no room for fails alone (journal Rule 5a) and
@@ -117,7 +119,7 @@ from polybroker.ledger.wire import (
 from polybroker.logs import kv
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
 from polybroker.netio import write_now
-from polybroker.runtime import disk_full
+from polybroker.runtime import out_of_room
 from polybroker.turns import at_turn_end
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,9 @@ RunBlocking = Callable[[Callable[[], Any]], Deferred[Any]]
 _TWISTED_READ_SIZE = 65536
 MAX_LONG_POLL_MS = 10 * 60 * 1000
 MAX_WATCHERS_PER_CONNECTION = 10_000
-_STALLED = "a checkpoint found the disk full (retried every flushInterval)"
+_STALLED = (
+    "a checkpoint found no room on the disk or no file descriptor (retried every flushInterval)"
+)
 
 
 class BlockingWorker:
@@ -710,10 +714,11 @@ class Bookie:
 
         def failed(f: Failure) -> Failure:
             self._checkpoint_d = None
-            if disk_full(f.value):
-                # Rule 9: nothing is lost (the journal holds it all); wait for room.
+            if out_of_room(f.value):
+                # Rule 9: nothing is lost (the journal holds it all); wait for room (on the
+                # disk, or file descriptors: a flood of connections may have taken the last).
                 if self._stalled is None:
-                    log.warning("checkpoint failed: disk full", extra=kv(error=str(f.value)))
+                    log.warning("checkpoint failed: out of room", extra=kv(error=str(f.value)))
                 self._stalled = job
                 self.set_read_only(_STALLED)
                 return f

@@ -315,3 +315,81 @@ def test_a_listeners_backlog_reaches_the_socket() -> None:
     assert reactor.backlogs == {7001: 4096}
     result_of(host.stop())
     assert Listener("h", 1, None).backlog == 50
+
+
+def test_connections_past_the_budget_are_refused_until_one_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every guarded listener counts against one budget: past it a connection is refused
+    (no protocol, so the transport closes it); one that closes makes room again. Refusals are
+    logged at most every 10 s."""
+    from twisted.internet.task import Clock
+
+    from polybroker.broker_core.host import ConnectionBudget
+
+    clock = Clock()
+    budget = ConnectionBudget(2, clock)
+    a, b = Factory.forProtocol(Protocol), Factory.forProtocol(Protocol)
+    budget.guard(a)
+    budget.guard(b)
+    addr = IPv4Address("TCP", "127.0.0.1", 1)
+    first, second = a.buildProtocol(addr), b.buildProtocol(addr)
+    assert first is not None
+    assert second is not None
+    with caplog.at_level("WARNING"):
+        assert a.buildProtocol(addr) is None
+        assert b.buildProtocol(addr) is None
+        clock.advance(10)
+        assert a.buildProtocol(addr) is None
+    warned = [r for r in caplog.records if "too many connections" in r.getMessage()]
+    assert len(warned) == 2
+    assert (budget.open, budget.refused) == (2, 3)
+    first.connectionLost(Failure(Exception("gone")))
+    assert budget.open == 1
+    third = b.buildProtocol(addr)
+    assert third is not None
+    assert budget.open == 2
+
+
+def test_the_budget_leaves_descriptors_to_storage() -> None:
+    """By default the budget is the open-files limit (raised to the hard limit) less the
+    descriptors kept for storage; brokerMaxConnections lowers it, never raises it."""
+    import resource
+
+    from polybroker.broker_core.host import ConnectionBudget
+    from polybroker.runtime import RESERVED_FDS
+
+    by_default = ConnectionBudget.for_process(Config({}), None)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY  # raised as far as allowed
+    assert by_default.limit == (soft - RESERVED_FDS if soft > 2 * RESERVED_FDS else soft // 2)
+    assert ConnectionBudget.for_process(Config({"brokerMaxConnections": 7}), None).limit == 7
+    huge = ConnectionBudget.for_process(Config({"brokerMaxConnections": 1 << 40}), None)
+    assert huge.limit == by_default.limit
+
+
+def test_bound_listeners_are_guarded_by_the_hosts_budget() -> None:
+    """Binding puts every listener, the broker's own included, under one budget."""
+    events: list[str] = []
+    installed = Installed(events, a={"aPort": 0})
+    reactor = PortReactor(events)
+    bound: list[Any] = []
+    listen = reactor.listenTCP
+
+    def recording(port: int, factory: Any, backlog: int = 50, interface: str = "") -> _Port:
+        bound.append(factory)
+        return listen(port, factory, backlog, interface)
+
+    reactor.listenTCP = recording  # type: ignore[method-assign]
+    reactor.seconds = lambda: 0.0  # type: ignore[attr-defined]  # the clock refusals are logged by
+    host, config = _host("a", installed, reactor)
+    host.add_listener("webServicePort", Listener("127.0.0.1", 0, Factory.forProtocol(Protocol)))
+    host.load()
+    result_of(host.start(_context(reactor, config)))
+    assert host.budget is not None
+    host.budget.limit = 1
+    addr = IPv4Address("TCP", "127.0.0.1", 1)
+    own, handlers = bound
+    assert own.buildProtocol(addr) is not None
+    assert handlers.buildProtocol(addr) is None
+    assert host.budget.refused == 1

@@ -686,13 +686,18 @@ def _disk_full(*_: object) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [(errno.ENOSPC, "No space left on device"), (errno.EMFILE, "Too many open files")],
+)
 def test_a_checkpoint_a_full_disk_fails_stalls_read_only_until_it_goes_through(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, why: str
 ) -> None:
-    """A checkpoint whose entry-log write finds the disk full (part-way) is no failure: the
-    bookie turns read-only, keeps serving reads from memory and stays read-only whatever the
-    disk check says, until the same checkpoint runs again and goes through; the log holds
-    whole records only, and a restart finds every acknowledged entry."""
+    """A checkpoint whose entry-log write finds the disk full (part-way), or the process out
+    of file descriptors, is no failure: the bookie turns read-only, keeps serving reads from
+    memory and stays read-only whatever the disk check says, until the same checkpoint runs
+    again and goes through; the log holds whole records only, and a restart finds every
+    acknowledged entry."""
     h = Harness(tmp_path)
     proto, t = h.connect()
     send(proto, *(add(i + 1, 1, i, bytes([i]) * 3000) for i in range(4)))
@@ -702,22 +707,22 @@ def test_a_checkpoint_a_full_disk_fails_stalls_read_only_until_it_goes_through(
 
     def half_then_full(fd: int, parts: list[Any]) -> None:
         os.write(fd, bytes(parts[0]) + bytes(parts[1])[:100])  # a torn record, then no room
-        _disk_full()
+        raise OSError(code, why)
 
     monkeypatch.setattr(storage_mod, "write_parts", half_then_full)
     failed: list[Failure] = []
     h.bookie.checkpoint().addErrback(failed.append)
-    assert [f.value.errno for f in failed] == [errno.ENOSPC]
+    assert [f.value.errno for f in failed] == [code]
     assert h.bookie.failed is None
     assert h.bookie.read_only is not None
-    assert "disk full" in h.bookie.read_only
+    assert "no room" in h.bookie.read_only
     assert read_mark(tmp_path / "journal") is None
     (log_file,) = (tmp_path / "ledgers" / "entrylogs").glob("*.log")
     assert log_file.stat().st_size == 16  # the torn record was cut off: the header alone
     send(proto, add(10, 1, 4), ReadRequest(11, 1, 2).encode())
     refused, read = answers(t)
     assert refused.status == Status.ERROR
-    assert "disk full" in refused.message
+    assert "no room" in refused.message
     assert isinstance(read, ReadResponse)
     assert bytes(read.data) == bytes([2]) * 3000
     assert h.bookie.set_read_only(None) is False  # the disk check cannot end it yet
