@@ -4,7 +4,10 @@ Rule 1: appends complete in the order they were made. An append is sent to the c
         only when that ledger is writable; while it rolls over (only once idle of pending adds)
         or is replaced after a failure, appends queue and are sent, in order, to the next one.
         Appends pending on a failed ledger are resent, in order, with the same index, to the
-        new ledger; if no new ledger can be had, every pending and queued append fails.
+        new ledger; if no new ledger can be had, every pending and queued append fails, and so
+        they do when that new ledger too fails before confirming any entry (the bookies take
+        ledgers but refuse adds): the next append tries again, no loop of ledgers made and
+        failed.
 Rule 2: the ledger list lives in the metadata store at ``/managed-ledgers/<name>`` and changes
         only by compare-and-set; a lost CAS (or a fenced ledger) means another owner took the
         log: pending appends fail with ``ManagedLedgerFencedError`` and the log writes no more.
@@ -299,6 +302,7 @@ class ManagedLedgerImpl(ManagedLedger):
         self._error: Exception | None = None
         self._closing: list[Deferred[None]] | None = None  # waiters while a close runs
         self._switching = False  # a _start_ledger runs
+        self._young_failures = 0  # ledgers in a row that failed before their first entry
         # Every append retries, and a broker whose bookies refuse writes must not flood its log.
         self._no_ledger_repeats = Repeats(self._reactor.seconds)
 
@@ -682,6 +686,7 @@ class ManagedLedgerImpl(ManagedLedger):
         cache.put_run(seq, ints, datas, before)
         seq += len(datas)
         ledger.entries += len(adds)
+        self._young_failures = 0
         ledger.size += size
         ledger.messages += messages
         ledger.last_time = t
@@ -732,13 +737,9 @@ class ManagedLedgerImpl(ManagedLedger):
         if isinstance(error, LedgerFencedError):
             self._fence(ManagedLedgerFencedError(f"{self.name}: ledger fenced by another owner"))
             return
-        log.warning(
-            "ledger %d of %s failed (%s); resending %d appends to a new ledger",
-            handle.ledger_id,
-            self.name,
-            error,
-            len(self._pending),
-        )
+        ledger = self._current_ledger
+        young = ledger is not None and ledger.ledger_id == handle.ledger_id and not ledger.entries
+        self._young_failures = self._young_failures + 1 if young else 0
         # Everything not yet confirmed goes back, in order, in front of what was queued.
         self._queued.extendleft(reversed(self._pending))
         self._pending.clear()
@@ -746,6 +747,20 @@ class ManagedLedgerImpl(ManagedLedger):
         self._current = None
         self._state = _State.ROLLING
         self._close_quietly(handle)
+        if self._young_failures > 1:
+            # A second ledger in a row failed before confirming anything: the bookies take
+            # ledgers but refuse every add. As when no ledger can be made, what waits fails
+            # and the next append tries one more ledger (until one confirms an entry), rather
+            # than ledgers made and failed in a loop.
+            self._no_ledger(error)
+            return
+        log.warning(
+            "ledger %d of %s failed (%s); resending %d appends to a new ledger",
+            handle.ledger_id,
+            self.name,
+            error,
+            len(self._queued),
+        )
         self._switch(None)
 
     def _begin_roll(self) -> None:

@@ -130,6 +130,9 @@ class FakeWriteHandle(FakeReadHandle, WriteHandle):
             return fail(LedgerClosedError(f"ledger {self.ledger_id} is closed"))
         if self.failed is not None:
             return fail(self.failed)
+        if client.fail_all_adds:
+            self._fail_all(BookieError("injected refusal"))
+            return fail(BookieError("injected refusal"))
         if client.fail_appends_after is not None:
             if client.fail_appends_after == 0:
                 client.fail_appends_after = None
@@ -215,6 +218,7 @@ class FakeLedgerClient(LedgerClient):
         self.fail_reads = 0
         self.fail_close = 0
         self.fail_appends_after: int | None = None
+        self.fail_all_adds = False  # every add fails the ledger (bookies that refuse writes)
         self.creates = 0
         self.opens: list[tuple[int, bool]] = []
         self.deleted: list[int] = []

@@ -349,6 +349,26 @@ def test_no_new_ledger_fails_appends_cleanly_and_the_next_append_retries() -> No
     assert [x.data for x in read_all(ml)] == [b"ok", b"next"]
 
 
+def test_ledgers_that_refuse_every_add_are_not_made_and_failed_in_a_loop() -> None:
+    """Bookies that take ledgers but refuse every add: after a second new ledger in a row
+    fails before confirming anything, what waits fails (as when no ledger can be made) and
+    each later append tries one more ledger; nothing confirmed before is lost."""
+    rig = Rig()
+    ml = rig.open()
+    result_of(ml.append(b"ok"))
+    rig.client.fail_all_adds = True
+    creates = rig.client.creates
+    ds = [ml.append(p) for p in payloads(5)]
+    assert all(isinstance(failure_of(d), BookieError) for d in ds)
+    assert rig.client.creates - creates == 2 + 4  # two for the first, one for each later
+    again = ml.append(b"again")
+    assert isinstance(failure_of(again), BookieError)
+    assert rig.client.creates - creates == 7
+    rig.client.fail_all_adds = False
+    assert result_of(ml.append(b"fine")).index == 1
+    assert [e.data for e in read_all(ml)] == [b"ok", b"fine"]
+
+
 def test_appends_failing_for_want_of_a_ledger_warn_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
