@@ -107,12 +107,9 @@ class ConnectionBudget:
                 self.open += 1
                 lost = proto.connectionLost
 
-                def counted_lost(reason: Failure | None = None) -> None:
+                def counted_lost(*reason: Failure) -> None:
                     self.open -= 1
-                    if reason is None:
-                        lost()
-                    else:
-                        lost(reason)
+                    lost(*reason)
 
                 proto.connectionLost = counted_lost
             return proto
