@@ -8,6 +8,12 @@ methods after it on that channel only. Publishes do not wait for their writes: c
 (until half of them ran), so a client that pipelines methods faster than they complete is
 slowed by TCP, as RabbitMQ's flow control slows its reader, rather than queued in memory.
 
+Deliveries: while the socket's send buffer is full (the transport paused this connection, its
+producer), no consumer of the connection takes more messages; they stay in their queues (a
+durable queue's in its log), and the queues dispatch again once it drained. A dispatch writes
+what it gathered every ``MAX_GATHERED`` bytes, so one dispatch to an auto-ack consumer (whose
+messages are settled as they are written) cannot move a whole queue into the send buffer.
+
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
 
@@ -26,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from typing_extensions import override
+from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
@@ -58,6 +65,8 @@ log = logging.getLogger(__name__)
 
 #: Methods one channel holds back (behind one that waits) before the socket stops being read.
 MAX_BACKLOG = 1024
+#: Bytes of deliveries one dispatch gathers before writing them and checking the buffer.
+MAX_GATHERED = 64 * 1024
 
 CLOSE_GRACE_S = 5.0
 PRODUCT = "polybroker"
@@ -124,8 +133,9 @@ class Channel:
         self.flow_active = True
 
 
+@implementer(IPushProducer)
 class AmqpConnection(Protocol):
-    """The server side of one AMQP connection."""
+    """The server side of one AMQP connection (the producer of its transport's writes)."""
 
     def __init__(self, settings: AmqpSettings) -> None:
         self.s = settings
@@ -153,6 +163,9 @@ class AmqpConnection(Protocol):
         self._confirming: list[Channel] = []
         #: The deliveries of the dispatch under way, written together when it ends.
         self._out: list[bytes] = []
+        self._out_bytes = 0
+        #: The socket's send buffer is full: no consumer takes more until it drained.
+        self.write_full = False
         #: A lone delivery went to the kernel at once since the client last sent anything.
         self._sent_now = False
         self.blocked = False
@@ -162,8 +175,8 @@ class AmqpConnection(Protocol):
         #: The connection is a relay from another broker (``proxy``, Rule P4).
         self.proxied = False
         self.link: OwnerLink | None = None
-        self._relay_pending: list[bytes] = []
-        #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed".
+        #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed",
+        #: "relay" (the link to the vhost's broker is being made).
         self._pauses: set[str] = set()
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
@@ -173,6 +186,8 @@ class AmqpConnection(Protocol):
     @override
     def connectionMade(self) -> None:
         set_no_delay(self.transport)
+        # The transport pauses deliveries while its send buffer is full (``write_full``).
+        self.transport.registerProducer(self, True)
         if self.factory is not None:
             self.factory.connections.add(self)
         self.s.gauge.listeners.append(self._memory)
@@ -195,7 +210,8 @@ class AmqpConnection(Protocol):
         self._last_rx = self.s.clock.seconds()
         self._sent_now = False
         if self.state == "proxying" and not self.closing:
-            self._relay_pending.append(data)  # for the vhost's broker, once it opened
+            # For the vhost's broker, once it opened; the socket is not read meanwhile.
+            self.reader.feed(data)
             return
         self.reader.feed(data)
         try:
@@ -273,6 +289,19 @@ class AmqpConnection(Protocol):
             self.send(0, method)
         self._pause("memory", high)
 
+    # -- IPushProducer: the send buffer ------------------------------------------------------
+
+    def pauseProducing(self) -> None:
+        self.write_full = True
+
+    def resumeProducing(self) -> None:
+        self.write_full = False
+        for ch in list(self.channels.values()):
+            self._kick(ch)
+
+    def stopProducing(self) -> None:
+        self.write_full = True
+
     def _pause(self, reason: str, on: bool) -> None:
         """Stop reading the socket while any reason holds; read again when none does."""
         was = bool(self._pauses)
@@ -306,6 +335,7 @@ class AmqpConnection(Protocol):
         lone = len(out) == 1
         data = out[0] if lone else b"".join(out)
         out.clear()
+        self._out_bytes = 0
         if self.closed:
             return
         if lone and not self._sent_now and not self._in_data and not self.s.reading:
@@ -561,6 +591,7 @@ class AmqpConnection(Protocol):
         assert self._start_ok is not None
         assert self._tune_ok is not None
         self.state = "proxying"
+        self._pause("relay", True)
         link = OwnerLink(
             self, self._start_ok, self._tune_ok, m, self.s.clock, self.s.link_timeout_s
         )
@@ -573,6 +604,7 @@ class AmqpConnection(Protocol):
         """The vhost's broker opened: answer open-ok, then relay both ways (Rule P2)."""
         if self.closed or self.closing or link is not self.link:
             link.abandon()
+            self._pause("relay", False)
             return
         self.state = "relay"
         if self._heartbeat is not None and self._heartbeat.running:
@@ -580,18 +612,20 @@ class AmqpConnection(Protocol):
         self.transport.write(c.encode_method(0, c.ConnectionOpenOk()))
         if rest:
             self.transport.write(rest)
-        pending = self.reader.take_rest() + b"".join(self._relay_pending)
-        self._relay_pending.clear()
+        pending = self.reader.take_rest()
         if pending:
             link.transport.write(pending)
         # Each side reads only as fast as the other side's socket takes it.
+        self.transport.unregisterProducer()
         self.transport.registerProducer(link.transport, True)
         link.transport.registerProducer(self.transport, True)
+        self._pause("relay", False)
 
     def relay_failed(self, code: int, text: str) -> None:
         """The vhost's broker could not be reached or refused (Rule P3)."""
         self.link = None
-        self._relay_pending.clear()
+        self.reader.take_rest()
+        self._pause("relay", False)  # the close-ok is read
         if not self.closed:
             self.connection_error(c.AmqpError(code, text, 10, 40))
 
@@ -940,7 +974,9 @@ class AmqpConnection(Protocol):
             self.send(ch.number, c.BasicCancel(qc.tag, True))
 
     def _has_room(self, ch: Channel, qc: QueueConsumer) -> bool:
-        if ch.closing or self.closed or self.closing or not ch.flow_active:
+        if self._out_bytes >= MAX_GATHERED:
+            self._flush_out()  # the transport may pause this connection (``write_full``)
+        if ch.closing or self.closed or self.closing or not ch.flow_active or self.write_full:
             return False
         if qc.no_ack:
             return True
@@ -956,15 +992,15 @@ class AmqpConnection(Protocol):
             qc.unacked += 1
         am = qm.message
         # Written when the dispatch ends (``_flush_out``), with the rest of its deliveries.
-        self._out.append(
-            c.encode_content(
-                ch.number,
-                c.BasicDeliver(qc.tag, tag, qm.redelivered, am.exchange, am.routing_key),
-                am.wire_properties(),
-                am.body,
-                self.frame_max,
-            )
+        data = c.encode_content(
+            ch.number,
+            c.BasicDeliver(qc.tag, tag, qm.redelivered, am.exchange, am.routing_key),
+            am.wire_properties(),
+            am.body,
+            self.frame_max,
         )
+        self._out.append(data)
+        self._out_bytes += len(data)
         if qc.no_ack:
             # After the write: settling lets more in, which may be delivered at once.
             q.settle(qm)

@@ -110,6 +110,9 @@ QUEUE_WINDOW = 2 * WINDOW
 #: How many of the latest entries it stored a vhost keeps the messages of (see ``messages_of``).
 STORED_KEEP = 64
 STORED_MAX_BYTES = 64 * 1024
+#: What a message held by a memory-only queue costs beyond its body (its objects, properties
+#: and queue slot; measured about 400 bytes), counted by the memory gauge with the body.
+HELD_OVERHEAD = 400
 #: How long a basic.get waits for messages whose append is still under way.
 CATCH_UP_S = 2.0
 #: How often wildcard forwarders look for new topics.
@@ -831,7 +834,7 @@ class Queue:
         qm = QueuedMessage(_EntryRef(None, 1), am)
         qm.expires_at_ms = self._expiry_of(am)
         self.in_memory += 1
-        self.vhost.gauge.add(len(am.body))
+        self.vhost.gauge.add(len(am.body) + HELD_OVERHEAD)
         self.ready.append(qm)
         self._enforce_max_length()
         self.dispatch()
@@ -880,7 +883,7 @@ class Queue:
         ref.remaining -= 1
         source = ref.source
         if source is None or ref.position is None:
-            self.vhost.gauge.add(-len(qm.message.body))
+            self.vhost.gauge.add(-len(qm.message.body) - HELD_OVERHEAD)
             return
         source.in_memory -= 1
         if ref.remaining == 0:
@@ -1199,8 +1202,9 @@ def _int_arg(arguments: dict[str, Any], name: str) -> int | None:
 
 
 class MemoryGauge:
-    """Bytes held by memory-only queues against a high watermark (0: no limit); listeners
-    hear when it is crossed upwards (True) and when usage falls back below it (False)."""
+    """Bytes held by memory-only queues (bodies, and ``HELD_OVERHEAD`` each) against a high
+    watermark (0: no limit); listeners hear when it is crossed upwards (True) and when usage
+    falls back below it (False)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -48,9 +48,13 @@ class Peer:
         self.transport: StringTransport = self.conn.transport
 
     def connect(self) -> Any:
+        return self.connect_with(StringTransport())
+
+    def connect_with(self, transport: StringTransport) -> Any:
+        """A new connection to the handler over ``transport``."""
         factory = self.handler.listeners()["amqpListenerPort"].factory
         conn = factory.buildProtocol(None)
-        conn.makeConnection(StringTransport())
+        conn.makeConnection(transport)
         return conn
 
     def send(self, data: bytes) -> None:

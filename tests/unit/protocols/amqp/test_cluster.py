@@ -189,19 +189,33 @@ def test_the_handshake_is_replayed_at_the_vhost_broker_then_bytes_are_relayed() 
 
 
 def test_what_the_client_sends_during_the_replay_follows_the_open() -> None:
-    """Bytes that arrive while the owner's handshake is under way reach it after the open,
-    in order."""
+    """The client's socket is not read while the owner's handshake is under way (nothing is
+    kept in memory for it); bytes read with the open reach the owner after it, in order, and
+    reading resumes once the relay runs."""
     peer = cluster_peer()
     peer.handshake()
+    assert peer.transport.producerState == "paused"
     link = peer.connect_fake.link
     owner_says(link, c.ConnectionStart(), c.ConnectionTune(2047, 131072, 60))
     sent_by_link(link)
     early = c.encode_method(1, c.ChannelOpen())
-    peer.send(early[:5])
-    peer.send(early[5:])
+    peer.send(early[:5])  # what the kernel had already read
     assert link.transport.value() == b""
     owner_says(link, c.ConnectionOpenOk())
+    assert link.transport.value() == early[:5]
+    assert peer.transport.producerState == "producing"
+    peer.send(early[5:])
     assert link.transport.value() == early
+
+
+def test_a_refused_relay_reads_the_clients_close_ok() -> None:
+    """When the owner refuses, reading resumes so that the client's close-ok is heard."""
+    peer = cluster_peer(outcome="refuse")
+    close = peer.handshake()[-1]
+    assert isinstance(close, c.ConnectionClose)
+    assert peer.transport.producerState == "producing"
+    peer.method(0, c.ConnectionCloseOk())
+    assert peer.transport.disconnecting
 
 
 def test_either_side_closing_closes_the_other() -> None:

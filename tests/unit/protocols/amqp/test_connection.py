@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from amqp_peer import Peer, consuming_peer
 from fake_tcp import FakeTcp
+from twisted.internet.testing import StringTransport
 
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.handler import parse_users, vhost_namespace
@@ -488,3 +489,73 @@ def test_an_unframed_stream_is_not_buffered_while_the_close_waits() -> None:
     assert p.conn.reader.take_rest() == b""
     p.clock.advance(CLOSE_GRACE_S)
     assert p.transport.disconnecting
+
+
+class _SlowClient(StringTransport):
+    """A transport whose client reads nothing until ``drain``: past ``limit`` unsent bytes
+    it pauses its producer, as Twisted's does when its buffer fills, and resumes it once
+    drained."""
+
+    def __init__(self, limit: int = 64 * 1024) -> None:
+        super().__init__()
+        self.limit = limit
+        self.unsent = 0
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.unsent += len(data)
+        if self.unsent > self.limit and self.producer is not None:
+            self.producer.pauseProducing()
+
+    def drain(self) -> None:
+        self.unsent = 0
+        if self.producer is not None:
+            self.producer.resumeProducing()
+
+
+def test_deliveries_wait_while_the_send_buffer_is_full() -> None:
+    """An auto-ack consumer that does not read: its messages stay in their queue, not in the
+    send buffer, and each drain lets in about a buffer's worth more, in order, until all
+    have arrived."""
+    from polybroker.protocols.amqp.connection import MAX_GATHERED
+
+    p = Peer()
+    slow = _SlowClient()
+    p.conn = p.connect_with(slow)
+    p.transport = slow
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="t"))
+    p.method(1, c.BasicConsume(queue="t", consumer_tag="ct", no_ack=True))
+    p.methods()
+    slow.drain()
+    body = 1000
+    for i in range(1000):
+        p.publish(1, "", "t", i.to_bytes(4, "big") + b"x" * (body - 4))
+    seen: list[int] = []
+    rounds = 0
+    while len(seen) < 1000:
+        got = [f.data for f in p.received() if isinstance(f, c.BodyFrame)]
+        assert got, "no delivery after a drain"
+        assert len(got) * body <= slow.limit + 2 * MAX_GATHERED
+        seen += [int.from_bytes(b[:4], "big") for b in got]
+        rounds += 1
+        slow.drain()
+    assert seen == list(range(1000))
+    assert rounds >= 1000 * body // (slow.limit + 2 * MAX_GATHERED)
+
+
+def test_held_messages_count_their_overhead_against_the_watermark() -> None:
+    """Small messages weigh more than their bodies: 2,200 of 100 bytes (220 KB of bodies)
+    in a transient queue block publishers under a 1 MB watermark."""
+    p = Peer(amqpMemoryHighWatermarkMB=1)
+    p.handshake()
+    p.conn.blocked_notify = True
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="t"))
+    p.methods()
+    for _ in range(2200):
+        p.publish(1, "", "t", b"x" * 100)
+    assert p.methods() == [c.ConnectionBlocked("low on memory")]
+    p.method(1, c.QueuePurge(queue="t"))
+    assert c.ConnectionUnblocked() in p.methods()
