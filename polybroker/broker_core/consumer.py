@@ -208,6 +208,10 @@ class ServerConsumer:
     The dispatcher keeps the bookkeeping here: ``permits`` (messages the client can take),
     ``pending`` (delivered, unacknowledged entries by position, in delivery order) and
     ``pending_messages``. Handlers read these for stats and never change them.
+
+    ``paused``: the handler's connection cannot take more now (its send buffer is full, as
+    Pulsar's channel is not writable); dispatchers pass the consumer by, as if it had no
+    permits, until the handler calls ``resume``.
     """
 
     __slots__ = (
@@ -226,6 +230,7 @@ class ServerConsumer:
         "msg_rate_out",
         "msg_redelivered",
         "msg_throughput_out",
+        "paused",
         "pending",
         "pending_messages",
         "permits",
@@ -254,6 +259,7 @@ class ServerConsumer:
         self.msg_redelivered = 0
         self.closed = False
         self.blocked = False
+        self.paused = False
         self.active = False
         self.msg_rate_out = 0.0
         self.msg_throughput_out = 0.0
@@ -296,6 +302,17 @@ class ServerConsumer:
         """Grant ``permits`` more messages; the dispatcher sends as they allow."""
         if permits > 0 and not self.closed:
             self._subscription.flow(self, permits)
+
+    def pause(self) -> None:
+        """Take nothing more until ``resume`` (the connection's send buffer is full)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Take again what the permits allow."""
+        if self.paused:
+            self.paused = False
+            if not self.closed:
+                self._subscription.flow(self, 0)
 
     def ack(self, positions: Sequence[Position]) -> Deferred[None]:
         """Acknowledge whole entries individually."""

@@ -787,7 +787,7 @@ class _SingleActiveDispatcher(Dispatcher):
 
     def _dispatch_buffer(self, out: dict[ServerConsumer, list[Delivery]]) -> None:
         consumer = self.active
-        if consumer is None or consumer.permits <= 0:
+        if consumer is None or consumer.permits <= 0 or consumer.paused:
             return
         buffer = self._buffer
         stale = self._stale
@@ -809,7 +809,7 @@ class _SingleActiveDispatcher(Dispatcher):
 
     def _available_permits(self) -> int:
         active = self.active
-        return active.permits if active is not None else 0
+        return active.permits if active is not None and not active.paused else 0
 
 
 class ExclusiveDispatcher(_SingleActiveDispatcher):
@@ -899,7 +899,7 @@ class SharedDispatcher(Dispatcher):
             for step in range(size):
                 index = (start + step) % size
                 consumer = group[index]
-                if consumer.permits > 0 and not consumer.blocked:
+                if consumer.permits > 0 and not (consumer.blocked or consumer.paused):
                     self._next[level] = index + 1
                     return consumer
         return None
@@ -924,7 +924,7 @@ class SharedDispatcher(Dispatcher):
     def _available_permits(self) -> int:
         total = 0
         for c in self.consumers:
-            if c.permits > 0 and not c.blocked:
+            if c.permits > 0 and not (c.blocked or c.paused):
                 total += c.permits
         return total
 
@@ -1069,7 +1069,7 @@ class KeySharedDispatcher(Dispatcher):
                     continue
                 slot = self._slot_of(entry)
             consumer = self._select(slot)
-            if consumer is None or consumer.permits <= 0 or consumer.blocked:
+            if consumer is None or consumer.permits <= 0 or consumer.blocked or consumer.paused:
                 slots[entry.position] = slot
                 keep.append(entry)
                 continue
@@ -1096,7 +1096,7 @@ class KeySharedDispatcher(Dispatcher):
     def _available_permits(self) -> int:
         total = 0
         for c in self.consumers:
-            if c.permits > 0 and not c.blocked:
+            if c.permits > 0 and not (c.blocked or c.paused):
                 total += c.permits
         return total
 

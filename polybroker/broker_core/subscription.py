@@ -562,7 +562,7 @@ class NonPersistentSubscription(SubscriptionAPI):
         """Hand a just-published entry to one consumer with permits, or drop it."""
         consumer = self._choose(entry)
         n = entry.num_messages
-        if consumer is None or consumer.permits <= 0:
+        if consumer is None or consumer.permits <= 0 or consumer.paused:
             self.msg_dropped += n
             return
         consumer.permits -= n
@@ -579,9 +579,10 @@ class NonPersistentSubscription(SubscriptionAPI):
             size = len(self.consumers)
             for step in range(size):
                 index = (self._next + step) % size
-                if self.consumers[index].permits > 0:
+                consumer = self.consumers[index]
+                if consumer.permits > 0 and not consumer.paused:
                     self._next = index + 1
-                    return self.consumers[index]
+                    return consumer
             return None
         if self.sub_type is SubType.KEY_SHARED:
             slot = key_hash(safe_key(self.key_of, entry, self.name))

@@ -9,6 +9,12 @@ wrong is this connection's problem, never the broker's.
 Ordering: SEND_RECEIPTs of one producer leave in the order of its SENDs (the client closes the
 connection on an out-of-order receipt), whatever order storage completes them in.
 
+Deliveries: the connection is its transport's producer. While the socket's send buffer is
+full, its consumers take nothing more (``ServerConsumer.pause``; on a non-persistent topic what
+they cannot take is dropped), as Pulsar skips a consumer whose channel is not writable: a client
+that grants many permits and does not read holds its backlog in storage, not in the broker's
+memory. They take again once the buffer drained.
+
 Keep-alive: every keep-alive interval (30 s by default) the broker sends PING; if nothing at all
 arrived from the client during a whole interval after a PING, the connection is closed.
 """
@@ -22,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from polybroker.broker_core import messages
 from polybroker.broker_core.consumer import (
@@ -225,6 +232,7 @@ class PulsarConsumer:
         )
 
 
+@implementer(IPushProducer)
 class PulsarConnection(Protocol):
     """One client connection (see the module docstring for the state machine)."""
 
@@ -255,11 +263,14 @@ class PulsarConnection(Protocol):
         self._keep_alive: LoopingCall | None = None
         self._heard_since_ping = True
         self._ping_outstanding = False
+        #: The socket's send buffer is full: consumers are paused until it drained.
+        self.write_full = False
 
     # -- transport ------------------------------------------------------------------------
 
     def connectionMade(self) -> None:
         set_no_delay(self.transport)
+        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
         if self.settings.keep_alive_s > 0:
             self._keep_alive = LoopingCall(self._keep_alive_tick)
             self._keep_alive.clock = self.settings.clock
@@ -304,6 +315,23 @@ class PulsarConnection(Protocol):
             if consumer.server is not None:
                 consumer.server.close().addErrback(lambda f: None)
         self.consumers.clear()
+
+    # -- IPushProducer: the send buffer ------------------------------------------------------
+
+    def pauseProducing(self) -> None:
+        self.write_full = True
+        for consumer in list(self.consumers.values()):
+            if consumer.server is not None:
+                consumer.server.pause()
+
+    def resumeProducing(self) -> None:
+        self.write_full = False
+        for consumer in list(self.consumers.values()):
+            if consumer.server is not None:
+                consumer.server.resume()
+
+    def stopProducing(self) -> None:
+        self.write_full = True
 
     def _peer(self) -> str:
         return peer_text(self.transport)
@@ -943,6 +971,8 @@ class PulsarConnection(Protocol):
                 return
             consumer.server = server
             self.consumers[cid] = consumer
+            if self.write_full:
+                server.pause()
             self._success(rid)
 
         def failed(f: Failure) -> None:

@@ -371,3 +371,44 @@ def test_cumulative_ack_releases_exactly_what_precedes_it_also_after_redelivery(
     result_of(server.ack_cumulative(newest[1].position))
     assert sorted(server.pending) == [newest[2].position]
     assert server.pending_messages == 1
+
+
+# -- A paused consumer (its connection's send buffer is full) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sub_type", [SubType.EXCLUSIVE, SubType.FAILOVER, SubType.SHARED, SubType.KEY_SHARED]
+)
+def test_a_paused_consumer_takes_nothing_until_resumed(sub_type: SubType) -> None:
+    """Permits granted while paused are kept; nothing is delivered or read ahead for the
+    consumer until it resumes, then everything comes in order."""
+    bench = make_topic()
+    consumer = RecordingConsumer()
+    server = bench.subscribe("s", consumer, sub_type)
+    server.pause()
+    server.flow(100)
+    bench.publish(*[f"m{i}" for i in range(5)])
+    assert consumer.deliveries == []
+    assert server.permits == 100
+    server.resume()
+    assert payloads(consumer) == [f"m{i}" for i in range(5)]
+    bench.publish("m5")
+    assert payloads(consumer)[-1] == "m5"
+
+
+def test_shared_passes_a_paused_consumer_by() -> None:
+    """On Shared, the others take what a paused consumer would have had."""
+    bench = make_topic()
+    a, b = RecordingConsumer("a"), RecordingConsumer("b")
+    sa = bench.subscribe("s", a, SubType.SHARED)
+    sb = bench.subscribe("s", b, SubType.SHARED)
+    sa.flow(10)
+    sb.flow(10)
+    sa.pause()
+    bench.publish(*[f"m{i}" for i in range(4)])
+    assert a.deliveries == []
+    assert payloads(b) == ["m0", "m1", "m2", "m3"]
+    sa.resume()
+    bench.publish("m4", "m5")
+    assert payloads(a) == ["m4"]
+    assert payloads(b)[-1] == "m5"

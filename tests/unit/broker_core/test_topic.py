@@ -482,3 +482,18 @@ def test_a_waiting_producer_that_closes_is_failed_and_leaves_the_queue() -> None
     holder.close()
     assert topic.producers == {}
     assert topic.stats()["waitingPublishers"] == 0
+
+
+def test_non_persistent_drops_what_a_paused_consumer_cannot_take() -> None:
+    """A paused consumer of a non-persistent topic misses what comes while it is paused, as a
+    consumer without permits does."""
+    topic = NonPersistentTopic("non-persistent://public/default/np", Clock())
+    consumer = RecordingConsumer()
+    server = result_of(topic.subscribe("s", consumer, SubType.SHARED))
+    server.flow(5)
+    server.pause()
+    result_of(topic.publish(b"dropped: paused"))
+    server.resume()
+    result_of(topic.publish(b"kept"))
+    assert consumer.payloads == [b"kept"]
+    assert topic.stats()["subscriptions"]["s"]["msgDropCounter"] == 1

@@ -618,6 +618,28 @@ def test_subscribe_flow_message_ack(peer: Peer) -> None:
     assert len(server.pending) == 1
 
 
+def test_nothing_is_delivered_while_the_send_buffer_is_full(peer: Peer) -> None:
+    """The connection is its transport's producer: while the transport says its buffer is
+    full, its consumers (also one subscribed meanwhile) take nothing, whatever their
+    permits; once it drained, what waited comes in order."""
+    assert peer.transport.producer is peer.conn
+    peer.subscribe(1)
+    peer.producer(1)
+    peer.commands()
+    peer.conn.pauseProducing()  # as the transport does past its buffer size
+    peer.subscribe(2, sub="other")
+    peer.flow(1, 1000)
+    peer.flow(2, 1000)
+    for seq in range(3):
+        peer.publish(1, seq, b"m%d" % seq)
+    assert [c.type for c in peer.commands()] == [T.SEND_RECEIPT] * 3
+    peer.conn.resumeProducing()
+    msgs = peer.messages()
+    assert sorted((m.consumer_id, d) for m, d in msgs) == [
+        (cid, b"m%d" % i) for cid in (1, 2) for i in range(3)
+    ]
+
+
 def test_redeliver_raises_redelivery_count(peer: Peer) -> None:
     """REDELIVER_UNACKNOWLEDGED_MESSAGES sends pending messages again, counted."""
     peer.subscribe(1, sub_type=pb.CommandSubscribe.Shared)
