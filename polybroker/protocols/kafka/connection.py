@@ -5,12 +5,14 @@ long-polling Fetch does not hold up the next request's work), but responses leav
 request order, as Kafka requires. A Produce with acks=0 gets no response.
 
 Requests are taken (parsed and handed on) while fewer than ``MAX_IN_FLIGHT`` await their
-responses (after that, until half of them left) and while the socket's send buffer is not
+responses (after that, until half of them left), a Fetch only while fewer than
+``MAX_FETCHES_IN_FLIGHT`` fetches await theirs, and while the socket's send buffer is not
 full; frames read beyond that wait, and reading pauses until they are taken. A client that
 sends requests but does not read their answers (a fetch answer may be megabytes) stops being
 read, as Kafka stops reading a connection until its response is sent, instead of having every
 answer buffered in the broker's memory: what is buffered is at most the answers to the
-requests already taken.
+requests already taken. Clients keep one fetch in flight per broker; the fetch bound keeps one
+that pipelines them from holding more than a few fetch answers at once.
 
 Bad input (an oversize or malformed frame, an unknown API key, an unsupported version) closes
 the connection after the responses already due; an unsupported ApiVersions version is answered
@@ -39,14 +41,18 @@ log = logging.getLogger(__name__)
 
 #: Requests in flight on one connection before reading from it pauses.
 MAX_IN_FLIGHT = 64
+#: Fetches in flight on one connection before the next one waits.
+MAX_FETCHES_IN_FLIGHT = 4
+_FETCH_KEY = c.API_FETCH.to_bytes(2, "big")
 
 
 class _Slot:
-    __slots__ = ("data", "done")
+    __slots__ = ("data", "done", "fetch")
 
-    def __init__(self) -> None:
+    def __init__(self, fetch: bool) -> None:
         self.done = False
         self.data: bytes | None = None
+        self.fetch = fetch
 
 
 @implementer(IPushProducer)
@@ -61,6 +67,7 @@ class KafkaConnection(Protocol):
         self.paused = False  # reading is paused (for one of the reasons below)
         self._frames: deque[bytes] = deque()  # read, not yet taken
         self._busy = False  # MAX_IN_FLIGHT requests awaited their answers
+        self._fetches = 0  # fetches awaiting their answers
         self._blocked = False  # the socket's send buffer is full
         self._taking = False
         self.client_host = ""
@@ -91,12 +98,15 @@ class KafkaConnection(Protocol):
         try:
             frames = self._frames
             while frames and not (self._busy or self._blocked or self.closed):
+                fetch = frames[0].startswith(_FETCH_KEY)
+                if fetch and self._fetches >= MAX_FETCHES_IN_FLIGHT:
+                    break
                 try:
                     req = c.parse_request(frames.popleft(), self.apis.settings.api_versions)
                 except c.KafkaCodecError as e:
                     self._fail(str(e))
                     return
-                self._dispatch(req)
+                self._dispatch(req, fetch)
                 if len(self.pending) >= MAX_IN_FLIGHT:
                     self._busy = True
         finally:
@@ -127,9 +137,10 @@ class KafkaConnection(Protocol):
         else:
             self.transport.resumeProducing()
 
-    def _dispatch(self, req: c.Request) -> None:
-        slot = _Slot()
+    def _dispatch(self, req: c.Request, fetch: bool) -> None:
+        slot = _Slot(fetch)
         self.pending.append(slot)
+        self._fetches += fetch
         if not req.supported:
             slot.data = c.encode_unsupported_api_versions(
                 req.correlation_id, self.apis.settings.api_versions
@@ -162,14 +173,20 @@ class KafkaConnection(Protocol):
 
     def _flush(self) -> None:
         out = []
+        fetched = False
         while self.pending and self.pending[0].done:
             slot = self.pending.popleft()
+            if slot.fetch:
+                self._fetches -= 1
+                fetched = True
             if slot.data:
                 out.append(slot.data)
         if out and not self.closed:
             self.transport.writeSequence(out)  # type: ignore[union-attr]
         if self._busy and len(self.pending) < MAX_IN_FLIGHT // 2:
             self._busy = False
+            self._take()
+        elif fetched and self._frames:
             self._take()
 
     def _fail(self, reason: str) -> None:

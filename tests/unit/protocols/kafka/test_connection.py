@@ -806,13 +806,28 @@ def test_a_client_that_does_not_read_its_answers_stops_being_read() -> None:
 
 
 def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
-    """100 long-polling fetches in one read: 64 are taken, the rest wait with the socket
-    unread; as the polls end, the rest are taken, and all are answered in order."""
+    """100 produces in one read while storage holds their writes: 64 are taken, the rest
+    wait with the socket unread; as the writes complete, the rest are taken, and all are
+    answered in order."""
     from polybroker.protocols.kafka.connection import MAX_IN_FLIGHT
 
     w = Wire()
     w.produce(batch(1))
-    req = fetch_request("t", 1, max_wait_ms=500)
+    ledger = w.ledgers.ledger("public/default/persistent/t-partition-0")
+    ledger.hold_appends = True
+    req = ProduceRequest[7](
+        transactional_id=None,
+        acks=-1,
+        timeout_ms=1000,
+        topic_data=[
+            ProduceRequest.TopicProduceData(
+                name="t",
+                partition_data=[
+                    ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=batch(1))
+                ],
+            )
+        ],
+    )
     frames = b""
     for corr in range(1, 101):
         req.with_header(correlation_id=corr, client_id="unit")
@@ -821,8 +836,33 @@ def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
     assert len(w.conn.pending) == MAX_IN_FLIGHT
     assert w.transport.producerState == "paused"
     answered: list[int] = []
-    for _ in range(10):
-        w.clock.advance(0.5)
+    while len(answered) < 100 and ledger.held_appends:
+        ledger.release_appends()
+        w.clock.advance(0)
         answered += [corr for corr, _ in w.responses()]
     assert answered == list(range(1, 101))
+    assert w.transport.producerState == "producing"
+
+
+def test_fetches_beyond_their_bound_wait_unread() -> None:
+    """20 long-polling fetches in one read: 4 are taken, the rest wait with the socket
+    unread (a client keeps one fetch in flight; one that pipelines them holds at most a
+    few answers); as the polls end the rest are taken, and all are answered in order."""
+    from polybroker.protocols.kafka.connection import MAX_FETCHES_IN_FLIGHT
+
+    w = Wire()
+    w.produce(batch(1))
+    req = fetch_request("t", 1, max_wait_ms=500)
+    frames = b""
+    for corr in range(1, 21):
+        req.with_header(correlation_id=corr, client_id="unit")
+        frames += bytes(req.encode(header=True, framed=True))
+    w.conn.dataReceived(frames)
+    assert len(w.conn.pending) == MAX_FETCHES_IN_FLIGHT
+    assert w.transport.producerState == "paused"
+    answered: list[int] = []
+    for _ in range(20 // MAX_FETCHES_IN_FLIGHT):
+        w.clock.advance(0.5)
+        answered += [corr for corr, _ in w.responses()]
+    assert answered == list(range(1, 21))
     assert w.transport.producerState == "producing"
