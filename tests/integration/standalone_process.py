@@ -2,7 +2,8 @@
 
 ``wait_for_line`` waits (bounded) for a process's ready line; ``start_standalone`` runs
 ``polybroker standalone`` on free loopback ports and returns its listener ports by config key;
-``stop_process`` signals a process and waits for it.
+``stop_process`` signals a process and waits for it; ``rss_mb`` and ``wait_until_idle``
+watch one by its PID.
 """
 
 from __future__ import annotations
@@ -84,3 +85,30 @@ def stop_process(
             process.wait(10)
     if process.stdout is not None:
         process.stdout.close()
+
+
+def rss_mb(pid: int) -> float:
+    """The process's resident set size, in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_until_idle(pid: int, quiet_s: float = 0.5, bound_s: float = 60.0) -> None:
+    """Wait (bounded) until the process has used no CPU for ``quiet_s``: it did all it could
+    with what it was given."""
+    deadline = time.monotonic() + bound_s
+    last, since = _cpu_ticks(pid), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _cpu_ticks(pid)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+    raise AssertionError("the process never went idle")

@@ -7,35 +7,10 @@ import time
 from pathlib import Path
 
 import pika
-from standalone_process import start_standalone, stop_process
+from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
 
 MESSAGES = 150_000
 BODY = 2000  # 300 MB in all
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def _wait_until_idle(pid: int, quiet_s: float = 0.5, bound_s: float = 60.0) -> None:
-    """Wait (bounded) until the process has used no CPU for ``quiet_s``."""
-    deadline = time.monotonic() + bound_s
-    last, since = _cpu_ticks(pid), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = _cpu_ticks(pid)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-    raise AssertionError("the broker never went idle")
 
 
 def test_unread_auto_ack_deliveries_stay_in_the_log(tmp_path: Path) -> None:
@@ -55,17 +30,17 @@ def test_unread_auto_ack_deliveries_stay_in_the_log(tmp_path: Path) -> None:
             lambda _ch, _m, _p, body: got.append(int.from_bytes(body[:4], "big")),
             auto_ack=True,
         )
-        rss_before = _rss_mb(proc.pid)
+        rss_before = rss_mb(proc.pid)
         persistent = pika.BasicProperties(delivery_mode=2)
         pad = b"x" * (BODY - 4)
         # The reader's connection is not serviced meanwhile: nothing reads its socket.
         for i in range(MESSAGES):
             pch.basic_publish("", "unread", i.to_bytes(4, "big") + pad, persistent)
         publisher.process_data_events(0)
-        _wait_until_idle(proc.pid)
+        wait_until_idle(proc.pid)
         # Buffering every delivery would hold the 300 MB (and more) in the broker; what it
         # may hold is storage's caches, about 100 MB whatever the volume.
-        grown = _rss_mb(proc.pid) - rss_before
+        grown = rss_mb(proc.pid) - rss_before
         assert grown < 180, f"the broker grew by {grown:.0f} MB"
         deadline = time.monotonic() + 120
         while len(got) < MESSAGES and time.monotonic() < deadline:

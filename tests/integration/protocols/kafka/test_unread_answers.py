@@ -5,41 +5,14 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from pathlib import Path
 
 from kafka import KafkaProducer
 from kafka.protocol.consumer import FetchRequest, FetchResponse
-from standalone_process import start_standalone, stop_process
+from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
 
 FETCHES = 300
 RECORDS = 1000  # of 1000 bytes: each fetch answer carries about 1 MB
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def _wait_until_idle(pid: int, quiet_s: float = 0.5, bound_s: float = 60.0) -> None:
-    """Wait (bounded) until the process has used no CPU for ``quiet_s``: it did all it
-    could with what it read."""
-    deadline = time.monotonic() + bound_s
-    last, since = _cpu_ticks(pid), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = _cpu_ticks(pid)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-    raise AssertionError("the broker never went idle")
 
 
 def _read_frame(s: socket.socket) -> bytes:
@@ -87,11 +60,11 @@ def test_unread_fetch_answers_are_not_buffered_and_all_arrive_later(tmp_path: Pa
             fetch.with_header(correlation_id=corr, client_id="unread")
             frames.append(bytes(fetch.encode(header=True, framed=True)))
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            rss_before = _rss_mb(proc.pid)
+            rss_before = rss_mb(proc.pid)
             s.sendall(b"".join(frames))  # about 45 KB of requests: the kernel takes them all
-            _wait_until_idle(proc.pid)
+            wait_until_idle(proc.pid)
             # Buffering every answer would hold about FETCHES MB.
-            assert _rss_mb(proc.pid) - rss_before < 100
+            assert rss_mb(proc.pid) - rss_before < 100
             for corr in range(1, FETCHES + 1):
                 frame = _read_frame(s)
                 assert struct.unpack_from(">i", frame)[0] == corr

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from pathlib import Path
 
 import pulsar
-from standalone_process import start_standalone, stop_process
+from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
 
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import FrameDecoder, command, encode_command, split_tail
@@ -19,31 +18,6 @@ T = pb.BaseCommand
 MESSAGES = 100_000
 BODY = 3000  # 300 MB in all
 TOPIC = "persistent://public/default/unread"
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def _wait_until_idle(pid: int, quiet_s: float = 0.5, bound_s: float = 60.0) -> None:
-    """Wait (bounded) until the process has used no CPU for ``quiet_s``."""
-    deadline = time.monotonic() + bound_s
-    last, since = _cpu_ticks(pid), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = _cpu_ticks(pid)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-    raise AssertionError("the broker never went idle")
 
 
 def _expect(s: socket.socket, decoder: FrameDecoder, type_: int) -> None:
@@ -86,13 +60,13 @@ def test_unread_deliveries_stay_in_storage(tmp_path: Path) -> None:
             )
             s.sendall(encode_command(sub))
             _expect(s, decoder, T.SUCCESS)
-            _wait_until_idle(proc.pid)
-            rss_before = _rss_mb(proc.pid)
+            wait_until_idle(proc.pid)
+            rss_before = rss_mb(proc.pid)
             flow = command(T.FLOW, "flow", consumer_id=1, messagePermits=10 * MESSAGES)
             s.sendall(encode_command(flow))
-            _wait_until_idle(proc.pid)
+            wait_until_idle(proc.pid)
             # Sending the whole backlog would hold its 300 MB (and more) in the broker.
-            grown = _rss_mb(proc.pid) - rss_before
+            grown = rss_mb(proc.pid) - rss_before
             assert grown < 150, f"the broker grew by {grown:.0f} MB"
             seen: list[int] = []
             while len(seen) < MESSAGES:

@@ -121,23 +121,28 @@ class Wire:
         return decoded(request, body)
 
     def produce(self, data: bytes, topic: str = "t", acks: int = -1) -> Any:
-        req = ProduceRequest[7](
-            transactional_id=None,
-            acks=acks,
-            timeout_ms=1000,
-            topic_data=[
-                ProduceRequest.TopicProduceData(
-                    name=topic,
-                    partition_data=[
-                        ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=data)
-                    ],
-                )
-            ],
-        )
+        req = produce_request(data, topic, acks)
         if acks == 0:
             self.send(req)
             return None
         return self.call(req).responses[0].partition_responses[0]
+
+
+def produce_request(data: bytes, topic: str = "t", acks: int = -1) -> Any:
+    """A Produce v7 of the record batch ``data`` to partition 0 of ``topic``."""
+    return ProduceRequest[7](
+        transactional_id=None,
+        acks=acks,
+        timeout_ms=1000,
+        topic_data=[
+            ProduceRequest.TopicProduceData(
+                name=topic,
+                partition_data=[
+                    ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=data)
+                ],
+            )
+        ],
+    )
 
 
 def decoded(request: Any, body: bytes) -> Any:
@@ -314,22 +319,7 @@ def test_the_first_idempotent_produce_waits_for_the_rebuild_and_answers_in_order
     ledger.read = held_read  # type: ignore[method-assign]
     corrs = []
     for records in (batch(1, pid=5, epoch=0, seq=0), batch(1, pid=5, epoch=0, seq=1)):
-        req = ProduceRequest[7](
-            transactional_id=None,
-            acks=-1,
-            timeout_ms=1000,
-            topic_data=[
-                ProduceRequest.TopicProduceData(
-                    name="t",
-                    partition_data=[
-                        ProduceRequest.TopicProduceData.PartitionProduceData(
-                            index=0, records=records
-                        )
-                    ],
-                )
-            ],
-        )
-        corrs.append(w.send(req))
+        corrs.append(w.send(produce_request(records)))
     assert w.responses() == []  # nothing answered, nothing appended while the tail is read
     assert topic.next_index == 1
     assert pending
@@ -815,19 +805,7 @@ def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
     w.produce(batch(1))
     ledger = w.ledgers.ledger("public/default/persistent/t-partition-0")
     ledger.hold_appends = True
-    req = ProduceRequest[7](
-        transactional_id=None,
-        acks=-1,
-        timeout_ms=1000,
-        topic_data=[
-            ProduceRequest.TopicProduceData(
-                name="t",
-                partition_data=[
-                    ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=batch(1))
-                ],
-            )
-        ],
-    )
+    req = produce_request(batch(1))
     frames = b""
     for corr in range(1, 101):
         req.with_header(correlation_id=corr, client_id="unit")
