@@ -1,5 +1,5 @@
-"""Twisted TCP transport helpers: writing without waiting for the reactor's next turn, and
-naming a connection's peer in logs."""
+"""Twisted TCP transport helpers: writing without waiting for the reactor's next turn, counting
+what waits to be sent, and naming a connection's peer in logs."""
 
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ def write_now(transport: Any, data: bytes) -> None:
         return
     if sent < len(data):
         transport.write(data[sent:])
+
+
+#: Bytes of answers a connection may hold for a client that does not read them; beyond this
+#: the client's socket is no longer read until they have been sent.
+MAX_UNREAD = 4 * 1024 * 1024
+
+
+def unsent(transport: Any) -> int:
+    """Bytes written to ``transport`` that wait in its buffer (0 for one that does not say)."""
+    try:
+        return len(transport.dataBuffer) + transport._tempDataLen  # type: ignore[no-any-return]
+    except AttributeError:
+        return 0
 
 
 def peer_text(transport: Any) -> str:

@@ -13,6 +13,8 @@ producer), no consumer of the connection takes more messages; they stay in their
 durable queue's in its log), and the queues dispatch again once it drained. A dispatch writes
 what it gathered every ``MAX_GATHERED`` bytes, so one dispatch to an auto-ack consumer (whose
 messages are settled as they are written) cannot move a whole queue into the send buffer.
+Should the buffer still pass ``MAX_UNREAD`` (answers to a client that sends methods, say
+basic.get, and does not read), the socket is not read either until it drained.
 
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
@@ -41,7 +43,7 @@ from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
-from polybroker.netio import write_now
+from polybroker.netio import MAX_UNREAD, unsent, write_now
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.convert import AmqpMessage
 from polybroker.protocols.amqp.proxy import (
@@ -176,7 +178,7 @@ class AmqpConnection(Protocol):
         self.proxied = False
         self.link: OwnerLink | None = None
         #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed",
-        #: "relay" (the link to the vhost's broker is being made).
+        #: "relay" (the link to the vhost's broker is being made), "unread" (answers wait).
         self._pauses: set[str] = set()
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
@@ -292,10 +294,14 @@ class AmqpConnection(Protocol):
     # -- IPushProducer: the send buffer ------------------------------------------------------
 
     def pauseProducing(self) -> None:
+        """The send buffer is full (called on every write while it is)."""
         self.write_full = True
+        if "unread" not in self._pauses and unsent(self.transport) > MAX_UNREAD:
+            self._pause("unread", True)
 
     def resumeProducing(self) -> None:
         self.write_full = False
+        self._pause("unread", False)
         for ch in list(self.channels.values()):
             self._kick(ch)
 

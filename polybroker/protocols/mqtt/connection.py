@@ -19,7 +19,9 @@ sends while one of its stores is under way wait for that store, so such a client
 under way at a time (``_hold_publishes``); the acknowledgements of stores under way together
 leave together (``_store_done``); reads bringing QoS 1/2 PUBLISHes are TCP-ACKed at once
 (``_ack_at_once``). Writes go to the kernel at once (``write_now``), those of a read at its
-end.
+end. While the socket's send buffer is full the session holds deliveries (``paused``); should
+it still pass ``MAX_UNREAD`` (answers to a client that does not read), the socket is not read
+either until it drained.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -43,7 +45,7 @@ from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
-from polybroker.netio import peer_text, write_now
+from polybroker.netio import MAX_UNREAD, peer_text, unsent, write_now
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
 from polybroker.protocols.mqtt.session import FilterSub, MqttBroker, Session
@@ -133,6 +135,8 @@ class MqttConnection(Protocol):
         self._inbound_pending = 0
         #: The transport's buffer is full: the session holds deliveries until it drains.
         self.paused = False
+        #: ... and past MAX_UNREAD: the socket is not read until it drained.
+        self._unread = False
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
         self.reading = False
@@ -269,10 +273,17 @@ class MqttConnection(Protocol):
     # -- IPushProducer: backpressure from the socket -------------------------------------
 
     def pauseProducing(self) -> None:
+        """The send buffer is full (called on every write while it is)."""
         self.paused = True
+        if not self._unread and unsent(self.transport) > MAX_UNREAD:
+            self._unread = True
+            self.transport.pauseProducing()  # type: ignore[union-attr]
 
     def resumeProducing(self) -> None:
         self.paused = False
+        if self._unread:
+            self._unread = False
+            self.transport.resumeProducing()  # type: ignore[union-attr]
         if self.session is not None and self.session.link is self:
             self.session.pump()
 

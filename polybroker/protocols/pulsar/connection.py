@@ -13,7 +13,9 @@ Deliveries: the connection is its transport's producer. While the socket's send 
 full, its consumers take nothing more (``ServerConsumer.pause``; on a non-persistent topic what
 they cannot take is dropped), as Pulsar skips a consumer whose channel is not writable: a client
 that grants many permits and does not read holds its backlog in storage, not in the broker's
-memory. They take again once the buffer drained.
+memory. They take again once the buffer drained. Should the buffer still pass ``MAX_UNREAD``
+(answers to a client that sends requests and does not read), the socket is not read either
+until it drained.
 
 Keep-alive: every keep-alive interval (30 s by default) the broker sends PING; if nothing at all
 arrived from the client during a whole interval after a PING, the connection is closed.
@@ -48,7 +50,7 @@ from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
-from polybroker.netio import peer_text, write_now
+from polybroker.netio import MAX_UNREAD, peer_text, unsent, write_now
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import (
     FRAME_OVERHEAD,
@@ -265,6 +267,8 @@ class PulsarConnection(Protocol):
         self._ping_outstanding = False
         #: The socket's send buffer is full: consumers are paused until it drained.
         self.write_full = False
+        #: ... and past MAX_UNREAD: the socket is not read until it drained.
+        self._unread = False
 
     # -- transport ------------------------------------------------------------------------
 
@@ -319,13 +323,21 @@ class PulsarConnection(Protocol):
     # -- IPushProducer: the send buffer ------------------------------------------------------
 
     def pauseProducing(self) -> None:
-        self.write_full = True
-        for consumer in list(self.consumers.values()):
-            if consumer.server is not None:
-                consumer.server.pause()
+        """The send buffer is full (called on every write while it is)."""
+        if not self.write_full:
+            self.write_full = True
+            for consumer in list(self.consumers.values()):
+                if consumer.server is not None:
+                    consumer.server.pause()
+        if not self._unread and unsent(self.transport) > MAX_UNREAD:
+            self._unread = True
+            self.transport.pauseProducing()  # type: ignore[union-attr]
 
     def resumeProducing(self) -> None:
         self.write_full = False
+        if self._unread:
+            self._unread = False
+            self.transport.resumeProducing()  # type: ignore[union-attr]
         for consumer in list(self.consumers.values()):
             if consumer.server is not None:
                 consumer.server.resume()

@@ -42,3 +42,31 @@ class FakeTcp(tcp.Server):
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
+
+
+class SlowClient(StringTransport):
+    """A transport whose client reads nothing until ``drain``. It counts what waits as
+    Twisted's does (``dataBuffer`` plus ``_tempDataLen``, what ``polybroker.netio.unsent``
+    reads) and, as Twisted's does, calls its producer's ``pauseProducing`` on every write
+    while more than ``limit`` bytes wait; ``drain`` sends them all and resumes it."""
+
+    def __init__(self, limit: int = 64 * 1024) -> None:
+        super().__init__()
+        self.limit = limit
+        self.dataBuffer = b""
+        self._tempDataLen = 0
+
+    @property
+    def unsent(self) -> int:
+        return self._tempDataLen
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self._tempDataLen += len(data)
+        if self._tempDataLen > self.limit and self.producer is not None:
+            self.producer.pauseProducing()
+
+    def drain(self) -> None:
+        self._tempDataLen = 0
+        if self.producer is not None:
+            self.producer.resumeProducing()

@@ -1,11 +1,14 @@
-"""A Pulsar consumer that grants many permits and does not read: its backlog stays in
-storage instead of moving into the broker's send buffer, and it all arrives, in order, once
-the client reads."""
+"""Pulsar clients that do not read: a consumer granting many permits leaves its backlog in
+storage instead of the broker's send buffer, and a client pipelining requests whose answers
+are large (topic listings) stops being read instead of having every answer buffered; all
+arrives, in order, once the client reads."""
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
+import urllib.request
 from pathlib import Path
 
 import pulsar
@@ -95,3 +98,67 @@ def _indexes(body: bytes) -> list[int]:
         out.append(int.from_bytes(body[pos : pos + 4], "big"))
         pos += meta.payload_size
     return out
+
+
+LISTINGS = 15_000
+TOPICS = 100  # with long names each listing answers about 24 KB: 350 MB for all of them
+LONG = "a-rather-long-topic-name-" + "x" * 160
+
+
+def test_unread_answers_stop_the_reading(tmp_path: Path) -> None:
+    proc, ports = start_standalone(
+        tmp_path / "data", tmp_path / "standalone.log", {"messagingProtocols": "pulsar"}
+    )
+    try:
+        admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2/persistent/public/default"
+        for i in range(TOPICS):
+            put = urllib.request.Request(f"{admin}/{LONG}-{i:05d}", method="PUT")
+            urllib.request.urlopen(put, timeout=30).read()
+        with socket.create_connection(("127.0.0.1", ports["brokerServicePort"]), timeout=30) as s:
+            decoder = FrameDecoder(1 << 24)
+            connect = command(T.CONNECT, "connect", client_version="raw", protocol_version=19)
+            s.sendall(encode_command(connect))
+            _expect(s, decoder, T.CONNECTED)
+            wait_until_idle(proc.pid)
+            rss_before = rss_mb(proc.pid)
+            requests = b"".join(
+                encode_command(
+                    command(
+                        T.GET_TOPICS_OF_NAMESPACE,
+                        "getTopicsOfNamespace",
+                        request_id=i,
+                        namespace="public/default",
+                    )
+                )
+                for i in range(LISTINGS)
+            )
+            s.setblocking(False)
+            sent = 0
+            deadline = time.monotonic() + 60
+            while sent < len(requests):  # what the kernels take (all of it, here)
+                try:
+                    sent += s.send(requests[sent:])
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+            wait_until_idle(proc.pid)
+            grown = rss_mb(proc.pid) - rss_before
+            assert grown < 150, f"the broker grew by {grown:.0f} MB"
+            s.setblocking(True)
+            answered = 0
+            while answered < LISTINGS:
+                if sent < len(requests):
+                    sent += s.send(requests[sent:])
+                data = s.recv(1 << 20)
+                assert data, "connection closed"
+                for frame in decoder.feed(data):
+                    if frame.command.type == T.PING:  # the broker's keep-alive
+                        s.sendall(encode_command(command(T.PONG, "pong")))
+                        continue
+                    listing = frame.command.getTopicsOfNamespaceResponse
+                    assert listing.request_id == answered
+                    assert len(listing.topics) == TOPICS
+                    answered += 1
+    finally:
+        stop_process(proc)

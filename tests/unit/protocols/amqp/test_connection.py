@@ -7,9 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import pytest
 from amqp_peer import Peer, consuming_peer
-from fake_tcp import FakeTcp
-from twisted.internet.testing import StringTransport
+from fake_tcp import FakeTcp, SlowClient
 
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.handler import parse_users, vhost_namespace
@@ -491,28 +491,6 @@ def test_an_unframed_stream_is_not_buffered_while_the_close_waits() -> None:
     assert p.transport.disconnecting
 
 
-class _SlowClient(StringTransport):
-    """A transport whose client reads nothing until ``drain``: past ``limit`` unsent bytes
-    it pauses its producer, as Twisted's does when its buffer fills, and resumes it once
-    drained."""
-
-    def __init__(self, limit: int = 64 * 1024) -> None:
-        super().__init__()
-        self.limit = limit
-        self.unsent = 0
-
-    def write(self, data: bytes) -> None:
-        super().write(data)
-        self.unsent += len(data)
-        if self.unsent > self.limit and self.producer is not None:
-            self.producer.pauseProducing()
-
-    def drain(self) -> None:
-        self.unsent = 0
-        if self.producer is not None:
-            self.producer.resumeProducing()
-
-
 def test_deliveries_wait_while_the_send_buffer_is_full() -> None:
     """An auto-ack consumer that does not read: its messages stay in their queue, not in the
     send buffer, and each drain lets in about a buffer's worth more, in order, until all
@@ -520,7 +498,7 @@ def test_deliveries_wait_while_the_send_buffer_is_full() -> None:
     from polybroker.protocols.amqp.connection import MAX_GATHERED
 
     p = Peer()
-    slow = _SlowClient()
+    slow = SlowClient()
     p.conn = p.connect_with(slow)
     p.transport = slow
     p.handshake()
@@ -559,3 +537,29 @@ def test_held_messages_count_their_overhead_against_the_watermark() -> None:
     assert p.methods() == [c.ConnectionBlocked("low on memory")]
     p.method(1, c.QueuePurge(queue="t"))
     assert c.ConnectionUnblocked() in p.methods()
+
+
+def test_a_client_that_does_not_read_its_answers_stops_being_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the answers waiting for a client pass MAX_UNREAD the socket is not read; it is
+    read again once they were sent, and every answer is there."""
+    from polybroker.protocols.amqp import connection
+
+    monkeypatch.setattr(connection, "MAX_UNREAD", 10_000)
+    p = Peer()
+    slow = SlowClient(limit=1000)
+    p.conn = p.connect_with(slow)
+    p.transport = slow
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.methods()
+    slow.drain()
+    qos = c.encode_method(1, c.BasicQos(0, 7, False))
+    p.send(qos * 500)  # 6000 bytes of answers
+    assert slow.producerState == "producing"
+    p.send(qos * 500)
+    assert slow.producerState == "paused"
+    slow.drain()
+    assert slow.producerState == "producing"
+    assert p.methods() == [c.BasicQosOk()] * 1000

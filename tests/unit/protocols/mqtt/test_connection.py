@@ -18,7 +18,7 @@ from twisted.internet.testing import StringTransport
 sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
 
 from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
-from fake_tcp import FakeTcp
+from fake_tcp import FakeTcp, SlowClient
 
 from polybroker.broker_core.messages import Message, decode_entry, encode_entry
 from polybroker.broker_core.service import BrokerService
@@ -1492,3 +1492,27 @@ def test_a_property_another_packet_type_owns_is_malformed() -> None:
     assert isinstance(disconnect, c.Disconnect)
     assert disconnect.reason_code == c.MALFORMED_PACKET
     assert pub.closed
+
+
+def test_a_client_that_does_not_read_its_answers_stops_being_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the answers waiting for a client pass MAX_UNREAD the socket is not read; it is
+    read again once they were sent, and every answer is there."""
+    from polybroker.protocols.mqtt import connection
+
+    monkeypatch.setattr(connection, "MAX_UNREAD", 10_000)
+    env = Env()
+    conn = MqttConnection(env.settings)
+    slow = SlowClient(limit=1000)
+    conn.makeConnection(slow)
+    conn.dataReceived(c.encode(c.Connect("pinger", c.LEVEL_311), c.LEVEL_311))
+    conn.dataReceived(c.encode(c.PingReq(), c.LEVEL_311) * 3000)  # 6000 bytes of answers
+    assert slow.producerState == "producing"
+    conn.dataReceived(c.encode(c.PingReq(), c.LEVEL_311) * 3000)
+    assert slow.producerState == "paused"
+    slow.drain()
+    assert slow.producerState == "producing"
+    reader = c.PacketReader(level=c.LEVEL_311)
+    reader.feed(slow.value())
+    assert reader.packets()[1:] == [c.PingResp()] * 6000

@@ -15,6 +15,7 @@ from twisted.internet.testing import StringTransport
 sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
 
 from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
+from fake_tcp import SlowClient
 
 from polybroker.broker_core.service import BrokerService
 from polybroker.config import Config
@@ -638,6 +639,30 @@ def test_nothing_is_delivered_while_the_send_buffer_is_full(peer: Peer) -> None:
     assert sorted((m.consumer_id, d) for m, d in msgs) == [
         (cid, b"m%d" % i) for cid in (1, 2) for i in range(3)
     ]
+
+
+def test_a_client_that_does_not_read_its_answers_stops_being_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the answers waiting for a client pass MAX_UNREAD the socket is not read; it is
+    read again once they were sent, and every answer is there."""
+    from polybroker.protocols.pulsar import connection
+
+    monkeypatch.setattr(connection, "MAX_UNREAD", 10_000)
+    peer = Peer()
+    slow = SlowClient(limit=1000)
+    peer.conn = PulsarConnection(peer.settings)
+    peer.conn.makeConnection(slow)
+    peer.transport = slow
+    peer.connect()
+    ping = encode_command(command(T.PING, "ping"))
+    peer.write(ping * 500)
+    assert slow.producerState == "producing"
+    peer.write(ping * 1500)
+    assert slow.producerState == "paused"
+    slow.drain()
+    assert slow.producerState == "producing"
+    assert [c.type for c in peer.commands()] == [T.PONG] * 2000
 
 
 def test_redeliver_raises_redelivery_count(peer: Peer) -> None:
