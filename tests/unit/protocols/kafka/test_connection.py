@@ -190,6 +190,15 @@ def fetch_request(
     )
 
 
+def pipelined(request: Any, count: int) -> bytes:
+    """``count`` copies of ``request``, framed, with correlation ids 1 to ``count``."""
+    frames = b""
+    for corr in range(1, count + 1):
+        request.with_header(correlation_id=corr, client_id="unit")
+        frames += bytes(request.encode(header=True, framed=True))
+    return frames
+
+
 def records_of(part: Any) -> list[tuple[int, bytes | None, bytes | None]]:
     out = []
     recs = MemoryRecords(bytes(part.records))
@@ -778,10 +787,7 @@ def test_a_client_that_does_not_read_its_answers_stops_being_read() -> None:
     transport = FillingTransport(limit=100_000)
     w.conn.makeConnection(transport)
     req = fetch_request("t", 0)
-    frames = b""
-    for corr in range(1, 201):
-        req.with_header(correlation_id=corr, client_id="unit")
-        frames += bytes(req.encode(header=True, framed=True))
+    frames = pipelined(req, 200)
     w.conn.dataReceived(frames)
     answered = w.responses(transport)
     assert 0 < len(answered) < 10  # each answer is ~50 KB: the buffer filled at once
@@ -806,10 +812,7 @@ def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
     ledger = w.ledgers.ledger("public/default/persistent/t-partition-0")
     ledger.hold_appends = True
     req = produce_request(batch(1))
-    frames = b""
-    for corr in range(1, 101):
-        req.with_header(correlation_id=corr, client_id="unit")
-        frames += bytes(req.encode(header=True, framed=True))
+    frames = pipelined(req, 100)
     w.conn.dataReceived(frames)
     assert len(w.conn.pending) == MAX_IN_FLIGHT
     assert w.transport.producerState == "paused"
@@ -831,10 +834,7 @@ def test_fetches_beyond_their_bound_wait_unread() -> None:
     w = Wire()
     w.produce(batch(1))
     req = fetch_request("t", 1, max_wait_ms=500)
-    frames = b""
-    for corr in range(1, 21):
-        req.with_header(correlation_id=corr, client_id="unit")
-        frames += bytes(req.encode(header=True, framed=True))
+    frames = pipelined(req, 20)
     w.conn.dataReceived(frames)
     assert len(w.conn.pending) == MAX_FETCHES_IN_FLIGHT
     assert w.transport.producerState == "paused"
