@@ -17,7 +17,7 @@ All integers are big-endian.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import NamedTuple
 
 import crc32c as _crc32c
@@ -480,8 +480,9 @@ class FrameDecoder:
         self.fast_send = fast_send
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> Iterator[Frame | SendFrame]:
-        """Add ``data``; yield every frame now complete."""
+    def feed(self, data: bytes) -> Generator[Frame | SendFrame, None, None]:
+        """Add ``data``; yield every frame now complete. Closed early, the generator leaves
+        the frames it did not yield buffered, for the next ``feed`` (``b""`` to take them)."""
         pending = self._buf
         if pending:
             pending += data

@@ -15,7 +15,7 @@ they cannot take is dropped), as Pulsar skips a consumer whose channel is not wr
 that grants many permits and does not read holds its backlog in storage, not in the broker's
 memory. They take again once the buffer drained. Should the buffer still pass ``MAX_UNREAD``
 (answers to a client that sends requests and does not read), the socket is not read either
-until it drained.
+until it drained, and the frames of the same read wait unparsed.
 
 Keep-alive: every keep-alive interval (30 s by default) the broker sends PING; if nothing at all
 arrived from the client during a whole interval after a PING, the connection is closed.
@@ -286,19 +286,28 @@ class PulsarConnection(Protocol):
         if self.state == self.CLOSED:
             return
         self._heard_since_ping = True
+        self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        """Handle the frames ``data`` completes, in order, up to one whose answers pass
+        ``MAX_UNREAD``: the rest stays in the decoder, unparsed, until the buffer drained."""
+        frames = self.decoder.feed(data)
         try:
-            for frame in self.decoder.feed(data):
+            for frame in frames:
                 if self.state != self.READY:
                     if self.state == self.CLOSED:
                         return
                     if frame.__class__ is SendFrame:
                         self._protocol_error("expected CONNECT, got SEND")
                         return
+                    self._dispatch(frame)  # type: ignore[arg-type]
                 elif frame.__class__ is SendFrame:
                     # The one command per message, decoded without protobuf: straight there.
                     self._on_send(*frame)  # type: ignore[misc]
-                    continue
-                self._dispatch(frame)  # type: ignore[arg-type]
+                else:
+                    self._dispatch(frame)  # type: ignore[arg-type]
+                if self._unread:
+                    break
             if self._held:
                 self._store_held()
         except CodecError as e:
@@ -306,6 +315,8 @@ class PulsarConnection(Protocol):
         except Exception as e:
             log.exception("pulsar connection failed", extra=kv(peer=self._peer()))
             self._protocol_error(f"internal error: {e}")
+        finally:
+            frames.close()  # the decoder keeps what was not taken
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self.state = self.CLOSED
@@ -338,6 +349,8 @@ class PulsarConnection(Protocol):
         if self._unread:
             self._unread = False
             self.transport.resumeProducing()  # type: ignore[union-attr]
+            if self.state != self.CLOSED:
+                self._take(b"")  # the frames left when reading stopped, before any new one
         for consumer in list(self.consumers.values()):
             if consumer.server is not None:
                 consumer.server.resume()

@@ -144,7 +144,8 @@ def test_unread_answers_stop_the_reading(tmp_path: Path) -> None:
                     time.sleep(0.01)
             wait_until_idle(proc.pid)
             grown = rss_mb(proc.pid) - rss_before
-            assert grown < 150, f"the broker grew by {grown:.0f} MB"
+            # 6 MB measured; 41 MB when a whole read of requests was answered at once.
+            assert grown < 25, f"the broker grew by {grown:.0f} MB"
             s.setblocking(True)
             answered = 0
             while answered < LISTINGS:
