@@ -14,7 +14,8 @@ durable queue's in its log), and the queues dispatch again once it drained. A di
 what it gathered every ``MAX_GATHERED`` bytes, so one dispatch to an auto-ack consumer (whose
 messages are settled as they are written) cannot move a whole queue into the send buffer.
 Should the buffer still pass ``MAX_UNREAD`` (answers to a client that sends methods, say
-basic.get, and does not read), the socket is not read either until it drained.
+basic.get, and does not read), the socket is not read either until it drained, and the methods
+already read wait too: those of the same read, and those held back on a channel.
 
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
@@ -180,6 +181,8 @@ class AmqpConnection(Protocol):
         #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed",
         #: "relay" (the link to the vhost's broker is being made), "unread" (answers wait).
         self._pauses: set[str] = set()
+        #: Frames read but not yet handled: reading stopped for "unread" before them.
+        self._untaken: list[c.Frame] = []
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
 
@@ -230,13 +233,18 @@ class AmqpConnection(Protocol):
             self._pause("unframed", True)
             self.connection_error(e)
             return
+        self._take(frames)
+
+    def _take(self, frames: list[c.Frame]) -> None:
+        """Handle ``frames`` in order, up to one whose answers pass ``MAX_UNREAD``: the rest
+        wait in ``_untaken`` until the send buffer drained (``resumeProducing``)."""
         self._in_data = True
         self.s.reading += 1
         vh = self.vhost
         if vh is not None:
             vh.inputs += 1  # its publishes and acks wait for the flush below, not a timer
         try:
-            for frame in frames:
+            for i, frame in enumerate(frames):
                 if self.closed:
                     return
                 try:
@@ -247,6 +255,9 @@ class AmqpConnection(Protocol):
                 except Exception as e:  # a bug must not take the broker down
                     log.exception("AMQP frame handling failed", extra=kv(error=str(e)))
                     self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
+                    return
+                if "unread" in self._pauses and i + 1 < len(frames):
+                    self._untaken = frames[i + 1 :]
                     return
         finally:
             # This input's publishes go to storage as batch entries, its acks to the logs.
@@ -302,6 +313,15 @@ class AmqpConnection(Protocol):
     def resumeProducing(self) -> None:
         self.write_full = False
         self._pause("unread", False)
+        if not self.closed:
+            # What waited behind answers the client had not read, before anything newer:
+            # the channels' methods, then the frames of the read that stopped.
+            for ch in list(self.channels.values()):
+                if ch.backlog and not ch.busy:
+                    self._resume(None, ch)
+            if self._untaken and "unread" not in self._pauses:
+                frames, self._untaken = self._untaken, []
+                self._take(frames)
         for ch in list(self.channels.values()):
             self._kick(ch)
 
@@ -742,7 +762,7 @@ class AmqpConnection(Protocol):
     # -- channel method queue ----------------------------------------------------------------
 
     def _submit(self, ch: Channel, m: Any) -> None:
-        if ch.busy:
+        if ch.busy or ch.backlog:  # behind what waits (a method under way, unread answers)
             ch.backlog.append(m)
             if len(ch.backlog) >= MAX_BACKLOG and ch.number not in self._backlogged:
                 self._backlogged.add(ch.number)
@@ -750,6 +770,8 @@ class AmqpConnection(Protocol):
             return
         self._run(ch, m)
         while ch.backlog and not ch.busy and not ch.closing and not self.closing:
+            if "unread" in self._pauses:
+                return  # run by resumeProducing
             self._run(ch, ch.backlog.popleft())
         self._backlog_ran(ch)
 
@@ -786,6 +808,8 @@ class AmqpConnection(Protocol):
     def _resume(self, _: object, ch: Channel) -> None:
         ch.busy = False
         while ch.backlog and not ch.busy and not ch.closing and not self.closed:
+            if "unread" in self._pauses:
+                return  # run by resumeProducing
             self._run(ch, ch.backlog.popleft())
         self._backlog_ran(ch)
 

@@ -523,6 +523,43 @@ def test_deliveries_wait_while_the_send_buffer_is_full() -> None:
     assert rounds >= 1000 * body // (slow.limit + 2 * MAX_GATHERED)
 
 
+def test_pipelined_gets_stop_at_max_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """basic.gets held back behind one that waits for appends run, once it completes, only
+    until their answers pass MAX_UNREAD; the rest run, in order, as the client reads."""
+    from polybroker.protocols.amqp import connection
+
+    monkeypatch.setattr(connection, "MAX_UNREAD", 10_000)
+    p = Peer()
+    slow = SlowClient(limit=1000)
+    p.conn = p.connect_with(slow)
+    p.transport = slow
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.methods()
+    slow.drain()
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    body = 1000
+    for i in range(100):
+        p.publish(1, "", "q", i.to_bytes(4, "big") + b"x" * (body - 4), delivery_mode=2)
+    p.send(c.encode_method(1, c.BasicGet(queue="q", no_ack=True)) * 100)
+    assert p.received() == []  # the first get waits for the appends, the others behind it
+    ledger.release_appends()
+    p.clock.advance(0)
+    seen: list[int] = []
+    rounds = 0
+    while len(seen) < 100:
+        assert slow.unsent <= 10_000 + body + 100
+        got = [f.data for f in p.received() if isinstance(f, c.BodyFrame)]
+        assert got, "no answer after a drain"
+        seen += [int.from_bytes(b[:4], "big") for b in got]
+        rounds += 1
+        slow.drain()
+    assert seen == list(range(100))
+    assert rounds >= 100 * body // (10_000 + body + 100)
+
+
 def test_held_messages_count_their_overhead_against_the_watermark() -> None:
     """Small messages weigh more than their bodies: 2,200 of 100 bytes (220 KB of bodies)
     in a transient queue block publishers under a 1 MB watermark."""
@@ -542,8 +579,8 @@ def test_held_messages_count_their_overhead_against_the_watermark() -> None:
 def test_a_client_that_does_not_read_its_answers_stops_being_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Once the answers waiting for a client pass MAX_UNREAD the socket is not read; it is
-    read again once they were sent, and every answer is there."""
+    """Once the answers waiting for a client pass MAX_UNREAD the socket is not read, and
+    what came in the same read waits; it is all answered, in order, as the client reads."""
     from polybroker.protocols.amqp import connection
 
     monkeypatch.setattr(connection, "MAX_UNREAD", 10_000)
@@ -556,10 +593,16 @@ def test_a_client_that_does_not_read_its_answers_stops_being_read(
     p.methods()
     slow.drain()
     qos = c.encode_method(1, c.BasicQos(0, 7, False))
+    ok = len(c.encode_method(1, c.BasicQosOk()))
     p.send(qos * 500)  # 6000 bytes of answers
     assert slow.producerState == "producing"
-    p.send(qos * 500)
+    p.send(qos * 10_000)
     assert slow.producerState == "paused"
-    slow.drain()
-    assert slow.producerState == "producing"
-    assert p.methods() == [c.BasicQosOk()] * 1000
+    assert 10_000 < slow.unsent <= 10_000 + ok
+    drains = 0
+    while slow.producerState == "paused":
+        assert slow.unsent <= 10_000 + ok
+        slow.drain()
+        drains += 1
+    assert drains >= 10_000 * ok // (10_000 + ok)  # each drain answered a share
+    assert p.methods() == [c.BasicQosOk()] * 10_500
