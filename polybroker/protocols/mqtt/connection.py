@@ -19,9 +19,11 @@ sends while one of its stores is under way wait for that store, so such a client
 under way at a time (``_hold_publishes``); the acknowledgements of stores under way together
 leave together (``_store_done``); reads bringing QoS 1/2 PUBLISHes are TCP-ACKed at once
 (``_ack_at_once``). Writes go to the kernel at once (``write_now``), those of a read at its
-end. While the socket's send buffer is full the session holds deliveries (``paused``); should
-it still pass ``MAX_UNREAD`` (answers to a client that does not read), the socket is not read
-either until it drained.
+end, or every ``MAX_GATHERED`` bytes when a read produces more. While the socket's send buffer
+is full the session holds deliveries (``paused``); should it still pass ``MAX_UNREAD`` (answers
+to a client that does not read), or the session hold more than ``MAX_QUEUED`` messages for it
+(retained messages of SUBSCRIBEs sent again and again), the socket is not read either until
+it drained, nor the packets already read taken.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -48,7 +50,7 @@ from polybroker.logs import kv
 from polybroker.netio import MAX_UNREAD, peer_text, unsent, write_now
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
-from polybroker.protocols.mqtt.session import FilterSub, MqttBroker, Session
+from polybroker.protocols.mqtt.session import MAX_GATHERED, FilterSub, MqttBroker, Session
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ PACKET_OVERHEAD = 64 * 1024
 #: Topic aliases a client may use towards the broker.
 TOPIC_ALIAS_MAX = 100
 _FOREVER = 0xFFFFFFFF
+#: Messages a session may queue for a client whose send buffer is full before the client's
+#: socket stops being read.
+MAX_QUEUED = 10_000
 #: Acknowledgements older than this many group waits are no longer answered by what arrives.
 OWED_HORIZON = 20
 
@@ -135,12 +140,13 @@ class MqttConnection(Protocol):
         self._inbound_pending = 0
         #: The transport's buffer is full: the session holds deliveries until it drains.
         self.paused = False
-        #: ... and past MAX_UNREAD: the socket is not read until it drained.
+        #: ... and past MAX_UNREAD or MAX_QUEUED: the socket is not read until it drained.
         self._unread = False
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
         self.reading = False
         self._out: list[bytes] = []
+        self._out_bytes = 0
         # PUBRELs of the read under way: (ack slot, packet id, PUBCOMP reason code).
         self._releases: list[tuple[_AckSlot, int, int]] = []
         # PUBRELs of the read under way (persistent session): (ack slot, packet id), and
@@ -184,8 +190,13 @@ class MqttConnection(Protocol):
         if self.state == _CLOSED:
             return
         self._last_heard = self.clock.seconds()
+        self.reader.feed(data)
+        self._take()
+
+    def _take(self) -> None:
+        """Handle the packets read, in order, until reading must stop (``_unread``): the
+        rest stay in the reader until the send buffer drained."""
         reader = self.reader
-        reader.feed(data)
         # What this read makes the connection write goes out as one write at its end.
         self.reading = True
         try:
@@ -197,6 +208,8 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
+                if self._unread or self._overqueued():
+                    break
             if self._awaits_ack:
                 self._awaits_ack = False
                 if self._quick_ack is not None:
@@ -243,13 +256,37 @@ class MqttConnection(Protocol):
         finally:
             self.reading = False
             self._flush_out()
+        if self.paused and not self._unread and self._queued() > MAX_QUEUED:
+            self._stop_reading()
 
     def _flush_out(self) -> None:
         if self._out:
             data = b"".join(self._out)
             self._out = []
+            self._out_bytes = 0
             if self.state != _CLOSED and self.transport is not None:
                 write_now(self.transport, data)
+
+    def _queued(self) -> int:
+        """Messages the session holds for this connection."""
+        session = self.session
+        return len(session.queue) if session is not None and session.link is self else 0
+
+    def _overqueued(self) -> bool:
+        """Past MAX_QUEUED (mid-read): send what the buffer takes now; whether the client is
+        not reading, so that the socket stops being read."""
+        if self._queued() <= MAX_QUEUED:
+            return False
+        assert self.session is not None
+        self.session.pump(at_read_end=True)
+        self._flush_out()
+        if self.paused and self._queued() > MAX_QUEUED:
+            self._stop_reading()
+        return self._unread
+
+    def _stop_reading(self) -> None:
+        self._unread = True
+        self.transport.pauseProducing()  # type: ignore[union-attr]
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         if self.state == _CLOSED:
@@ -276,16 +313,18 @@ class MqttConnection(Protocol):
         """The send buffer is full (called on every write while it is)."""
         self.paused = True
         if not self._unread and unsent(self.transport) > MAX_UNREAD:
-            self._unread = True
-            self.transport.pauseProducing()  # type: ignore[union-attr]
+            self._stop_reading()
 
     def resumeProducing(self) -> None:
         self.paused = False
-        if self._unread:
+        unread = self._unread
+        if unread:
             self._unread = False
             self.transport.resumeProducing()  # type: ignore[union-attr]
         if self.session is not None and self.session.link is self:
             self.session.pump()
+        if unread and not self._unread and self.state != _CLOSED:
+            self._take()  # the packets left when reading stopped, before any new one
 
     def stopProducing(self) -> None:
         self.paused = True
@@ -301,6 +340,9 @@ class MqttConnection(Protocol):
         read produced is all there is to write for it."""
         if self.reading:
             self._out.append(data)
+            self._out_bytes += len(data)
+            if self._out_bytes >= MAX_GATHERED:
+                self._flush_out()  # a read that makes much to send: the buffer may fill
         elif self.state != _CLOSED and self.transport is not None:
             write_now(self.transport, data)
 

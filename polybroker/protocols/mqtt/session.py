@@ -100,6 +100,8 @@ QOS2_ROOT = "/mqtt/qos2"
 QOS2_OUT_ROOT = "/mqtt/qos2-out"
 #: Messages a topic subscription may have outstanding in its session.
 FLOW_WINDOW = 1000
+#: A pump writes what it gathered every this many bytes, and stops once the buffer is full.
+MAX_GATHERED = 64 * 1024
 #: Entries (and their bytes) whose messages ``MqttBroker.written`` keeps at most.
 WRITTEN_CACHE = 256
 WRITTEN_CACHE_BYTES = 4 * 1024 * 1024
@@ -887,6 +889,7 @@ class Session:
             return
         self.pump_due = False
         chunks: list[bytes] = []
+        gathered = 0
         now: float | None = None
         level = link.level
         inflight = self.inflight
@@ -935,6 +938,13 @@ class Session:
             else:
                 out.packet_id = pid
                 inflight[pid] = out
+            gathered += len(data)
+            if gathered >= MAX_GATHERED:
+                link.write(b"".join(chunks))
+                chunks = []
+                gathered = 0
+                if link.paused:
+                    break
         if chunks:
             link.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 

@@ -1494,6 +1494,50 @@ def test_a_property_another_packet_type_owns_is_malformed() -> None:
     assert pub.closed
 
 
+def test_resubscribing_without_reading_queues_a_bounded_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that subscribes to the same filter again and again and does not read: each
+    SUBSCRIBE queues every retained match, but once the queue is long and the send buffer
+    full the socket is not read, nor are the SUBSCRIBEs already read taken; each drain lets
+    a bounded amount through, and every SUBACK and retained message arrives in order."""
+    from polybroker.protocols.mqtt import connection
+
+    monkeypatch.setattr(connection, "MAX_QUEUED", 100)
+    env = Env()
+    pub = env.peer("p")
+    for i in range(50):
+        pub.send(c.Publish(f"r/{i:02d}", b"%02d" % i + b"x" * 198, 0, retain=True))
+    conn = MqttConnection(env.settings)
+    slow = SlowClient(limit=1000)
+    conn.makeConnection(slow)
+    conn.dataReceived(c.encode(c.Connect("s", c.LEVEL_311), c.LEVEL_311))
+    slow.drain()
+    subscribe = b"".join(
+        c.encode(c.Subscribe(i, [c.Subscription("r/#", 0)]), c.LEVEL_311) for i in range(1, 201)
+    )
+    conn.dataReceived(subscribe)
+    reader = c.PacketReader(level=c.LEVEL_311)
+    got: list[c.Packet] = []
+    rounds = 0
+    while slow.producerState == "paused" or len(got) < 1 + 200 * 51:
+        assert conn.session is not None
+        assert len(conn.session.queue) <= 100 + 50
+        assert slow.unsent <= 64 * 1024 + 1000 + 250
+        reader.feed(slow.value())
+        slow.clear()
+        got += reader.packets()
+        rounds += 1
+        assert rounds < 1000, "no progress"
+        slow.drain()
+    assert got[0] == c.ConnAck(False, 0)
+    assert [p for p in got if isinstance(p, c.SubAck)] == [c.SubAck(i, [0]) for i in range(1, 201)]
+    retained = [p for p in got if isinstance(p, c.Publish)]
+    assert [p.topic for p in retained] == [f"r/{n:02d}" for n in range(50)] * 200
+    assert all(p.retain for p in retained)
+    assert rounds > 10
+
+
 def test_a_client_that_does_not_read_its_answers_stops_being_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
