@@ -68,6 +68,12 @@ _KEYS: tuple[Key, ...] = (
     Key("messagingProtocols", str, "pulsar", "Comma-separated protocol handlers to enable"),
     Key("maxMessageSize", int, 5 * 1024 * 1024, "Largest message (bytes); frames add overhead"),
     Key("keepAliveIntervalSeconds", int, 30, "Ping idle Pulsar clients this often (0: never)"),
+    Key(
+        "maxPendingPublishRequestsPerConnection",
+        int,
+        1000,
+        "Pulsar SENDs awaiting receipts before a connection is not read (until half are)",
+    ),
     Key("metadataStoreUrl", str, "", "Metadata store: empty = embedded under dataDir, zk://..."),
     Key("metadataStoreSessionTimeoutMillis", int, 30_000, "ZooKeeper session timeout"),
     Key("dataDir", str, "./data", "Where embedded metadata and bookie data live"),

@@ -17,6 +17,12 @@ memory. They take again once the buffer drained. Should the buffer still pass ``
 (answers to a client that sends requests and does not read), the socket is not read either
 until it drained, and the frames of the same read wait unparsed.
 
+Publishing: while more than ``max_pending_sends`` SENDs (Pulsar's
+``maxPendingPublishRequestsPerConnection``) or ``MAX_PENDING_SEND_BYTES`` of them await their
+receipts, the socket is not read and the frames of the same read wait unparsed, until half of
+them were answered: a client sending faster than storage writes is slowed by TCP, as Pulsar
+turns off auto-read, rather than queued in memory.
+
 Keep-alive: every keep-alive interval (30 s by default) the broker sends PING; if nothing at all
 arrived from the client during a whole interval after a PING, the connection is closed.
 """
@@ -83,6 +89,8 @@ T = pb.BaseCommand
 _SEND = T.SEND
 _new_tuple = tuple.__new__
 SERVER_VERSION = "polybroker-pulsar"
+#: Bytes of SENDs awaiting receipts before the socket is not read (see the module docstring).
+MAX_PENDING_SEND_BYTES = 32 * 1024 * 1024
 _INT64_MAX = (1 << 63) - 1
 #: The ack set of an entry delivered whole (shared, never changed).
 _NO_WORDS: list[int] = []
@@ -135,14 +143,17 @@ class PulsarSettings:
     service_url: Callable[[], str] = field(default=lambda: "pulsar://127.0.0.1:6650")
     #: Where topics' schemas are kept (None: schemas are accepted and not checked).
     schemas: SchemaRegistry | None = None
+    #: SENDs awaiting receipts before the socket is not read (see the module docstring).
+    max_pending_sends: int = 1000
 
 
 class _PendingSend:
-    __slots__ = ("done", "entry_id", "error", "highest", "ledger_id", "sequence_id")
+    __slots__ = ("done", "entry_id", "error", "highest", "ledger_id", "sequence_id", "size")
 
-    def __init__(self, sequence_id: int, highest: int) -> None:
+    def __init__(self, sequence_id: int, highest: int, size: int) -> None:
         self.sequence_id = sequence_id
         self.highest = highest
+        self.size = size
         self.done = False
         # The stored entry's position once done (-1, -1 for a duplicate).
         self.ledger_id = -1
@@ -269,6 +280,12 @@ class PulsarConnection(Protocol):
         self.write_full = False
         #: ... and past MAX_UNREAD: the socket is not read until it drained.
         self._unread = False
+        #: SENDs awaiting receipts, their bytes, and whether they passed the bound.
+        self._pending_sends = 0
+        self._pending_bytes = 0
+        self._sends_held = False
+        #: The transport is paused (for either of the two reasons above).
+        self._stopped = False
 
     # -- transport ------------------------------------------------------------------------
 
@@ -306,7 +323,7 @@ class PulsarConnection(Protocol):
                     self._on_send(*frame)  # type: ignore[misc]
                 else:
                     self._dispatch(frame)  # type: ignore[arg-type]
-                if self._unread:
+                if self._unread or self._sends_held:
                     break
             if self._held:
                 self._store_held()
@@ -342,21 +359,35 @@ class PulsarConnection(Protocol):
                     consumer.server.pause()
         if not self._unread and unsent(self.transport) > MAX_UNREAD:
             self._unread = True
-            self.transport.pauseProducing()  # type: ignore[union-attr]
+            self._set_reading()
 
     def resumeProducing(self) -> None:
         self.write_full = False
         if self._unread:
             self._unread = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
-            if self.state != self.CLOSED:
-                self._take(b"")  # the frames left when reading stopped, before any new one
+            self._set_reading()
+            self._take_rest()
         for consumer in list(self.consumers.values()):
             if consumer.server is not None:
                 consumer.server.resume()
 
     def stopProducing(self) -> None:
         self.write_full = True
+
+    def _set_reading(self) -> None:
+        """Pause or resume reading the socket as ``_unread`` and ``_sends_held`` say."""
+        stop = self._unread or self._sends_held
+        if stop != self._stopped and self.transport is not None:
+            self._stopped = stop
+            if stop:
+                self.transport.pauseProducing()
+            else:
+                self.transport.resumeProducing()
+
+    def _take_rest(self) -> None:
+        """Take the frames left in the decoder when reading stopped, before any new one."""
+        if not self._stopped and self.state != self.CLOSED:
+            self._take(b"")
 
     def _peer(self) -> str:
         return peer_text(self.transport)
@@ -814,8 +845,16 @@ class PulsarConnection(Protocol):
             # such by that protocol's consumers): never a client's to set.
             self._send_error(pid, seq, pb.NotAllowedError, "marker_type is set by the broker")
             return
-        pending = _PendingSend(seq, highest)
+        pending = _PendingSend(seq, highest, len(payload))
         state.sends.append(pending)
+        self._pending_sends += 1
+        self._pending_bytes += len(payload)
+        if not self._sends_held and (
+            self._pending_sends > self.settings.max_pending_sends
+            or self._pending_bytes > MAX_PENDING_SEND_BYTES
+        ):
+            self._sends_held = True
+            self._set_reading()
         if num > 1:
             last_seq = seq + num - 1
         else:
@@ -898,6 +937,8 @@ class PulsarConnection(Protocol):
         rows: list[tuple[int, int, int, int]] = []
         while sends and sends[0].done:
             p = sends.popleft()
+            self._pending_sends -= 1
+            self._pending_bytes -= p.size
             if p.error is not None:
                 if rows:
                     self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
@@ -907,6 +948,15 @@ class PulsarConnection(Protocol):
             rows.append((p.sequence_id, p.ledger_id, p.entry_id, p.highest))
         if rows:
             self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
+        if (
+            self._sends_held
+            and self._pending_sends <= self.settings.max_pending_sends // 2
+            and self._pending_bytes <= MAX_PENDING_SEND_BYTES // 2
+        ):
+            self._sends_held = False
+            self._set_reading()
+            # Not from here: storage may answer while the frames before are being taken.
+            self.settings.clock.callLater(0, self._take_rest)
 
     def _send_error(self, producer_id: int, seq: int, code: int, message: str) -> None:
         self.send(

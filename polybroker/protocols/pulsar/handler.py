@@ -32,6 +32,7 @@ class PulsarProtocolHandler(ProtocolHandler):
         self.bound_port: int | None = None
         self.max_message_size = 5 * 1024 * 1024
         self.keep_alive_s = 30.0
+        self.max_pending_sends = 1000
         self.context: BrokerContext | None = None
         self.factory: PulsarFactory | None = None
 
@@ -46,8 +47,12 @@ class PulsarProtocolHandler(ProtocolHandler):
         keep_alive = int(config.get("keepAliveIntervalSeconds"))
         if keep_alive < 0:
             raise ConfigError(f"keepAliveIntervalSeconds: {keep_alive} is negative")
+        pending = int(config.get("maxPendingPublishRequestsPerConnection"))
+        if pending < 1:
+            raise ConfigError(f"maxPendingPublishRequestsPerConnection: {pending} is below 1")
         self.port = port
         self.max_message_size = size
+        self.max_pending_sends = pending
         self.keep_alive_s = float(keep_alive)
         self.host = str(config.get("bindAddress"))
 
@@ -60,6 +65,7 @@ class PulsarProtocolHandler(ProtocolHandler):
                 clock=broker.reactor,
                 max_message_size=self.max_message_size,
                 keep_alive_s=self.keep_alive_s,
+                max_pending_sends=self.max_pending_sends,
                 service_url=self.service_url,
                 schemas=SchemaRegistry(broker.service.metadata_store),
             )

@@ -341,6 +341,43 @@ def test_send_receipts_follow_send_order(peer: Peer) -> None:
     assert all(r.message_id.partition == -1 for r in receipts)
 
 
+def test_sends_past_the_pending_bound_stop_the_reading(peer: Peer) -> None:
+    """Past maxPendingPublishRequestsPerConnection SENDs awaiting receipts the socket is not
+    read and the rest of the read waits unparsed; once they are answered (half would do)
+    reading resumes, and every SEND is stored and answered in order."""
+    peer.settings.max_pending_sends = 10
+    peer.producer(1, name="p")
+    ml = peer.factory.ledger(ML)
+    ml.hold_appends = True
+    sends = b"".join(
+        encode_payload_command(
+            command(T.SEND, "send", producer_id=1, sequence_id=seq),
+            build_tail(
+                pb.MessageMetadata(producer_name="p", sequence_id=seq, publish_time=1), b"m"
+            ),
+        )
+        for seq in range(30)
+    )
+    peer.write(sends)
+    assert peer.transport.producerState == "paused"
+    assert ml.held_appends == 11  # the 11th passed the bound; the rest wait
+    ml.release_appends()
+    assert peer.transport.producerState == "producing"
+    assert ml.held_appends == 0
+    peer.clock.advance(0)  # the rest of the read, up to the bound again
+    assert peer.transport.producerState == "paused"
+    assert ml.held_appends == 11
+    ml.release_appends()
+    peer.clock.advance(0)
+    assert peer.transport.producerState == "producing"
+    assert ml.held_appends == 8
+    ml.release_appends()
+    receipts = [c.send_receipt for c in peer.commands()]
+    assert [(r.sequence_id, r.message_id.entryId) for r in receipts] == [
+        (seq, seq) for seq in range(30)
+    ]
+
+
 def _producer_recording_groups(peer: Peer) -> list[int]:
     """Open producer 1 (``p``) on the topic; return the list that gets the size of every
     group of entries the topic's log is given from then on."""

@@ -51,9 +51,17 @@ def test_service_url_follows_the_bound_port_and_advertised_host() -> None:
     assert v6.service_url() == "pulsar://[::1]:6650"
 
 
-@pytest.mark.parametrize("config", [{"maxMessageSize": 10}, {"keepAliveIntervalSeconds": -1}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"maxMessageSize": 10},
+        {"keepAliveIntervalSeconds": -1},
+        {"maxPendingPublishRequestsPerConnection": 0},
+    ],
+)
 def test_bad_settings_are_refused(config: dict[str, object]) -> None:
-    """A message size below the minimum or a negative keep-alive is a ConfigError."""
+    """A message size below the minimum, a negative keep-alive or no pending SEND allowed is
+    a ConfigError."""
     with pytest.raises(ConfigError):
         PulsarProtocolHandler().initialize(Config(config))
 
@@ -63,6 +71,13 @@ def test_keep_alive_interval_comes_from_config() -> None:
     handler = started({"keepAliveIntervalSeconds": 7})
     factory = handler.listeners()[PORT_KEY].factory
     assert factory.settings.keep_alive_s == 7.0
+
+
+def test_pending_sends_bound_comes_from_config() -> None:
+    """maxPendingPublishRequestsPerConnection bounds each connection's SENDs awaiting receipts."""
+    assert started({}).listeners()[PORT_KEY].factory.settings.max_pending_sends == 1000
+    handler = started({"maxPendingPublishRequestsPerConnection": 50})
+    assert handler.listeners()[PORT_KEY].factory.settings.max_pending_sends == 50
 
 
 def test_start_installs_the_pulsar_entry_inspector() -> None:
