@@ -23,7 +23,9 @@ end, or every ``MAX_GATHERED`` bytes when a read produces more. While the socket
 is full the session holds deliveries (``paused``); should it still pass ``MAX_UNREAD`` (answers
 to a client that does not read), or the session hold more than ``MAX_QUEUED`` messages for it
 (retained messages of SUBSCRIBEs sent again and again), the socket is not read either until
-it drained, nor the packets already read taken.
+it drained, nor the packets already read taken. Nor is it while the client's stores under way
+pass ``MAX_PENDING_STORES`` or ``MAX_PENDING_STORE_BYTES`` (PUBLISHes, QoS 0 ones above all,
+sent faster than storage writes), until half of them completed.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -62,6 +64,10 @@ _FOREVER = 0xFFFFFFFF
 #: Messages a session may queue for a client whose send buffer is full before the client's
 #: socket stops being read.
 MAX_QUEUED = 10_000
+#: Stores (entries) and their payload bytes a connection may have under way before its
+#: socket stops being read, until half of them completed.
+MAX_PENDING_STORES = 1000
+MAX_PENDING_STORE_BYTES = 32 * 1024 * 1024
 #: Acknowledgements older than this many group waits are no longer answered by what arrives.
 OWED_HORIZON = 20
 
@@ -142,6 +148,11 @@ class MqttConnection(Protocol):
         self.paused = False
         #: ... and past MAX_UNREAD or MAX_QUEUED: the socket is not read until it drained.
         self._unread = False
+        #: Payload bytes of the stores under way, and whether they passed the bounds.
+        self._store_bytes = 0
+        self._stores_held = False
+        #: The transport is paused (for either reason above).
+        self._stopped = False
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
         self.reading = False
@@ -208,7 +219,7 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
-                if self._unread or self._overqueued():
+                if self._unread or self._stores_held or self._overqueued():
                     break
             if self._awaits_ack:
                 self._awaits_ack = False
@@ -286,7 +297,22 @@ class MqttConnection(Protocol):
 
     def _stop_reading(self) -> None:
         self._unread = True
-        self.transport.pauseProducing()  # type: ignore[union-attr]
+        self._set_reading()
+
+    def _set_reading(self) -> None:
+        """Pause or resume reading the socket as ``_unread`` and ``_stores_held`` say."""
+        stop = self._unread or self._stores_held
+        if stop != self._stopped and self.transport is not None:
+            self._stopped = stop
+            if stop:
+                self.transport.pauseProducing()
+            else:
+                self.transport.resumeProducing()
+
+    def _take_rest(self) -> None:
+        """Take the packets left in the reader when reading stopped, before any new one."""
+        if not self._stopped and self.state != _CLOSED:
+            self._take()
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         if self.state == _CLOSED:
@@ -320,11 +346,11 @@ class MqttConnection(Protocol):
         unread = self._unread
         if unread:
             self._unread = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
+            self._set_reading()
         if self.session is not None and self.session.link is self:
             self.session.pump()
-        if unread and not self._unread and self.state != _CLOSED:
-            self._take()  # the packets left when reading stopped, before any new one
+        if unread:
+            self._take_rest()
 
     def stopProducing(self) -> None:
         self.paused = True
@@ -707,9 +733,17 @@ class MqttConnection(Protocol):
         self._store_seq += 1
         seq = self._store_seq
         self._storing.add(seq)
+        size = sum(len(p.payload) for p, _ in batch)
+        self._store_bytes += size
+        if not self._stores_held and (
+            len(self._storing) > MAX_PENDING_STORES or self._store_bytes > MAX_PENDING_STORE_BYTES
+        ):
+            self._stores_held = True
+            self._set_reading()
 
         def stored(_: object) -> None:
             self._storing.discard(seq)
+            self._stored_bytes(size)
             owed = self._owed
             for p, slot in batch:
                 if slot is None:
@@ -732,6 +766,7 @@ class MqttConnection(Protocol):
 
         def failed(f: Failure) -> None:
             self._storing.discard(seq)
+            self._stored_bytes(size)
             self._store_done()
             self._publish_failed(f, topic)
             for p, slot in batch:
@@ -755,6 +790,19 @@ class MqttConnection(Protocol):
         pubs = [batch[0][0]] if len(batch) == 1 else [p for p, _ in batch]
         d = self.broker.publish_batch(pubs, self.client_id, session)
         d.addCallbacks(stored, failed)
+
+    def _stored_bytes(self, size: int) -> None:
+        """A store of ``size`` payload bytes completed: read again once half are done."""
+        self._store_bytes -= size
+        if (
+            self._stores_held
+            and len(self._storing) <= MAX_PENDING_STORES // 2
+            and self._store_bytes <= MAX_PENDING_STORE_BYTES // 2
+        ):
+            self._stores_held = False
+            self._set_reading()
+            # Not from here: storage may answer while the packets before are being taken.
+            self.clock.callLater(0, self._take_rest)
 
     def _store_next(self) -> None:
         """A store completed: store what waited for it, unless that still waits for more

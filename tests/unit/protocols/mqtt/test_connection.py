@@ -1494,6 +1494,38 @@ def test_a_property_another_packet_type_owns_is_malformed() -> None:
     assert pub.closed
 
 
+def test_stores_past_the_pending_bound_stop_the_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QoS 0 PUBLISHes faster than storage: past MAX_PENDING_STORES stores under way the
+    socket is not read and the rest of a read waits in the reader; once half completed
+    reading resumes, and every message is stored in order."""
+    from polybroker.protocols.mqtt import connection
+
+    monkeypatch.setattr(connection, "MAX_PENDING_STORES", 4)
+    env = Env()
+    p = env.peer("p")
+    p.packets()
+    p.send(c.Publish("a/b", b"m0", 0))  # creates the topic
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    for i in range(1, 6):
+        assert p.transport.producerState == "producing"
+        p.send(c.Publish("a/b", b"m%d" % i, 0))  # a read each: a store each
+    assert p.transport.producerState == "paused"
+    # Bytes read before the pause took effect: the first packet is taken, the rest wait.
+    p.conn.dataReceived(
+        b"".join(c.encode(c.Publish("a/b", b"m%d" % i, 0), c.LEVEL_311) for i in range(6, 9))
+    )
+    assert ml.held_appends == 6
+    ml.release_appends(2)
+    env.clock.advance(0)
+    assert p.transport.producerState == "paused"  # 4 under way: more than half
+    ml.release_appends(2)
+    assert p.transport.producerState == "producing"
+    env.clock.advance(0)  # the rest of the read
+    ml.release_appends()
+    assert _stored_payloads(env) == [b"m%d" % i for i in range(9)]
+
+
 def test_resubscribing_without_reading_queues_a_bounded_number(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
