@@ -17,6 +17,10 @@ Should the buffer still pass ``MAX_UNREAD`` (answers to a client that sends meth
 basic.get, and does not read), the socket is not read either until it drained, and the methods
 already read wait too: those of the same read, and those held back on a channel.
 
+Publishing: while more than ``MAX_PENDING_PUBLISHES`` publishes (or ``MAX_PENDING_PUBLISH_BYTES``
+of them) are on their way to storage, the socket is not read, until half of them are stored: a
+publisher faster than storage is slowed by TCP rather than queued in memory.
+
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
 
@@ -70,6 +74,10 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 1024
 #: Bytes of deliveries one dispatch gathers before writing them and checking the buffer.
 MAX_GATHERED = 64 * 1024
+#: Publishes (and their body bytes) a connection may have under way to storage before its
+#: socket stops being read, until half of them are stored.
+MAX_PENDING_PUBLISHES = 1000
+MAX_PENDING_PUBLISH_BYTES = 32 * 1024 * 1024
 
 CLOSE_GRACE_S = 5.0
 PRODUCT = "polybroker"
@@ -179,10 +187,14 @@ class AmqpConnection(Protocol):
         self.proxied = False
         self.link: OwnerLink | None = None
         #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed",
-        #: "relay" (the link to the vhost's broker is being made), "unread" (answers wait).
+        #: "relay" (the link to the vhost's broker is being made), "unread" (answers wait),
+        #: "publishing" (publishes under way past their bound).
         self._pauses: set[str] = set()
         #: Frames read but not yet handled: reading stopped for "unread" before them.
         self._untaken: list[c.Frame] = []
+        #: Publishes not yet stored (outside transactions), and their body bytes.
+        self._publishing = 0
+        self._publishing_bytes = 0
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
 
@@ -1206,11 +1218,37 @@ class AmqpConnection(Protocol):
             self.vh.publish_then(msg, queues, told)
             return d
         if not confirm:
-            self.vh.publish_then(msg, queues, _log_if_failed)
+            self.vh.publish_then(msg, queues, self._stored(len(msg.body), _log_if_failed))
             return None
         ch.publish_seq += 1
-        self.vh.publish_then(msg, queues, _Confirm(self, ch, ch.publish_seq).told)
+        told = _Confirm(self, ch, ch.publish_seq).told
+        self.vh.publish_then(msg, queues, self._stored(len(msg.body), told))
         return None
+
+    def _stored(self, size: int, tell: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Count a publish of ``size`` bytes as under way until ``tell`` is called: past
+        ``MAX_PENDING_PUBLISHES`` or ``MAX_PENDING_PUBLISH_BYTES`` the socket is not read
+        ("publishing"), until half of them are done."""
+        self._publishing += 1
+        self._publishing_bytes += size
+        if "publishing" not in self._pauses and (
+            self._publishing > MAX_PENDING_PUBLISHES
+            or self._publishing_bytes > MAX_PENDING_PUBLISH_BYTES
+        ):
+            self._pause("publishing", True)
+
+        def done(result: Any) -> None:
+            self._publishing -= 1
+            self._publishing_bytes -= size
+            if (
+                "publishing" in self._pauses
+                and self._publishing <= MAX_PENDING_PUBLISHES // 2
+                and self._publishing_bytes <= MAX_PENDING_PUBLISH_BYTES // 2
+            ):
+                self._pause("publishing", False)
+            tell(result)
+
+        return done
 
     # -- confirm and tx ----------------------------------------------------------------------
 

@@ -560,6 +560,38 @@ def test_pipelined_gets_stop_at_max_unread(monkeypatch: pytest.MonkeyPatch) -> N
     assert rounds >= 100 * body // (10_000 + body + 100)
 
 
+def test_publishes_past_the_pending_bound_stop_the_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_PENDING_PUBLISHES publishes on their way to storage the socket is not read;
+    once half of them are stored it is read again, and every message is in the queue."""
+    from polybroker.protocols.amqp import connection
+
+    monkeypatch.setattr(connection, "MAX_PENDING_PUBLISHES", 4)
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.methods()
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    for i in range(5):
+        assert p.transport.producerState == "producing"
+        p.publish(1, "", "q", b"m%d" % i, delivery_mode=2)
+    assert p.transport.producerState == "paused"
+    ledger.release_appends(2)
+    p.clock.advance(0)
+    assert p.transport.producerState == "paused"  # 3 under way: more than half
+    ledger.release_appends(1)
+    p.clock.advance(0)
+    assert p.transport.producerState == "producing"
+    ledger.release_appends()
+    p.clock.advance(0)
+    p.method(1, c.BasicConsume(queue="q", consumer_tag="t", no_ack=True))
+    bodies = [f.data for f in p.received() if isinstance(f, c.BodyFrame)]
+    assert bodies == [b"m%d" % i for i in range(5)]
+
+
 def test_held_messages_count_their_overhead_against_the_watermark() -> None:
     """Small messages weigh more than their bodies: 2,200 of 100 bytes (220 KB of bodies)
     in a transient queue block publishers under a 1 MB watermark."""
