@@ -843,8 +843,14 @@ class KafkaApis:
     def _produce(self, req: c.Request, host: str) -> Deferred[Any] | Any:
         d = Deferred.fromCoroutine(self._produce_async(req))
         if req.body.acks == 0:
-            d.addErrback(lambda f: log.warning("produce failed", extra=kv(error=str(f.value))))
-            return NO_RESPONSE
+            # No response, but the request stays in flight until its write is done, so that
+            # the connection's bound on requests in flight holds for these too.
+            def done(result: Any) -> object:
+                if isinstance(result, Failure):
+                    log.warning("produce failed", extra=kv(error=str(result.value)))
+                return NO_RESPONSE
+
+            d.addBoth(done)
         return d
 
     async def _produce_async(self, req: c.Request) -> c.ProduceResponse:

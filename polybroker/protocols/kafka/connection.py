@@ -4,8 +4,9 @@ Frames are decoded as they arrive and each request is handed to ``KafkaApis`` at
 long-polling Fetch does not hold up the next request's work), but responses leave strictly in
 request order, as Kafka requires. A Produce with acks=0 gets no response.
 
-Requests are taken (parsed and handed on) while fewer than ``MAX_IN_FLIGHT`` await their
-responses (after that, until half of them left), a Fetch only while fewer than
+Requests are taken (parsed and handed on) while fewer than ``MAX_IN_FLIGHT`` of them, and
+under ``MAX_IN_FLIGHT_BYTES`` of their frames, await their responses (after that, until half of
+them left; a Produce with acks=0 counts until its write is done), a Fetch only while fewer than
 ``MAX_FETCHES_IN_FLIGHT`` fetches await theirs, and while the socket's send buffer is not
 full; frames read beyond that wait, and reading pauses until they are taken. A client that
 sends requests but does not read their answers (a fetch answer may be megabytes) stops being
@@ -39,20 +40,23 @@ from polybroker.protocols.kafka.apis import NO_RESPONSE, KafkaApis
 
 log = logging.getLogger(__name__)
 
-#: Requests in flight on one connection before reading from it pauses.
+#: Requests in flight on one connection, and the bytes of their frames (produced records,
+#: mostly), before reading from it pauses.
 MAX_IN_FLIGHT = 64
+MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 #: Fetches in flight on one connection before the next one waits.
 MAX_FETCHES_IN_FLIGHT = 4
 _FETCH_KEY = c.API_FETCH.to_bytes(2, "big")
 
 
 class _Slot:
-    __slots__ = ("data", "done", "fetch")
+    __slots__ = ("data", "done", "fetch", "size")
 
-    def __init__(self, fetch: bool) -> None:
+    def __init__(self, fetch: bool, size: int) -> None:
         self.done = False
         self.data: bytes | None = None
         self.fetch = fetch
+        self.size = size
 
 
 @implementer(IPushProducer)
@@ -66,7 +70,8 @@ class KafkaConnection(Protocol):
         self.closed = False
         self.paused = False  # reading is paused (for one of the reasons below)
         self._frames: deque[bytes] = deque()  # read, not yet taken
-        self._busy = False  # MAX_IN_FLIGHT requests awaited their answers
+        self._busy = False  # MAX_IN_FLIGHT requests (or _BYTES) awaited their answers
+        self._pending_bytes = 0  # the frame bytes of the requests awaiting answers
         self._fetches = 0  # fetches awaiting their answers
         self._blocked = False  # the socket's send buffer is full
         self._taking = False
@@ -101,13 +106,14 @@ class KafkaConnection(Protocol):
                 fetch = frames[0].startswith(_FETCH_KEY)
                 if fetch and self._fetches >= MAX_FETCHES_IN_FLIGHT:
                     break
+                frame = frames.popleft()
                 try:
-                    req = c.parse_request(frames.popleft(), self.apis.settings.api_versions)
+                    req = c.parse_request(frame, self.apis.settings.api_versions)
                 except c.KafkaCodecError as e:
                     self._fail(str(e))
                     return
-                self._dispatch(req, fetch)
-                if len(self.pending) >= MAX_IN_FLIGHT:
+                self._dispatch(req, fetch, len(frame))
+                if len(self.pending) >= MAX_IN_FLIGHT or self._pending_bytes >= MAX_IN_FLIGHT_BYTES:
                     self._busy = True
         finally:
             self._taking = False
@@ -137,9 +143,10 @@ class KafkaConnection(Protocol):
         else:
             self.transport.resumeProducing()
 
-    def _dispatch(self, req: c.Request, fetch: bool) -> None:
-        slot = _Slot(fetch)
+    def _dispatch(self, req: c.Request, fetch: bool, size: int) -> None:
+        slot = _Slot(fetch, size)
         self.pending.append(slot)
+        self._pending_bytes += size
         self._fetches += fetch
         if not req.supported:
             slot.data = c.encode_unsupported_api_versions(
@@ -176,6 +183,7 @@ class KafkaConnection(Protocol):
         fetched = False
         while self.pending and self.pending[0].done:
             slot = self.pending.popleft()
+            self._pending_bytes -= slot.size
             if slot.fetch:
                 self._fetches -= 1
                 fetched = True
@@ -183,7 +191,11 @@ class KafkaConnection(Protocol):
                 out.append(slot.data)
         if out and not self.closed:
             self.transport.writeSequence(out)  # type: ignore[union-attr]
-        if self._busy and len(self.pending) < MAX_IN_FLIGHT // 2:
+        if (
+            self._busy
+            and len(self.pending) < MAX_IN_FLIGHT // 2
+            and self._pending_bytes < MAX_IN_FLIGHT_BYTES // 2
+        ):
             self._busy = False
             self._take()
         elif fetched and self._frames:

@@ -825,6 +825,50 @@ def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
     assert w.transport.producerState == "producing"
 
 
+def test_acks0_produces_count_in_flight_until_written() -> None:
+    """Produces with acks=0 get no answer, but each stays in flight until its write is done:
+    100 of them while storage holds their writes take 64, and the rest wait unread."""
+    from polybroker.protocols.kafka.connection import MAX_IN_FLIGHT
+
+    w = Wire()
+    w.produce(batch(1))
+    ledger = w.ledgers.ledger("public/default/persistent/t-partition-0")
+    ledger.hold_appends = True
+    w.conn.dataReceived(pipelined(produce_request(batch(1), acks=0), 100))
+    assert len(w.conn.pending) == MAX_IN_FLIGHT
+    assert w.transport.producerState == "paused"
+    while ledger.held_appends:
+        ledger.release_appends()
+        w.clock.advance(0)
+    assert w.responses() == []
+    assert not w.conn.pending
+    assert w.transport.producerState == "producing"
+    assert ledger.data.entries[-1].position.entry_id == 100  # every batch stored
+
+
+def test_requests_beyond_the_in_flight_bytes_wait_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Produces whose frames pass MAX_IN_FLIGHT_BYTES while storage holds their writes: the
+    rest wait with the socket unread until half of those bytes were answered."""
+    from polybroker.protocols.kafka import connection
+
+    monkeypatch.setattr(connection, "MAX_IN_FLIGHT_BYTES", 100_000)
+    w = Wire()
+    w.produce(batch(1))
+    ledger = w.ledgers.ledger("public/default/persistent/t-partition-0")
+    ledger.hold_appends = True
+    req = produce_request(batch(10, size=2000))  # about 20 KB each
+    w.conn.dataReceived(pipelined(req, 20))
+    assert len(w.conn.pending) == 5
+    assert w.transport.producerState == "paused"
+    answered: list[int] = []
+    while len(answered) < 20 and ledger.held_appends:
+        ledger.release_appends()
+        w.clock.advance(0)
+        answered += [corr for corr, _ in w.responses()]
+    assert answered == list(range(1, 21))
+    assert w.transport.producerState == "producing"
+
+
 def test_fetches_beyond_their_bound_wait_unread() -> None:
     """20 long-polling fetches in one read: 4 are taken, the rest wait with the socket
     unread (a client keeps one fetch in flight; one that pipelines them holds at most a
