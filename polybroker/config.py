@@ -69,6 +69,12 @@ _KEYS: tuple[Key, ...] = (
     Key("maxMessageSize", int, 5 * 1024 * 1024, "Largest message (bytes); frames add overhead"),
     Key("keepAliveIntervalSeconds", int, 30, "Ping idle Pulsar clients this often (0: never)"),
     Key(
+        "maxMessagePublishBufferSizeInMB",
+        int,
+        512,
+        "Publishes on their way to storage, all connections' (0 or less: no bound)",
+    ),
+    Key(
         "maxPendingPublishRequestsPerConnection",
         int,
         1000,

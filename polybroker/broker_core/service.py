@@ -61,6 +61,7 @@ from polybroker.broker_core.forwarding import (
     RemoteConsumer,
 )
 from polybroker.broker_core.ownership import NotOwnerError, Ownership
+from polybroker.broker_core.publish_buffer import PublishBuffer
 from polybroker.broker_core.topic import (
     NonPersistentTopic,
     PersistentTopic,
@@ -228,6 +229,10 @@ class BrokerService:
         self._auto_create_type = str(_cfg(config, "allowAutoTopicCreationType", "non-partitioned"))
         self._default_partitions = int(_cfg(config, "defaultNumPartitions", 1))
         self._dedup_default = bool(_cfg(config, "brokerDeduplicationEnabled", False))
+        #: Publishes on their way to storage, every protocol's (``publish_buffer``).
+        self.publish_buffer = PublishBuffer(
+            max(0, int(_cfg(config, "maxMessagePublishBufferSizeInMB", 512))) * 1024 * 1024
+        )
         self.dispatch_settings = DispatchSettings(
             max_read_batch=int(_cfg(config, "dispatcherMaxReadBatchSize", 100)),
             max_unacked_per_consumer=int(_cfg(config, "maxUnackedMessagesPerConsumer", 50_000)),

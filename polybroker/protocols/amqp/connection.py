@@ -19,7 +19,8 @@ already read wait too: those of the same read, and those held back on a channel.
 
 Publishing: while more than ``MAX_PENDING_PUBLISHES`` publishes (or ``MAX_PENDING_PUBLISH_BYTES``
 of them) are on their way to storage, the socket is not read, until half of them are stored: a
-publisher faster than storage is slowed by TCP rather than queued in memory.
+publisher faster than storage is slowed by TCP rather than queued in memory. Nor is it while
+the broker-wide ``PublishBuffer`` is full ("buffer").
 
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
@@ -188,13 +189,15 @@ class AmqpConnection(Protocol):
         self.link: OwnerLink | None = None
         #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed",
         #: "relay" (the link to the vhost's broker is being made), "unread" (answers wait),
-        #: "publishing" (publishes under way past their bound).
+        #: "publishing" (publishes under way past their bound), "buffer" (the broker's are).
         self._pauses: set[str] = set()
         #: Frames read but not yet handled: reading stopped for "unread" before them.
         self._untaken: list[c.Frame] = []
         #: Publishes not yet stored (outside transactions), and their body bytes.
         self._publishing = 0
         self._publishing_bytes = 0
+        self._buffer = settings.service.publish_buffer
+        self._watching = False
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
 
@@ -292,6 +295,8 @@ class AmqpConnection(Protocol):
         self._released = True
         if self.factory is not None:
             self.factory.connections.discard(self)
+        if self._watching:
+            self._buffer.unwatch(self)  # its publishes under way still give back their bytes
         if self._memory in self.s.gauge.listeners:
             self.s.gauge.listeners.remove(self._memory)
         if self._heartbeat is not None and self._heartbeat.running:
@@ -303,6 +308,10 @@ class AmqpConnection(Protocol):
         self.channels.clear()
         if self.vhost is not None:
             self.vhost.owner_gone(self)
+
+    def publish_buffer_full(self, full: bool) -> None:
+        """The broker-wide publish buffer filled (or drained): stop (or go on) reading."""
+        self._pause("buffer", full)
 
     def _memory(self, high: bool) -> None:
         """Memory crossed the watermark: stop (or resume) reading from publishers."""
@@ -1231,6 +1240,10 @@ class AmqpConnection(Protocol):
         ("publishing"), until half of them are done."""
         self._publishing += 1
         self._publishing_bytes += size
+        if not self._watching:
+            self._watching = True
+            self._buffer.watch(self)
+        self._buffer.take(size)
         if "publishing" not in self._pauses and (
             self._publishing > MAX_PENDING_PUBLISHES
             or self._publishing_bytes > MAX_PENDING_PUBLISH_BYTES
@@ -1240,6 +1253,7 @@ class AmqpConnection(Protocol):
         def done(result: Any) -> None:
             self._publishing -= 1
             self._publishing_bytes -= size
+            self._buffer.give(size)
             if (
                 "publishing" in self._pauses
                 and self._publishing <= MAX_PENDING_PUBLISHES // 2

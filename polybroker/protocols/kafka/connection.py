@@ -7,8 +7,9 @@ request order, as Kafka requires. A Produce with acks=0 gets no response.
 Requests are taken (parsed and handed on) while fewer than ``MAX_IN_FLIGHT`` of them, and
 under ``MAX_IN_FLIGHT_BYTES`` of their frames, await their responses (after that, until half of
 them left; a Produce with acks=0 counts until its write is done), a Fetch only while fewer than
-``MAX_FETCHES_IN_FLIGHT`` fetches await theirs, and while the socket's send buffer is not
-full; frames read beyond that wait, and reading pauses until they are taken. A client that
+``MAX_FETCHES_IN_FLIGHT`` fetches await theirs, while the socket's send buffer is not full,
+and while the broker-wide ``PublishBuffer`` (which counts Produce frames) is not; frames read
+beyond that wait, and reading pauses until they are taken. A client that
 sends requests but does not read their answers (a fetch answer may be megabytes) stops being
 read, as Kafka stops reading a connection until its response is sent, instead of having every
 answer buffered in the broker's memory: what is buffered is at most the answers to the
@@ -50,13 +51,14 @@ _FETCH_KEY = c.API_FETCH.to_bytes(2, "big")
 
 
 class _Slot:
-    __slots__ = ("data", "done", "fetch", "size")
+    __slots__ = ("buffered", "data", "done", "fetch", "size")
 
-    def __init__(self, fetch: bool, size: int) -> None:
+    def __init__(self, fetch: bool, size: int, buffered: int) -> None:
         self.done = False
         self.data: bytes | None = None
         self.fetch = fetch
         self.size = size
+        self.buffered = buffered  # bytes taken from the publish buffer (a Produce's frame)
 
 
 @implementer(IPushProducer)
@@ -74,6 +76,9 @@ class KafkaConnection(Protocol):
         self._pending_bytes = 0  # the frame bytes of the requests awaiting answers
         self._fetches = 0  # fetches awaiting their answers
         self._blocked = False  # the socket's send buffer is full
+        self._buffer_held = False  # the broker-wide publish buffer is full
+        self._buffer = apis.service.publish_buffer
+        self._watching = False
         self._taking = False
         self.client_host = ""
 
@@ -102,7 +107,7 @@ class KafkaConnection(Protocol):
         self._taking = True
         try:
             frames = self._frames
-            while frames and not (self._busy or self._blocked or self.closed):
+            while frames and not (self._busy or self._blocked or self._buffer_held or self.closed):
                 fetch = frames[0].startswith(_FETCH_KEY)
                 if fetch and self._fetches >= MAX_FETCHES_IN_FLIGHT:
                     break
@@ -134,7 +139,7 @@ class KafkaConnection(Protocol):
 
     def _read_or_not(self) -> None:
         """Read the socket only while nothing waits to be taken and there is room."""
-        pause = self._busy or self._blocked or bool(self._frames)
+        pause = self._busy or self._blocked or self._buffer_held or bool(self._frames)
         if pause == self.paused or self.closed or self.transport is None:
             return
         self.paused = pause
@@ -144,7 +149,13 @@ class KafkaConnection(Protocol):
             self.transport.resumeProducing()
 
     def _dispatch(self, req: c.Request, fetch: bool, size: int) -> None:
-        slot = _Slot(fetch, size)
+        buffered = size if req.api_key == c.API_PRODUCE else 0
+        if buffered:
+            if not self._watching:
+                self._watching = True
+                self._buffer.watch(self)
+            self._buffer.take(buffered)
+        slot = _Slot(fetch, size, buffered)
         self.pending.append(slot)
         self._pending_bytes += size
         self._fetches += fetch
@@ -184,6 +195,8 @@ class KafkaConnection(Protocol):
         while self.pending and self.pending[0].done:
             slot = self.pending.popleft()
             self._pending_bytes -= slot.size
+            if slot.buffered:
+                self._buffer.give(slot.buffered)
             if slot.fetch:
                 self._fetches -= 1
                 fetched = True
@@ -207,10 +220,26 @@ class KafkaConnection(Protocol):
         )
         self._flush()
         self.closed = True
-        self.pending.clear()
+        self._drop_pending()
         self._frames.clear()
         if self.transport is not None:
             self.transport.loseConnection()
+
+    def _drop_pending(self) -> None:
+        """Forget the requests awaiting answers, giving back what they took of the buffer."""
+        for slot in self.pending:
+            if slot.buffered:
+                self._buffer.give(slot.buffered)
+        self.pending.clear()
+
+    def publish_buffer_full(self, full: bool) -> None:
+        """The broker-wide publish buffer filled (or drained): stop (or go on) taking and
+        reading."""
+        self._buffer_held = full
+        if full:
+            self._read_or_not()
+        else:
+            self._take()
 
     def close(self) -> None:
         """Close the connection."""
@@ -220,7 +249,10 @@ class KafkaConnection(Protocol):
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self.closed = True
-        self.pending.clear()
+        self._drop_pending()
+        if self._watching:
+            self._watching = False
+            self._buffer.unwatch(self)
         factory = getattr(self, "factory", None)
         if isinstance(factory, KafkaFactory):
             factory.connections.discard(self)

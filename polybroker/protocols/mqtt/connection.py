@@ -25,7 +25,8 @@ to a client that does not read), or the session hold more than ``MAX_QUEUED`` me
 (retained messages of SUBSCRIBEs sent again and again), the socket is not read either until
 it drained, nor the packets already read taken. Nor is it while the client's stores under way
 pass ``MAX_PENDING_STORES`` or ``MAX_PENDING_STORE_BYTES`` (PUBLISHes, QoS 0 ones above all,
-sent faster than storage writes), until half of them completed.
+sent faster than storage writes), until half of them completed, nor while the broker-wide
+``PublishBuffer`` is full.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -151,7 +152,11 @@ class MqttConnection(Protocol):
         #: Payload bytes of the stores under way, and whether they passed the bounds.
         self._store_bytes = 0
         self._stores_held = False
-        #: The transport is paused (for either reason above).
+        #: The broker-wide publish buffer is full (``publish_buffer_full``).
+        self._buffer_held = False
+        self._buffer = settings.broker.service.publish_buffer
+        self._watching = False
+        #: The transport is paused (for any reason above).
         self._stopped = False
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
@@ -219,7 +224,7 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
-                if self._unread or self._stores_held or self._overqueued():
+                if self._stopped or self._overqueued():
                     break
             if self._awaits_ack:
                 self._awaits_ack = False
@@ -301,13 +306,20 @@ class MqttConnection(Protocol):
 
     def _set_reading(self) -> None:
         """Pause or resume reading the socket as ``_unread`` and ``_stores_held`` say."""
-        stop = self._unread or self._stores_held
+        stop = self._unread or self._stores_held or self._buffer_held
         if stop != self._stopped and self.transport is not None:
             self._stopped = stop
             if stop:
                 self.transport.pauseProducing()
             else:
                 self.transport.resumeProducing()
+
+    def publish_buffer_full(self, full: bool) -> None:
+        """The broker-wide publish buffer filled (or drained): stop (or go on) reading."""
+        self._buffer_held = full
+        self._set_reading()
+        if not full:
+            self.clock.callLater(0, self._take_rest)
 
     def _take_rest(self) -> None:
         """Take the packets left in the reader when reading stopped, before any new one."""
@@ -322,6 +334,8 @@ class MqttConnection(Protocol):
             self._flush_publishes()
         self._stop_group_timer()
         self.state = _CLOSED
+        if self._watching:
+            self._buffer.unwatch(self)  # its stores under way still give back their bytes
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -735,6 +749,10 @@ class MqttConnection(Protocol):
         self._storing.add(seq)
         size = sum(len(p.payload) for p, _ in batch)
         self._store_bytes += size
+        if not self._watching:
+            self._watching = True
+            self._buffer.watch(self)
+        self._buffer.take(size)
         if not self._stores_held and (
             len(self._storing) > MAX_PENDING_STORES or self._store_bytes > MAX_PENDING_STORE_BYTES
         ):
@@ -794,6 +812,7 @@ class MqttConnection(Protocol):
     def _stored_bytes(self, size: int) -> None:
         """A store of ``size`` payload bytes completed: read again once half are done."""
         self._store_bytes -= size
+        self._buffer.give(size)
         if (
             self._stores_held
             and len(self._storing) <= MAX_PENDING_STORES // 2

@@ -21,7 +21,8 @@ Publishing: while more than ``max_pending_sends`` SENDs (Pulsar's
 ``maxPendingPublishRequestsPerConnection``) or ``MAX_PENDING_SEND_BYTES`` of them await their
 receipts, the socket is not read and the frames of the same read wait unparsed, until half of
 them were answered: a client sending faster than storage writes is slowed by TCP, as Pulsar
-turns off auto-read, rather than queued in memory.
+turns off auto-read, rather than queued in memory. The same holds while the broker-wide
+``PublishBuffer`` is full.
 
 Keep-alive: every keep-alive interval (30 s by default) the broker sends PING; if nothing at all
 arrived from the client during a whole interval after a PING, the connection is closed.
@@ -284,7 +285,11 @@ class PulsarConnection(Protocol):
         self._pending_sends = 0
         self._pending_bytes = 0
         self._sends_held = False
-        #: The transport is paused (for either of the two reasons above).
+        #: The broker-wide publish buffer is full (``publish_buffer_full``).
+        self._buffer_held = False
+        self._buffer = settings.service.publish_buffer
+        self._watching = False
+        #: The transport is paused (for any of the reasons above).
         self._stopped = False
 
     # -- transport ------------------------------------------------------------------------
@@ -323,7 +328,7 @@ class PulsarConnection(Protocol):
                     self._on_send(*frame)  # type: ignore[misc]
                 else:
                     self._dispatch(frame)  # type: ignore[arg-type]
-                if self._unread or self._sends_held:
+                if self._stopped:
                     break
             if self._held:
                 self._store_held()
@@ -337,6 +342,8 @@ class PulsarConnection(Protocol):
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self.state = self.CLOSED
+        if self._watching:
+            self._buffer.unwatch(self)  # its SENDs under way still give back their bytes
         if self._keep_alive is not None and self._keep_alive.running:
             self._keep_alive.stop()
         for state in list(self.producers.values()):
@@ -376,13 +383,20 @@ class PulsarConnection(Protocol):
 
     def _set_reading(self) -> None:
         """Pause or resume reading the socket as ``_unread`` and ``_sends_held`` say."""
-        stop = self._unread or self._sends_held
+        stop = self._unread or self._sends_held or self._buffer_held
         if stop != self._stopped and self.transport is not None:
             self._stopped = stop
             if stop:
                 self.transport.pauseProducing()
             else:
                 self.transport.resumeProducing()
+
+    def publish_buffer_full(self, full: bool) -> None:
+        """The broker-wide publish buffer filled (or drained): stop (or go on) reading."""
+        self._buffer_held = full
+        self._set_reading()
+        if not full:
+            self.settings.clock.callLater(0, self._take_rest)
 
     def _take_rest(self) -> None:
         """Take the frames left in the decoder when reading stopped, before any new one."""
@@ -849,6 +863,10 @@ class PulsarConnection(Protocol):
         state.sends.append(pending)
         self._pending_sends += 1
         self._pending_bytes += len(payload)
+        if not self._watching:
+            self._watching = True
+            self._buffer.watch(self)
+        self._buffer.take(len(payload))
         if not self._sends_held and (
             self._pending_sends > self.settings.max_pending_sends
             or self._pending_bytes > MAX_PENDING_SEND_BYTES
@@ -935,10 +953,11 @@ class PulsarConnection(Protocol):
         # Receipts ready together leave in one write, in order.
         sends = state.sends
         rows: list[tuple[int, int, int, int]] = []
+        answered = 0
         while sends and sends[0].done:
             p = sends.popleft()
             self._pending_sends -= 1
-            self._pending_bytes -= p.size
+            answered += p.size
             if p.error is not None:
                 if rows:
                     self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
@@ -948,6 +967,9 @@ class PulsarConnection(Protocol):
             rows.append((p.sequence_id, p.ledger_id, p.entry_id, p.highest))
         if rows:
             self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
+        if answered:
+            self._pending_bytes -= answered
+            self._buffer.give(answered)
         if (
             self._sends_held
             and self._pending_sends <= self.settings.max_pending_sends // 2

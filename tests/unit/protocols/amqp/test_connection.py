@@ -592,6 +592,29 @@ def test_publishes_past_the_pending_bound_stop_the_reading(
     assert bodies == [b"m%d" % i for i in range(5)]
 
 
+def test_a_full_publish_buffer_stops_the_reading() -> None:
+    """Past the broker-wide publish buffer's limit a publishing connection stops being read;
+    when it drained to half it reads on."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.methods()
+    buffer = p.conn.s.service.publish_buffer
+    buffer.limit = 2500
+    ledger = p.ledgers.ledger(QUEUE_LEDGER)
+    ledger.hold_appends = True
+    for i in range(3):
+        assert p.transport.producerState == "producing"
+        p.publish(1, "", "q", b"%d" % i * 1000, delivery_mode=2)
+    assert buffer.full
+    assert p.transport.producerState == "paused"
+    ledger.release_appends()
+    p.clock.advance(0)
+    assert p.transport.producerState == "producing"
+    assert buffer.used == 0
+
+
 def test_held_messages_count_their_overhead_against_the_watermark() -> None:
     """Small messages weigh more than their bodies: 2,200 of 100 bytes (220 KB of bodies)
     in a transient queue block publishers under a 1 MB watermark."""

@@ -869,6 +869,30 @@ def test_requests_beyond_the_in_flight_bytes_wait_unread(monkeypatch: pytest.Mon
     assert w.transport.producerState == "producing"
 
 
+def test_a_full_publish_buffer_stops_taking_produces() -> None:
+    """Past the broker-wide publish buffer's limit (which counts Produce frames) requests wait
+    with the socket unread; when it drained to half they are taken, and all answered."""
+    w = Wire()
+    w.produce(batch(1))
+    buffer = w.conn.apis.service.publish_buffer
+    req = produce_request(batch(10, size=2000))
+    buffer.limit = 3 * len(pipelined(req, 1)) - 100
+    ledger = w.ledgers.ledger("public/default/persistent/t-partition-0")
+    ledger.hold_appends = True
+    w.conn.dataReceived(pipelined(req, 10))
+    assert buffer.full
+    assert len(w.conn.pending) == 3
+    assert w.transport.producerState == "paused"
+    answered: list[int] = []
+    while len(answered) < 10 and ledger.held_appends:
+        ledger.release_appends()
+        w.clock.advance(0)
+        answered += [corr for corr, _ in w.responses()]
+    assert answered == list(range(1, 11))
+    assert w.transport.producerState == "producing"
+    assert buffer.used == 0
+
+
 def test_fetches_beyond_their_bound_wait_unread() -> None:
     """20 long-polling fetches in one read: 4 are taken, the rest wait with the socket
     unread (a client keeps one fetch in flight; one that pipelines them holds at most a

@@ -1526,6 +1526,36 @@ def test_stores_past_the_pending_bound_stop_the_reading(monkeypatch: pytest.Monk
     assert _stored_payloads(env) == [b"m%d" % i for i in range(9)]
 
 
+def test_a_full_publish_buffer_stops_the_reading() -> None:
+    """Past the broker-wide publish buffer's limit a publishing client stops being read, the
+    rest of a read waiting in the reader; when it drained to half it reads on."""
+    env = Env()
+    buffer = env.service.publish_buffer
+    buffer.limit = 2500
+    p = env.peer("p")
+    p.packets()
+    p.send(c.Publish("a/b", b"m0", 0))  # creates the topic
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    p.send(c.Publish("a/b", b"1" * 1000, 0))
+    p.send(c.Publish("a/b", b"2" * 1000, 0))
+    assert p.transport.producerState == "producing"
+    p.send(c.Publish("a/b", b"3" * 1000, 0))
+    assert buffer.full
+    assert p.transport.producerState == "paused"
+    # Bytes read before the pause took effect: the first packet is taken, the rest wait.
+    p.conn.dataReceived(
+        b"".join(c.encode(c.Publish("a/b", b"%d" % i * 1000, 0), c.LEVEL_311) for i in (4, 5))
+    )
+    assert ml.held_appends == 4
+    ml.release_appends()
+    env.clock.advance(0)  # the rest of the read
+    assert p.transport.producerState == "producing"
+    ml.release_appends()
+    assert [x[:1] for x in _stored_payloads(env)] == [b"m", b"1", b"2", b"3", b"4", b"5"]
+    assert buffer.used == 0
+
+
 def test_resubscribing_without_reading_queues_a_bounded_number(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -378,6 +378,42 @@ def test_sends_past_the_pending_bound_stop_the_reading(peer: Peer) -> None:
     ]
 
 
+def _send(producer_id: int, seq: int, data: bytes) -> bytes:
+    md = pb.MessageMetadata(producer_name=f"p{producer_id}", sequence_id=seq, publish_time=1)
+    return encode_payload_command(
+        command(T.SEND, "send", producer_id=producer_id, sequence_id=seq), build_tail(md, data)
+    )
+
+
+def test_a_full_publish_buffer_stops_every_publishing_connection(peer: Peer) -> None:
+    """Past the broker-wide publish buffer's limit every connection that published stops
+    being read, the rest of a read waiting unparsed; when it drained to half they read on."""
+    buffer = peer.service.publish_buffer
+    buffer.limit = 2500
+    other, other_transport = peer.open()
+    other.dataReceived(
+        encode_command(command(T.CONNECT, "connect", client_version="t", protocol_version=20))
+        + encode_command(command(T.PRODUCER, "producer", topic=TOPIC, producer_id=2, request_id=2))
+    )
+    peer.producer(1, name="p1")
+    ml = peer.factory.ledger(ML)
+    ml.hold_appends = True
+    other.dataReceived(_send(2, 0, b"x" * 1000))  # the other connection publishes: it watches
+    peer.write(b"".join(_send(1, seq, b"y" * 1000) for seq in range(4)))
+    assert buffer.full
+    assert peer.transport.producerState == "paused"
+    assert other_transport.producerState == "paused"
+    assert ml.held_appends == 3  # the second SEND here passed the limit; the rest wait
+    ml.release_appends()
+    peer.clock.advance(0)  # the rest of the read
+    assert not buffer.full
+    assert other_transport.producerState == "producing"
+    ml.release_appends()
+    receipts = [c.send_receipt.sequence_id for c in peer.commands()]
+    assert receipts == [0, 1, 2, 3]
+    assert buffer.used == 0
+
+
 def _producer_recording_groups(peer: Peer) -> list[int]:
     """Open producer 1 (``p``) on the topic; return the list that gets the size of every
     group of entries the topic's log is given from then on."""
