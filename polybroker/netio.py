@@ -1,5 +1,6 @@
 """Twisted TCP transport helpers: writing without waiting for the reactor's next turn, counting
-what waits to be sent, and naming a connection's peer in logs."""
+what waits to be sent, holding a connection's reading for named reasons, and naming a
+connection's peer in logs."""
 
 from __future__ import annotations
 
@@ -50,6 +51,40 @@ def unsent(transport: Any) -> int:
         return len(transport.dataBuffer) + transport._tempDataLen  # type: ignore[no-any-return]
     except AttributeError:
         return 0
+
+
+class ReadHolds:
+    """Mixin of a Twisted protocol: the reasons its socket is not read (``holds``, which the
+    protocol sets to an empty set when made). The transport is paused while any reason holds
+    and resumed when the last one is lifted (a transport being closed is left alone)."""
+
+    transport: Any
+    holds: set[str]
+
+    def hold_reading(self, reason: str, on: bool = True) -> None:
+        """Add (``on``) or lift ``reason``."""
+        holds = self.holds
+        was = bool(holds)
+        if on:
+            holds.add(reason)
+        else:
+            holds.discard(reason)
+        transport = self.transport
+        if (
+            bool(holds) != was
+            and transport is not None
+            and not getattr(transport, "disconnecting", False)
+        ):
+            if was:
+                transport.resumeProducing()
+            else:
+                transport.pauseProducing()
+
+    def hold_if_unread(self, limit: int) -> None:
+        """From ``pauseProducing``: once more than ``limit`` bytes of answers wait for the
+        client (``MAX_UNREAD``), hold the reading for "unread" until the buffer drained."""
+        if "unread" not in self.holds and unsent(self.transport) > limit:
+            self.hold_reading("unread")
 
 
 def peer_text(transport: Any) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 READY = "polybroker standalone ready "
 PORT_FLAGS = ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port")
+#: Settings for small caches (16 MB each), so that a test's memory figures are not theirs.
+SMALL_CACHES = {"managedLedgerCacheSizeMB": 16, "dbStorage_writeCacheMaxSizeMb": 16}
 
 
 def wait_for_line(

@@ -49,7 +49,7 @@ from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
-from polybroker.netio import MAX_UNREAD, unsent, write_now
+from polybroker.netio import MAX_UNREAD, ReadHolds, write_now
 from polybroker.protocols.amqp import codec as c
 from polybroker.protocols.amqp.convert import AmqpMessage
 from polybroker.protocols.amqp.proxy import (
@@ -146,7 +146,7 @@ class Channel:
 
 
 @implementer(IPushProducer)
-class AmqpConnection(Protocol):
+class AmqpConnection(ReadHolds, Protocol):
     """The server side of one AMQP connection (the producer of its transport's writes)."""
 
     def __init__(self, settings: AmqpSettings) -> None:
@@ -187,10 +187,11 @@ class AmqpConnection(Protocol):
         #: The connection is a relay from another broker (``proxy``, Rule P4).
         self.proxied = False
         self.link: OwnerLink | None = None
-        #: Why the socket is not read: "memory" (publishers blocked), "backlog", "unframed",
-        #: "relay" (the link to the vhost's broker is being made), "unread" (answers wait),
-        #: "publishing" (publishes under way past their bound), "buffer" (the broker's are).
-        self._pauses: set[str] = set()
+        #: Why the socket is not read (``ReadHolds``): "memory" (publishers blocked),
+        #: "backlog", "unframed", "relay" (the link to the vhost's broker is being made),
+        #: "unread" (answers wait), "publishing" (publishes under way past their bound),
+        #: "buffer" (the broker's are).
+        self.holds: set[str] = set()
         #: Frames read but not yet handled: reading stopped for "unread" before them.
         self._untaken: list[c.Frame] = []
         #: Publishes not yet stored (outside transactions), and their body bytes.
@@ -245,7 +246,7 @@ class AmqpConnection(Protocol):
             # The stream cannot be framed past this point, so no close-ok can come: what
             # was buffered goes, and nothing more is read until the grace period ends.
             self.reader.take_rest()
-            self._pause("unframed", True)
+            self.hold_reading("unframed", True)
             self.connection_error(e)
             return
         self._take(frames)
@@ -271,7 +272,7 @@ class AmqpConnection(Protocol):
                     log.exception("AMQP frame handling failed", extra=kv(error=str(e)))
                     self.connection_error(c.AmqpError(c.INTERNAL_ERROR, "internal error"))
                     return
-                if "unread" in self._pauses and i + 1 < len(frames):
+                if "unread" in self.holds and i + 1 < len(frames):
                     self._untaken = frames[i + 1 :]
                     return
         finally:
@@ -311,7 +312,7 @@ class AmqpConnection(Protocol):
 
     def publish_buffer_full(self, full: bool) -> None:
         """The broker-wide publish buffer filled (or drained): stop (or go on) reading."""
-        self._pause("buffer", full)
+        self.hold_reading("buffer", full)
 
     def _memory(self, high: bool) -> None:
         """Memory crossed the watermark: stop (or resume) reading from publishers."""
@@ -321,26 +322,25 @@ class AmqpConnection(Protocol):
         if self.blocked_notify:
             method = c.ConnectionBlocked("low on memory") if high else c.ConnectionUnblocked()
             self.send(0, method)
-        self._pause("memory", high)
+        self.hold_reading("memory", high)
 
     # -- IPushProducer: the send buffer ------------------------------------------------------
 
     def pauseProducing(self) -> None:
         """The send buffer is full (called on every write while it is)."""
         self.write_full = True
-        if "unread" not in self._pauses and unsent(self.transport) > MAX_UNREAD:
-            self._pause("unread", True)
+        self.hold_if_unread(MAX_UNREAD)
 
     def resumeProducing(self) -> None:
         self.write_full = False
-        self._pause("unread", False)
+        self.hold_reading("unread", False)
         if not self.closed:
             # What waited behind answers the client had not read, before anything newer:
             # the channels' methods, then the frames of the read that stopped.
             for ch in list(self.channels.values()):
                 if ch.backlog and not ch.busy:
                     self._resume(None, ch)
-            if self._untaken and "unread" not in self._pauses:
+            if self._untaken and "unread" not in self.holds:
                 frames, self._untaken = self._untaken, []
                 self._take(frames)
         for ch in list(self.channels.values()):
@@ -348,19 +348,6 @@ class AmqpConnection(Protocol):
 
     def stopProducing(self) -> None:
         self.write_full = True
-
-    def _pause(self, reason: str, on: bool) -> None:
-        """Stop reading the socket while any reason holds; read again when none does."""
-        was = bool(self._pauses)
-        if on:
-            self._pauses.add(reason)
-        else:
-            self._pauses.discard(reason)
-        if bool(self._pauses) != was and not self.closed:
-            if was:
-                self.transport.resumeProducing()
-            else:
-                self.transport.pauseProducing()
 
     def send(self, channel: int, method: c.Method) -> None:
         if not self.closed:
@@ -638,7 +625,7 @@ class AmqpConnection(Protocol):
         assert self._start_ok is not None
         assert self._tune_ok is not None
         self.state = "proxying"
-        self._pause("relay", True)
+        self.hold_reading("relay", True)
         link = OwnerLink(
             self, self._start_ok, self._tune_ok, m, self.s.clock, self.s.link_timeout_s
         )
@@ -651,7 +638,7 @@ class AmqpConnection(Protocol):
         """The vhost's broker opened: answer open-ok, then relay both ways (Rule P2)."""
         if self.closed or self.closing or link is not self.link:
             link.abandon()
-            self._pause("relay", False)
+            self.hold_reading("relay", False)
             return
         self.state = "relay"
         if self._heartbeat is not None and self._heartbeat.running:
@@ -666,13 +653,13 @@ class AmqpConnection(Protocol):
         self.transport.unregisterProducer()
         self.transport.registerProducer(link.transport, True)
         link.transport.registerProducer(self.transport, True)
-        self._pause("relay", False)
+        self.hold_reading("relay", False)
 
     def relay_failed(self, code: int, text: str) -> None:
         """The vhost's broker could not be reached or refused (Rule P3)."""
         self.link = None
         self.reader.take_rest()
-        self._pause("relay", False)  # the close-ok is read
+        self.hold_reading("relay", False)  # the close-ok is read
         if not self.closed:
             self.connection_error(c.AmqpError(code, text, 10, 40))
 
@@ -787,11 +774,11 @@ class AmqpConnection(Protocol):
             ch.backlog.append(m)
             if len(ch.backlog) >= MAX_BACKLOG and ch.number not in self._backlogged:
                 self._backlogged.add(ch.number)
-                self._pause("backlog", True)
+                self.hold_reading("backlog", True)
             return
         self._run(ch, m)
         while ch.backlog and not ch.busy and not ch.closing and not self.closing:
-            if "unread" in self._pauses:
+            if "unread" in self.holds:
                 return  # run by resumeProducing
             self._run(ch, ch.backlog.popleft())
         self._backlog_ran(ch)
@@ -801,7 +788,7 @@ class AmqpConnection(Protocol):
         if ch.number in self._backlogged and len(ch.backlog) < MAX_BACKLOG // 2:
             self._backlogged.discard(ch.number)
             if not self._backlogged:
-                self._pause("backlog", False)
+                self.hold_reading("backlog", False)
 
     def _run(self, ch: Channel, m: Any) -> None:
         try:
@@ -829,7 +816,7 @@ class AmqpConnection(Protocol):
     def _resume(self, _: object, ch: Channel) -> None:
         ch.busy = False
         while ch.backlog and not ch.busy and not ch.closing and not self.closed:
-            if "unread" in self._pauses:
+            if "unread" in self.holds:
                 return  # run by resumeProducing
             self._run(ch, ch.backlog.popleft())
         self._backlog_ran(ch)
@@ -1244,22 +1231,22 @@ class AmqpConnection(Protocol):
             self._watching = True
             self._buffer.watch(self)
         self._buffer.take(size)
-        if "publishing" not in self._pauses and (
+        if "publishing" not in self.holds and (
             self._publishing > MAX_PENDING_PUBLISHES
             or self._publishing_bytes > MAX_PENDING_PUBLISH_BYTES
         ):
-            self._pause("publishing", True)
+            self.hold_reading("publishing", True)
 
         def done(result: Any) -> None:
             self._publishing -= 1
             self._publishing_bytes -= size
             self._buffer.give(size)
             if (
-                "publishing" in self._pauses
+                "publishing" in self.holds
                 and self._publishing <= MAX_PENDING_PUBLISHES // 2
                 and self._publishing_bytes <= MAX_PENDING_PUBLISH_BYTES // 2
             ):
-                self._pause("publishing", False)
+                self.hold_reading("publishing", False)
             tell(result)
 
         return done

@@ -50,7 +50,7 @@ from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.logs import kv
-from polybroker.netio import MAX_UNREAD, peer_text, unsent, write_now
+from polybroker.netio import MAX_UNREAD, ReadHolds, peer_text, write_now
 from polybroker.protocols.mqtt import codec as c
 from polybroker.protocols.mqtt import topics
 from polybroker.protocols.mqtt.session import MAX_GATHERED, FilterSub, MqttBroker, Session
@@ -118,7 +118,7 @@ class _AckSlot:
 
 
 @implementer(IPushProducer)
-class MqttConnection(Protocol):
+class MqttConnection(ReadHolds, Protocol):
     """One client connection (see the module docstring)."""
 
     AWAIT_CONNECT = _AWAIT_CONNECT
@@ -147,17 +147,14 @@ class MqttConnection(Protocol):
         self._inbound_pending = 0
         #: The transport's buffer is full: the session holds deliveries until it drains.
         self.paused = False
-        #: ... and past MAX_UNREAD or MAX_QUEUED: the socket is not read until it drained.
-        self._unread = False
-        #: Payload bytes of the stores under way, and whether they passed the bounds.
+        #: Why the socket is not read (``ReadHolds``): "unread" (past MAX_UNREAD or
+        #: MAX_QUEUED, until the buffer drained), "stores" (stores under way past their
+        #: bounds), "buffer" (the broker-wide publish buffer is full).
+        self.holds: set[str] = set()
+        #: Payload bytes of the stores under way.
         self._store_bytes = 0
-        self._stores_held = False
-        #: The broker-wide publish buffer is full (``publish_buffer_full``).
-        self._buffer_held = False
         self._buffer = settings.broker.service.publish_buffer
         self._watching = False
-        #: The transport is paused (for any reason above).
-        self._stopped = False
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
         self.reading = False
@@ -210,8 +207,8 @@ class MqttConnection(Protocol):
         self._take()
 
     def _take(self) -> None:
-        """Handle the packets read, in order, until reading must stop (``_unread``): the
-        rest stay in the reader until the send buffer drained."""
+        """Handle the packets read, in order, until reading must stop (``holds``): the rest
+        stay in the reader until it may go on."""
         reader = self.reader
         # What this read makes the connection write goes out as one write at its end.
         self.reading = True
@@ -224,7 +221,7 @@ class MqttConnection(Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
-                if self._stopped or self._overqueued():
+                if self.holds or self._overqueued():
                     break
             if self._awaits_ack:
                 self._awaits_ack = False
@@ -272,8 +269,8 @@ class MqttConnection(Protocol):
         finally:
             self.reading = False
             self._flush_out()
-        if self.paused and not self._unread and self._queued() > MAX_QUEUED:
-            self._stop_reading()
+        if self.paused and self._queued() > MAX_QUEUED:
+            self.hold_reading("unread")
 
     def _flush_out(self) -> None:
         if self._out:
@@ -297,33 +294,18 @@ class MqttConnection(Protocol):
         self.session.pump(at_read_end=True)
         self._flush_out()
         if self.paused and self._queued() > MAX_QUEUED:
-            self._stop_reading()
-        return self._unread
-
-    def _stop_reading(self) -> None:
-        self._unread = True
-        self._set_reading()
-
-    def _set_reading(self) -> None:
-        """Pause or resume reading the socket as ``_unread`` and ``_stores_held`` say."""
-        stop = self._unread or self._stores_held or self._buffer_held
-        if stop != self._stopped and self.transport is not None:
-            self._stopped = stop
-            if stop:
-                self.transport.pauseProducing()
-            else:
-                self.transport.resumeProducing()
+            self.hold_reading("unread")
+        return bool(self.holds)
 
     def publish_buffer_full(self, full: bool) -> None:
         """The broker-wide publish buffer filled (or drained): stop (or go on) reading."""
-        self._buffer_held = full
-        self._set_reading()
+        self.hold_reading("buffer", full)
         if not full:
             self.clock.callLater(0, self._take_rest)
 
     def _take_rest(self) -> None:
         """Take the packets left in the reader when reading stopped, before any new one."""
-        if not self._stopped and self.state != _CLOSED:
+        if not self.holds and self.state != _CLOSED:
             self._take()
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
@@ -352,15 +334,13 @@ class MqttConnection(Protocol):
     def pauseProducing(self) -> None:
         """The send buffer is full (called on every write while it is)."""
         self.paused = True
-        if not self._unread and unsent(self.transport) > MAX_UNREAD:
-            self._stop_reading()
+        self.hold_if_unread(MAX_UNREAD)
 
     def resumeProducing(self) -> None:
         self.paused = False
-        unread = self._unread
+        unread = "unread" in self.holds
         if unread:
-            self._unread = False
-            self._set_reading()
+            self.hold_reading("unread", False)
         if self.session is not None and self.session.link is self:
             self.session.pump()
         if unread:
@@ -753,11 +733,10 @@ class MqttConnection(Protocol):
             self._watching = True
             self._buffer.watch(self)
         self._buffer.take(size)
-        if not self._stores_held and (
+        if "stores" not in self.holds and (
             len(self._storing) > MAX_PENDING_STORES or self._store_bytes > MAX_PENDING_STORE_BYTES
         ):
-            self._stores_held = True
-            self._set_reading()
+            self.hold_reading("stores")
 
         def stored(_: object) -> None:
             self._storing.discard(seq)
@@ -814,12 +793,11 @@ class MqttConnection(Protocol):
         self._store_bytes -= size
         self._buffer.give(size)
         if (
-            self._stores_held
+            "stores" in self.holds
             and len(self._storing) <= MAX_PENDING_STORES // 2
             and self._store_bytes <= MAX_PENDING_STORE_BYTES // 2
         ):
-            self._stores_held = False
-            self._set_reading()
+            self.hold_reading("stores", False)
             # Not from here: storage may answer while the packets before are being taken.
             self.clock.callLater(0, self._take_rest)
 

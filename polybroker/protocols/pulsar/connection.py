@@ -57,7 +57,7 @@ from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
-from polybroker.netio import MAX_UNREAD, peer_text, unsent, write_now
+from polybroker.netio import MAX_UNREAD, ReadHolds, peer_text, write_now
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import (
     FRAME_OVERHEAD,
@@ -247,7 +247,7 @@ class PulsarConsumer:
 
 
 @implementer(IPushProducer)
-class PulsarConnection(Protocol):
+class PulsarConnection(ReadHolds, Protocol):
     """One client connection (see the module docstring for the state machine)."""
 
     AWAIT_CONNECT = "await-connect"
@@ -279,18 +279,15 @@ class PulsarConnection(Protocol):
         self._ping_outstanding = False
         #: The socket's send buffer is full: consumers are paused until it drained.
         self.write_full = False
-        #: ... and past MAX_UNREAD: the socket is not read until it drained.
-        self._unread = False
-        #: SENDs awaiting receipts, their bytes, and whether they passed the bound.
+        #: Why the socket is not read (``ReadHolds``): "unread" (past MAX_UNREAD until the
+        #: buffer drained), "sends" (SENDs awaiting receipts past their bound), "buffer"
+        #: (the broker-wide publish buffer is full).
+        self.holds: set[str] = set()
+        #: SENDs awaiting receipts, and their bytes.
         self._pending_sends = 0
         self._pending_bytes = 0
-        self._sends_held = False
-        #: The broker-wide publish buffer is full (``publish_buffer_full``).
-        self._buffer_held = False
         self._buffer = settings.service.publish_buffer
         self._watching = False
-        #: The transport is paused (for any of the reasons above).
-        self._stopped = False
 
     # -- transport ------------------------------------------------------------------------
 
@@ -328,7 +325,7 @@ class PulsarConnection(Protocol):
                     self._on_send(*frame)  # type: ignore[misc]
                 else:
                     self._dispatch(frame)  # type: ignore[arg-type]
-                if self._stopped:
+                if self.holds:
                     break
             if self._held:
                 self._store_held()
@@ -364,15 +361,12 @@ class PulsarConnection(Protocol):
             for consumer in list(self.consumers.values()):
                 if consumer.server is not None:
                     consumer.server.pause()
-        if not self._unread and unsent(self.transport) > MAX_UNREAD:
-            self._unread = True
-            self._set_reading()
+        self.hold_if_unread(MAX_UNREAD)
 
     def resumeProducing(self) -> None:
         self.write_full = False
-        if self._unread:
-            self._unread = False
-            self._set_reading()
+        if "unread" in self.holds:
+            self.hold_reading("unread", False)
             self._take_rest()
         for consumer in list(self.consumers.values()):
             if consumer.server is not None:
@@ -381,26 +375,15 @@ class PulsarConnection(Protocol):
     def stopProducing(self) -> None:
         self.write_full = True
 
-    def _set_reading(self) -> None:
-        """Pause or resume reading the socket as ``_unread`` and ``_sends_held`` say."""
-        stop = self._unread or self._sends_held or self._buffer_held
-        if stop != self._stopped and self.transport is not None:
-            self._stopped = stop
-            if stop:
-                self.transport.pauseProducing()
-            else:
-                self.transport.resumeProducing()
-
     def publish_buffer_full(self, full: bool) -> None:
         """The broker-wide publish buffer filled (or drained): stop (or go on) reading."""
-        self._buffer_held = full
-        self._set_reading()
+        self.hold_reading("buffer", full)
         if not full:
             self.settings.clock.callLater(0, self._take_rest)
 
     def _take_rest(self) -> None:
         """Take the frames left in the decoder when reading stopped, before any new one."""
-        if not self._stopped and self.state != self.CLOSED:
+        if not self.holds and self.state != self.CLOSED:
             self._take(b"")
 
     def _peer(self) -> str:
@@ -867,12 +850,11 @@ class PulsarConnection(Protocol):
             self._watching = True
             self._buffer.watch(self)
         self._buffer.take(len(payload))
-        if not self._sends_held and (
+        if "sends" not in self.holds and (
             self._pending_sends > self.settings.max_pending_sends
             or self._pending_bytes > MAX_PENDING_SEND_BYTES
         ):
-            self._sends_held = True
-            self._set_reading()
+            self.hold_reading("sends")
         if num > 1:
             last_seq = seq + num - 1
         else:
@@ -971,12 +953,11 @@ class PulsarConnection(Protocol):
             self._pending_bytes -= answered
             self._buffer.give(answered)
         if (
-            self._sends_held
+            "sends" in self.holds
             and self._pending_sends <= self.settings.max_pending_sends // 2
             and self._pending_bytes <= MAX_PENDING_SEND_BYTES // 2
         ):
-            self._sends_held = False
-            self._set_reading()
+            self.hold_reading("sends", False)
             # Not from here: storage may answer while the frames before are being taken.
             self.settings.clock.callLater(0, self._take_rest)
 

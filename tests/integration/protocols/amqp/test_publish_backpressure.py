@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pika
-from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
 
 from polybroker.protocols.amqp import codec as c
 
@@ -38,12 +38,8 @@ def _queued(port: int) -> int:
 
 
 def test_a_publisher_faster_than_storage_is_slowed_not_buffered(tmp_path: Path) -> None:
-    small_caches = {
-        "messagingProtocols": "amqp",
-        "managedLedgerCacheSizeMB": 16,
-        "dbStorage_writeCacheMaxSizeMb": 16,
-    }
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", small_caches)
+    config = {"messagingProtocols": "amqp", **SMALL_CACHES}
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
     try:
         port = ports["amqpListenerPort"]
         with socket.create_connection(("127.0.0.1", port), timeout=60) as s:

@@ -9,19 +9,15 @@ import time
 from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
-from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
 
 BODY = 10_000
 COUNT = 100_000  # 1 GB
 
 
 def test_an_acks0_producer_faster_than_storage_is_slowed_not_buffered(tmp_path: Path) -> None:
-    small_caches = {
-        "messagingProtocols": "kafka",
-        "managedLedgerCacheSizeMB": 16,
-        "dbStorage_writeCacheMaxSizeMb": 16,
-    }
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", small_caches)
+    config = {"messagingProtocols": "kafka", **SMALL_CACHES}
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
     try:
         bootstrap = f"127.0.0.1:{ports['kafkaListenerPort']}"
         producer = Producer(

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
 
 from polybroker.protocols.mqtt import codec as c
 
@@ -24,12 +24,8 @@ def _stored(http_port: int) -> int:
 
 
 def test_a_qos0_publisher_faster_than_storage_is_slowed_not_buffered(tmp_path: Path) -> None:
-    small_caches = {
-        "messagingProtocols": "mqtt",
-        "managedLedgerCacheSizeMB": 16,
-        "dbStorage_writeCacheMaxSizeMb": 16,
-    }
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", small_caches)
+    config = {"messagingProtocols": "mqtt", **SMALL_CACHES}
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
     try:
         with socket.create_connection(("127.0.0.1", ports["mqttListenerPort"]), timeout=60) as s:
             s.sendall(c.encode(c.Connect("flood", c.LEVEL_311), c.LEVEL_311))

@@ -8,7 +8,7 @@ import socket
 import threading
 from pathlib import Path
 
-from standalone_process import rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
 
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import (
@@ -26,12 +26,8 @@ ROUNDS = 60  # of 1000 SENDs: 600 MB in all
 
 
 def test_a_producer_faster_than_storage_is_slowed_not_buffered(tmp_path: Path) -> None:
-    small_caches = {
-        "messagingProtocols": "pulsar",
-        "managedLedgerCacheSizeMB": 16,
-        "dbStorage_writeCacheMaxSizeMb": 16,
-    }
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", small_caches)
+    config = {"messagingProtocols": "pulsar", **SMALL_CACHES}
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
     try:
         with socket.create_connection(("127.0.0.1", ports["brokerServicePort"]), timeout=60) as s:
             decoder = FrameDecoder(1 << 24)
