@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def start_standalone(
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
     line = wait_for_line(process, READY, log, timeout, "standalone")
     return process, {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+
+
+def stop_and_remove(process: subprocess.Popen[bytes], data_dir: Path) -> None:
+    """Stop the standalone (``stop_process``) and delete its data: for tests that write
+    gigabytes, which pytest would otherwise keep for its last three runs."""
+    stop_process(process)
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def stop_process(

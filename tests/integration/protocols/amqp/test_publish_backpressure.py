@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 
 import pika
-from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import (
+    SMALL_CACHES,
+    rss_mb,
+    start_standalone,
+    stop_and_remove,
+    wait_until_idle,
+)
 
 from polybroker.protocols.amqp import codec as c
 
@@ -80,4 +86,4 @@ def test_a_publisher_faster_than_storage_is_slowed_not_buffered(tmp_path: Path) 
             # 115 MB measured; 463 MB without the bound, and growing with the flood.
             assert peak < 250, f"the broker grew by {peak:.0f} MB"
     finally:
-        stop_process(proc)
+        stop_and_remove(proc, tmp_path / "data")

@@ -9,7 +9,13 @@ import time
 from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
-from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import (
+    SMALL_CACHES,
+    rss_mb,
+    start_standalone,
+    stop_and_remove,
+    wait_until_idle,
+)
 
 BODY = 10_000
 COUNT = 100_000  # 1 GB
@@ -58,4 +64,4 @@ def test_an_acks0_producer_faster_than_storage_is_slowed_not_buffered(tmp_path: 
         # back); 1002 MB when acks=0 requests left the in-flight count at once.
         assert peak < 500, f"the broker grew by {peak:.0f} MB"
     finally:
-        stop_process(proc)
+        stop_and_remove(proc, tmp_path / "data")

@@ -10,7 +10,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import (
+    SMALL_CACHES,
+    rss_mb,
+    start_standalone,
+    stop_and_remove,
+    wait_until_idle,
+)
 
 from polybroker.protocols.mqtt import codec as c
 
@@ -51,4 +57,4 @@ def test_a_qos0_publisher_faster_than_storage_is_slowed_not_buffered(tmp_path: P
             # bookie, 32 MB of caches); 674 MB without the bound, and growing with the flood.
             assert peak < 300, f"the broker grew by {peak:.0f} MB"
     finally:
-        stop_process(proc)
+        stop_and_remove(proc, tmp_path / "data")

@@ -8,7 +8,13 @@ import socket
 import threading
 from pathlib import Path
 
-from standalone_process import SMALL_CACHES, rss_mb, start_standalone, stop_process, wait_until_idle
+from standalone_process import (
+    SMALL_CACHES,
+    rss_mb,
+    start_standalone,
+    stop_and_remove,
+    wait_until_idle,
+)
 
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
 from polybroker.protocols.pulsar.codec import (
@@ -79,4 +85,4 @@ def test_a_producer_faster_than_storage_is_slowed_not_buffered(tmp_path: Path) -
             # measured; 716 MB without the bound, SENDs awaiting storage.
             assert peak[0] < 150, f"the broker grew by {peak[0]:.0f} MB"
     finally:
-        stop_process(proc)
+        stop_and_remove(proc, tmp_path / "data")
