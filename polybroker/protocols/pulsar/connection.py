@@ -308,8 +308,8 @@ class PulsarConnection(ReadHolds, Protocol):
         self._take(data)
 
     def _take(self, data: bytes) -> None:
-        """Handle the frames ``data`` completes, in order, up to one whose answers pass
-        ``MAX_UNREAD``: the rest stays in the decoder, unparsed, until the buffer drained."""
+        """Handle the frames ``data`` completes, in order, up to one after which reading
+        must stop (``holds``): the rest stays in the decoder, unparsed, until it may go on."""
         frames = self.decoder.feed(data)
         try:
             for frame in frames:
