@@ -221,7 +221,10 @@ class MqttConnection(ReadHolds, Protocol):
                     self._waiting.append(packet)
                 else:
                     self._dispatch(packet)
-                if self.holds or self._overqueued():
+                if self.holds:
+                    break
+                session = self.session
+                if session is not None and len(session.queue) > MAX_QUEUED and self._overqueued():
                     break
             if self._awaits_ack:
                 self._awaits_ack = False
