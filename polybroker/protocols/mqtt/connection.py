@@ -69,6 +69,11 @@ MAX_QUEUED = 10_000
 #: socket stops being read, until half of them completed.
 MAX_PENDING_STORES = 1000
 MAX_PENDING_STORE_BYTES = 32 * 1024 * 1024
+#: Payload bytes (each message counted with ``_MESSAGE_OVERHEAD`` more) of one entry made of
+#: PUBLISHes: those of a read, or held behind a store, make several entries past it. A bookie
+#: takes frames of maxMessageSize (5 MB) and a little more; a bigger entry would fail.
+MAX_ENTRY_BYTES = 1024 * 1024
+_MESSAGE_OVERHEAD = 64
 #: Acknowledgements older than this many group waits are no longer answered by what arrives.
 OWED_HORIZON = 20
 
@@ -716,12 +721,26 @@ class MqttConnection(ReadHolds, Protocol):
             timer.cancel()
 
     def _flush_publishes(self) -> None:
-        """Store the PUBLISHes read and held: one entry per topic, each a batch."""
+        """Store the PUBLISHes read and held: one entry per topic, each a batch (several
+        when it passes ``MAX_ENTRY_BYTES``)."""
         if self._group_timer is not None:
             self._stop_group_timer()
         batches, self._batches = self._batches, {}
         for batch in batches.values():
-            self._store(batch)
+            size = sum(len(p.payload) for p, _ in batch) + _MESSAGE_OVERHEAD * len(batch)
+            if size <= MAX_ENTRY_BYTES:
+                self._store(batch)
+                continue
+            part: list[tuple[c.Publish, _AckSlot | None]] = []
+            size = 0
+            for item in batch:
+                n = len(item[0].payload) + _MESSAGE_OVERHEAD
+                if part and size + n > MAX_ENTRY_BYTES:
+                    self._store(part)
+                    part, size = [], 0
+                part.append(item)
+                size += n
+            self._store(part)
 
     def _store(self, batch: list[tuple[c.Publish, _AckSlot | None]]) -> None:
         session = self.session

@@ -1155,6 +1155,28 @@ def _first_round(**settings: Any) -> tuple[Env, Peer, list[c.Packet]]:
     return env, p, p.packets()
 
 
+def test_publishes_held_together_make_entries_of_bounded_size() -> None:
+    """PUBLISHes held while a store is under way (and those of one read) are stored as
+    entries of at most MAX_ENTRY_BYTES each, in order: one entry of all of them could pass
+    the size a bookie takes, fail, and close the connection again at every resend."""
+    from polybroker.protocols.mqtt.connection import MAX_ENTRY_BYTES
+
+    env = Env()
+    p = env.peer("pub")
+    p.packets()
+    body = b"x" * (MAX_ENTRY_BYTES // 10)
+    p.send(c.Publish("a/b", b"first", 1, packet_id=1))
+    ml = env.factory.ledger(ML_AB)
+    ml.hold_appends = True
+    _send_together(p, *[c.Publish("a/b", body, 1, packet_id=i) for i in range(2, 42)])
+    ml.release_appends()
+    sizes = [len(e.data) for e in ml.data.entries]
+    assert len(sizes) >= 5
+    assert max(sizes) <= MAX_ENTRY_BYTES + 64 * 1024
+    assert _stored_payloads(env) == [b"first"] + [body] * 40
+    assert [a.packet_id for a in p.packets()] == list(range(1, 42))
+
+
 def test_acks_written_together_wait_only_for_stores_begun_before_their_completion() -> None:
     """A store that completes while earlier-begun ones are under way waits for them and all
     their acknowledgements leave in one write; a store begun after that completion does not
