@@ -3,9 +3,10 @@
 Each protocol bounds what one connection has on its way to storage (about 1000 publishes or
 32 MiB); many fast publishers together could still hold far more. ``PublishBuffer`` counts the
 bytes of every connection's publishes from the moment they are taken until storage answered
-(Pulsar's ``maxMessagePublishBufferSizeInMB``). Past its limit every connection that publishes
-stops being read (its watcher is told ``True``), as Pulsar turns off auto-read on them, until
-the bytes fell to half the limit (told ``False``). A limit of 0 means no bound.
+(Pulsar's ``maxMessagePublishBufferSizeInMB``). A connection's first publish makes it a
+watcher. Past the limit every connection that publishes stops being read (told ``True``), as
+Pulsar turns off auto-read on them, until the bytes fell to half the limit (told ``False``).
+A limit of 0 means no bound.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ class PublishBuffer:
                 watcher.publish_buffer_full(True)
 
     def unwatch(self, watcher: BufferWatcher) -> None:
+        """Tell ``watcher`` nothing more (a closed connection; whether it watched or not)."""
         self._watchers.pop(id(watcher), None)
 
-    def take(self, size: int) -> None:
-        """``size`` bytes of a publish are on their way to storage."""
+    def take(self, size: int, watcher: BufferWatcher) -> None:
+        """``size`` bytes of a publish of ``watcher`` are on their way to storage (it watches
+        from now on)."""
+        if id(watcher) not in self._watchers:
+            self.watch(watcher)
         self.used += size
         if not self.full and self.limit and self.used > self.limit:
             self._tell(True)

@@ -198,7 +198,6 @@ class AmqpConnection(ReadHolds, Protocol):
         self._publishing = 0
         self._publishing_bytes = 0
         self._buffer = settings.service.publish_buffer
-        self._watching = False
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
 
@@ -296,8 +295,7 @@ class AmqpConnection(ReadHolds, Protocol):
         self._released = True
         if self.factory is not None:
             self.factory.connections.discard(self)
-        if self._watching:
-            self._buffer.unwatch(self)  # its publishes under way still give back their bytes
+        self._buffer.unwatch(self)  # its publishes under way still give back their bytes
         if self._memory in self.s.gauge.listeners:
             self.s.gauge.listeners.remove(self._memory)
         if self._heartbeat is not None and self._heartbeat.running:
@@ -1227,10 +1225,7 @@ class AmqpConnection(ReadHolds, Protocol):
         ("publishing"), until half of them are done."""
         self._publishing += 1
         self._publishing_bytes += size
-        if not self._watching:
-            self._watching = True
-            self._buffer.watch(self)
-        self._buffer.take(size)
+        self._buffer.take(size, self)
         if "publishing" not in self.holds and (
             self._publishing > MAX_PENDING_PUBLISHES
             or self._publishing_bytes > MAX_PENDING_PUBLISH_BYTES

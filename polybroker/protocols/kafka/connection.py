@@ -78,7 +78,6 @@ class KafkaConnection(Protocol):
         self._blocked = False  # the socket's send buffer is full
         self._buffer_held = False  # the broker-wide publish buffer is full
         self._buffer = apis.service.publish_buffer
-        self._watching = False
         self._taking = False
         self.client_host = ""
 
@@ -151,10 +150,7 @@ class KafkaConnection(Protocol):
     def _dispatch(self, req: c.Request, fetch: bool, size: int) -> None:
         buffered = size if req.api_key == c.API_PRODUCE else 0
         if buffered:
-            if not self._watching:
-                self._watching = True
-                self._buffer.watch(self)
-            self._buffer.take(buffered)
+            self._buffer.take(buffered, self)
         slot = _Slot(fetch, size, buffered)
         self.pending.append(slot)
         self._pending_bytes += size
@@ -250,9 +246,7 @@ class KafkaConnection(Protocol):
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self.closed = True
         self._drop_pending()
-        if self._watching:
-            self._watching = False
-            self._buffer.unwatch(self)
+        self._buffer.unwatch(self)
         factory = getattr(self, "factory", None)
         if isinstance(factory, KafkaFactory):
             factory.connections.discard(self)

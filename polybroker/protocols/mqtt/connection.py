@@ -159,7 +159,6 @@ class MqttConnection(ReadHolds, Protocol):
         #: Payload bytes of the stores under way.
         self._store_bytes = 0
         self._buffer = settings.broker.service.publish_buffer
-        self._watching = False
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
         self.reading = False
@@ -324,8 +323,7 @@ class MqttConnection(ReadHolds, Protocol):
             self._flush_publishes()
         self._stop_group_timer()
         self.state = _CLOSED
-        if self._watching:
-            self._buffer.unwatch(self)  # its stores under way still give back their bytes
+        self._buffer.unwatch(self)  # its stores under way still give back their bytes
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -751,10 +749,7 @@ class MqttConnection(ReadHolds, Protocol):
         self._storing.add(seq)
         size = sum(len(p.payload) for p, _ in batch)
         self._store_bytes += size
-        if not self._watching:
-            self._watching = True
-            self._buffer.watch(self)
-        self._buffer.take(size)
+        self._buffer.take(size, self)
         if "stores" not in self.holds and (
             len(self._storing) > MAX_PENDING_STORES or self._store_bytes > MAX_PENDING_STORE_BYTES
         ):

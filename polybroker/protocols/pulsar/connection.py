@@ -287,7 +287,6 @@ class PulsarConnection(ReadHolds, Protocol):
         self._pending_sends = 0
         self._pending_bytes = 0
         self._buffer = settings.service.publish_buffer
-        self._watching = False
 
     # -- transport ------------------------------------------------------------------------
 
@@ -339,8 +338,7 @@ class PulsarConnection(ReadHolds, Protocol):
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self.state = self.CLOSED
-        if self._watching:
-            self._buffer.unwatch(self)  # its SENDs under way still give back their bytes
+        self._buffer.unwatch(self)  # its SENDs under way still give back their bytes
         if self._keep_alive is not None and self._keep_alive.running:
             self._keep_alive.stop()
         for state in list(self.producers.values()):
@@ -846,10 +844,7 @@ class PulsarConnection(ReadHolds, Protocol):
         state.sends.append(pending)
         self._pending_sends += 1
         self._pending_bytes += len(payload)
-        if not self._watching:
-            self._watching = True
-            self._buffer.watch(self)
-        self._buffer.take(len(payload))
+        self._buffer.take(len(payload), self)
         if "sends" not in self.holds and (
             self._pending_sends > self.settings.max_pending_sends
             or self._pending_bytes > MAX_PENDING_SEND_BYTES
