@@ -48,6 +48,7 @@ from typing_extensions import override
 from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
+from polybroker.broker_core.publish_buffer import PendingPublishes
 from polybroker.logs import kv
 from polybroker.netio import MAX_UNREAD, ReadHolds, write_now
 from polybroker.protocols.amqp import codec as c
@@ -194,10 +195,14 @@ class AmqpConnection(ReadHolds, Protocol):
         self.holds: set[str] = set()
         #: Frames read but not yet handled: reading stopped for "unread" before them.
         self._untaken: list[c.Frame] = []
-        #: Publishes not yet stored (outside transactions), and their body bytes.
-        self._publishing = 0
-        self._publishing_bytes = 0
-        self._buffer = settings.service.publish_buffer
+        #: Publishes not yet stored (outside transactions).
+        self._pending = PendingPublishes(
+            settings.service.publish_buffer,
+            self,
+            lambda on: self.hold_reading("publishing", on),
+            MAX_PENDING_PUBLISHES,
+            MAX_PENDING_PUBLISH_BYTES,
+        )
         #: Channels holding back MAX_BACKLOG methods or more (until half of them ran).
         self._backlogged: set[int] = set()
 
@@ -295,7 +300,7 @@ class AmqpConnection(ReadHolds, Protocol):
         self._released = True
         if self.factory is not None:
             self.factory.connections.discard(self)
-        self._buffer.unwatch(self)  # its publishes under way still give back their bytes
+        self._pending.close()
         if self._memory in self.s.gauge.listeners:
             self.s.gauge.listeners.remove(self._memory)
         if self._heartbeat is not None and self._heartbeat.running:
@@ -1223,25 +1228,11 @@ class AmqpConnection(ReadHolds, Protocol):
         """Count a publish of ``size`` bytes as under way until ``tell`` is called: past
         ``MAX_PENDING_PUBLISHES`` or ``MAX_PENDING_PUBLISH_BYTES`` the socket is not read
         ("publishing"), until half of them are done."""
-        self._publishing += 1
-        self._publishing_bytes += size
-        self._buffer.take(size, self)
-        if "publishing" not in self.holds and (
-            self._publishing > MAX_PENDING_PUBLISHES
-            or self._publishing_bytes > MAX_PENDING_PUBLISH_BYTES
-        ):
-            self.hold_reading("publishing", True)
+        pending = self._pending
+        pending.take(size)
 
         def done(result: Any) -> None:
-            self._publishing -= 1
-            self._publishing_bytes -= size
-            self._buffer.give(size)
-            if (
-                "publishing" in self.holds
-                and self._publishing <= MAX_PENDING_PUBLISHES // 2
-                and self._publishing_bytes <= MAX_PENDING_PUBLISH_BYTES // 2
-            ):
-                self.hold_reading("publishing", False)
+            pending.give(size)
             tell(result)
 
         return done

@@ -49,6 +49,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from polybroker.broker_core.protocol_handler import set_no_delay
+from polybroker.broker_core.publish_buffer import PendingPublishes
 from polybroker.logs import kv
 from polybroker.netio import MAX_UNREAD, ReadHolds, peer_text, write_now
 from polybroker.protocols.mqtt import codec as c
@@ -156,9 +157,14 @@ class MqttConnection(ReadHolds, Protocol):
         #: MAX_QUEUED, until the buffer drained), "stores" (stores under way past their
         #: bounds), "buffer" (the broker-wide publish buffer is full).
         self.holds: set[str] = set()
-        #: Payload bytes of the stores under way.
-        self._store_bytes = 0
-        self._buffer = settings.broker.service.publish_buffer
+        #: The stores under way and their payload bytes.
+        self._pending = PendingPublishes(
+            settings.broker.service.publish_buffer,
+            self,
+            lambda on: self.hold_reading("stores", on),
+            MAX_PENDING_STORES,
+            MAX_PENDING_STORE_BYTES,
+        )
         #: Inside ``dataReceived``: writes are gathered (``_out``) and the session's pump
         #: waits for the read's end.
         self.reading = False
@@ -323,7 +329,7 @@ class MqttConnection(ReadHolds, Protocol):
             self._flush_publishes()
         self._stop_group_timer()
         self.state = _CLOSED
-        self._buffer.unwatch(self)  # its stores under way still give back their bytes
+        self._pending.close()
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -748,12 +754,7 @@ class MqttConnection(ReadHolds, Protocol):
         seq = self._store_seq
         self._storing.add(seq)
         size = sum(len(p.payload) for p, _ in batch)
-        self._store_bytes += size
-        self._buffer.take(size, self)
-        if "stores" not in self.holds and (
-            len(self._storing) > MAX_PENDING_STORES or self._store_bytes > MAX_PENDING_STORE_BYTES
-        ):
-            self.hold_reading("stores")
+        self._pending.take(size)
 
         def stored(_: object) -> None:
             self._storing.discard(seq)
@@ -807,14 +808,7 @@ class MqttConnection(ReadHolds, Protocol):
 
     def _stored_bytes(self, size: int) -> None:
         """A store of ``size`` payload bytes completed: read again once half are done."""
-        self._store_bytes -= size
-        self._buffer.give(size)
-        if (
-            "stores" in self.holds
-            and len(self._storing) <= MAX_PENDING_STORES // 2
-            and self._store_bytes <= MAX_PENDING_STORE_BYTES // 2
-        ):
-            self.hold_reading("stores", False)
+        if self._pending.give(size):
             # Not from here: storage may answer while the packets before are being taken.
             self.clock.callLater(0, self._take_rest)
 

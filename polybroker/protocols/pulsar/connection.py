@@ -53,6 +53,7 @@ from polybroker.broker_core.consumer import (
 )
 from polybroker.broker_core.errors import BrokerError, TopicNotFoundError
 from polybroker.broker_core.protocol_handler import set_no_delay
+from polybroker.broker_core.publish_buffer import PendingPublishes
 from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
@@ -283,10 +284,14 @@ class PulsarConnection(ReadHolds, Protocol):
         #: buffer drained), "sends" (SENDs awaiting receipts past their bound), "buffer"
         #: (the broker-wide publish buffer is full).
         self.holds: set[str] = set()
-        #: SENDs awaiting receipts, and their bytes.
-        self._pending_sends = 0
-        self._pending_bytes = 0
-        self._buffer = settings.service.publish_buffer
+        #: SENDs awaiting receipts.
+        self._pending = PendingPublishes(
+            settings.service.publish_buffer,
+            self,
+            lambda on: self.hold_reading("sends", on),
+            settings.max_pending_sends,
+            MAX_PENDING_SEND_BYTES,
+        )
 
     # -- transport ------------------------------------------------------------------------
 
@@ -338,7 +343,7 @@ class PulsarConnection(ReadHolds, Protocol):
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self.state = self.CLOSED
-        self._buffer.unwatch(self)  # its SENDs under way still give back their bytes
+        self._pending.close()
         if self._keep_alive is not None and self._keep_alive.running:
             self._keep_alive.stop()
         for state in list(self.producers.values()):
@@ -842,14 +847,7 @@ class PulsarConnection(ReadHolds, Protocol):
             return
         pending = _PendingSend(seq, highest, len(payload))
         state.sends.append(pending)
-        self._pending_sends += 1
-        self._pending_bytes += len(payload)
-        self._buffer.take(len(payload), self)
-        if "sends" not in self.holds and (
-            self._pending_sends > self.settings.max_pending_sends
-            or self._pending_bytes > MAX_PENDING_SEND_BYTES
-        ):
-            self.hold_reading("sends")
+        self._pending.take(len(payload))
         if num > 1:
             last_seq = seq + num - 1
         else:
@@ -930,11 +928,11 @@ class PulsarConnection(ReadHolds, Protocol):
         # Receipts ready together leave in one write, in order.
         sends = state.sends
         rows: list[tuple[int, int, int, int]] = []
-        answered = 0
+        answered = size = 0
         while sends and sends[0].done:
             p = sends.popleft()
-            self._pending_sends -= 1
-            answered += p.size
+            answered += 1
+            size += p.size
             if p.error is not None:
                 if rows:
                     self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
@@ -944,15 +942,7 @@ class PulsarConnection(ReadHolds, Protocol):
             rows.append((p.sequence_id, p.ledger_id, p.entry_id, p.highest))
         if rows:
             self.write_raw(encode_send_receipts(state.producer_id, state.partition, rows))
-        if answered:
-            self._pending_bytes -= answered
-            self._buffer.give(answered)
-        if (
-            "sends" in self.holds
-            and self._pending_sends <= self.settings.max_pending_sends // 2
-            and self._pending_bytes <= MAX_PENDING_SEND_BYTES // 2
-        ):
-            self.hold_reading("sends", False)
+        if answered and self._pending.give(size, answered):
             # Not from here: storage may answer while the frames before are being taken.
             self.settings.clock.callLater(0, self._take_rest)
 

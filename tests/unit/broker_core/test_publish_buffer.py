@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from polybroker.broker_core.publish_buffer import PublishBuffer
+from polybroker.broker_core.publish_buffer import PendingPublishes, PublishBuffer
 
 
 class Watcher:
@@ -60,3 +60,28 @@ def test_a_publisher_watches_from_its_first_take() -> None:
     assert publisher.told == [True]
     buf.give(11)
     assert publisher.told == [True, False]
+
+
+def test_a_connections_bound_holds_past_count_or_bytes_and_lifts_at_half_of_both() -> None:
+    """One connection's publishes: held past 4 publishes or 100 bytes, lifted once both fell to
+    half; every byte also counted in the broker-wide buffer, and given back after close."""
+    buf = PublishBuffer(0)
+    conn = Watcher()
+    holds: list[bool] = []
+    pending = PendingPublishes(buf, conn, holds.append, 4, 100)
+    for _ in range(4):
+        pending.take(10)
+    assert (holds, buf.used) == ([], 40)  # at the bound is not past it
+    pending.take(10)
+    assert (holds, pending.held) == ([True], True)
+    pending.take(10)
+    assert holds == [True]  # told once
+    assert pending.give(30, 3) is False  # 3 left: more than half of 4
+    assert pending.give(10) is True
+    assert (holds, pending.count, pending.size, buf.used) == ([True, False], 2, 20, 20)
+    pending.take(90)  # 3 publishes, but 110 bytes
+    assert holds == [True, False, True]
+    assert pending.give(90) is True  # 2 publishes, 20 bytes
+    pending.close()
+    pending.give(20, 2)
+    assert (buf.used, conn.told) == (0, [])

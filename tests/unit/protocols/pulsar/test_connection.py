@@ -341,11 +341,14 @@ def test_send_receipts_follow_send_order(peer: Peer) -> None:
     assert all(r.message_id.partition == -1 for r in receipts)
 
 
-def test_sends_past_the_pending_bound_stop_the_reading(peer: Peer) -> None:
+def test_sends_past_the_pending_bound_stop_the_reading() -> None:
     """Past maxPendingPublishRequestsPerConnection SENDs awaiting receipts the socket is not
     read and the rest of the read waits unparsed; once they are answered (half would do)
     reading resumes, and every SEND is stored and answered in order."""
+    peer = Peer()
     peer.settings.max_pending_sends = 10
+    peer.conn, peer.transport = peer.open()
+    peer.connect()
     peer.producer(1, name="p")
     ml = peer.factory.ledger(ML)
     ml.hold_appends = True
