@@ -549,7 +549,7 @@ async def _lone(reactor: object, count: int, gap_s: float, size: int) -> dict[st
             payload = os.urandom(size)
             for _ in range(50):  # warm up
                 await ml.append(payload)
-            settle_heap()  # as the standalone does once it has started
+            settle_heap(reactor)  # as the standalone does once it has started
             journal = bookie.bookie.journal  # type: ignore[union-attr]
             groups0, wakeups0 = journal.groups_written, journal.wakeups
             lone0 = getattr(journal, "lone_groups", 0)

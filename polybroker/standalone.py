@@ -343,7 +343,7 @@ def run_process(
 
     def ready(ports: dict[str, int]) -> None:
         print(ready_line(ports, kind), file=out, flush=True)
-        settle_heap()
+        settle_heap(reactor)
 
     def begin() -> None:
         d = start()

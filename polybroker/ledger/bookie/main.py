@@ -221,7 +221,7 @@ def run_bookie(args: argparse.Namespace) -> int:
                     if config["autoRecoveryDaemonEnabled"]:
                         holder["auditor"] = start_auditor(store, server.address, config, reactor)
                 print(f"bookie listening on {server.address}", flush=True)
-                settle_heap()
+                settle_heap(reactor)
                 sys.setswitchinterval(SWITCH_INTERVAL_S)
 
             return d2.addCallback(listening)
