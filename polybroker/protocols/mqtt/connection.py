@@ -22,11 +22,12 @@ leave together (``_store_done``); reads bringing QoS 1/2 PUBLISHes are TCP-ACKed
 end, or every ``MAX_GATHERED`` bytes when a read produces more. While the socket's send buffer
 is full the session holds deliveries (``paused``); should it still pass ``MAX_UNREAD`` (answers
 to a client that does not read), or the session hold more than ``MAX_QUEUED`` messages for it
-(retained messages of SUBSCRIBEs sent again and again), the socket is not read either until
-it drained, nor the packets already read taken. Nor is it while the client's stores under way
-pass ``MAX_PENDING_STORES`` or ``MAX_PENDING_STORE_BYTES`` (PUBLISHes, QoS 0 ones above all,
-sent faster than storage writes), until half of them completed, nor while the broker-wide
-``PublishBuffer`` is full.
+(the retained copies of SUBSCRIBEs of many filters; those of a filter subscribed again
+replace the copies its last SUBSCRIBE queued, ``Session.queue_retained``), the socket is not
+read either until it drained, nor the packets already read taken. Nor is it while the client's
+stores under way pass ``MAX_PENDING_STORES`` or ``MAX_PENDING_STORE_BYTES`` (PUBLISHes, QoS 0
+ones above all, sent faster than storage writes), until half of them completed, nor while the
+broker-wide ``PublishBuffer`` is full.
 
 Keep-alive: a client silent for 1.5 times its keep-alive is disconnected, which publishes its
 will; a connection that sends no CONNECT within ``connect_timeout_s`` is closed.
@@ -1008,7 +1009,7 @@ class MqttConnection(ReadHolds, Protocol):
                 if codes[i] >= 0x80 or f.group is not None:
                     continue
                 if f.retain_handling == 0 or (f.retain_handling == 1 and not results.get(i)):
-                    session.queue.extend(self.broker.retained_for(f))
+                    session.queue_retained(f.topic_filter, self.broker.retained_for(f))
             session.pump()
 
         if not pending:

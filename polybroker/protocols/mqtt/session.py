@@ -155,6 +155,7 @@ class Outgoing:
     packet_id: int = 0
     released: bool = False  # QoS 2: PUBREL sent
     index: int = 0  # within its entry
+    via: str | None = None  # a retained copy: the filter of the SUBSCRIBE that queued it
 
 
 @functools.lru_cache(maxsize=4096)
@@ -872,6 +873,17 @@ class Session:
     def enqueue(self, out: Outgoing) -> None:
         self.queue.append(out)
         self.pump()
+
+    def queue_retained(self, topic_filter: str, outs: list[Outgoing]) -> None:
+        """Queue the retained copies a SUBSCRIBE of ``topic_filter`` receives, in place of
+        those an earlier SUBSCRIBE of the same filter queued that have not left yet: a client
+        subscribing again and again while it does not read, or does not acknowledge what it
+        has, holds one copy of each, not one per SUBSCRIBE."""
+        if any(o.via == topic_filter for o in self.queue):
+            self.queue = deque(o for o in self.queue if o.via != topic_filter)
+        for o in outs:
+            o.via = topic_filter
+        self.queue.extend(outs)
 
     def pump(self, at_read_end: bool = False) -> None:
         """Send what the connection and the client's receive maximum allow (during the

@@ -1578,16 +1578,11 @@ def test_a_full_publish_buffer_stops_the_reading() -> None:
     assert buffer.used == 0
 
 
-def test_resubscribing_without_reading_queues_a_bounded_number(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_resubscribing_without_reading_queues_one_copy_of_each_retained_message() -> None:
     """A client that subscribes to the same filter again and again and does not read: each
-    SUBSCRIBE queues every retained match, but once the queue is long and the send buffer
-    full the socket is not read, nor are the SUBSCRIBEs already read taken; each drain lets
-    a bounded amount through, and every SUBACK and retained message arrives in order."""
-    from polybroker.protocols.mqtt import connection
-
-    monkeypatch.setattr(connection, "MAX_QUEUED", 100)
+    SUBSCRIBE's retained copies replace those of the one before that have not left, so the
+    session holds one copy of each; every SUBACK arrives in order, and after the last one
+    every retained message."""
     env = Env()
     pub = env.peer("p")
     for i in range(50):
@@ -1601,25 +1596,57 @@ def test_resubscribing_without_reading_queues_a_bounded_number(
         c.encode(c.Subscribe(i, [c.Subscription("r/#", 0)]), c.LEVEL_311) for i in range(1, 201)
     )
     conn.dataReceived(subscribe)
+    assert conn.session is not None
+    assert len(conn.session.queue) <= 50  # 200 SUBSCRIBEs taken, one copy of each queued
     reader = c.PacketReader(level=c.LEVEL_311)
     got: list[c.Packet] = []
     rounds = 0
-    while slow.producerState == "paused" or len(got) < 1 + 200 * 51:
-        assert conn.session is not None
-        assert len(conn.session.queue) <= 100 + 50
-        assert slow.unsent <= 64 * 1024 + 1000 + 250
+    while slow.producerState == "paused" or conn.session.queue or slow.unsent:
         reader.feed(slow.value())
         slow.clear()
         got += reader.packets()
         rounds += 1
         assert rounds < 1000, "no progress"
         slow.drain()
+    reader.feed(slow.value())
+    got += reader.packets()
     assert got[0] == c.ConnAck(False, 0)
     assert [p for p in got if isinstance(p, c.SubAck)] == [c.SubAck(i, [0]) for i in range(1, 201)]
+    last_suback = max(i for i, p in enumerate(got) if isinstance(p, c.SubAck))
+    after = got[last_suback + 1 :]
+    assert [p.topic for p in after if isinstance(p, c.Publish)] == [f"r/{n:02d}" for n in range(50)]
     retained = [p for p in got if isinstance(p, c.Publish)]
-    assert [p.topic for p in retained] == [f"r/{n:02d}" for n in range(50)] * 200
     assert all(p.retain for p in retained)
-    assert rounds > 10
+    assert len(retained) < 200 * 50 // 4  # the copies that left before the next SUBSCRIBE
+
+
+def test_resubscribing_without_acknowledging_queues_one_copy_of_each_retained_message() -> None:
+    """An MQTT 5 client that reads but acknowledges nothing has its receive maximum in flight,
+    and the rest waits in its session: SUBSCRIBEs of the same filter sent again and again
+    leave one copy of each retained message waiting, not one per SUBSCRIBE; acknowledged,
+    the last SUBSCRIBE's copies all arrive."""
+    env = Env()
+    pub = env.peer("p")
+    for i in range(50):
+        pub.send(c.Publish(f"r/{i:02d}", b"%02d" % i, 1, retain=True, packet_id=i + 1))
+    p = env.peer("s", c.LEVEL_5, properties={c.RECEIVE_MAXIMUM: 5})
+    p.packets()
+    for pid in range(1, 1001):
+        p.send(c.Subscribe(pid, [c.Subscription("r/#", 1)]))
+    session = p.conn.session
+    assert session is not None
+    assert (len(session.inflight), len(session.queue)) == (5, 50)
+    topics: list[str] = []
+    got = [x for x in p.packets() if isinstance(x, c.Publish)]
+    while got:
+        for x in got:
+            assert x.packet_id is not None
+            topics.append(x.topic)
+            p.send(c.PubAck(x.packet_id))
+        got = [x for x in p.packets() if isinstance(x, c.Publish)]
+    # The first SUBSCRIBE's five in flight, then the last one's copies.
+    assert topics == [f"r/{n:02d}" for n in range(5)] + [f"r/{n:02d}" for n in range(50)]
+    assert (len(session.queue), len(session.inflight)) == (0, 0)
 
 
 def test_a_client_that_does_not_read_its_answers_stops_being_read(
