@@ -20,7 +20,10 @@ already read wait too: those of the same read, and those held back on a channel.
 Publishing: while more than ``MAX_PENDING_PUBLISHES`` publishes (or ``MAX_PENDING_PUBLISH_BYTES``
 of them) are on their way to storage, the socket is not read, until half of them are stored: a
 publisher faster than storage is slowed by TCP rather than queued in memory. Nor is it while
-the broker-wide ``PublishBuffer`` is full ("buffer").
+the broker-wide ``PublishBuffer`` is full ("buffer"). A transaction holds its publishes in
+memory until tx.commit, as RabbitMQ does, up to ``MAX_TX_PUBLISHES`` or ``MAX_TX_BYTES``: one
+that would hold more closes the connection with resource-error (the transaction is lost, as
+on any close before tx.commit).
 
 Errors: an ``AmqpError`` with a hard reply code closes the connection (connection.close, then
 the socket once close-ok arrives or after a grace period); any other closes the channel.
@@ -80,6 +83,10 @@ MAX_GATHERED = 64 * 1024
 #: socket stops being read, until half of them are stored.
 MAX_PENDING_PUBLISHES = 1000
 MAX_PENDING_PUBLISH_BYTES = 32 * 1024 * 1024
+#: Publishes (and their body bytes) one transaction may hold until tx.commit: past them the
+#: connection is closed with resource-error.
+MAX_TX_PUBLISHES = 100_000
+MAX_TX_BYTES = 64 * 1024 * 1024
 
 CLOSE_GRACE_S = 5.0
 PRODUCT = "polybroker"
@@ -133,6 +140,9 @@ class Channel:
         self.sent_ahead: set[int] = set()
         self.tx = False
         self.tx_work: list[Callable[[], Deferred[Any] | None]] = []
+        #: Publishes of ``tx_work`` and their body bytes.
+        self.tx_publishes = 0
+        self.tx_bytes = 0
         self.prefetch = 0
         self.global_prefetch = 0
         self.consumers: dict[str, QueueConsumer] = {}
@@ -1181,6 +1191,16 @@ class AmqpConnection(ReadHolds, Protocol):
                 c.ACCESS_REFUSED, f"cannot publish to internal exchange '{pm.exchange}'", 60, 40
             )
         if ch.tx:
+            ch.tx_publishes += 1
+            ch.tx_bytes += len(body)
+            if ch.tx_publishes > MAX_TX_PUBLISHES or ch.tx_bytes > MAX_TX_BYTES:
+                raise c.AmqpError(
+                    c.RESOURCE_ERROR,
+                    f"a transaction holds at most {MAX_TX_PUBLISHES} publishes or "
+                    f"{MAX_TX_BYTES >> 20} MiB until tx.commit",
+                    60,
+                    40,
+                )
             ch.tx_work.append(lambda: self._publish(ch, pm, msg, confirm=False))
             return
         self._publish(ch, pm, msg, confirm=ch.confirm)
@@ -1332,6 +1352,7 @@ class AmqpConnection(ReadHolds, Protocol):
         if not ch.tx:
             raise c.AmqpError(c.PRECONDITION_FAILED, "channel is not transactional", 90, 20)
         work, ch.tx_work = ch.tx_work, []
+        ch.tx_publishes = ch.tx_bytes = 0
         ds: list[Deferred[Any]] = []
         for w in work:
             r = w()
@@ -1351,6 +1372,7 @@ class AmqpConnection(ReadHolds, Protocol):
         if not ch.tx:
             raise c.AmqpError(c.PRECONDITION_FAILED, "channel is not transactional", 90, 30)
         ch.tx_work.clear()
+        ch.tx_publishes = ch.tx_bytes = 0
         self.send(ch.number, c.TxRollbackOk())
 
 

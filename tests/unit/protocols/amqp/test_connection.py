@@ -102,6 +102,41 @@ def test_tx_commit_replies_after_the_writes() -> None:
     assert p.methods() == [c.TxCommitOk()]
 
 
+@pytest.mark.parametrize(("publishes", "bytes_"), [(3, 1 << 20), (100, 30)])
+def test_a_transaction_past_its_bound_closes_the_connection(
+    monkeypatch: pytest.MonkeyPatch, publishes: int, bytes_: int
+) -> None:
+    """A transaction holds its publishes in memory until tx.commit: past MAX_TX_PUBLISHES (or
+    MAX_TX_BYTES) the connection is closed with resource-error and nothing is stored; up to
+    them, and again after each commit or rollback, it is served."""
+    from polybroker.protocols.amqp import connection
+
+    monkeypatch.setattr(connection, "MAX_TX_PUBLISHES", publishes)
+    monkeypatch.setattr(connection, "MAX_TX_BYTES", bytes_)
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, c.TxSelect())
+    p.methods()
+    for _ in range(3):
+        p.publish(1, "", "q", b"1234567890")
+    p.method(1, c.TxRollback())
+    for _ in range(3):
+        p.publish(1, "", "q", b"1234567890")
+    p.method(1, c.TxCommit())
+    assert p.methods() == [c.TxRollbackOk(), c.TxCommitOk()]
+    for _ in range(3):
+        p.publish(1, "", "q", b"1234567890")
+    assert p.methods() == []
+    p.publish(1, "", "q", b"1234567890")
+    (close,) = p.methods()
+    assert isinstance(close, c.ConnectionClose)
+    assert close.reply_code == c.RESOURCE_ERROR
+    assert "tx.commit" in close.reply_text
+    assert p.ledgers.ledger(QUEUE_LEDGER).data.next_index == 3  # the first commit's messages
+
+
 def test_content_frame_without_publish_is_unexpected_frame() -> None:
     """A body frame with no content method before it closes the connection with 505."""
     p = Peer()
