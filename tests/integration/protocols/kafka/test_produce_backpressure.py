@@ -63,9 +63,10 @@ def test_an_acks0_producer_faster_than_storage_is_slowed_not_buffered(tmp_path: 
         # 258 MB measured, most of it freed memory the allocator keeps; 1002 MB when acks=0
         # requests left the in-flight count at once.
         assert peak < 500, f"the broker grew by {peak:.0f} MB"
-        # The heap trimmer (every 10 s) gives what the flood left free back to the system.
+        # The heap trimmer (every 10 s) gives what the flood left free back to the system:
+        # +15 MB measured; it may keep up to 64 MB free, beside the caches.
         deadline = time.monotonic() + 30
-        while (grown := rss_mb(proc.pid) - rss_before) > 100:
+        while (grown := rss_mb(proc.pid) - rss_before) > 150:
             assert time.monotonic() < deadline, f"still {grown:.0f} MB above the start"
             time.sleep(0.5)
     finally:
