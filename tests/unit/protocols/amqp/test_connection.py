@@ -17,6 +17,18 @@ from polybroker.protocols.amqp.handler import parse_users, vhost_namespace
 QUEUE_LEDGER = "public/default/persistent/amqp.queue.q"
 
 
+def queue_peer(mode: c.Method) -> Peer:
+    """A peer whose channel 1 declared the durable queue ``q`` and sent ``mode``
+    (confirm.select, tx.select), with the set-up's answers read."""
+    p = Peer()
+    p.handshake()
+    p.method(1, c.ChannelOpen())
+    p.method(1, c.QueueDeclare(queue="q", durable=True))
+    p.method(1, mode)
+    p.methods()
+    return p
+
+
 def test_handshake_tunes_and_opens() -> None:
     """The handshake offers the configured tuning and opens vhost '/'."""
     p = Peer(amqpFrameMax=65536, amqpHeartbeatSeconds=30)
@@ -70,12 +82,7 @@ def test_confirm_waits_for_the_durable_write_and_nacks_a_failed_one() -> None:
 
 def test_confirms_of_one_turn_are_coalesced() -> None:
     """Consecutive confirms completing together go out as one basic.ack with multiple set."""
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q", durable=True))
-    p.method(1, c.ConfirmSelect())
-    p.methods()
+    p = queue_peer(c.ConfirmSelect())
     ledger = p.ledgers.ledger(QUEUE_LEDGER)
     ledger.hold_appends = True
     for i in range(5):
@@ -87,12 +94,7 @@ def test_confirms_of_one_turn_are_coalesced() -> None:
 
 def test_tx_commit_replies_after_the_writes() -> None:
     """tx.commit-ok comes only once the transaction's publishes are durable."""
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q", durable=True))
-    p.method(1, c.TxSelect())
-    p.methods()
+    p = queue_peer(c.TxSelect())
     ledger = p.ledgers.ledger(QUEUE_LEDGER)
     ledger.hold_appends = True
     p.publish(1, "", "q", b"x")
@@ -113,12 +115,7 @@ def test_a_transaction_past_its_bound_closes_the_connection(
 
     monkeypatch.setattr(connection, "MAX_TX_PUBLISHES", publishes)
     monkeypatch.setattr(connection, "MAX_TX_BYTES", bytes_)
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q", durable=True))
-    p.method(1, c.TxSelect())
-    p.methods()
+    p = queue_peer(c.TxSelect())
     for _ in range(3):
         p.publish(1, "", "q", b"1234567890")
     p.method(1, c.TxRollback())
@@ -312,12 +309,7 @@ def test_confirms_completed_by_the_input_itself_go_out_at_once() -> None:
 def test_publishes_of_one_input_share_a_batch_entry() -> None:
     """Publishes to one durable queue that arrive in one read are stored as one batch entry,
     each confirmed, each delivered, and the entry acknowledged once all are acked."""
-    p = Peer()
-    p.handshake()
-    p.method(1, c.ChannelOpen())
-    p.method(1, c.QueueDeclare(queue="q", durable=True))
-    p.method(1, c.ConfirmSelect())
-    p.methods()
+    p = queue_peer(c.ConfirmSelect())
     data = b""
     for i in range(3):
         body = f"m{i}".encode()

@@ -199,6 +199,17 @@ def pipelined(request: Any, count: int) -> bytes:
     return frames
 
 
+def release_until_answered(w: Wire, ledger: Any, count: int) -> list[int]:
+    """Let ``ledger``'s held appends complete until ``count`` requests were answered (or none
+    is held); the correlation ids of the answers, in order."""
+    answered: list[int] = []
+    while len(answered) < count and ledger.held_appends:
+        ledger.release_appends()
+        w.clock.advance(0)
+        answered += [corr for corr, _ in w.responses()]
+    return answered
+
+
 def records_of(part: Any) -> list[tuple[int, bytes | None, bytes | None]]:
     out = []
     recs = MemoryRecords(bytes(part.records))
@@ -816,12 +827,7 @@ def test_requests_beyond_the_in_flight_limit_wait_unread() -> None:
     w.conn.dataReceived(frames)
     assert len(w.conn.pending) == MAX_IN_FLIGHT
     assert w.transport.producerState == "paused"
-    answered: list[int] = []
-    while len(answered) < 100 and ledger.held_appends:
-        ledger.release_appends()
-        w.clock.advance(0)
-        answered += [corr for corr, _ in w.responses()]
-    assert answered == list(range(1, 101))
+    assert release_until_answered(w, ledger, 100) == list(range(1, 101))
     assert w.transport.producerState == "producing"
 
 
@@ -860,12 +866,7 @@ def test_requests_beyond_the_in_flight_bytes_wait_unread(monkeypatch: pytest.Mon
     w.conn.dataReceived(pipelined(req, 20))
     assert len(w.conn.pending) == 5
     assert w.transport.producerState == "paused"
-    answered: list[int] = []
-    while len(answered) < 20 and ledger.held_appends:
-        ledger.release_appends()
-        w.clock.advance(0)
-        answered += [corr for corr, _ in w.responses()]
-    assert answered == list(range(1, 21))
+    assert release_until_answered(w, ledger, 20) == list(range(1, 21))
     assert w.transport.producerState == "producing"
 
 
@@ -883,12 +884,7 @@ def test_a_full_publish_buffer_stops_taking_produces() -> None:
     assert buffer.full
     assert len(w.conn.pending) == 3
     assert w.transport.producerState == "paused"
-    answered: list[int] = []
-    while len(answered) < 10 and ledger.held_appends:
-        ledger.release_appends()
-        w.clock.advance(0)
-        answered += [corr for corr, _ in w.responses()]
-    assert answered == list(range(1, 11))
+    assert release_until_answered(w, ledger, 10) == list(range(1, 11))
     assert w.transport.producerState == "producing"
     assert buffer.used == 0
 
