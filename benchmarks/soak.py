@@ -42,6 +42,12 @@ bookie compacts them every minute (major, at half live) so that ledger deletion,
 collection and compaction run within the soak, as they do over hours and days at the
 defaults.
 
+Crashes: with ``--kill-every S`` the broker is killed (SIGKILL) every S seconds (0.5x-1.5x) while
+the load runs, and started again at once on the same data dir and ports; the clients reconnect
+as they would to any restarted broker. What a producer had acknowledged before a crash must
+still be delivered after it (the durability contract); duplicates stay allowed. RSS, fds and
+threads are then those of the current broker process, and its CPU is summed over all of them.
+
 Prints a table, then one JSON line as the last line. Every process it starts is stopped by PID.
 """
 
@@ -98,6 +104,8 @@ LISTENERS = {
     "mqtt": "mqttListenerPort",
     "amqp": "amqpListenerPort",
 }
+#: The standalone's port flags, in ``PORT_FLAGS`` order, -> the workers' names.
+FLAG_LISTENERS = dict(zip(PORT_FLAGS, ("pulsar", "http", "kafka", "mqtt", "amqp"), strict=True))
 
 
 def payload(stream: str, seq: int) -> bytes:
@@ -787,6 +795,13 @@ def main() -> None:
         "warm-up; report the lines that grew most from the first snapshot to the last",
     )
     ap.add_argument("--tracemalloc-frames", type=int, default=1)
+    ap.add_argument(
+        "--kill-every",
+        type=float,
+        default=0,
+        help="kill -9 the broker every this many seconds (0.5x-1.5x) while the load runs and "
+        "start it again on the same data dir and ports (0: never)",
+    )
     # worker mode (internal)
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--ports", help=argparse.SUPPRESS)
@@ -816,26 +831,42 @@ def main() -> None:
     boot = ["-m", "polybroker"]
     if args.tracemalloc:
         boot = ["-c", _TRACEMALLOC_BOOT, str(args.tracemalloc_frames), str(scratch)]
-    cmd = [
-        os.path.realpath(sys.executable),
-        *boot,
-        "standalone",
-        "--data-dir",
-        str(scratch / "data"),
-    ]
-    for flag in PORT_FLAGS:
-        cmd += [flag, "0"]
-    cmd += ["--config", str(conf)]
     log_path = scratch / "broker.log"
-    with log_path.open("wb") as log:
-        broker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
+
+    Broker = subprocess.Popen[bytes]
+
+    def start_broker(ports: dict[str, int] | None) -> tuple[Broker, dict[str, int]]:
+        """Start the standalone on ``ports`` (the workers' names; None: free ones) and wait
+        until it is ready; return it and the ports it bound."""
+        cmd = [
+            os.path.realpath(sys.executable),
+            *boot,
+            "standalone",
+            "--data-dir",
+            str(scratch / "data"),
+        ]
+        for flag in PORT_FLAGS:
+            cmd += [flag, str(ports[FLAG_LISTENERS[flag]] if ports else 0)]
+        cmd += ["--config", str(conf)]
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
+        try:
+            line = wait_for_line(process, READY, log_path, 60, "standalone")
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        bound = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+        return process, {name: bound[key] for name, key in LISTENERS.items()}
+
+    broker: Broker | None = None
     workers: dict[str, subprocess.Popen[bytes]] = {}
     samples: list[dict[str, float]] = []
     results: dict[str, dict[str, Any]] = {}
+    cpu_before = 0.0  # CPU seconds of the brokers killed so far
+    restarts: list[float] = []  # seconds from each kill -9 until the broker was ready again
     try:
-        line = wait_for_line(broker, READY, log_path, 60, "standalone")
-        bound = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
-        ports = {name: bound[key] for name, key in LISTENERS.items()}
+        broker, ports = start_broker(None)
         t0 = time.time()
         start = t0 + 15  # consumers subscribe first
         end = start + args.minutes * 60
@@ -871,10 +902,23 @@ def main() -> None:
         next_print = t0
         warm_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 5)
         next_snap = start + warm_s
+        next_kill = start + args.kill_every * random.uniform(0.5, 1.5) if args.kill_every else end
         while any(p.poll() is None for p in workers.values()) and time.time() < hard_end:
             if broker.poll() is not None:
                 raise RuntimeError(f"broker exited with {broker.returncode} during the soak")
+            if time.time() >= next_kill and time.time() < end:
+                cpu_before += proc_sample(broker.pid)["cpu_s"]
+                killed = time.time()
+                broker.kill()
+                broker.wait()
+                if broker.stdout is not None:
+                    broker.stdout.close()
+                broker, _ = start_broker(ports)
+                restarts.append(time.time() - killed)
+                print(f"t={killed - start:7.0f}s kill -9; ready again in {restarts[-1]:.2f}s")
+                next_kill = time.time() + args.kill_every * random.uniform(0.5, 1.5)
             s = proc_sample(broker.pid)
+            s["cpu_s"] += cpu_before
             s["t"] = time.time() - start
             s["data_mb"] = dir_size_mb(scratch / "data")
             # Entry logs and index: what garbage collection and compaction keep in check (the
@@ -902,6 +946,8 @@ def main() -> None:
                 results[name] = json.loads(out.read_text())
             else:
                 results[name] = {"error_count": 1, "errors": [f"no result (exit {p.returncode})"]}
+        if broker.poll() is not None:
+            raise RuntimeError(f"broker exited with {broker.returncode} during the soak")
         final = proc_sample(broker.pid)
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
         clients_cpu_s = ru.ru_utime + ru.ru_stime  # the workers, reaped above
@@ -910,14 +956,14 @@ def main() -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if broker.poll() is None:
+        if broker is not None and broker.poll() is None:
             broker.send_signal(signal.SIGTERM)
             try:
                 broker.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 broker.kill()
                 broker.wait()
-        if broker.stdout is not None:
+        if broker is not None and broker.stdout is not None:
             broker.stdout.close()
 
     with (scratch / "samples.csv").open("w") as f:
@@ -940,6 +986,8 @@ def main() -> None:
         "minutes": args.minutes,
         "rate_per_protocol": args.rate,
         "churn_seconds": args.churn_seconds,
+        "kills": len(restarts),
+        "restart_s_max": round(max(restarts), 2) if restarts else None,
         "samples": len(samples),
         "rss_mb_start": round(run[0]["rss_mb"], 1) if run else None,
         "rss_mb_after_warmup": round(after[0]["rss_mb"], 1) if after else None,
