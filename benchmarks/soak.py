@@ -950,7 +950,8 @@ def main() -> None:
             raise RuntimeError(f"broker exited with {broker.returncode} during the soak")
         final = proc_sample(broker.pid)
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        clients_cpu_s = ru.ru_utime + ru.ru_stime  # the workers, reaped above
+        # The workers, reaped above (and the brokers killed, reaped too: their CPU is not).
+        clients_cpu_s = ru.ru_utime + ru.ru_stime - cpu_before
     finally:
         for p in workers.values():
             if p.poll() is None:
