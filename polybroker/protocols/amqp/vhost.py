@@ -1521,8 +1521,14 @@ class VirtualHost:
         return hashlib.sha1(raw.encode()).hexdigest()
 
     async def load(self) -> None:
-        """Restore durable exchanges, queues and bindings."""
+        """Restore durable exchanges, queues and bindings.
+
+        Every binding is in place before any queue reads: a queue's ``amq.topic`` source routes
+        what it reads by the bindings (``accepts``) and acknowledges at once what they do not
+        route to it, so a source read before its binding was back lost its backlog."""
         store = self.service.metadata_store
+        queues: list[Queue] = []
+        bindings: list[routing.Binding] = []
         for kind in ("exchanges", "queues", "bindings"):
             for child in await store.children(f"{self._root}/{kind}"):
                 got = await store.get(f"{self._root}/{kind}/{child}")
@@ -1550,8 +1556,7 @@ class VirtualHost:
                         arguments=_args_in(body.get("arguments", "")),
                     )
                     self.queues[name] = q
-                    await q.start()
-                    await self._restore_sources(q)
+                    queues.append(q)
                 else:
                     b = routing.Binding(
                         body["source"],
@@ -1563,7 +1568,13 @@ class VirtualHost:
                     ex = self.exchanges.get(b.source)
                     if ex is not None and b not in ex.bindings:
                         ex.bindings.append(b)
-                        await self._bound(b)
+                        bindings.append(b)
+        for q in queues:
+            await q.start()
+            await self._restore_sources(q)
+        # After the sources they record: a forwarder then finds its queue reading already.
+        for b in bindings:
+            await self._bound(b)
         self.bindings_changed(_ANY_REMOVAL)
         Deferred.fromCoroutine(self._drop_orphan_sources()).addErrback(
             lambda f: log.warning("AMQP orphan sweep failed", extra=kv(error=str(f.value)))

@@ -220,3 +220,51 @@ def test_kill_9_does_not_redeliver_acked_messages_of_a_partly_acked_entry(
     assert taken == [f"b{i}".encode() for i in range(4)]
     assert bodies == [f"b{i}".encode() for i in range(4, 10)]
     assert extra is None
+
+
+def test_kill_9_keeps_the_backlog_of_a_queue_bound_to_amq_topic(tmp_path: Path) -> None:
+    """A durable queue bound to ``amq.topic`` reads a topic the Pulsar client writes; after
+    kill -9 it still has every message it had not acknowledged. Other durable queues are
+    restored after it, each opening its own topic, while it already reads its backlog."""
+    import pulsar
+
+    data = tmp_path / "data"
+    log = tmp_path / "standalone.log"
+    config = {"messagingProtocols": "amqp,pulsar"}
+    proc, ports = start_standalone(data, log, config)
+    try:
+        conn = connect(ports["amqpListenerPort"])
+        ch = conn.channel()
+        ch.queue_declare("bridged", durable=True)
+        ch.queue_bind("bridged", "amq.topic", "feed")
+        ch.confirm_delivery()
+        for name in ("later-1", "later-2", "later-3"):
+            ch.queue_declare(name, durable=True)
+            ch.basic_publish("", name, b"own", pika.BasicProperties(delivery_mode=2))
+        conn.close()
+        client = pulsar.Client(f"pulsar://127.0.0.1:{ports['brokerServicePort']}")
+        try:
+            producer = client.create_producer("feed", batching_enabled=False)
+            for i in range(200):
+                producer.send(f"f{i}".encode())
+        finally:
+            client.close()
+    finally:
+        stop(proc, signal.SIGKILL)
+    for _ in range(3):  # each restart reads the whole backlog again
+        proc, ports = start_standalone(data, log, config)
+        try:
+            conn = connect(ports["amqpListenerPort"])
+            ch = conn.channel()
+            got: list[bytes] = []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and len(got) < 200:
+                body = ch.basic_get("bridged")[2]
+                if body is not None:
+                    got.append(body)
+                else:
+                    time.sleep(0.05)
+            conn.close()  # unacknowledged: all of it stays in the queue
+        finally:
+            stop(proc, signal.SIGKILL)
+        assert got == [f"f{i}".encode() for i in range(200)]
