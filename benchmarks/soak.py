@@ -385,6 +385,10 @@ def kafka_worker(w: Worker) -> None:
             for c in members:
                 c.close()
 
+    def fatal(error: Any) -> None:
+        if error.fatal():  # the reason; produce() then only says "Fatal error"
+            w.note(f"kafka producer fatal: {error}")
+
     def produce() -> None:
         w.wait_start()
         p = Producer(
@@ -393,6 +397,7 @@ def kafka_worker(w: Worker) -> None:
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 5,
+                "error_cb": fatal,
             }
         )
 
@@ -400,7 +405,11 @@ def kafka_worker(w: Worker) -> None:
             s = "soak-k2m" if i % 5 == 4 else "soak-kafka"
             n = seqs[s].next()
             confirm = w.confirmer("kafka produce", s, n)
-            p.produce(s, payload(s, n), key=str(n).encode(), on_delivery=confirm)
+            try:
+                p.produce(s, payload(s, n), key=str(n).encode(), on_delivery=confirm)
+            except Exception:
+                p.poll(0)  # serves the error callback: a fatal error's reason
+                raise
             p.poll(0)
         left = p.flush(30)
         if left:
@@ -477,6 +486,10 @@ def mqtt_worker(w: Worker) -> None:
                 s = "soak-m2p" if i % 5 == 4 else "soak-mqtt"
                 n = seqs[s].next()
                 info = pub.publish(s, payload(s, n), qos=1)
+                if info.rc == mqtt.MQTT_ERR_NO_CONN:
+                    # The broker went away (a kill): end the session, as an application
+                    # would, rather than note every publish until paho reconnects.
+                    raise ConnectionError("mqtt publisher: connection lost")
                 if info.rc != mqtt.MQTT_ERR_SUCCESS:
                     w.note(f"mqtt publish {s}:{n}: rc {info.rc}")
                     continue
