@@ -104,8 +104,8 @@ LISTENERS = {
     "mqtt": "mqttListenerPort",
     "amqp": "amqpListenerPort",
 }
-#: The standalone's port flags, in ``PORT_FLAGS`` order, -> the workers' names.
-FLAG_LISTENERS = dict(zip(PORT_FLAGS, ("pulsar", "http", "kafka", "mqtt", "amqp"), strict=True))
+#: The standalone's port flags -> the workers' names (both in the same order).
+FLAG_LISTENERS = dict(zip(PORT_FLAGS, LISTENERS, strict=True))
 
 
 def payload(stream: str, seq: int) -> bytes:

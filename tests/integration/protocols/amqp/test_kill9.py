@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pika
 import pika.exceptions
+import pulsar
 import pytest
 from standalone_process import start_standalone, stop_process
 
@@ -226,8 +227,6 @@ def test_kill_9_keeps_the_backlog_of_a_queue_bound_to_amq_topic(tmp_path: Path) 
     """A durable queue bound to ``amq.topic`` reads a topic the Pulsar client writes; after
     kill -9 it still has every message it had not acknowledged. Other durable queues are
     restored after it, each opening its own topic, while it already reads its backlog."""
-    import pulsar
-
     data = tmp_path / "data"
     log = tmp_path / "standalone.log"
     config = {"messagingProtocols": "amqp,pulsar"}
