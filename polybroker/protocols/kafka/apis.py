@@ -1033,7 +1033,10 @@ class KafkaApis:
     async def _tail_producer_batches(self, topic: Any) -> dict[int, tuple[int, int, int, int]]:
         """Entry index -> (producer id, epoch, base, last sequence) of the idempotent batches in
         the tail of ``topic``'s log. Windows are read newest first, each forward from its start;
-        a window cut short by a bound is dropped whole, so what is returned has no hole."""
+        a window cut short (by a bound, or by the log's head trimmed or a read failing while it
+        is read) is dropped whole with every older one, so what is returned has no hole: a
+        hole could leave a producer's state behind what it was acknowledged, and its next batch
+        refused as a gap."""
         found: dict[int, tuple[int, int, int, int]] = {}
         started = self.clock.seconds()
         upper = topic.next_index
@@ -1044,17 +1047,23 @@ class KafkaApis:
             lower = max(topic.first_index, upper - min(span, _REBUILD_MAX_ENTRIES - entries))
             window: dict[int, tuple[int, int, int, int]] = {}
             index = lower
-            complete = True
             while index < upper:
                 if (
                     size >= _REBUILD_MAX_BYTES
                     or self.clock.seconds() - started > _REBUILD_MAX_SECONDS
                 ):
-                    complete = False
                     break
                 # Entries hold a message or more: never ask for more than the window can hold.
-                read = await topic.read_from_index(index, min(_READ_ENTRIES, upper - index))
-                if not read:
+                try:
+                    read = await topic.read_from_index(index, min(_READ_ENTRIES, upper - index))
+                except Exception as e:
+                    # The log's head trimmed meanwhile (a subscription moved on), say.
+                    log.info(
+                        "Kafka producer states: the log tail read stopped",
+                        extra=kv(topic=topic.name, index=index, error=str(e)),
+                    )
+                    break
+                if not read:  # the head trimmed past ``index`` meanwhile
                     break
                 for entry in read:
                     if entry.index >= upper:
@@ -1066,7 +1075,7 @@ class KafkaApis:
                     summary = stored_producer_batch(entry.data)
                     if summary is not None:
                         window[entry.index] = summary
-            if not complete:
+            if index < upper:  # cut short: its newest entries were not read
                 break
             found.update(window)
             upper = lower

@@ -14,7 +14,7 @@ from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.metadata import MetadataRequest
 from kafka.protocol.producer import ProduceRequest
 from kafka.record.memory_records import MemoryRecords, MemoryRecordsBuilder
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
@@ -380,6 +380,42 @@ def test_the_rebuild_reads_only_a_bounded_tail(monkeypatch: pytest.MonkeyPatch) 
     assert reads == [4, 16]  # the newest 4 messages, then 16 more: the budget of 20 entries
     unknown = w.produce(batch(1, pid=1, epoch=0, seq=0))  # forgotten: stored again
     assert (unknown.error_code, unknown.base_offset) == (c.NONE, 41)
+
+
+@pytest.mark.parametrize("trimmed", ["empty read", "read error"])
+def test_a_tail_window_cut_short_by_a_trim_is_dropped(
+    monkeypatch: pytest.MonkeyPatch, trimmed: str
+) -> None:
+    """The log's head trimmed while a window is read (its reads then come back empty, or
+    fail) drops that window whole: a producer whose last batches it held starts afresh,
+    rather than from an older batch of the window, which would refuse its next one as a gap."""
+    monkeypatch.setattr(apis_module, "_REBUILD_MAX_ENTRIES", 20)
+    monkeypatch.setattr(apis_module, "_REBUILD_FIRST_SPAN", 4)
+    monkeypatch.setattr(apis_module, "_READ_ENTRIES", 4)
+    old = Wire()
+    for i in range(32):
+        old.produce(batch(1, pid=2, epoch=0, seq=i))  # offsets 0-31
+    for i in range(8):
+        old.produce(batch(1, pid=3, epoch=0, seq=i))  # offsets 32-39: the newest window
+    w = Wire(restarted=old)
+    topic = result_of(w.service.get_topic("t-partition-0"))
+    real = topic.read_from_index
+    calls: list[int] = []
+
+    def trimmed_after_two(index: int, max_entries: int) -> Any:
+        calls.append(index)
+        if len(calls) <= 2:  # the newest window [36, 40), then [20, 24) of [20, 36)
+            return real(index, max_entries)
+        if trimmed == "read error":
+            raise RuntimeError(f"entry {index} is no longer stored")
+        return succeed([])
+
+    topic.read_from_index = trimmed_after_two
+    nxt = w.produce(batch(1, pid=2, epoch=0, seq=32))
+    assert (nxt.error_code, nxt.base_offset) == (c.NONE, 40)  # not a gap after seq 23
+    assert calls == [36, 20, 24]
+    assert w.produce(batch(1, pid=3, epoch=0, seq=8)).base_offset == 41  # the newest: known
+    assert w.produce(batch(1, pid=3, epoch=0, seq=7)).base_offset == 39  # a retry: stored once
 
 
 def test_stored_producer_batches_are_read_from_either_format() -> None:
