@@ -11,7 +11,9 @@ is the batch's base offset. Entries written by other protocols are converted to 
 
 Idempotent producers: per (partition, producer id) the last few batches' sequence numbers and
 offsets are remembered; a batch seen again is acknowledged with its first offset and not
-appended twice, a gap is OUT_OF_ORDER_SEQUENCE_NUMBER. The state is rebuilt from the log when a
+appended twice, a gap is OUT_OF_ORDER_SEQUENCE_NUMBER. Produces to one partition are checked
+and appended in the order they arrived (``_AppendOrder``), as a Kafka broker handles a
+connection's requests one at a time. The state is rebuilt from the log when a
 partition is loaded (here: before the first idempotent produce to it on this broker object is
 answered), so a batch the previous owner stored but never acknowledged (a kill -9, a failover)
 is acknowledged, not stored twice, when the producer retries it. Every stored Kafka batch says
@@ -234,6 +236,42 @@ class _PartitionRead:
         return self.out.size
 
 
+class _AppendOrder:
+    """Produces to one partition reach their sequence check and start their appends in the
+    order they arrived, whatever each awaited before (the partition count, an ownership check,
+    the topic's load, the producer-state rebuild). A Kafka broker handles a connection's
+    requests one at a time, and an idempotent client with several requests in flight counts on
+    that: a batch checked before the one sent ahead of it would be refused as a gap (which
+    librdkafka makes fatal) or stored out of order. ``enter`` is called on arrival, before any
+    await; the ticket fires once every earlier ticket of its key has left."""
+
+    __slots__ = ("_queues",)
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[str, int], deque[Deferred[None]]] = {}
+
+    def enter(self, key: tuple[str, int]) -> Deferred[None]:
+        queue = self._queues.setdefault(key, deque())
+        ticket: Deferred[None] = Deferred()
+        queue.append(ticket)
+        if len(queue) == 1:
+            ticket.callback(None)
+        return ticket
+
+    def leave(self, key: tuple[str, int], ticket: Deferred[None]) -> None:
+        """Let the next ticket of ``key`` go once ``ticket`` is done (or given up); a ticket
+        that already left is ignored."""
+        queue = self._queues.get(key)
+        if queue is None or ticket not in queue:
+            return
+        head = queue[0] is ticket
+        queue.remove(ticket)
+        if not queue:
+            del self._queues[key]
+        elif head:
+            queue[0].callback(None)
+
+
 class _Turns:
     """One request's count of elements worked through; ``step`` hands the reactor back (a
     zero-delay call on the clock) every ``ELEMENTS_PER_TURN`` of them."""
@@ -279,6 +317,7 @@ class KafkaApis:
             self._sweep.start(SWEEP_INTERVAL_S, now=False)
         self.producers: dict[tuple[str, int], ProducerState] = {}
         # Loaded topic -> None once its producer states are rebuilt, or the rebuild under way.
+        self._append_order = _AppendOrder()
         self._rebuilt: weakref.WeakKeyDictionary[Any, Deferred[None] | None] = (
             weakref.WeakKeyDictionary()
         )
@@ -883,6 +922,16 @@ class KafkaApis:
         return c.ProduceResponse(topics)
 
     async def _produce_partition(self, req: c.Request, name: str, p: Any) -> tuple[int, int, int]:
+        key = (name, p.index)
+        ticket = self._append_order.enter(key)
+        try:
+            return await self._produce_in_turn(req, name, p, key, ticket)
+        finally:
+            self._append_order.leave(key, ticket)
+
+    async def _produce_in_turn(
+        self, req: c.Request, name: str, p: Any, key: tuple[str, int], ticket: Deferred[None]
+    ) -> tuple[int, int, int]:
         if req.api_version < 3:
             return c.UNSUPPORTED_FOR_MESSAGE_FORMAT, -1, -1
         if req.body.acks not in (-1, 0, 1):
@@ -930,10 +979,15 @@ class KafkaApis:
             rebuilding = self._producers_ready(topic)
             if rebuilding is not None:
                 await rebuilding
+        await ticket
         first_base = -1
-        for batch, found in zip(batches, decoded, strict=True):
+        last = len(batches) - 1
+        for i, (batch, found) in enumerate(zip(batches, decoded, strict=True)):
+            appending = Deferred.fromCoroutine(self._append(topic, batch, found))
+            if i == last:  # checked and under way: the next produce may be checked
+                self._append_order.leave(key, ticket)
             try:
-                error, base = await self._append(topic, batch, found)
+                error, base = await appending
             except Exception:
                 if self.cluster is None or self.cluster.owns(topic.name):
                     raise

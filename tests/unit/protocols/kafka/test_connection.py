@@ -355,6 +355,41 @@ def test_the_first_idempotent_produce_waits_for_the_rebuild_and_answers_in_order
     assert topic.next_index == 2
 
 
+def test_a_produce_held_up_before_its_append_is_not_overtaken() -> None:
+    """Two produces to one partition, the first held up before its append (its topic still
+    loading) and the second not: they are checked and stored in the order they came, as a
+    Kafka broker does. Taken in the other order, an idempotent batch was checked before the
+    one ahead of it, and that one was then answered as a duplicate, stored nowhere."""
+    w = Wire()
+    w.produce(batch(1))  # a plain producer: the topic exists, its partition count is known
+    real_load = w.apis._load
+    held: list[Deferred[Any]] = []
+
+    def slow_first_load(full: str, create: bool) -> Deferred[Any]:
+        if held:
+            return real_load(full, create)
+        held.append(Deferred())
+        return held[0]
+
+    w.apis._load = slow_first_load  # type: ignore[method-assign]
+    corrs = [
+        w.send(produce_request(batch(1, pid=5, epoch=0, seq=0))),
+        w.send(produce_request(batch(1, pid=5, epoch=0, seq=1))),
+    ]
+    topic = result_of(real_load("persistent://public/default/t-partition-0", False))
+    assert w.responses() == []
+    assert topic.next_index == 1  # the second waits its turn, not stored ahead
+    held[0].callback(topic)
+    answers = w.responses()
+    assert [corr for corr, _ in answers] == corrs
+    parts = [
+        c.response_class(0)[7].decode(body).responses[0].partition_responses[0]
+        for _, body in answers
+    ]
+    assert [(r.error_code, r.base_offset) for r in parts] == [(c.NONE, 1), (c.NONE, 2)]
+    assert topic.next_index == 3
+
+
 def test_the_rebuild_reads_only_a_bounded_tail(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the newest entries are read (newest window first, no hole): a producer whose last
     batch is older than the tail starts afresh, one in the tail is known."""
