@@ -328,6 +328,8 @@ class BrokerService:
 
     def get_topic(self, name: str, create: bool = True) -> Deferred[Topic]:
         """The loaded topic, loading it (and creating it if ``create`` and auto-creation allow).
+        Callers waiting for one load resume in the order they called, the one that started it
+        first: a connection's publishes, sent one after another, are then stored in order.
 
         Fails with ``TopicNotFoundError``, ``InvalidTopicNameError``, ``ServiceNotReadyError``."""
         try:
@@ -339,13 +341,15 @@ class BrokerService:
             return succeed(topic)
         if self._closed:
             return fail(ServiceNotReadyError("broker is shutting down"))
+        d: Deferred[Topic] = Deferred()
         waiters = self._loading.get(ref.full)
         if waiters is not None:
-            d: Deferred[Topic] = Deferred()
             waiters.append(d)
             return d
-        self._loading[ref.full] = []
-        return Deferred.fromCoroutine(self._load(ref, create))
+        self._loading[ref.full] = [d]
+        # The outcome reaches every caller through its waiter, this one's too.
+        Deferred.fromCoroutine(self._load(ref, create)).addErrback(lambda _: None)
+        return d
 
     async def _load(self, ref: TopicRef, create: bool) -> Topic:
         try:

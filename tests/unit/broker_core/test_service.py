@@ -133,6 +133,31 @@ def test_concurrent_loads_share_one_topic() -> None:
     assert calls == ["public/default/persistent/t"]
 
 
+def test_callers_of_one_load_resume_in_the_order_they_called() -> None:
+    """Publishes sent one after another while their topic loads are stored in that order: the
+    caller that started the load resumes first, not after those that came later."""
+    env = Env()
+    pending: Deferred[Any] = Deferred()
+    real_open = env.factory.open
+
+    def slow_open(name: str, config: object = None) -> Deferred[Any]:
+        return pending.addCallback(lambda _: result_of(real_open(name)))
+
+    env.factory.open = slow_open  # type: ignore[method-assign]
+    published = [env.service.publish("t", message(f"m{i}")) for i in range(3)]
+    failing = [env.service.get_topic("absent", create=False) for _ in range(2)]
+    pending.callback(None)
+    entries = [result_of(d) for d in published]
+    assert [e.position.entry_id for e in entries] == [0, 1, 2]
+    consumer = RecordingConsumer()
+    sub = result_of(
+        env.service.subscribe("t", "s", consumer, SubType.EXCLUSIVE, InitialPosition.EARLIEST)
+    )
+    sub.flow(10)
+    assert [payload_of(d.entry) for d in consumer.deliveries] == ["m0", "m1", "m2"]
+    assert all(isinstance(failure_of(d), TopicNotFoundError) for d in failing)
+
+
 def test_managed_ledger_config_comes_from_the_broker_config() -> None:
     """Ensemble and quorum settings reach the managed-ledger factory."""
     env = Env(
