@@ -356,7 +356,8 @@ class BrokerService:
             topic = await self._open(ref, create)
         except Exception as e:
             for waiter in self._loading.pop(ref.full, []):
-                waiter.errback(e)
+                if not waiter.called:  # a caller may have cancelled its wait
+                    waiter.errback(e)
             raise
         topic.on_closed = self._topic_closed
         self.topics[ref.full] = topic
@@ -366,7 +367,8 @@ class BrokerService:
             except Exception:
                 log.exception("topic listener failed", extra=kv(topic=ref.full))
         for waiter in self._loading.pop(ref.full, []):
-            waiter.callback(topic)
+            if not waiter.called:
+                waiter.callback(topic)
         return topic
 
     async def _open(self, ref: TopicRef, create: bool) -> Topic:
