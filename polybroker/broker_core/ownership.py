@@ -618,8 +618,8 @@ class ClusterOwnership(Ownership):
         bundle = self._bundles.get(key)
         if bundle is None or bundle.claim is not claim or bundle.ready is not None:
             return
-        if state is ClaimState.HELD:
-            return
+        if state is ClaimState.HELD or self._stopped:
+            return  # held, or given up by ``stop``: nothing lost
         if state is ClaimState.SUSPENDED:
             # The connection is down, the session may live on: keep serving (a new owner
             # would fence our ledgers first) until the store says the session is gone.
