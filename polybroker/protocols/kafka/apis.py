@@ -90,6 +90,9 @@ _REBUILD_FIRST_SPAN = 256
 ELEMENTS_PER_TURN = 256
 #: How often (seconds) a cluster broker drops the groups whose coordinator slot it lost.
 SWEEP_INTERVAL_S = 1.0
+#: How often (seconds) a cluster broker moves the groups' subscriptions on the partitions it
+#: owns to their stored commits (``mirror_stored_commits``).
+MIRROR_INTERVAL_S = 5.0
 #: Topic ids are derived from the full topic name: stable across restarts with no stored state.
 _TOPIC_ID_NAMESPACE = uuid.UUID("5c0f9d4e-6a55-4b8e-9a43-4b6b2f1d7a01")
 _NO_TOPIC_ID = uuid.UUID(int=0)
@@ -311,10 +314,16 @@ class KafkaApis:
             is_coordinator=None if cluster is None else self._owns_slot,
         )
         self._sweep: LoopingCall | None = None
+        self._mirror: LoopingCall | None = None
+        # (group, full topic name) -> (id of the loaded topic, offset) last mirrored there.
+        self._mirrored: dict[tuple[str, str], tuple[int, int]] = {}
         if cluster is not None:
             self._sweep = LoopingCall(self.sweep_groups)
             self._sweep.clock = clock
             self._sweep.start(SWEEP_INTERVAL_S, now=False)
+            self._mirror = LoopingCall(self._mirror_tick)
+            self._mirror.clock = clock
+            self._mirror.start(MIRROR_INTERVAL_S, now=False)
         self.producers: dict[tuple[str, int], ProducerState] = {}
         # Loaded topic -> None once its producer states are rebuilt, or the rebuild under way.
         self._append_order = _AppendOrder()
@@ -332,8 +341,9 @@ class KafkaApis:
 
     def close(self) -> None:
         self._closed = True
-        if self._sweep is not None and self._sweep.running:
-            self._sweep.stop()
+        for loop in (self._sweep, self._mirror):
+            if loop is not None and loop.running:
+                loop.stop()
         self.groups.close()
 
     # -- names ----------------------------------------------------------------------------
@@ -469,6 +479,49 @@ class KafkaApis:
         for gid in list(self.groups.groups):
             if not self.cluster.owns(self.cluster.coordinator_topic(gid)):
                 self.groups.forget(gid)
+
+    def _mirror_tick(self) -> Deferred[None]:
+        def failed(f: Failure) -> None:
+            log.warning("mirroring stored commits failed", extra=kv(error=str(f.value)))
+
+        return Deferred.fromCoroutine(self.mirror_stored_commits()).addErrback(failed)
+
+    async def mirror_stored_commits(self) -> None:
+        """Cluster mode: move the subscription named after each group, on every partition
+        loaded and owned here, to the group's stored commit. The coordinator mirrors a commit
+        at once only on the partitions it owns itself (``_committed``); on the others the group
+        had no subscription, so their ledgers were trimmed as if nobody read them, whatever
+        the group had not consumed yet."""
+        if self.cluster is None or self._closed:
+            return
+        owned: dict[tuple[str, int], Any] = {}
+        for name, count in list(self._partitions.items()):
+            for i in range(max(count, 1)):
+                full = self._partition_name(name, i)
+                topic = self.service.topics.get(full)
+                if topic is not None and self.cluster.owns(full):
+                    owned[(name, i)] = topic
+        if not owned:
+            return
+        if len(self._mirrored) > _MAX_PRODUCER_STATES:
+            self._mirrored.clear()
+        for group, offsets in await self.groups.stored_commits():
+            for name, partition, offset in offsets:
+                topic = owned.get((name, partition))
+                if topic is None or offset < 0 or not getattr(topic, "persistent", False):
+                    continue
+                key, done = (group, topic.name), (id(topic), offset)
+                if self._mirrored.get(key) == done:
+                    continue
+                try:
+                    await topic.mark_subscription_at_index(group, offset)
+                except Exception as e:
+                    log.info(
+                        "mirroring a stored commit failed",
+                        extra=kv(group=group, topic=topic.name, error=str(e)),
+                    )
+                    continue
+                self._mirrored[key] = done
 
     async def _as_coordinator(
         self, method: Callable[[KafkaApis, c.Request, str], Any], req: c.Request, host: str

@@ -376,6 +376,24 @@ class GroupCoordinator:
                 self._group(unquote(name[2:]))
         return self.list()
 
+    async def stored_commits(self) -> list[tuple[str, list[tuple[str, int, int]]]]:
+        """(group id, [(topic, partition, offset)]) of every group with offsets stored, read
+        from the metadata store whichever broker coordinates it (unreadable ones are skipped)."""
+        out: list[tuple[str, list[tuple[str, int, int]]]] = []
+        for name in await self.store.children(GROUPS_ROOT):
+            if not name.startswith("g-"):
+                continue
+            found = await self.store.get(f"{GROUPS_ROOT}/{name}")
+            if found is None:
+                continue
+            try:
+                items = json.loads(found.value)["offsets"]
+                offsets = [(str(i[0]), int(i[1]), int(i[2])) for i in items]
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue
+            out.append((unquote(name[2:]), offsets))
+        return out
+
     def delete(self, group_id: str) -> Deferred[int]:
         """DeleteGroups of one group: refused while it has members."""
         g = self.groups.get(group_id)

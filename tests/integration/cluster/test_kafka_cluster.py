@@ -28,7 +28,7 @@ from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import Producer as ConfluentProducer
 from confluent_kafka import TopicPartition as ConfluentTopicPartition
 from confluent_kafka.admin import AdminClient
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
 TOPIC = "orders"
@@ -503,6 +503,73 @@ def http(method: str, url: str) -> Any:
     with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=15) as r:
         body = r.read()
     return json.loads(body) if body else None
+
+
+def test_a_group_keeps_what_it_has_not_read_on_a_partition_its_coordinator_does_not_own(
+    zk_url: str, bookies: BookieProcesses, tmp_path: Path
+) -> None:
+    """With Pulsar's retention default (a ledger every subscription has passed is deleted), a
+    group's commit on a partition another broker owns moves the group's subscription there
+    too: the ledgers it has not consumed stay, and the group reads on from its commit after
+    the partition's ledger is sealed and trimming runs."""
+    for _ in range(2):
+        bookies.start(zk_url, {"metadataStoreSessionTimeoutMillis": 2000})
+    initialize(zk_url, bundles=8)
+    procs = BrokerProcesses(tmp_path)
+    try:
+        config = {**BROKER_CONFIG, "defaultRetentionTimeInMinutes": 0}
+        brokers = [procs.start(zk_url, config) for _ in range(2)]
+        cluster = KafkaCluster(zk_url, procs, brokers)
+        a = brokers[0]
+        create_topic(cluster, a)
+        boot = cluster.bootstrap(a)
+        producer = KafkaProducer(bootstrap_servers=boot, acks="all")
+        setup = KafkaConsumer(bootstrap_servers=boot, group_id=GROUP, enable_auto_commit=False)
+        setup.assign([TopicPartition(TOPIC, 0)])
+        setup.commit({TopicPartition(TOPIC, 0): OffsetAndMetadata(0, "", -1)})
+        coordinator = coordinator_port(cluster, a)
+        nodes, parts = leaders(cluster, a)
+        partition = next(
+            p for p, n in sorted(parts.items()) if not nodes[n].endswith(f":{coordinator}")
+        )
+        owner = cluster.by_kafka_port(int(nodes[parts[partition]].rsplit(":", 1)[1]))
+        tp = TopicPartition(TOPIC, partition)
+        values = [b"v-%03d" % i for i in range(100)]
+        for v in values:  # an entry each, so that the commit at 50 falls between entries
+            producer.send(TOPIC, value=v, partition=partition)
+            producer.flush(timeout=30)
+        setup.commit({tp: OffsetAndMetadata(50, "", -1)})
+        setup.close()
+        topic_path = f"persistent/public/default/{TOPIC}-partition-{partition}"
+        stats_url = f"{owner.http_url}/admin/v2/{topic_path}/stats"
+
+        def mirrored() -> bool:
+            subs = http("GET", stats_url).get("subscriptions", {})
+            return GROUP in subs and subs[GROUP].get("msgBacklog") == 50
+
+        wait_for(mirrored, 30, "the group's subscription on the partition's owner")
+        # Seal the partition's ledger (an unload; the next write opens a new one), then write:
+        # the sealed ledger goes unless a subscription still needs it.
+        http("PUT", f"{owner.http_url}/admin/v2/{topic_path}/unload")
+        producer.send(TOPIC, value=b"v-100", partition=partition)
+        producer.flush(timeout=30)
+        producer.close()
+        reader = KafkaConsumer(
+            bootstrap_servers=boot,
+            group_id=GROUP,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        reader.assign([tp])
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 51 and time.monotonic() < deadline:
+            for records in reader.poll(timeout_ms=500).values():
+                got.extend(r.value for r in records)
+        reader.close()
+        assert got == [*values[50:], b"v-100"]
+    finally:
+        procs.close()
 
 
 def test_bundles_swapping_brokers_under_kafka_python_clients(kafka_cluster: KafkaCluster) -> None:
