@@ -187,20 +187,9 @@ def main() -> None:
                 )
                 next_kill = time.time() + args.kill_every * random.uniform(0.5, 1.5)
             time.sleep(0.5)
-        for name, p in workers.items():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            out = root / f"{name}.json"
-            if out.exists():
-                results[name] = json.loads(out.read_text())
-            else:
-                results[name] = {"error_count": 1, "errors": [f"no result (exit {p.returncode})"]}
+        results = soak.collect(workers, root)
     finally:
-        for p in workers.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        soak.stop_workers(workers)
         for node in reversed(nodes):
             node.stop()
         zk.stop()
@@ -223,12 +212,7 @@ def main() -> None:
         "streams": streams,
         "scratch": str(root) if args.keep else None,
     }
-    print()
-    for name, st in streams.items():
-        print(f"{name:12} {st}")
-    for name, r in results.items():
-        for e in r.get("errors", [])[:5]:
-            print(f"client {name}: {e}")
+    soak.print_streams(streams, results)
     for name, (_, _, first) in logs.items():
         for line in first:
             print(f"{name} log: {line}")

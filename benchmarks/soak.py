@@ -734,6 +734,38 @@ def check(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+def stop_workers(workers: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Kill (by PID) the worker processes still running."""
+    for p in workers.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def collect(workers: dict[str, subprocess.Popen[bytes]], scratch: Path) -> dict[str, Any]:
+    """Each worker's result (what it wrote to ``<scratch>/<name>.json``) once it is stopped;
+    a worker that wrote none counts one error."""
+    stop_workers(workers)
+    results: dict[str, Any] = {}
+    for name, p in workers.items():
+        out = scratch / f"{name}.json"
+        if out.exists():
+            results[name] = json.loads(out.read_text())
+        else:
+            results[name] = {"error_count": 1, "errors": [f"no result (exit {p.returncode})"]}
+    return results
+
+
+def print_streams(streams: dict[str, dict[str, int]], results: dict[str, Any]) -> None:
+    """Each stream's counts and each client's first errors."""
+    print()
+    for name, st in streams.items():
+        print(f"{name:12} {st}")
+    for name, r in results.items():
+        for e in r.get("errors", [])[:5]:
+            print(f"client {name}: {e}")
+
+
 #: Run as the broker with ``--tracemalloc``: SIGUSR1 writes a snapshot to ``<dir>/tm-<n>.snap``.
 _TRACEMALLOC_BOOT = r"""
 import signal, sys, tracemalloc
@@ -950,15 +982,7 @@ def main() -> None:
                 broker.send_signal(signal.SIGUSR1)
                 next_snap += args.tracemalloc
             time.sleep(args.sample_seconds)
-        for name, p in workers.items():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            out = scratch / f"{name}.json"
-            if out.exists():
-                results[name] = json.loads(out.read_text())
-            else:
-                results[name] = {"error_count": 1, "errors": [f"no result (exit {p.returncode})"]}
+        results = collect(workers, scratch)
         if broker.poll() is not None:
             raise RuntimeError(f"broker exited with {broker.returncode} during the soak")
         final = proc_sample(broker.pid)
@@ -966,10 +990,7 @@ def main() -> None:
         # The workers, reaped above (and the brokers killed, reaped too: their CPU is not).
         clients_cpu_s = ru.ru_utime + ru.ru_stime - cpu_before
     finally:
-        for p in workers.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_workers(workers)
         if broker is not None and broker.poll() is None:
             broker.send_signal(signal.SIGTERM)
             try:
@@ -1038,12 +1059,7 @@ def main() -> None:
         "tracemalloc_growth": growth[:5],
         "scratch": str(scratch) if args.keep else None,
     }
-    print()
-    for name, st in streams.items():
-        print(f"{name:12} {st}")
-    for name, r in results.items():
-        for e in r.get("errors", [])[:5]:
-            print(f"client {name}: {e}")
+    print_streams(streams, results)
     for line in first:
         print(f"broker log: {line}")
     for line in growth:
