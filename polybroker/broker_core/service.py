@@ -356,8 +356,7 @@ class BrokerService:
             topic = await self._open(ref, create)
         except Exception as e:
             for waiter in self._loading.pop(ref.full, []):
-                if not waiter.called:  # a caller may have cancelled its wait
-                    waiter.errback(e)
+                waiter.errback(e)  # a cancelled wait ignores it (Twisted's rule)
             raise
         topic.on_closed = self._topic_closed
         self.topics[ref.full] = topic
@@ -367,8 +366,7 @@ class BrokerService:
             except Exception:
                 log.exception("topic listener failed", extra=kv(topic=ref.full))
         for waiter in self._loading.pop(ref.full, []):
-            if not waiter.called:
-                waiter.callback(topic)
+            waiter.callback(topic)
         return topic
 
     async def _open(self, ref: TopicRef, create: bool) -> Topic:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -156,6 +156,24 @@ def test_callers_of_one_load_resume_in_the_order_they_called() -> None:
     sub.flow(10)
     assert [payload_of(d.entry) for d in consumer.deliveries] == ["m0", "m1", "m2"]
     assert all(isinstance(failure_of(d), TopicNotFoundError) for d in failing)
+
+
+def test_a_caller_that_stops_waiting_for_a_load_leaves_the_others_answered() -> None:
+    """A caller cancels its wait while the topic loads: the callers after it still get the
+    topic (its own wait ends cancelled)."""
+    env = Env()
+    pending: Deferred[Any] = Deferred()
+    real_open = env.factory.open
+
+    def slow_open(name: str, config: object = None) -> Deferred[Any]:
+        return pending.addCallback(lambda _: result_of(real_open(name)))
+
+    env.factory.open = slow_open  # type: ignore[method-assign]
+    waits = [env.service.get_topic("t") for _ in range(3)]
+    waits[1].cancel()
+    pending.callback(None)
+    assert isinstance(failure_of(waits[1]), CancelledError)
+    assert result_of(waits[0]) is result_of(waits[2])
 
 
 def test_managed_ledger_config_comes_from_the_broker_config() -> None:
