@@ -52,6 +52,20 @@ class Env:
     def topic(self, name: str, create: bool = True) -> Topic:
         return result_of(self.service.get_topic(name, create))
 
+    def hold_opens(self) -> tuple[Deferred[None], list[str]]:
+        """Make managed-ledger opens wait until the returned Deferred fires; the names opened
+        are listed as they are asked for."""
+        release: Deferred[None] = Deferred()
+        real_open = self.factory.open
+        names: list[str] = []
+
+        def slow_open(name: str, config: object = None) -> Deferred[Any]:
+            names.append(name)
+            return release.addCallback(lambda _: result_of(real_open(name)))
+
+        self.factory.open = slow_open  # type: ignore[method-assign]
+        return release, names
+
 
 # -- names and loading ------------------------------------------------------------------------
 
@@ -116,16 +130,7 @@ def test_topics_are_created_only_in_existing_namespaces() -> None:
 def test_concurrent_loads_share_one_topic() -> None:
     """Two get_topic calls during a slow open get the same topic; the log is opened once."""
     env = Env()
-    pending: Deferred[Any] = Deferred()
-    real_open = env.factory.open
-    calls: list[str] = []
-
-    def slow_open(name: str, config: object = None) -> Deferred[Any]:
-        calls.append(name)
-        pending.addCallback(lambda _: result_of(real_open(name)))
-        return pending
-
-    env.factory.open = slow_open  # type: ignore[method-assign]
+    pending, calls = env.hold_opens()
     first = env.service.get_topic("t")
     second = env.service.get_topic("t")
     pending.callback(None)
@@ -137,13 +142,7 @@ def test_callers_of_one_load_resume_in_the_order_they_called() -> None:
     """Publishes sent one after another while their topic loads are stored in that order: the
     caller that started the load resumes first, not after those that came later."""
     env = Env()
-    pending: Deferred[Any] = Deferred()
-    real_open = env.factory.open
-
-    def slow_open(name: str, config: object = None) -> Deferred[Any]:
-        return pending.addCallback(lambda _: result_of(real_open(name)))
-
-    env.factory.open = slow_open  # type: ignore[method-assign]
+    pending, _ = env.hold_opens()
     published = [env.service.publish("t", message(f"m{i}")) for i in range(3)]
     failing = [env.service.get_topic("absent", create=False) for _ in range(2)]
     pending.callback(None)
@@ -162,13 +161,7 @@ def test_a_caller_that_stops_waiting_for_a_load_leaves_the_others_answered() -> 
     """A caller cancels its wait while the topic loads: the callers after it still get the
     topic (its own wait ends cancelled)."""
     env = Env()
-    pending: Deferred[Any] = Deferred()
-    real_open = env.factory.open
-
-    def slow_open(name: str, config: object = None) -> Deferred[Any]:
-        return pending.addCallback(lambda _: result_of(real_open(name)))
-
-    env.factory.open = slow_open  # type: ignore[method-assign]
+    pending, _ = env.hold_opens()
     waits = [env.service.get_topic("t") for _ in range(3)]
     waits[1].cancel()
     pending.callback(None)
