@@ -811,7 +811,7 @@ class AdminServer:
         stats = await self.service.internal_stats(ref.full)
         # Beyond Pulsar's fields: where each cursor resumes after a crash, so operators (and
         # tests) can tell an acknowledgement in memory from one made durable.
-        ledger = getattr(self.service.topics.get(ref.full), "ledger", None)
+        ledger = getattr(self.service.loaded_topic(ref.full), "ledger", None)
         cursors = stats.get("cursors")
         if ledger is not None and isinstance(cursors, dict):
             for name, cursor in ledger.cursors.items():

@@ -326,6 +326,10 @@ class BrokerService:
 
     # -- topics ---------------------------------------------------------------------------
 
+    def loaded_topic(self, full: str) -> Topic | None:
+        """The topic of full name ``full`` if it is loaded here now (never loads it)."""
+        return self.topics.get(full)
+
     def get_topic(self, name: str, create: bool = True) -> Deferred[Topic]:
         """The loaded topic, loading it (and creating it if ``create`` and auto-creation allow).
         Callers waiting for one load resume in the order they called, the one that started it

@@ -498,7 +498,7 @@ class KafkaApis:
         for name, count in list(self._partitions.items()):
             for i in range(max(count, 1)):
                 full = self._partition_name(name, i)
-                topic = self.service.topics.get(full)
+                topic = self.service.loaded_topic(full)
                 if topic is not None and self.cluster.owns(full):
                     owned[(name, i)] = topic
         if not owned:
