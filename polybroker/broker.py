@@ -105,7 +105,14 @@ class ClusterBroker(BrokerProcess):
 
         registry = MetadataBookieRegistry(store)
         self._stops.append(("bookie registry", registry.close))
-        client = BookKeeperClient(store, registry, tcp_connector(reactor), reactor)
+        client = BookKeeperClient(
+            store,
+            registry,
+            tcp_connector(reactor),
+            reactor,
+            # A dead bookie is listed until its session expires: not retried before that.
+            failed_bookie_quarantine_s=int(config["metadataStoreSessionTimeoutMillis"]) / 1000,
+        )
         self._stops.append(("ledger client", client.close))
         factory = ManagedLedgerFactoryImpl(
             store,

@@ -10,9 +10,11 @@ Rule 3 (I18, I20, I21): a failed (or timed out) bookie is replaced by one outsid
         new fragment starting at LAC+1, recorded by compare-and-set before anything is sent to the
         replacement; adds complete no further while the change runs, then the outstanding adds of
         the failed bookie are re-sent to its replacement. A bookie failing an add that already
-        completed is replaced too. A lost CAS is re-read: a ledger no longer OPEN means a recovery
-        fenced it (``LedgerFencedError``). No spare bookie: ``NotEnoughBookiesError`` for the
-        pending adds and every later one.
+        completed is replaced too. A bookie that failed the writer is not chosen again by it for
+        ``failed_bookie_quarantine_s`` (a dead bookie stays listed until its registration
+        expires; one that came back is taken again after that). A lost CAS is re-read: a
+        ledger no longer OPEN means a recovery fenced it (``LedgerFencedError``). No spare
+        bookie: ``NotEnoughBookiesError`` for the pending adds and every later one.
 Rule 4 (I15, I16, I19): a recovery open moves the metadata to IN_RECOVERY, fences Qw-Qa+1 bookies
         of every write set of the last ensemble, reads forward with fencing reads from
         max(LAC seen, first entry of the last fragment - 1) until Qw-Qa+1 bookies lack an entry,
@@ -357,7 +359,8 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         self._sealing = False
         self._changing = False
         self._to_replace: set[str] = set()
-        self._failed_bookies: set[str] = set()
+        # Bookies that failed this writer, and when (Rule 3).
+        self._failed_bookies: dict[str, float] = {}
         self._sweep_call: Any = None
         self._write_sets = self._last_write_sets(metadata)
         self._ensemble_size = metadata.ensemble_size
@@ -734,7 +737,9 @@ class _WriteHandle(_ReadHandle, WriteHandle):
         if not failed or self._error is not None:
             return
         self._changing = True
-        self._failed_bookies |= failed
+        now = self._seconds()
+        for address in failed:
+            self._failed_bookies[address] = now
         self._client._registry.writable_bookies().addCallback(
             self._got_bookies, failed, 0
         ).addErrback(self._change_failed)
@@ -744,9 +749,9 @@ class _WriteHandle(_ReadHandle, WriteHandle):
             return None
         meta = self._metadata
         first, ensemble = meta.fragments[-1]
-        new_ensemble = replace_bookies(
-            ensemble, failed, available, self._client._rng, self._failed_bookies
-        )
+        since = self._seconds() - self._client._quarantine_s
+        shunned = [a for a, at in self._failed_bookies.items() if at > since]
+        new_ensemble = replace_bookies(ensemble, failed, available, self._client._rng, shunned)
         start = self._lac + 1
         fragments = list(meta.fragments)
         if first >= start:
@@ -915,13 +920,18 @@ class BookKeeperClient(LedgerClient):
         reactor: Any,
         *,
         add_timeout_s: float = 30.0,
+        failed_bookie_quarantine_s: float = 30.0,
         rng: random.Random | None = None,
     ) -> None:
+        """``failed_bookie_quarantine_s``: how long a writer leaves out a bookie that failed it
+        (Rule 3); at least the registry's session timeout, so that a dead bookie has left the
+        registry by the time it would be a candidate again."""
         self._store = store
         self._registry = registry
         self._connect = connect
         self._reactor = reactor
         self._add_timeout_s = add_timeout_s
+        self._quarantine_s = failed_bookie_quarantine_s
         self._rng = rng or random.Random()
         self._bookies: dict[str, BookieClient] = {}
         # Per bookie address: its ``add_parts_batched`` (None: it has only ``add_entry``).

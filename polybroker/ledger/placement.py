@@ -1,7 +1,7 @@
 """Placement: which bookies form a new ensemble, which one replaces a failed member.
 
 Rule 1: an ensemble never holds the same bookie twice, and a replacement is never a bookie of the
-        current ensemble nor one excluded (bookies that already failed this writer).
+        current ensemble nor one excluded (bookies that recently failed this writer).
 Rule 2: choices are random among the candidates (spreads load over the cluster), drawn from the
         injected ``random.Random`` so tests can fix them.
 """

@@ -270,6 +270,33 @@ def test_not_enough_bookies_fails_pending_and_later_adds() -> None:
     assert result_of(w.read(0, 0)) == [b"kept"]
 
 
+def test_a_bookie_that_failed_the_writer_is_taken_again_after_its_quarantine() -> None:
+    """A bookie that failed a writer is not its replacement within the quarantine (it may be a
+    dead bookie still listed), and is once the quarantine is over (it came back)."""
+    rig = LedgerRig(3)
+    w = rig.create(2, 2, 2)
+    first = w.metadata.fragments[0][1]
+    rig.bookie(first[0]).down = True
+    assert result_of(w.append(b"a")) == 0
+    spare = w.metadata.fragments[-1][1][0]
+    assert spare not in first
+    rig.bookie(first[0]).down = False  # it came back
+    rig.bookie(spare).down = True
+    assert isinstance(failure_of(w.append(b"b")), NotEnoughBookiesError)
+
+    w = rig.create(2, 2, 2)
+    first = w.metadata.fragments[0][1]
+    rig.bookie(spare).down = False
+    rig.bookie(first[0]).down = True
+    assert result_of(w.append(b"a")) == 0
+    spare = w.metadata.fragments[-1][1][0]
+    rig.bookie(first[0]).down = False
+    rig.clock.advance(30.5)  # the client's default quarantine
+    rig.bookie(spare).down = True
+    assert result_of(w.append(b"b")) == 1
+    assert w.metadata.fragments[-1][1][0] == first[0]
+
+
 def test_silent_bookie_is_replaced_after_the_add_timeout() -> None:
     """A bookie that never answers holds the adds only until the add timeout, then is replaced."""
     rig = LedgerRig(3, add_timeout_s=2.0)
