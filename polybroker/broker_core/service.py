@@ -62,6 +62,7 @@ from polybroker.broker_core.forwarding import (
 )
 from polybroker.broker_core.ownership import NotOwnerError, Ownership
 from polybroker.broker_core.publish_buffer import PublishBuffer
+from polybroker.broker_core.publish_line import PublishLine
 from polybroker.broker_core.topic import (
     NonPersistentTopic,
     PersistentTopic,
@@ -218,6 +219,8 @@ class BrokerService:
         # The owner each forwarded topic was last sent to, so the next call goes straight
         # there (no ownership round trip per message); dropped when a call there fails.
         self._forward_owners: dict[str, Any] = {}
+        # Forwarded publishes not settled yet, by topic: kept in call order.
+        self._lines: dict[str, PublishLine] = {}
         # Where the ledger factory names managed ledgers in the metadata store
         # (``<root>/<managed ledger name>``), for ``watch_namespace_topics``; None: not watched.
         self.ledger_names_root: str | None = None
@@ -494,7 +497,7 @@ class BrokerService:
         except InvalidTopicNameError as e:
             return fail(e)
         loaded = self.topics.get(full)
-        if loaded is not None:
+        if loaded is not None and not (forward and full in self._lines):
             return loaded.publish(
                 data,
                 num_messages,
@@ -523,11 +526,52 @@ class BrokerService:
                     lambda pos: Entry(pos, -1, num_messages, publish_time_ms or 0, data)
                 )
 
-            return Deferred.fromCoroutine(self._routed(full, True, loaded_then, remote))
+            def send(target: Any) -> Deferred[Entry | None]:
+                return loaded_then(target) if isinstance(target, Topic) else remote(target)
+
+            return self._publish_line(full).publish(send, self.forward_retry_s)
 
         d = self.get_topic(full, create=True)
         d.addCallback(loaded_then)
         return d  # type: ignore[return-value]
+
+    def _publish_line(self, full: str) -> PublishLine:
+        """The line of forwarded publishes to ``full`` (``broker_core.publish_line``): its
+        target is the topic when loaded here, else its owner as last found."""
+        line = self._lines.get(full)
+        if line is not None:
+            return line
+        owners = self._forward_owners
+
+        def known() -> Any:
+            topic = self.topics.get(full)
+            return topic if topic is not None else owners.get(full)
+
+        async def look_up() -> Any:
+            try:
+                return await self.get_topic(full, create=True)
+            except NotOwnerError as e:
+                if e.owner is None or not e.owner.pulsar_url:
+                    raise
+                if len(owners) >= 100_000:
+                    owners.clear()
+                owners[full] = e.owner
+                return e.owner
+
+        def idle() -> None:
+            if self._lines.get(full) is line:
+                del self._lines[full]
+
+        line = PublishLine(
+            self.reactor,
+            full,
+            known,
+            lambda: Deferred.fromCoroutine(look_up()),
+            lambda: owners.pop(full, None),
+            idle,
+        )
+        self._lines[full] = line
+        return line
 
     def add_producer(
         self,
@@ -986,6 +1030,8 @@ class BrokerService:
         if self._closed:
             return
         self._closed = True
+        for line in list(self._lines.values()):
+            line.close(ServiceNotReadyError("the broker is stopping"))
         if self._rates is not None and self._rates.running:
             self._rates.stop()
         topics = list(self.topics.values())

@@ -348,3 +348,75 @@ def test_the_owner_is_remembered_until_a_call_there_fails() -> None:
     assert b.ownership.acquired == [THEIRS, THEIRS]
     assert THEIRS in b.service.topics
     assert len(b.forwarder.published) == 4
+
+
+class HoldingForwarder(FakeForwarder):
+    """Keeps each forwarded publish's Deferred for the test to answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Deferred[Position]] = []
+
+    def publish(
+        self, owner: BrokerInfo, topic: str, data: bytes, num_messages: int = 1
+    ) -> Deferred[Position]:
+        self.published.append((owner.broker_id, topic, data, num_messages))
+        d: Deferred[Position] = Deferred()
+        self.held.append(d)
+        return d
+
+
+def test_forwarded_publishes_keep_their_order_across_a_failover() -> None:
+    """Publishes in flight when their owner goes are sent again in call order, whichever was
+    refused first, and one made meanwhile waits behind them instead of overtaking them."""
+    b = Broker()
+    fwd = HoldingForwarder()
+    b.service.forwarder = fwd
+    results = [b.service.publish(THEIRS, b"m%d" % i, forward=True) for i in range(3)]
+    assert [p[2] for p in fwd.published] == [b"m0", b"m1", b"m2"]
+    fwd.held[1].errback(ForwardingError("owner gone"))
+    fwd.held[0].errback(ForwardingError("owner gone"))
+    results.append(b.service.publish(THEIRS, b"m3", forward=True))
+    b.clock.advance(1.0)
+    assert len(fwd.published) == 3, "nothing is sent while a publish in flight may be refused"
+    fwd.held[2].errback(ForwardingError("owner gone"))
+    b.clock.advance(0.05)
+    assert [p[2] for p in fwd.published[3:]] == [b"m0", b"m1", b"m2", b"m3"]
+    assert b.ownership.acquired == [THEIRS, THEIRS], "looked up again once"
+    for i, d in enumerate(fwd.held[3:]):
+        d.callback(Position(9, i))
+    entries = [result_of(d) for d in results]
+    assert [e.position for e in entries if e is not None] == [Position(9, i) for i in range(4)]
+    assert THEIRS not in b.service._lines, "a line that holds nothing is dropped"
+
+
+def test_a_forwarded_publish_waits_behind_a_retry_when_the_topic_comes_here() -> None:
+    """The topic moves to this broker while a publish waits for its retry: the later publish,
+    which would find the topic loaded here, is stored after it, not before."""
+    b = Broker()
+    fwd = HoldingForwarder()
+    b.service.forwarder = fwd
+    first = b.service.publish(THEIRS, b"first", forward=True)
+    fwd.held[0].errback(ForwardingError("owner gone"))
+    del b.ownership.remote[THEIRS]
+    result_of(b.service.get_topic(THEIRS))  # loaded here by another caller meanwhile
+    second = b.service.publish(THEIRS, b"second", forward=True)
+    assert not second.called
+    b.clock.advance(0.05)
+    a, c = result_of(first), result_of(second)
+    assert a is not None
+    assert c is not None
+    assert a.position < c.position
+
+
+def test_stopping_the_broker_fails_the_forwarded_publishes_that_wait() -> None:
+    """A publish waiting for its retry fails when the broker stops, and is not sent."""
+    b = Broker()
+    fwd = HoldingForwarder()
+    b.service.forwarder = fwd
+    d = b.service.publish(THEIRS, b"x", forward=True)
+    fwd.held[0].errback(ForwardingError("owner gone"))
+    result_of(b.service.close())
+    assert isinstance(failure_of(d), ServiceNotReadyError)
+    b.clock.advance(1.0)
+    assert len(fwd.published) == 1
