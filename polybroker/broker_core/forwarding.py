@@ -12,7 +12,9 @@ Contract of a ``Forwarder``:
 Rule F1: ``publish`` fires once the owner acknowledged the durable write, with the stored
          entry's position (the owner's ledger and entry ids); the stored bytes are exactly
          ``data`` (a stored entry: metadata and payload), so key, properties and event time
-         survive forwarding byte for byte.
+         survive forwarding byte for byte. Publishes to one topic reach the owner in call
+         order (the Broker API calls them in the order its callers did, and again in that
+         order after a refusal: ``broker_core.publish_line``).
 Rule F2: ``subscribe`` fires with a ``RemoteConsumer`` once the owner attached the
          subscription; from then on the handler's ``Consumer`` gets ``send_entries`` with the
          owner's positions, and ``disconnect()`` when the owner closed the consumer or the
