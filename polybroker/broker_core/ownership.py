@@ -10,9 +10,12 @@ Rule O2 (owner): a broker owns a bundle while it holds the ephemeral node
         and its process instance). The Broker API loads a topic only through ``acquire``: an
         unowned bundle is claimed then, one owned by another broker refuses with
         ``NotOwnerError``. A claim lost with the session, or whose node an unload deleted,
-        unloads every topic of the bundle at once: ownership is never kept silently. While only
-        the connection is down (the session may live on) the bundle is still served; a new
-        owner fences each topic's ledger before writing, so two brokers never both append.
+        unloads every topic of the bundle at once: ownership is never kept silently. A broker
+        restarted under the same address takes over the nodes of its dead predecessor at
+        once (``EphemeralClaim`` Rule C5): its bundles, registration and leadership do not wait
+        for that process's session to expire. While only the connection is down (the session
+        may live on) the bundle is still served; a new owner fences each topic's ledger before
+        writing, so two brokers never both append.
 Rule O3 (lookup): the owner when there is one; otherwise a candidate, which claims the bundle
         when the lookup reaches it (an authoritative lookup, or a topic's first use). The candidate
         is the bundle's transfer hint if that broker is live, else the least-loaded live broker:
@@ -437,12 +440,19 @@ class ClusterOwnership(Ownership):
             self.store,
             f"{BROKERS_PATH}/{self.local.broker_id}",
             self._value,
-            contend=True,  # a previous run's node goes with its session
+            contend=True,
             on_change=self._registration_changed,
+            supersedes=self._left_by_earlier_run,
         )
         await self._registration.start()
         await self.report_load()
-        self._leader = EphemeralClaim(self.store, LEADER_PATH, self._value, contend=True)
+        self._leader = EphemeralClaim(
+            self.store,
+            LEADER_PATH,
+            self._value,
+            contend=True,
+            supersedes=self._left_by_earlier_run,
+        )
         await self._leader.start()
         self._every(self.report_interval_s, self._report_and_split)
         if self.shedding:
@@ -484,6 +494,20 @@ class ClusterOwnership(Ownership):
         for claim in (self._leader, self._registration):
             if claim is not None:
                 await claim.release()
+
+    def _left_by_earlier_run(self, value: bytes) -> bool:
+        """Whether a claim's value names this broker with another instance: a process before
+        this one, dead (this one bound its addresses) but with its session not expired yet
+        (Rule O2)."""
+        try:
+            doc = json.loads(value)
+        except ValueError:
+            return False
+        return (
+            isinstance(doc, dict)
+            and doc.get("brokerId") == self.local.broker_id
+            and doc.get("instance") != self._instance
+        )
 
     def _registration_changed(self, state: ClaimState) -> None:
         if state is not ClaimState.HELD and not self._stopped:
@@ -584,6 +608,7 @@ class ClusterOwnership(Ownership):
             f"{OWNERS_ROOT}/{key}",
             self._value,
             on_change=lambda state: self._claim_changed(key, claim, state),
+            supersedes=self._left_by_earlier_run,
         )
         bundle = _Bundle(namespace, name, claim)
         self._bundles[key] = bundle

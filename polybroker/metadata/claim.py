@@ -18,6 +18,10 @@ Rule C3: when someone else holds the node, a contending claim (``contend=True``)
 Rule C4: ``release()`` deletes the node if this claimant holds it and stops the claim for good
         (``RELEASED``); it is idempotent. ``on_change`` is called with each new state, on the
         reactor thread.
+Rule C5: a node whose value ``supersedes`` says was left by an earlier run of this claimant (a
+        process now dead whose session has not expired yet) is deleted, by compare-and-set on
+        its version, and the claim tried again: a restarted claimant does not wait out the
+        session of the process it replaces.
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ class EphemeralClaim:
         *,
         contend: bool = False,
         on_change: Callable[[ClaimState], None] | None = None,
+        supersedes: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.store = store
+        self.supersedes = supersedes
         self.path = path
         self.value = value
         self.contend = contend
@@ -179,11 +185,26 @@ class EphemeralClaim:
         if got is None or self._again:
             self._attempt()  # the holder went meanwhile
             return
+        if self.supersedes is not None and self.supersedes(got.value):
+            log.info("claim %s: taking it over from an earlier run", self.path)
+            self._in_flight = True
+            d = self.store.delete(self.path, got.stat.version)
+            d.addBoth(self._cleared)
+            return
         if self.contend:
             self._set(ClaimState.PENDING)
             self._fire_first()
         else:
             self._finish()
+
+    def _cleared(self, result: object) -> None:
+        """An earlier run's node was deleted (or changed meanwhile): claim again (Rule C5)."""
+        self._in_flight = False
+        if isinstance(result, Failure) and result.check(BadVersionError) is None:
+            log.warning("taking %s over failed: %s", self.path, result.getErrorMessage())
+            self._fire_first()
+            return
+        self._attempt()
 
     def _holder_unknown(self, failure: Failure) -> None:
         self._in_flight = False

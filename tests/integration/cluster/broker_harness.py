@@ -18,6 +18,14 @@ from pathlib import Path
 from standalone_process import wait_for_line
 
 READY = "polybroker broker ready "
+#: Listener flag -> the port's key in the ready line.
+PORT_FLAGS = {
+    "--pulsar-port": "brokerServicePort",
+    "--http-port": "webServicePort",
+    "--kafka-port": "kafkaListenerPort",
+    "--mqtt-port": "mqttListenerPort",
+    "--amqp-port": "amqpListenerPort",
+}
 #: Short ZooKeeper sessions, so a killed broker's bundles are free within seconds.
 SESSION_MS = 2000
 
@@ -86,8 +94,10 @@ class BrokerProcesses:
         config: dict[str, object] | None = None,
         cluster: str = "test-cluster",
         timeout: float = 60.0,
+        ports: dict[str, int] | None = None,
     ) -> Broker:
-        """Start a broker of ``cluster``; blocks until it is ready (bounded)."""
+        """Start a broker of ``cluster``; blocks until it is ready (bounded). ``ports`` (a
+        ``Broker.ports``): bind those, as the broker that had them did (a restart)."""
         self._count += 1
         log = self.root / f"broker-{self._count}.log"
         conf = self.root / f"broker-{self._count}.conf"
@@ -100,8 +110,8 @@ class BrokerProcesses:
         conf.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
         cmd = [sys.executable, "-m", "polybroker", "broker", "--metadata", zk_url]
         cmd += ["--cluster", cluster, "--bind", "127.0.0.1", "--config", str(conf)]
-        for flag in ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port"):
-            cmd += [flag, "0"]
+        for flag, key in PORT_FLAGS.items():
+            cmd += [flag, str((ports or {}).get(key, 0))]
         with open(log, "wb") as err:
             process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
         line = wait_for_line(process, READY, log, timeout, "broker")

@@ -154,3 +154,32 @@ def test_a_released_claim_stops_listening_to_the_session() -> None:
         result_of(claim.start())
         result_of(claim.release())
     assert len(store._listeners) == 0
+
+
+def test_a_node_left_by_an_earlier_run_is_taken_over_at_once() -> None:
+    """A restarted claimant (new session, new value) takes over the node its dead predecessor's
+    still-live session holds (Rule C5), whether or not it contends; a node another claimant
+    holds is left alone."""
+    old = MemoryMetadataStore(Clock())
+    Claimant(old, "b#1").start()
+    for contend in (False, True):
+        new = old.new_session()
+        states: list[ClaimState] = []
+        claim = EphemeralClaim(
+            new,
+            PATH,
+            b"b#2",
+            contend=contend,
+            on_change=states.append,
+            supersedes=lambda v: v.startswith(b"b#") and v != b"b#2",
+        )
+        assert result_of(claim.start()) is ClaimState.HELD
+        assert holder(old) == b"b#2"
+        assert result_of(new.get(PATH)).stat.ephemeral
+        assert states == [ClaimState.HELD]
+        result_of(claim.release())
+        Claimant(old, "b#1").start()
+    other = old.new_session()
+    taker = EphemeralClaim(other, PATH, b"c#1", supersedes=lambda v: v.startswith(b"c#"))
+    assert result_of(taker.start()) is ClaimState.RELEASED
+    assert holder(old) == b"b#1"
