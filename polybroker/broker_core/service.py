@@ -491,7 +491,8 @@ class BrokerService:
         With ``forward`` (and a ``forwarder``), a topic another broker owns is published there
         (``broker_core.forwarding``): the entry fired has the owner's position, ``index`` -1
         and this call's ``publish_time_ms`` (0 when None); failures a new lookup may cure are
-        retried for ``forward_retry_s``."""
+        retried for ``forward_retry_s``, and forwarded publishes to one topic are stored in the
+        order of the calls, retries included (``broker_core.publish_line``)."""
         try:
             full = self.topic_ref(topic).full
         except InvalidTopicNameError as e:
