@@ -586,9 +586,10 @@ class Session:
 
             def exact(n: int) -> Deferred[Any]:
                 if n <= 0:
-                    return self.ensure_sub(
+                    d = self.ensure_sub(
                         full, f.pattern, f.group, None, create, busy_wait_s=busy_wait_s, then=then
                     )
+                    return d.addErrback(partitioned_meanwhile)
                 ds = [
                     self.ensure_sub(
                         topics.partition_name(full, i),
@@ -602,6 +603,16 @@ class Session:
                     for i in range(n)
                 ]
                 return gatherResults(ds, consumeErrors=True)
+
+            def partitioned_meanwhile(failure: Failure) -> Deferred[Any]:
+                # A Kafka client made the topic partitioned since the count was read: its
+                # name is no topic any more, its partitions are.
+                failure.trap(NotAllowedError)
+
+                def again(n: int) -> Deferred[Any]:
+                    return exact(n) if n > 0 else fail(failure)
+
+                return self.broker.partitions(full).addCallback(again)
 
             d = self.broker.partitions(full)
             d.addCallback(exact)

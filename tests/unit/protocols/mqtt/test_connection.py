@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
@@ -411,6 +411,30 @@ def test_partitioned_topics_are_one_mqtt_topic() -> None:
     got_wild = [(p.topic, p.payload) for p in wild.packets() if isinstance(p, c.Publish)]
     assert got_exact == [("kp", b"p2"), ("kp", b"mqtt")]
     assert got_wild == got_exact
+
+
+def test_a_topic_made_partitioned_while_a_subscription_is_made_is_covered() -> None:
+    """A Kafka client makes the topic partitioned between the subscription's look at the
+    partition count and its subscribe: the SUBSCRIBE still succeeds, on the partitions."""
+    env = Env()
+    full = "persistent://public/default/race"
+    service = env.service
+    counts = service.partitioned_topic_metadata
+
+    def made_partitioned_now(topic: str) -> Deferred[int]:
+        service.partitioned_topic_metadata = counts  # type: ignore[method-assign]
+        result_of(service.create_partitioned_topic(full, 2))
+        return succeed(0)  # what was read just before
+
+    service.partitioned_topic_metadata = made_partitioned_now  # type: ignore[method-assign]
+    sub = env.peer("sub")
+    sub.send(c.Subscribe(1, [c.Subscription("race", 1)]))
+    assert sub.packets() == [c.ConnAck(False, 0), c.SubAck(1, [1])]
+    data = encode_entry([Message(b"k")], producer_name="k", sequence_id=0, publish_time_ms=0)
+    result_of(service.publish(f"{full}-partition-1", data))
+    assert [(p.topic, p.payload) for p in sub.packets() if isinstance(p, c.Publish)] == [
+        ("race", b"k")
+    ]
 
 
 def test_an_absent_share_group_member_holds_no_messages() -> None:
