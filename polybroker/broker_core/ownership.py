@@ -388,7 +388,10 @@ class ClusterOwnership(Ownership):
         self._unload_topic = unload_topic
         self._topic_loads = topic_loads
         self._instance = secrets.token_hex(8)
-        self._value = json.dumps({**local.to_json(), "instance": self._instance}).encode()
+        # When this instance began: of two instances under one broker id, the later one
+        # supersedes the earlier (``_left_by_earlier_run``).
+        self._since = int(reactor.seconds() * 1000)
+        self._value = self._claim_value()
         self._bundles: dict[str, _Bundle] = {}  # "ns/bundle" -> claim
         self._boundaries: dict[str, list[str]] = {}
         self._unwatch_policies: dict[str, Callable[[], None]] = {}
@@ -422,7 +425,12 @@ class ClusterOwnership(Ownership):
         if self._started:
             raise RuntimeError("the broker's identity is fixed once started")
         self.local = local
-        self._value = json.dumps({**local.to_json(), "instance": self._instance}).encode()
+        self._value = self._claim_value()
+
+    def _claim_value(self) -> bytes:
+        """What this broker's claims hold: its ``BrokerInfo``, instance and start time."""
+        doc = {**self.local.to_json(), "instance": self._instance, "since": self._since}
+        return json.dumps(doc).encode()
 
     def _check_started(self) -> None:
         if not self._started or self._stopped:
@@ -496,18 +504,20 @@ class ClusterOwnership(Ownership):
                 await claim.release()
 
     def _left_by_earlier_run(self, value: bytes) -> bool:
-        """Whether a claim's value names this broker with another instance: a process before
-        this one, dead (this one bound its addresses) but with its session not expired yet
-        (Rule O2)."""
+        """Whether a claim's value names this broker's id with an instance that began before
+        this one: a process before this one, dead (this one bound its addresses) but with its
+        session not expired yet (Rule O2). Never the other way round, so two live instances
+        under one id (a misconfiguration) do not take claims from each other in turn."""
         try:
             doc = json.loads(value)
         except ValueError:
             return False
-        return (
-            isinstance(doc, dict)
-            and doc.get("brokerId") == self.local.broker_id
-            and doc.get("instance") != self._instance
-        )
+        if not isinstance(doc, dict) or doc.get("brokerId") != self.local.broker_id:
+            return False
+        since, instance = doc.get("since", 0), doc.get("instance")
+        if not isinstance(since, int) or not isinstance(instance, str):
+            return False
+        return (since, instance) < (self._since, self._instance)
 
     def _registration_changed(self, state: ClaimState) -> None:
         if state is not ClaimState.HELD and not self._stopped:
@@ -651,7 +661,10 @@ class ClusterOwnership(Ownership):
             log.warning("bundle suspended", extra=kv(bundle=key))
             return
         # Lost with the session, or deleted by an unload: serve nothing of it any more.
-        log.warning("bundle lost", extra=kv(bundle=key, state=state.value))
+        if state is ClaimState.RELEASED:  # an operator or the load manager unloaded it
+            log.info("bundle unloaded elsewhere", extra=kv(bundle=key))
+        else:
+            log.warning("bundle lost", extra=kv(bundle=key, state=state.value))
         del self._bundles[key]
         Deferred.fromCoroutine(self._drop(bundle))
 

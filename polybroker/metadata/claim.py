@@ -21,7 +21,8 @@ Rule C4: ``release()`` deletes the node if this claimant holds it and stops the 
 Rule C5: a node whose value ``supersedes`` says was left by an earlier run of this claimant (a
         process now dead whose session has not expired yet) is deleted, by compare-and-set on
         its version, and the claim tried again: a restarted claimant does not wait out the
-        session of the process it replaces.
+        session of the process it replaces. Once per claim: an earlier run that claims the
+        node again is alive after all, and is contended with as anyone else (no deleting war).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class EphemeralClaim:
     ) -> None:
         self.store = store
         self.supersedes = supersedes
+        self._took_over = False  # Rule C5 was used
         self.path = path
         self.value = value
         self.contend = contend
@@ -185,8 +187,9 @@ class EphemeralClaim:
         if got is None or self._again:
             self._attempt()  # the holder went meanwhile
             return
-        if self.supersedes is not None and self.supersedes(got.value):
+        if self.supersedes is not None and not self._took_over and self.supersedes(got.value):
             log.info("claim %s: taking it over from an earlier run", self.path)
+            self._took_over = True
             self._in_flight = True
             d = self.store.delete(self.path, got.stat.version)
             d.addBoth(self._cleared)

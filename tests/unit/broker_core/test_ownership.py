@@ -11,6 +11,7 @@ import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
+from polybroker.broker_core.errors import ServiceNotReadyError
 from polybroker.broker_core.ownership import (
     OWNERS_ROOT,
     BrokerInfo,
@@ -146,6 +147,13 @@ class Broker:
         result(self.own.start())
 
 
+def die(broker: Broker) -> None:
+    """The broker's process is gone (kill -9) while its session lives on until it expires:
+    no watch or session event reaches it any more."""
+    broker.store._watches.clear()
+    broker.store._listeners.clear()
+
+
 def cluster(n: int = 2, bundles: int = 4) -> tuple[Clock, list[Broker]]:
     clock = Clock()
     first = MemoryMetadataStore(clock)
@@ -219,12 +227,55 @@ def test_session_loss_unloads_and_the_bundle_can_come_back() -> None:
     assert a.own.owns(topic(1))
 
 
-def test_unload_from_another_broker_and_transfer_to_a_destination() -> None:
+def test_a_restarted_broker_takes_its_bundles_back_before_the_old_session_expires() -> None:
+    """A broker killed and started again under the same id (a new instance, on a new
+    session) takes over the claims its dead predecessor's live session still holds, its
+    registration included; the other broker's claims are left alone."""
+    clock, (a, b) = cluster()
+    result(a.own.acquire(topic(1)))
+    result(b.own.acquire(topic(2)))
+    assert result(a.own.lookup(topic(1))).broker_id == "b0:8080"
+    die(a)
+    clock.advance(5)
+    restarted = Broker(a.store.new_session(), "b0:8080", clock)  # the old session lives on
+    result(restarted.own.acquire(topic(1)))
+    assert restarted.own.owns(topic(1))
+    assert result(restarted.own.lookup(topic(1))).broker_id == "b0:8080"
+    with pytest.raises(NotOwnerError):
+        result(restarted.own.acquire(topic(2)))
+    assert b.own.owns(topic(2))
+    registered = result(a.store.get("/loadbalance/brokers/b0:8080"))
+    assert json.loads(registered.value)["instance"] == restarted.own._instance
+
+
+def test_two_live_instances_under_one_broker_id_do_not_take_claims_in_turn() -> None:
+    """A second broker started under the id of one still alive (a misconfiguration) takes
+    its claims over once; the first claims its registration back and the second then waits,
+    instead of the two deleting each other's nodes without end."""
+    clock, (a, _b) = cluster()
+    result(a.own.acquire(topic(1)))
+    clock.advance(5)
+    second = Broker(a.store.new_session(), "b0:8080", clock)
+    registered = result(a.store.get("/loadbalance/brokers/b0:8080"))
+    assert json.loads(registered.value)["instance"] == a.own._instance
+    result(second.own.acquire(topic(1)))  # taken over once; the first stops serving it
+    assert topic(1) in a.unloaded
+    with pytest.raises(ServiceNotReadyError):  # held by the other instance of its id
+        result(a.own.acquire(topic(1)))
+    assert second.own.owns(topic(1))
+
+
+def test_unload_from_another_broker_and_transfer_to_a_destination(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     _, (a, b) = cluster()
     result(a.own.acquire(topic(1)))
     bundle = result(Deferred.fromCoroutine(a.own.bundle_key(topic(1)))).rpartition("/")[2]
-    assert result(Deferred.fromCoroutine(b.own.unload(NS, bundle, destination="b1:8080")))
+    with caplog.at_level(logging.INFO, logger="polybroker.broker_core.ownership"):
+        assert result(Deferred.fromCoroutine(b.own.unload(NS, bundle, destination="b1:8080")))
     assert topic(1) in a.unloaded
+    # An unload is an operation, not a fault: the old owner says so without a warning.
+    assert [r.levelname for r in caplog.records if "bundle" in r.getMessage()] == ["INFO"]
     assert not a.own.owns(topic(1))
     # The old owner may not take it back while it is moving; the destination gets it.
     with pytest.raises(NotOwnerError):
