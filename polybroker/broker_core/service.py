@@ -62,7 +62,7 @@ from polybroker.broker_core.forwarding import (
 )
 from polybroker.broker_core.ownership import NotOwnerError, Ownership
 from polybroker.broker_core.publish_buffer import PublishBuffer
-from polybroker.broker_core.publish_line import PublishLine
+from polybroker.broker_core.publish_line import FIRST_BACKOFF_S, MAX_BACKOFF_S, PublishLine
 from polybroker.broker_core.topic import (
     NonPersistentTopic,
     PersistentTopic,
@@ -548,17 +548,6 @@ class BrokerService:
             topic = self.topics.get(full)
             return topic if topic is not None else owners.get(full)
 
-        async def look_up() -> Any:
-            try:
-                return await self.get_topic(full, create=True)
-            except NotOwnerError as e:
-                if e.owner is None or not e.owner.pulsar_url:
-                    raise
-                if len(owners) >= 100_000:
-                    owners.clear()
-                owners[full] = e.owner
-                return e.owner
-
         def idle() -> None:
             if self._lines.get(full) is line:
                 del self._lines[full]
@@ -567,7 +556,7 @@ class BrokerService:
             self.reactor,
             full,
             known,
-            lambda: Deferred.fromCoroutine(look_up()),
+            lambda: Deferred.fromCoroutine(self._route(full, True)),
             lambda: owners.pop(full, None),
             idle,
         )
@@ -680,32 +669,39 @@ class BrokerService:
         owner; retry what a new lookup may cure (``ServiceNotReadyError``: not owned yet, the
         owner gone or moving) with backoff, for ``forward_retry_s``."""
         deadline = self.reactor.seconds() + self.forward_retry_s
-        delay = 0.05
+        delay = FIRST_BACKOFF_S
         owners = self._forward_owners
         while True:
             try:
-                owner = owners.get(full)
-                if owner is None:
-                    try:
-                        topic = await self.get_topic(full, create=create)
-                    except NotOwnerError as e:
-                        if e.owner is None or not e.owner.pulsar_url:
-                            raise
-                        owner = e.owner
-                    else:
-                        return await local(topic)
-                    if len(owners) >= 100_000:
-                        owners.clear()
-                    owners[full] = owner
-                return await remote(owner)
+                target = owners.get(full)
+                if target is None:
+                    target = await self._route(full, create)
+                if isinstance(target, Topic):
+                    return await local(target)
+                return await remote(target)
             except ServiceNotReadyError as e:
                 owners.pop(full, None)  # look the topic up again
                 if self._closed or self.reactor.seconds() + delay > deadline:
                     raise
-                if delay == 0.05:  # once per call: a failover retries many times
+                if delay == FIRST_BACKOFF_S:  # once per call: a failover retries many times
                     log.info("forwarded call retried", extra=kv(topic=full, error=str(e)))
             await deferLater(self.reactor, delay, lambda: None)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+
+    async def _route(self, full: str, create: bool) -> Any:
+        """Where a forwarded call on ``full`` goes: the topic, loaded here when this broker
+        serves it, else its owner's ``BrokerInfo``, remembered in ``_forward_owners`` so the
+        next call goes straight there."""
+        try:
+            return await self.get_topic(full, create=create)
+        except NotOwnerError as e:
+            if e.owner is None or not e.owner.pulsar_url:
+                raise
+            owners = self._forward_owners
+            if len(owners) >= 100_000:
+                owners.clear()
+            owners[full] = e.owner
+            return e.owner
 
     def watch_namespace_topics(
         self, namespace: str, listener: Callable[[str], None]
