@@ -84,6 +84,7 @@ from polybroker.ledger.bookie.storage import (
     CheckpointJob,
     LedgerStorage,
     StorageCorruptError,
+    release_entries,
 )
 from polybroker.ledger.wire import (
     FRAME_OVERHEAD,
@@ -692,7 +693,7 @@ class Bookie:
             self._checkpoint_d = None
             if mark is not None:
                 self._persisted_mark = mark
-            storage.finish_checkpoint(job)
+            self._run_blocking(partial(release_entries, storage.finish_checkpoint(job)))
             if self._stalled is not None:
                 self._stalled = None
                 log.info("checkpoint written after a full disk")

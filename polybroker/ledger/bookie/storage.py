@@ -21,7 +21,8 @@ lookup.) Entry ids are bounded by ``MAX_ENTRY_ID`` so that no index file can gro
 Threads: the reactor thread owns the write cache, the ledger states and every read; a single
 worker thread runs ``run_checkpoint`` and ``collect_garbage`` (file writes, fsyncs, unlinks).
 They share only what a checkpoint job freezes: the flushed half of the write cache, which the
-reactor keeps reading from until ``finish_checkpoint`` drops it.
+reactor keeps reading from until ``finish_checkpoint`` drops it; the worker then frees it
+(``release_entries``).
 
 Rule 1 (I7): an entry is readable as soon as ``put_entry`` returned: reads consult the write
         cache, then the half being flushed, then the index and the entry logs.
@@ -57,6 +58,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -105,6 +107,21 @@ _COMPACTION_STEP_RECORDS = 256 * 1024  # index records one step scans at most
 _CHUNK = 256 * 1024
 # Entries laid out by one round of whole-list operations (``_write_entries``).
 _LAYOUT_BATCH = 256
+# Entries ``release_entries`` frees between two hand-overs of the GIL.
+_RELEASE_SLICE = 256
+
+
+def release_entries(flushed: dict[int, dict[int, Buffer]]) -> None:
+    """Free the entries ``finish_checkpoint`` returned (worker thread), ``_RELEASE_SLICE`` at a
+    time, handing the GIL over between slices. Freed at once on the reactor, a 32 MB half of
+    the write cache (30,000 1 KiB entries, cold in the CPU's caches) held it for 3-4 ms, and
+    every add in flight waited that long."""
+    while flushed:
+        _, entries = flushed.popitem()
+        while entries:
+            for _ in range(min(len(entries), _RELEASE_SLICE)):
+                entries.popitem()
+            time.sleep(0)  # lets a waiting reactor take the GIL
 
 
 class StorageCorruptError(StorageError):
@@ -492,8 +509,10 @@ class LedgerStorage:
         if created or job.deletions:
             fsync_dir(self.index_dir)
 
-    def finish_checkpoint(self, job: CheckpointJob) -> None:
-        """Drop the flushed half of the write cache (reactor side, after the job ran)."""
+    def finish_checkpoint(self, job: CheckpointJob) -> dict[int, dict[int, Buffer]]:
+        """Drop the flushed half of the write cache (reactor side, after the job ran) and
+        return it, taken out of the job, for ``release_entries`` off the reactor."""
+        flushed, job.snapshot = job.snapshot, {}
         self._flushing = None
         self._flushing_bytes = 0
         for ledger_id in job.deletions:
@@ -505,6 +524,7 @@ class LedgerStorage:
                     del self._states[lid]
                 if len(self._states) <= self._max_states // 2:
                     break
+        return flushed
 
     def _write_entries(self, job: CheckpointJob) -> dict[int, list[tuple[int, list[bytes]]]]:
         """Append the snapshot, sorted by (ledger, entry), to entry logs; fsync them; persist

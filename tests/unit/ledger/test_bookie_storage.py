@@ -19,6 +19,7 @@ from polybroker.ledger.bookie.storage import (
     VIEW_MIN_BYTES,
     LedgerStorage,
     StorageCorruptError,
+    release_entries,
 )
 
 
@@ -61,6 +62,26 @@ def test_checkpoint_moves_entries_to_logs_and_index(tmp_path: Path) -> None:
     assert all(s.read_entry(5, e) == _data(5, e) for e in range(100))
     assert s.read_entry(5, 100) is None
     assert (tmp_path / "index" / "5.idx").exists()
+    s.close()
+
+
+def test_finish_hands_over_the_flushed_half_and_release_frees_it(tmp_path: Path) -> None:
+    """``finish_checkpoint`` returns the flushed entries (the job keeps none); freeing them in
+    slices empties them all, and reads go on from the entry logs."""
+    s = _storage(tmp_path)
+    for e in range(600):
+        s.put_entry(3, e, e - 1, _data(3, e))
+    s.put_entry(4, 0, -1, b"lone")
+    job = s.begin_checkpoint(None)
+    s.run_checkpoint(job)
+    flushed = s.finish_checkpoint(job)
+    assert job.snapshot == {}
+    assert sorted(flushed) == [3, 4]
+    assert len(flushed[3]) == 600
+    release_entries(flushed)
+    assert flushed == {}
+    assert all(s.read_entry(3, e) == _data(3, e) for e in range(600))
+    assert s.read_entry(4, 0) == b"lone"
     s.close()
 
 
