@@ -15,7 +15,8 @@ Cases:
               per entry moves far less. Per entry too, over all of a side's processes: user and
               system time, and wake-ups (voluntary context switches: each bookie round trip,
               journal hand-off and answer costs some), and the cluster's brokers and bookies
-              apart. --repeat rounds, each running both sides
+              apart; and the share of entries the brokers read from the bookies, not their
+              entry caches (cache miss %). --repeat rounds, each running both sides
               (alternating which goes first); medians, and each round's ratio.
   broker-kill while producing at --rate msgs/s, kill -9 the broker that owns some partitions
               (the client's service URL names the other one, as a load balancer would): seconds
@@ -235,11 +236,33 @@ def http_get(url: str) -> Any:
     return json.loads(urllib.request.urlopen(url, timeout=60).read())
 
 
+def cache_counts(http_urls: list[str]) -> tuple[float, float]:
+    """Entries the brokers at ``http_urls`` read from their entry caches and from the bookies
+    so far (``pulsar_ml_cache_hits_total``, ``pulsar_ml_cache_misses_total``)."""
+    hits = misses = 0.0
+    for url in http_urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            for line in resp.read().decode().splitlines():
+                series, _, value = line.rpartition(" ")
+                name = series.partition("{")[0]
+                if name == "pulsar_ml_cache_hits_total":
+                    hits += float(value)
+                elif name == "pulsar_ml_cache_misses_total":
+                    misses += float(value)
+    return hits, misses
+
+
 def throughput(
-    service_url: str, http_url: str, topic: str, n: int, roles: dict[str, list[int]]
+    service_url: str,
+    http_url: str,
+    topic: str,
+    n: int,
+    roles: dict[str, list[int]],
+    broker_urls: list[str],
 ) -> dict[str, float]:
     """Send ``n`` messages through a fresh partitioned topic and receive them all; CPU of the
-    processes in ``roles`` (role name -> pids), per message and per stored entry."""
+    processes in ``roles`` (role name -> pids), per message and per stored entry, and the share
+    of entries the brokers (``broker_urls``) read from the bookies rather than their caches."""
     http_put(f"{http_url}/admin/v2/persistent/public/default/{topic}/partitions", PARTITIONS)
     client = pulsar.Client(
         service_url,
@@ -277,6 +300,7 @@ def throughput(
     filler = b"x" * (SIZE - 8)
     cpu0 = {p: cpu_seconds(p) for pids in roles.values() for p in pids}
     split0 = {p: kernel_split(p) for p in cpu0}
+    hits0, misses0 = cache_counts(broker_urls)
     start = time.monotonic()
     for i in range(n):
         producer.send_async(
@@ -290,6 +314,7 @@ def throughput(
         p: tuple(b - a for a, b in zip(split0[p], kernel_split(p), strict=True)) for p in cpu0
     }
     cpu = sum(cpu_by_pid.values())
+    hits1, misses1 = cache_counts(broker_urls)
     client.close()
     entries = stored_entries(http_url, topic)
     out = {
@@ -300,6 +325,7 @@ def throughput(
         "entries": float(entries),
         "msgs_per_entry": n / entries,
         "cpu_us_per_entry": cpu / entries * 1e6,
+        "cache_miss_pct": 100 * (misses1 - misses0) / max(1.0, hits1 - hits0 + misses1 - misses0),
     }
     for role, role_pids in roles.items():
         out[f"{role}_us_per_entry"] = sum(cpu_by_pid[p] for p in role_pids) / entries * 1e6
@@ -429,8 +455,9 @@ def main() -> None:
                     "brokers": [p.pid for p in cluster.brokers],
                     "bookies": [p.pid for p in cluster.bookies],
                 }
+                brokers = [f"http://127.0.0.1:{p.port('webServicePort')}" for p in (a, b)]
                 results.update(
-                    compare(args, (s_url, s_http, standalone.pid), (c_url, c_http, roles))
+                    compare(args, (s_url, s_http, standalone.pid), (c_url, c_http, roles), brokers)
                 )
             standalone.stop()
 
@@ -443,14 +470,14 @@ def main() -> None:
     if "standalone" in results:
         print(
             f"{'':12s}{'msgs/s':>10s}{'p50 ms':>9s}{'p99 ms':>9s}{'CPU us/msg':>12s}"
-            f"{'msgs/entry':>12s}{'CPU us/entry':>14s}"
+            f"{'msgs/entry':>12s}{'CPU us/entry':>14s}{'cache miss %':>14s}"
         )
         for which in ("standalone", "cluster"):
             r = results[which]
             print(
                 f"{which:12s}{r['msgs_per_s']:10.0f}{r['p50_ms']:9.1f}{r['p99_ms']:9.1f}"
                 f"{r['cpu_us_per_msg']:12.1f}{r['msgs_per_entry']:12.1f}"
-                f"{r['cpu_us_per_entry']:14.0f}"
+                f"{r['cpu_us_per_entry']:14.0f}{r['cache_miss_pct']:14.1f}"
             )
         for which in ("standalone", "cluster"):
             r = results[which]
@@ -478,6 +505,7 @@ def compare(
     args: argparse.Namespace,
     standalone: tuple[str, str, int],
     cluster: tuple[str, str, dict[str, list[int]]],
+    cluster_brokers: list[str],
 ) -> dict[str, Any]:
     """The throughput case: ``--repeat`` rounds, each one run on both sides (alternating which
     goes first), then medians per side and the cluster / standalone ratios."""
@@ -488,9 +516,11 @@ def compare(
         order = ["standalone", "cluster"] if r % 2 == 0 else ["cluster", "standalone"]
         for which in order:
             if which == "standalone":
-                res = throughput(s_url, s_http, f"s{r}", args.messages, {"standalone": [s_pid]})
+                res = throughput(
+                    s_url, s_http, f"s{r}", args.messages, {"standalone": [s_pid]}, [s_http]
+                )
             else:
-                res = throughput(c_url, c_http, f"c{r}", args.messages, c_roles)
+                res = throughput(c_url, c_http, f"c{r}", args.messages, c_roles, cluster_brokers)
             runs[which].append(res)
             print(
                 f"{which:10s} run {r}: " + " ".join(f"{k}={v:.1f}" for k, v in res.items()),
