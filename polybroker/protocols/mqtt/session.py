@@ -587,7 +587,14 @@ class Session:
             def exact(n: int) -> Deferred[Any]:
                 if n <= 0:
                     d = self.ensure_sub(
-                        full, f.pattern, f.group, None, create, busy_wait_s=busy_wait_s, then=then
+                        full,
+                        f.pattern,
+                        f.group,
+                        None,
+                        create,
+                        busy_wait_s=busy_wait_s,
+                        then=then,
+                        handled=(NotAllowedError,),
                     )
                     return d.addErrback(partitioned_meanwhile)
                 ds = [
@@ -610,7 +617,13 @@ class Session:
                 failure.trap(NotAllowedError)
 
                 def again(n: int) -> Deferred[Any]:
-                    return exact(n) if n > 0 else fail(failure)
+                    if n > 0:
+                        return exact(n)
+                    log.warning(
+                        "mqtt subscription failed",
+                        extra=kv(client=self.client_id, topic=full, error=str(failure.value)),
+                    )
+                    return fail(failure)
 
                 return self.broker.partitions(full).addCallback(again)
 
@@ -708,6 +721,7 @@ class Session:
         after: Position | None = None,
         busy_wait_s: float | None = None,
         then: str | None = None,
+        handled: tuple[type[Exception], ...] = (),
     ) -> Deferred[None]:
         """Attach the session's subscription on ``full`` unless attached; ``not_before_ms``
         reads from the earliest entry, skipping older ones (a topic found later), and so does
@@ -716,7 +730,8 @@ class Session:
         back. A subscription another broker still holds for this session (it is letting the
         session go) is retried: for up to ``busy_wait_s`` before failing, or (None) in the
         background. ``then="close"`` only makes the subscription (the consumer is closed once
-        attached), ``then="delete"`` deletes it (a session ending while its client is away)."""
+        attached), ``then="delete"`` deletes it (a session ending while its client is away).
+        A failure of a ``handled`` type is the caller's to recover from, or to report."""
         key = (full, group)
         if then is not None:
             return self._touch_sub(full, name, group, not_before_ms, create, then)
@@ -744,7 +759,7 @@ class Session:
         def failed(f: Failure) -> Failure:
             if self.subs.get(key) is sub:
                 del self.subs[key]
-            log.warning(
+            (log.info if f.check(*handled) else log.warning)(
                 "mqtt subscription failed",
                 extra=kv(client=self.client_id, topic=full, error=str(f.value)),
             )

@@ -413,9 +413,13 @@ def test_partitioned_topics_are_one_mqtt_topic() -> None:
     assert got_wild == got_exact
 
 
-def test_a_topic_made_partitioned_while_a_subscription_is_made_is_covered() -> None:
+def test_a_topic_made_partitioned_while_a_subscription_is_made_is_covered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A Kafka client makes the topic partitioned between the subscription's look at the
-    partition count and its subscribe: the SUBSCRIBE still succeeds, on the partitions."""
+    partition count and its subscribe: the SUBSCRIBE still succeeds, on the partitions, and
+    the refusal it recovered from is no warning."""
+    caplog.set_level(logging.WARNING, "polybroker.protocols.mqtt")
     env = Env()
     full = "persistent://public/default/race"
     service = env.service
@@ -435,6 +439,23 @@ def test_a_topic_made_partitioned_while_a_subscription_is_made_is_covered() -> N
     assert [(p.topic, p.payload) for p in sub.packets() if isinstance(p, c.Publish)] == [
         ("race", b"k")
     ]
+    assert caplog.records == []
+
+
+def test_a_subscription_refused_as_partitioned_with_no_partitions_seen_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """When the count read again still shows no partitions, the SUBSCRIBE is refused and
+    that is warned of, once."""
+    caplog.set_level(logging.WARNING, "polybroker.protocols.mqtt")
+    env = Env()
+    service = env.service
+    result_of(service.create_partitioned_topic("persistent://public/default/stale", 2))
+    service.partitioned_topic_metadata = lambda topic: succeed(0)  # type: ignore[method-assign]
+    sub = env.peer("sub")
+    sub.send(c.Subscribe(1, [c.Subscription("stale", 1)]))
+    assert sub.packets() == [c.ConnAck(False, 0), c.SubAck(1, [c.UNSPECIFIED_ERROR])]
+    assert [r.getMessage() for r in caplog.records] == ["mqtt subscription failed"]
 
 
 def test_an_absent_share_group_member_holds_no_messages() -> None:
