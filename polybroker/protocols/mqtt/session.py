@@ -584,31 +584,22 @@ class Session:
             full = topics.to_pulsar(f.pattern)
             create = then != "delete"
 
+            def attach(name: str, handled: tuple[type[Exception], ...] = ()) -> Deferred[None]:
+                return self.ensure_sub(
+                    name,
+                    f.pattern,
+                    f.group,
+                    None,
+                    create,
+                    busy_wait_s=busy_wait_s,
+                    then=then,
+                    handled=handled,
+                )
+
             def exact(n: int) -> Deferred[Any]:
                 if n <= 0:
-                    d = self.ensure_sub(
-                        full,
-                        f.pattern,
-                        f.group,
-                        None,
-                        create,
-                        busy_wait_s=busy_wait_s,
-                        then=then,
-                        handled=(NotAllowedError,),
-                    )
-                    return d.addErrback(partitioned_meanwhile)
-                ds = [
-                    self.ensure_sub(
-                        topics.partition_name(full, i),
-                        f.pattern,
-                        f.group,
-                        None,
-                        create,
-                        busy_wait_s=busy_wait_s,
-                        then=then,
-                    )
-                    for i in range(n)
-                ]
+                    return attach(full, (NotAllowedError,)).addErrback(partitioned_meanwhile)
+                ds = [attach(topics.partition_name(full, i)) for i in range(n)]
                 return gatherResults(ds, consumeErrors=True)
 
             def partitioned_meanwhile(failure: Failure) -> Deferred[Any]:
