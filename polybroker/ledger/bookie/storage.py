@@ -114,8 +114,8 @@ _RELEASE_SLICE = 256
 def release_entries(flushed: dict[int, dict[int, Buffer]]) -> None:
     """Free the entries ``finish_checkpoint`` returned (worker thread), ``_RELEASE_SLICE`` at a
     time, handing the GIL over between slices. Freed at once on the reactor, a 32 MB half of
-    the write cache (30,000 1 KiB entries) held it for 3-4 ms, and every add in flight waited
-    that long."""
+    the write cache (30,000 1 KiB entries) held it for up to 4 ms, and every add in flight
+    waited that long."""
     while flushed:
         _, entries = flushed.popitem()
         while entries:
