@@ -18,14 +18,23 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.message import Message
 from typing import Any
+
+from polybroker.broker_core.messages import MessageFormatError, decode_batch_payload
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8080"
 _TIMEOUT = 30.0
 
 
 class AdminCliError(Exception):
-    """A request failed; ``str()`` is the message for the user."""
+    """A request failed; ``str()`` is the message for the user, ``status`` the HTTP status
+    the broker answered (None when it did not answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,16 @@ class AdminClient:
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         """Send one request; return the decoded JSON (or text, or None); raise AdminCliError."""
+        headers, raw = self.exchange(method, path, body)
+        if not raw:
+            return None
+        if "json" in headers.get("Content-Type", ""):
+            return json.loads(raw)
+        return raw.decode(errors="replace")
+
+    def exchange(self, method: str, path: str, body: Any = None) -> tuple[Message, bytes]:
+        """Send one request; return the response's headers and raw body; raise
+        AdminCliError."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method)
         if data is not None:
@@ -117,18 +136,12 @@ class AdminClient:
         req.add_header("Accept", "application/json")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-                ctype = resp.headers.get("Content-Type", "")
+                return resp.headers, resp.read()
         except urllib.error.HTTPError as e:
-            raise AdminCliError(f"HTTP {e.code}: {_reason(e.read(), e.reason)}") from None
+            raise AdminCliError(f"HTTP {e.code}: {_reason(e.read(), e.reason)}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise AdminCliError(f"cannot reach {self.base}: {reason}") from None
-        if not raw:
-            return None
-        if "json" in ctype:
-            return json.loads(raw)
-        return raw.decode(errors="replace")
 
 
 def _reason(raw: bytes, fallback: str) -> str:
@@ -312,6 +325,115 @@ def _topics_reset_cursor(c: AdminClient, a: argparse.Namespace) -> None:
         c.request("POST", _sub_path(a) + "/resetcursor", parse_message_id(a.message_id))
 
 
+def _topics_peek_messages(c: AdminClient, a: argparse.Namespace) -> None:
+    if a.count < 1:
+        raise AdminCliError("-n/--count must be at least 1")
+    shown = 0
+    for n in range(1, a.count + 1):
+        try:
+            headers, body = c.exchange("GET", _sub_path(a) + f"/position/{n}")
+        except AdminCliError as e:
+            if e.status == 404 and n > 1:
+                break  # the backlog holds fewer messages: show those, as pulsar-admin does
+            raise
+        shown = _print_entry(headers, body, shown)
+
+
+def _topics_get_message_by_id(c: AdminClient, a: argparse.Namespace) -> None:
+    headers, body = c.exchange("GET", _topic_path(a.topic) + f"/ledger/{a.ledger}/entry/{a.entry}")
+    _print_entry(headers, body, 0)
+
+
+def _topics_get_message_id(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _topic_path(a.topic) + f"/messageid/{parse_datetime(a.datetime)}"))
+
+
+def _topics_expire_messages(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("POST", _sub_path(a) + f"/expireMessages/{parse_relative_time(a.expire_time)}")
+
+
+def _topics_expire_all(c: AdminClient, a: argparse.Namespace) -> None:
+    age = parse_relative_time(a.expire_time)
+    c.request("POST", _topic_path(a.topic) + f"/all_subscription/expireMessages/{age}")
+
+
+def parse_datetime(text: str) -> int:
+    """Parse an ISO-8601 date and time (``2026-11-29T12:00:00Z``; no zone: UTC) into ms since
+    the epoch."""
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise AdminCliError(
+            f"invalid date and time {text!r}: expected e.g. 2026-11-29T12:00:00Z"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def _print_entry(headers: Message, body: bytes, shown: int) -> int:
+    """Print a message the admin API sent (each message of a batch in turn) as pulsar-admin
+    does; return how many messages have been printed in all."""
+    message_id = headers.get("X-Pulsar-Message-ID", "?")
+    publish = _epoch_ms(headers.get("X-Pulsar-publish-time"))
+    event = _epoch_ms(headers.get("X-Pulsar-event-time"))
+    count = headers.get("X-Pulsar-num-batch-message")
+    if count is None:
+        props = json.loads(headers.get("X-Pulsar-PROPERTY") or "{}")
+        _print_one(f"Message ID: {message_id}", publish, event, props, body, shown)
+        return shown + 1
+    try:
+        messages = decode_batch_payload(body, int(count))
+    except (MessageFormatError, ValueError) as e:
+        raise AdminCliError(f"message {message_id}: malformed batch: {e}") from None
+    for i, m in enumerate(messages):
+        props = dict(m.properties)
+        header = f"Batch Message ID: {message_id}:{i}"
+        _print_one(header, publish, m.event_time_ms or event, props, m.payload, shown + i)
+    return shown + len(messages)
+
+
+def _print_one(
+    header: str, publish: int, event: int, props: dict[str, str], payload: bytes, shown: int
+) -> None:
+    if shown:
+        print("-" * 73)
+    print(header)
+    print(f"Publish time: {publish}")
+    print(f"Event time: {event}")
+    if props:
+        print("Properties:")
+        _print_json(props)
+    print(hex_dump(payload))
+
+
+def _epoch_ms(text: str | None) -> int:
+    if not text:
+        return 0
+    try:
+        return int(datetime.fromisoformat(text).timestamp() * 1000)
+    except ValueError:
+        return 0
+
+
+def hex_dump(data: bytes) -> str:
+    """``data`` as a table of 16 bytes a row, hex and printable ASCII (netty's layout, which
+    pulsar-admin prints)."""
+    rule = "+--------+-------------------------------------------------+----------------+"
+    lines = [
+        "         +-------------------------------------------------+",
+        "         |  0  1  2  3  4  5  6  7  8  9  a  b  c  d  e  f |",
+        rule,
+    ]
+    for at in range(0, len(data), 16):
+        row = data[at : at + 16]
+        hexes = " ".join(f"{b:02x}" for b in row)
+        text = "".join(chr(b) if 32 <= b < 127 else "." for b in row)
+        lines.append(f"|{at:08x}| {hexes:<47} |{text:<16}|")
+    lines.append(rule)
+    return "\n".join(lines)
+
+
 def _clusters_list(c: AdminClient, a: argparse.Namespace) -> None:
     _print_list(c.request("GET", "/admin/v2/clusters"))
 
@@ -449,6 +571,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--subscription", required=True)
     p.add_argument("-t", "--time", default=None, help="go back this long: 100m, 3h, 2d, 5w")
     p.add_argument("-m", "--messageId", dest="message_id", default=None, help="ledgerId:entryId")
+
+    p = verb(g, "peek-messages", _topics_peek_messages, "show a subscription's next messages")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p.add_argument("-n", "--count", type=int, default=1, help="messages to show (1)")
+    p = verb(g, "get-message-by-id", _topics_get_message_by_id, "show the message of an id")
+    p.add_argument("topic")
+    p.add_argument("-l", "--ledger", "--ledgerId", dest="ledger", type=int, required=True)
+    p.add_argument("-e", "--entry", "--entryId", dest="entry", type=int, required=True)
+    p = verb(g, "get-message-id", _topics_get_message_id, "the id of a message by its time")
+    p.add_argument("topic")
+    p.add_argument(
+        "-d", "--datetime", required=True, help="first message published at or after this"
+    )
+    p = verb(g, "expire-messages", _topics_expire_messages, "acknowledge old messages")
+    p.add_argument("topic")
+    p.add_argument("-s", "--subscription", required=True)
+    p.add_argument(
+        "-t", "--expireTime", dest="expire_time", required=True, help="older than: 1h, 2d, 30s"
+    )
+    p = verb(
+        g, "expire-messages-all-subscriptions", _topics_expire_all, "expire on every subscription"
+    )
+    p.add_argument("topic")
+    p.add_argument(
+        "-t", "--expireTime", dest="expire_time", required=True, help="older than: 1h, 2d, 30s"
+    )
 
     g = verbs("clusters", "clusters")
     verb(g, "list", _clusters_list, "list clusters")

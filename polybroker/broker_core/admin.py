@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from polybroker.broker_core.admin_messages import message_id, render_message
 from polybroker.broker_core.admin_metrics import render_metrics
 from polybroker.broker_core.admin_policies import AdminError, PolicyStore, not_found, precondition
 from polybroker.broker_core.consumer import SubType
@@ -42,6 +43,7 @@ from polybroker.broker_core.errors import (
     TopicNotFoundError,
     TopicTerminatedError,
 )
+from polybroker.broker_core.messages import MessageFormatError
 from polybroker.broker_core.ownership import (
     ClusterOwnership,
     NotOwnerError,
@@ -55,7 +57,7 @@ from polybroker.broker_core.service import (
     TopicListMode,
     TopicRef,
 )
-from polybroker.ledger.api import InitialPosition, Position
+from polybroker.ledger.api import Entry, InitialPosition, Position
 from polybroker.logs import kv
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class Response:
     body: bytes = b""
     content_type: str = "application/json"
     location: str = ""  # a redirect's target
+    headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def json(cls, value: Any, status: int = 200) -> Response:
@@ -370,6 +373,11 @@ class AdminServer:
         r("POST", f"{topic}/subscription/{{sub}}/skip/{{count:\\d+}}", self._skip)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor/{{time:\\d+}}", self._reset_time)
         r("POST", f"{topic}/subscription/{{sub}}/resetcursor", self._reset_position)
+        r("GET", f"{topic}/subscription/{{sub}}/position/{{n:\\d+}}", self._peek)
+        r("POST", f"{topic}/subscription/{{sub}}/expireMessages/{{age:\\d+}}", self._expire)
+        r("POST", f"{topic}/all_subscription/expireMessages/{{age:\\d+}}", self._expire_all)
+        r("GET", f"{topic}/ledger/{{ledger:\\d+}}/entry/{{entry:\\d+}}", self._message_by_id)
+        r("GET", f"{topic}/messageid/{{time:\\d+}}", self._message_id_by_time)
         # schemas (read-only: registered by clients through their protocol)
         r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema", self._get_schema)
         r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema/{version:\\d+}", self._get_schema)
@@ -1003,6 +1011,76 @@ class AdminServer:
         await subs[0].seek(position)
         return Response()
 
+    # -- messages ---------------------------------------------------------------------------
+
+    async def _persistent_topic(self, call: Call, what: str) -> tuple[TopicRef, Any]:
+        """The loaded topic ``call`` names, refused as Pulsar does (405) when it is a
+        partitioned topic's name or non-persistent."""
+        ref = self._topic(call)
+        if ref.partition_index < 0 and await self._partitions_of(ref):
+            raise AdminError(405, f"{what} on a partitioned topic is not allowed")
+        topic = await self.service.get_topic(ref.full, create=False)
+        if not hasattr(topic, "entry_at"):
+            raise AdminError(405, f"{what} on a non-persistent topic is not allowed")
+        return ref, topic
+
+    async def _peek(self, call: Call) -> Response:
+        """The n-th unacknowledged message of a subscription (``pulsar-admin topics
+        peek-messages``); nothing is acknowledged or delivered."""
+        _, topic = await self._persistent_topic(call, "Peek messages")
+        sub = topic.subscriptions.get(call.params["sub"])
+        if sub is None:
+            raise not_found("Subscription not found")
+        n = int(call.params["n"])
+        if n < 1:
+            raise precondition("the message position starts at 1")
+        return _message_response(await sub.peek(n))
+
+    async def _message_by_id(self, call: Call) -> Response:
+        _, topic = await self._persistent_topic(call, "Get message by id")
+        position = Position(int(call.params["ledger"]), int(call.params["entry"]))
+        return _message_response(await topic.entry_at(position))
+
+    async def _message_id_by_time(self, call: Call) -> Response:
+        """The id of the first message published at or after the time (ms since the epoch)."""
+        ref, topic = await self._persistent_topic(call, "Get message ID by timestamp")
+        position = await topic.position_of_time(int(call.params["time"]))
+        if position is None:
+            raise not_found("Message ID not found")
+        return Response.json(_position_json(position, ref.partition_index))
+
+    async def _expire(self, call: Call) -> Response:
+        """Acknowledge a subscription's messages older than the given seconds (on every
+        partition of a partitioned topic)."""
+        for sub in await self._each_subscription(call):
+            await _expire_sub(sub, int(call.params["age"]))
+        return Response()
+
+    async def _expire_all(self, call: Call) -> Response:
+        ref = self._topic(call)
+        for name in await self._targets(ref):
+            topic = await self.service.get_topic(name, create=False)
+            for sub in list(topic.subscriptions.values()):
+                await _expire_sub(sub, int(call.params["age"]))
+        return Response()
+
+
+async def _expire_sub(sub: Any, age_s: int) -> None:
+    if not hasattr(sub, "expire_before"):
+        raise AdminError(405, "Expire messages on a non-persistent topic is not allowed")
+    now_ms = int(sub.topic.clock.seconds() * 1000)
+    await sub.expire_before(now_ms - age_s * 1000)
+
+
+def _message_response(entry: Entry | None) -> Response:
+    if entry is None:
+        raise not_found("Message not found")
+    try:
+        headers, body = render_message(entry)
+    except MessageFormatError as e:
+        return _error(500, f"cannot decode the message at {message_id(entry)}: {e}")
+    return Response(200, body, "application/octet-stream", headers=headers)
+
 
 class _AdminConsumer:
     """A consumer with no client behind it, used to create a subscription."""
@@ -1065,6 +1143,8 @@ class _Root(Resource):
             request.setResponseCode(response.status)
             if response.location:
                 request.setHeader(b"location", response.location.encode())
+            for name, value in response.headers.items():
+                request.setHeader(name.encode(), value.encode())
             if response.body or response.status != 204:
                 request.setHeader(b"content-type", response.content_type.encode())
             request.write(response.body)

@@ -346,6 +346,12 @@ def decode_entry(data: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> list[Messa
     return _decode_batch(md, body, publish)
 
 
+def decode_batch_payload(body: bytes, count: int) -> list[Message]:
+    """Split the uncompressed payload of a batch of ``count`` messages (as the admin API shows
+    a batched entry) into its messages."""
+    return _decode_batch(pb.Metadata(num_messages_in_batch=count), body, 0)
+
+
 def _decode_batch(md: pb.Metadata, body: bytes, publish: int) -> list[Message]:
     count = md.num_messages_in_batch
     if count < 0 or count > len(body) // 4 + 1:

@@ -278,27 +278,71 @@ class Subscription(SubscriptionAPI):
             return fail(SubscriptionNotFoundError(f"subscription {self.name!r} was deleted"))
         return Deferred.fromCoroutine(self._skip(count))
 
-    async def _skip(self, count: int) -> int:
-        skipped: list[Position] = []
+    async def _unacknowledged(self, count: int) -> list[Entry]:
+        """The first ``count`` (or fewer) entries after the mark-delete position that are not
+        acknowledged, read from the log (the dispatcher's state is not consulted)."""
+        found: list[Entry] = []
         md = self.cursor.mark_delete_position
         position = Position(md.ledger_id, md.entry_id + 1)
         last = self.topic.ledger.last_confirmed
-        while len(skipped) < count and not last < position:
-            entries = await self.topic.ledger.read(position, min(count - len(skipped), 500) + 64)
+        while len(found) < count and not last < position:
+            entries = await self.topic.ledger.read(position, min(count - len(found), 500) + 64)
             if not entries:
                 break
             for entry in entries:
                 if not self.cursor.is_deleted(entry.position):
-                    skipped.append(entry.position)
-                    if len(skipped) == count:
+                    found.append(entry)
+                    if len(found) == count:
                         break
             tail = entries[-1].position
             position = Position(tail.ledger_id, tail.entry_id + 1)
+        return found
+
+    async def _skip(self, count: int) -> int:
+        skipped = [entry.position for entry in await self._unacknowledged(count)]
         if skipped:
             await self.cursor.delete(skipped)
             if self.dispatcher is not None:
                 self.dispatcher.acked(skipped)
         return len(skipped)
+
+    def peek(self, n: int) -> Deferred[Entry | None]:
+        """The ``n``-th (from 1) unacknowledged entry after the mark-delete position, as
+        Pulsar's peek-messages finds it; None past the backlog. Nothing is acknowledged or
+        delivered."""
+        if self.closed:
+            return fail(SubscriptionNotFoundError(f"subscription {self.name!r} was deleted"))
+
+        async def nth() -> Entry | None:
+            found = await self._unacknowledged(n) if n > 0 else []
+            return found[-1] if len(found) == n else None
+
+        return Deferred.fromCoroutine(nth())
+
+    def expire_before(self, timestamp_ms: int) -> Deferred[bool]:
+        """Acknowledge every entry published before ``timestamp_ms``, as Pulsar's
+        expire-messages does: the mark-delete position only moves forward. Fire with whether
+        it moved."""
+        if self.closed:
+            return fail(SubscriptionNotFoundError(f"subscription {self.name!r} was deleted"))
+        return Deferred.fromCoroutine(self._expire_before(timestamp_ms))
+
+    async def _expire_before(self, timestamp_ms: int) -> bool:
+        ledger = self.topic.ledger
+        first_kept = await ledger.position_of_time(timestamp_ms)
+        if first_kept is None:
+            target: Position | None = ledger.last_confirmed
+            if target is not None and target.entry_id < 0:
+                target = self._previous_position(target)
+        else:
+            target = self._previous_position(first_kept)
+        if target is None or not self.cursor.mark_delete_position < target:
+            return False
+        d = self.cursor.mark_delete(target)
+        if self.dispatcher is not None:
+            self.dispatcher.acked_up_to(target)
+        await d
+        return True
 
     def _previous_position(self, position: Position) -> Position | None:
         if position.entry_id > 0:

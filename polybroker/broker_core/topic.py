@@ -1090,6 +1090,20 @@ class PersistentTopic(Topic):
         if sub.cursor.mark_delete_position < position:
             await sub.cursor.mark_delete(position)
 
+    def entry_at(self, position: Position) -> Deferred[Entry | None]:
+        """The stored entry at ``position``; None if the log holds none there (any more)."""
+
+        def exact(entries: list[Entry]) -> Entry | None:
+            return entries[0] if entries and entries[0].position == position else None
+
+        if position.entry_id < 0:
+            return succeed(None)
+        return self.ledger.read(position, 1).addCallback(exact)
+
+    def position_of_time(self, timestamp_ms: int) -> Deferred[Position | None]:
+        """The first entry published at or after ``timestamp_ms``; None if there is none."""
+        return self.ledger.position_of_time(timestamp_ms)
+
     def index_of_time(self, timestamp_ms: int) -> Deferred[int | None]:
         """The index of the first message of the first entry published at or after
         ``timestamp_ms``; None if there is none."""

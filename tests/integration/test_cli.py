@@ -429,3 +429,96 @@ def test_admin_schemas_get(broker: Standalone) -> None:
     none = admin(broker, "schemas", "get", "cli-no-schema")
     assert none.returncode == 1
     assert none.stderr.startswith("error: HTTP 404: ")
+
+
+def test_admin_peek_get_by_id_find_by_time_and_expire(broker: Standalone) -> None:
+    """Messages the official client sent (lone ones, and an LZ4 batch) are shown by
+    peek-messages and get-message-by-id as pulsar-admin shows them (a batch message by
+    message), found by time with get-message-id, and acknowledged by expire-messages;
+    peeking consumes nothing."""
+    import pulsar
+
+    topic = "persistent://public/default/cli-peek"
+    before = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 60))
+    c = pulsar.Client(
+        broker.service_url,
+        operation_timeout_seconds=30,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+    )
+    try:
+        c.subscribe(topic, "audit").close()
+        lone = c.create_producer(topic, batching_enabled=False)
+        ids = [lone.send(f"lone-{i}".encode(), properties={"n": str(i)}) for i in range(2)]
+        batched = c.create_producer(
+            topic,
+            batching_enabled=True,
+            batching_max_publish_delay_ms=100,
+            compression_type=pulsar.CompressionType.LZ4,
+        )
+        for i in range(3):
+            batched.send_async(f"batch-{i}".encode(), None)
+        batched.flush()
+    finally:
+        c.close()
+    ledger = ids[0].ledger_id()
+
+    def backlog() -> int:  # in entries, as Pulsar counts it: the batch is one
+        stats = admin_json(broker, "topics", "stats", topic)
+        return int(stats["subscriptions"]["audit"]["msgBacklog"])
+
+    assert backlog() == 3
+    peeked = admin_lines(broker, "topics", "peek-messages", topic, "-s", "audit", "-n", "10")
+    headers = [line for line in peeked if "Message ID: " in line]
+    assert headers == [
+        f"Message ID: {ledger}:0",
+        f"Message ID: {ledger}:1",
+        *(f"Batch Message ID: {ledger}:2:{i}" for i in range(3)),
+    ]
+    text = "\n".join(peeked)
+    for payload in ("lone-0", "lone-1", "batch-0", "batch-1", "batch-2"):
+        assert f"|{payload}" in text  # the dump's printable column
+    assert '"n": "1"' in text
+    second = peeked.index(f"Message ID: {ledger}:1")
+    assert peeked[second + 1].startswith("Publish time: ")
+    publish_ms = int(peeked[second + 1].split(": ")[1])
+    assert abs(publish_ms - time.time() * 1000) < 120_000
+
+    one = admin_lines(broker, "topics", "get-message-by-id", topic, "-l", str(ledger), "-e", "1")
+    assert one[0] == f"Message ID: {ledger}:1"
+    assert any("|lone-1" in line for line in one)
+    missing = admin(broker, "topics", "get-message-by-id", topic, "-l", str(ledger), "-e", "9")
+    assert (missing.returncode, missing.stderr) == (1, "error: HTTP 404: Message not found\n")
+    found = admin_json(broker, "topics", "get-message-id", topic, "-d", before)
+    assert (found["ledgerId"], found["entryId"]) == (ledger, 0)
+
+    assert backlog() == 3  # peeking consumed nothing
+    expire = ("topics", "expire-messages", topic, "-s", "audit", "-t")
+    assert admin(broker, *expire, "1h").returncode == 0
+    assert backlog() == 3  # nothing is an hour old
+    assert admin(broker, *expire, "0s").returncode == 0
+    assert backlog() == 0
+    empty = admin(broker, "topics", "peek-messages", topic, "-s", "audit")
+    assert (empty.returncode, empty.stderr) == (1, "error: HTTP 404: Message not found\n")
+
+
+def test_admin_peek_shows_a_kafka_record_as_a_pulsar_message(broker: Standalone) -> None:
+    """A record a Kafka client produced (stored in the Kafka format) is peeked as the Pulsar
+    message a Pulsar consumer gets: value, key, headers as properties, timestamp as event
+    time."""
+    from kafka import KafkaProducer
+
+    kp = KafkaProducer(bootstrap_servers=f"127.0.0.1:{broker.ports['kafkaListenerPort']}")
+    try:
+        kp.send(
+            "cli-kpeek", value=b"from-kafka", key=b"kk", headers=[("h", b"v")], timestamp_ms=1234
+        ).get(timeout=30)
+    finally:
+        kp.close()
+    partition = "persistent://public/default/cli-kpeek-partition-0"
+    created = admin(broker, "topics", "create-subscription", partition, "-s", "k", "-m", "earliest")
+    assert created.returncode == 0, created.stderr
+    peeked = admin_lines(broker, "topics", "peek-messages", partition, "-s", "k")
+    assert peeked[0].startswith("Message ID: ")
+    assert peeked[2] == "Event time: 1234"
+    assert '"h": "v"' in "\n".join(peeked)
+    assert any("|from-kafka" in line for line in peeked)

@@ -65,6 +65,27 @@ def test_relative_times() -> None:
         cli_admin.parse_relative_time("5y")
 
 
+def test_dates_and_times() -> None:
+    """get-message-id takes ISO-8601; without a zone it is UTC."""
+    assert cli_admin.parse_datetime("1970-01-01T00:00:01Z") == 1000
+    assert cli_admin.parse_datetime("1970-01-01T00:00:01.5") == 1500
+    assert cli_admin.parse_datetime("1970-01-01T01:00:00+01:00") == 0
+    for bad in ("", "yesterday", "1970-13-01T00:00:00"):
+        with pytest.raises(cli_admin.AdminCliError):
+            cli_admin.parse_datetime(bad)
+
+
+def test_hex_dump_rows() -> None:
+    """16 bytes a row: offset, hex, and the printable bytes (others as dots)."""
+    lines = cli_admin.hex_dump(b"hello\x00\x7f" + bytes(range(65, 75))).splitlines()
+    rows = [line for line in lines if line.startswith("|0")]
+    assert rows == [
+        "|00000000| 68 65 6c 6c 6f 00 7f 41 42 43 44 45 46 47 48 49 |hello..ABCDEFGHI|",
+        "|00000010| 4a                                              |J               |",
+    ]
+    assert cli_admin.hex_dump(b"").count("|0") == 0
+
+
 def test_error_reasons_come_from_the_json_body() -> None:
     """The reason of a Pulsar error body is shown; other bodies are shown as they are."""
     assert cli_admin._reason(b'{"reason": "Tenant already exists"}', "x") == (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ class Reply:
     status: int
     body: bytes
     content_type: str
+    headers: dict[str, str] = field(default_factory=dict)
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -113,7 +114,11 @@ class AdminFixture:
         )
         content = await _read_body(response)
         ctype = response.headers.getRawHeaders(b"content-type") or [b""]
-        return Reply(response.code, content, ctype[0].decode())
+        headers = {
+            name.decode().lower(): values[-1].decode()
+            for name, values in response.headers.getAllRawHeaders()
+        }
+        return Reply(response.code, content, ctype[0].decode(), headers)
 
     async def stop(self) -> None:
         await self.listening.stopListening()

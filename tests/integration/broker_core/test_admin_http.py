@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent / "unit" / "broker_co
 from fake_ledger import RecordingConsumer
 
 from polybroker.broker_core.consumer import SubType
+from polybroker.broker_core.messages import Message, decode_batch_payload, encode_entry
 from polybroker.ledger.api import InitialPosition, Position
 
 Admin = Any  # the fixture of this folder's conftest.py
@@ -430,3 +431,155 @@ async def test_garbage_on_the_http_port_does_not_hurt_others(admin: Admin) -> No
         answer = await raw.closed
         assert answer == b"" or answer.startswith(b"HTTP/1.1 4")
     assert (await admin.request("GET", "/admin/v2/brokers/health")).status == 200
+
+
+async def _publish_messages(admin: Admin, name: str) -> list[Position]:
+    """Two lone messages (a key, properties, an event time) and a compressed batch of three;
+    return the positions of the three entries."""
+    lone = [
+        Message(b"m0", key=b"k0", properties=[("p", "0")], event_time_ms=1_000),
+        Message(b"m1", properties=[("p", "1")]),
+    ]
+    positions = []
+    for i, m in enumerate(lone):
+        data = encode_entry([m], producer_name="prod", sequence_id=i, publish_time_ms=10_000 + i)
+        entry = await admin.service.publish(name, data, publish_time_ms=10_000 + i)
+        positions.append(entry.position)
+    batch = [Message(f"b{i}".encode() * 20, properties=[("i", str(i))]) for i in range(3)]
+    data = encode_entry(
+        batch, producer_name="prod", sequence_id=2, publish_time_ms=20_000, compression="zstd"
+    )
+    entry = await admin.service.publish(name, data, num_messages=3, publish_time_ms=20_000)
+    positions.append(entry.position)
+    return positions
+
+
+@pytest_twisted.ensureDeferred
+async def test_peek_shows_a_subscriptions_next_messages_without_consuming(admin: Admin) -> None:
+    """position/N answers the N-th unacknowledged entry after the mark-delete: its payload
+    (a batch's decompressed, its messages framed) and its metadata in X-Pulsar-* headers, as
+    Pulsar's peek-messages; acknowledged entries are stepped over and nothing is consumed."""
+    name = "persistent://public/default/peek"
+    first, second, third = await _publish_messages(admin, name)
+    consumer = RecordingConsumer()
+    server_consumer = await admin.service.subscribe(
+        name, "s", consumer, SubType.SHARED, InitialPosition.EARLIEST
+    )
+    sub = admin.service.topics[name].subscriptions["s"]
+    await sub.remove_consumer(server_consumer)
+
+    one = await admin.request("GET", f"{T}/peek/subscription/s/position/1")
+    assert (one.status, one.body, one.content_type) == (200, b"m0", "application/octet-stream")
+    h = one.headers
+    assert h["x-pulsar-message-id"] == f"{first.ledger_id}:{first.entry_id}"
+    assert h["x-pulsar-publish-time"] == "1970-01-01T00:00:10.000Z"
+    assert h["x-pulsar-event-time"] == "1970-01-01T00:00:01.000Z"
+    assert (h["x-pulsar-producer-name"], h["x-pulsar-sequence-id"]) == ("prod", "0")
+    assert (h["x-pulsar-partition-key"], h["x-pulsar-property"]) == ("k0", '{"p": "0"}')
+    assert h["x-pulsar-broker-entry-metadata-index"] == "0"
+    assert "x-pulsar-num-batch-message" not in h
+
+    await sub.cursor.delete([second])  # acknowledged out of order
+    batch = await admin.request("GET", f"{T}/peek/subscription/s/position/2")
+    assert batch.status == 200
+    h = batch.headers
+    assert h["x-pulsar-message-id"] == f"{third.ledger_id}:{third.entry_id}"
+    assert (h["x-pulsar-num-batch-message"], h["x-pulsar-compression"]) == ("3", "ZSTD")
+    assert h["x-pulsar-broker-entry-metadata-index"] == "4"  # its last message's index
+    shown = decode_batch_payload(batch.body, 3)
+    assert [m.payload for m in shown] == [f"b{i}".encode() * 20 for i in range(3)]
+    assert [m.properties for m in shown] == [[("i", str(i))] for i in range(3)]
+
+    past = await admin.request("GET", f"{T}/peek/subscription/s/position/3")
+    assert (past.status, past.json()) == (404, {"reason": "Message not found"})
+    missing = await admin.request("GET", f"{T}/peek/subscription/nope/position/1")
+    assert (missing.status, missing.json()) == (404, {"reason": "Subscription not found"})
+    # Nothing was acknowledged.
+    assert not sub.cursor.is_deleted(first)
+    assert not sub.cursor.is_deleted(third)
+
+
+@pytest_twisted.ensureDeferred
+async def test_message_by_id_and_message_id_by_time(admin: Admin) -> None:
+    """ledger/L/entry/E answers the message of an id (404 if there is none); messageid/T the
+    id of the first entry published at or after T (404 after the last)."""
+    name = "persistent://public/default/byid"
+    first, second, third = await _publish_messages(admin, name)
+    got = await admin.request("GET", f"{T}/byid/ledger/{second.ledger_id}/entry/{second.entry_id}")
+    assert (got.status, got.body) == (200, b"m1")
+    assert got.headers["x-pulsar-message-id"] == f"{second.ledger_id}:{second.entry_id}"
+    none = await admin.request("GET", f"{T}/byid/ledger/{third.ledger_id}/entry/99")
+    assert (none.status, none.json()) == (404, {"reason": "Message not found"})
+
+    async def id_at(ms: int) -> Any:
+        reply = await admin.request("GET", f"{T}/byid/messageid/{ms}")
+        return reply.json() if reply.status == 200 else reply.status
+
+    def as_id(p: Position) -> dict[str, int]:
+        return {"ledgerId": p.ledger_id, "entryId": p.entry_id, "partitionIndex": -1}
+
+    assert await id_at(0) == as_id(first)
+    assert await id_at(10_001) == as_id(second)
+    assert await id_at(10_002) == as_id(third)
+    assert await id_at(20_001) == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_expire_acknowledges_only_messages_older_than_the_age(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """expireMessages/S acknowledges the entries published more than S seconds ago and never
+    moves a subscription back; all_subscription does it for every subscription."""
+    name = "persistent://public/default/expire"
+    _, second, third = await _publish_messages(admin, name)
+    for sub_name in ("a", "b"):
+        await admin.request("PUT", f"{T}/expire/subscription/{sub_name}", {"ledgerId": -1})
+    topic = admin.service.topics[name]
+    monkeypatch.setattr(topic, "clock", _Clock(30.0))  # 30 s after the epoch
+
+    async def backlogs() -> list[int]:  # in entries here (this service's ledger counts them)
+        stats = (await admin.request("GET", f"{T}/expire/stats")).json()
+        return [stats["subscriptions"][s]["msgBacklog"] for s in ("a", "b")]
+
+    assert await backlogs() == [3, 3]
+    # Older than 15 s: the two entries published at 10 s.
+    expire_a = f"{T}/expire/subscription/a/expireMessages"
+    assert (await admin.request("POST", f"{expire_a}/15")).status == 204
+    assert await backlogs() == [1, 3]
+    assert topic.subscriptions["a"].cursor.mark_delete_position == second
+    # Older than 25 s is less: a does not move back.
+    assert (await admin.request("POST", f"{expire_a}/25")).status == 204
+    assert topic.subscriptions["a"].cursor.mark_delete_position == second
+    everything = f"{T}/expire/all_subscription/expireMessages/5"
+    assert (await admin.request("POST", everything)).status == 204
+    assert await backlogs() == [0, 0]
+    assert topic.subscriptions["b"].cursor.mark_delete_position == third
+    missing = await admin.request("POST", f"{T}/expire/subscription/nope/expireMessages/1")
+    assert missing.status == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_message_inspection_of_a_partitioned_topic_is_refused(admin: Admin) -> None:
+    """As Pulsar: peek, get by id and id by time name a partition, not a partitioned topic
+    (405 with a reason); expire goes to every partition."""
+    assert (await admin.request("PUT", f"{T}/parts/partitions", 2)).status == 204
+    for path in ("subscription/s/position/1", "ledger/0/entry/0", "messageid/0"):
+        reply = await admin.request("GET", f"{T}/parts/{path}")
+        assert reply.status == 405, path
+        assert "partitioned topic is not allowed" in reply.json()["reason"]
+    for i in range(2):
+        await admin.service.publish(f"persistent://public/default/parts-partition-{i}", b"x")
+    assert (await admin.request("PUT", f"{T}/parts/subscription/s", {"ledgerId": -1})).status == 204
+    assert (await admin.request("POST", f"{T}/parts/subscription/s/expireMessages/0")).status == 204
+    stats = (await admin.request("GET", f"{T}/parts/partitioned-stats")).json()
+    assert stats["subscriptions"]["s"]["msgBacklog"] == 0
+
+
+class _Clock:
+    """A clock standing at ``now`` (seconds since the epoch)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def seconds(self) -> float:
+        return self.now
