@@ -135,13 +135,34 @@ class AdminClient:
             req.add_header("Content-Type", "application/json")
         req.add_header("Accept", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with _OPENER.open(req, timeout=self.timeout) as resp:
                 return resp.headers, resp.read()
         except urllib.error.HTTPError as e:
             raise AdminCliError(f"HTTP {e.code}: {_reason(e.read(), e.reason)}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise AdminCliError(f"cannot reach {self.base}: {reason}") from None
+
+
+class _FollowRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a 307 or 308 whatever the method, body and all, as pulsar-admin does: a broker
+    answers a call about a topic another broker serves with a 307 to that broker (urllib
+    follows it for GET and HEAD only)."""
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        if code in (307, 308):
+            return urllib.request.Request(
+                newurl,
+                data=req.data,
+                headers=dict(req.header_items()),
+                method=req.get_method(),
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_FollowRedirects)
 
 
 def _reason(raw: bytes, fallback: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
 import logging
 import re
@@ -122,6 +123,7 @@ class Call:
     params: dict[str, str]
     query: dict[str, list[str]]
     body: bytes
+    raw_query: str = ""
 
     def flag(self, name: str, default: bool = False) -> bool:
         values = self.query.get(name)
@@ -284,7 +286,8 @@ class AdminServer:
             return _error(found, "Method Not Allowed" if found == 405 else "Not Found")
         handler, params = found
         raw_query = request.uri.partition(b"?")[2].decode("utf-8", "replace")
-        call = Call(method, path, params, parse_qs(raw_query, keep_blank_values=True), body)
+        query = parse_qs(raw_query, keep_blank_values=True)
+        call = Call(method, path, params, query, body, raw_query)
         try:
             return await handler(call)
         except AdminError as e:
@@ -795,13 +798,20 @@ class AdminServer:
     async def _remote_json(self, url: str) -> Any:
         return json.loads(await self._remote_call(b"GET", url))
 
-    async def _remote_call(self, method: bytes, url: str, timeout: float | None = None) -> bytes:
-        """Ask another broker's admin API; its refusal is ours (a missing topic is 404). With
-        ``timeout`` the call fails with a TimeoutError after that many seconds."""
-        from twisted.web.client import Agent, readBody
+    async def _remote_call(
+        self, method: bytes, url: str, timeout: float | None = None, body: bytes = b""
+    ) -> bytes:
+        """Ask another broker's admin API (``body``: a JSON document to send); its refusal is
+        ours (a missing topic is 404). With ``timeout`` the call fails with a TimeoutError
+        after that many seconds."""
+        from twisted.web.client import Agent, FileBodyProducer, readBody
+        from twisted.web.http_headers import Headers
 
         async def ask() -> tuple[Any, bytes]:
-            response = await Agent(self.service.reactor).request(method, url.encode())
+            headers = Headers({b"content-type": [b"application/json"]}) if body else None
+            producer = FileBodyProducer(io.BytesIO(body)) if body else None
+            agent = Agent(self.service.reactor)
+            response = await agent.request(method, url.encode(), headers, producer)
             return response, await readBody(response)
 
         d = Deferred.fromCoroutine(ask())
@@ -924,30 +934,67 @@ class AdminServer:
             await self.service.unload_topic(name)
         return Response()
 
-    async def _subscriptions(self, call: Call) -> Response:
+    async def _per_partition(self, call: Call, here: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+        """Run ``here(topic)`` on the topic ``call`` names, or on each of its partitions; return
+        what each returned. A partition another broker of the cluster serves gets the same
+        request at that broker's admin API under the partition's name, as Pulsar's admin fans
+        a partitioned topic out; its JSON answer (None if empty, ``_MISSING`` for a 404)
+        stands in the list. (Redirecting the whole call sent it back and forth between the
+        owners of different partitions.)"""
         ref = self._topic(call)
-        names: set[str] = set()
+        out: list[Any] = []
         for name in await self._targets(ref):
-            topic = await self.service.get_topic(name, create=False)
-            names.update(topic.subscriptions)
+            try:
+                topic = await self.service.get_topic(name, create=False)
+            except NotOwnerError as e:
+                if name == ref.full or e.owner is None or not e.owner.web_url:
+                    raise  # the topic itself: the client is redirected to its owner
+                out.append(await self._at_partition_owner(call, name, e.owner.web_url))
+                continue
+            out.append(await here(topic))
+        return out
+
+    async def _at_partition_owner(self, call: Call, partition: str, web_url: str) -> Any:
+        """Send ``call`` to the broker at ``web_url`` for ``partition`` instead of the topic."""
+        part = self.service.topic_ref(partition)
+        rest = call.path.split("/", 7)[7:]  # what follows /admin/v2/domain/tenant/ns/topic
+        url = (
+            f"{web_url.rstrip('/')}/admin/v2/{part.domain}/{quote(part.tenant, safe='')}/"
+            f"{quote(part.namespace, safe='')}/{quote(part.local, safe='')}"
+        )
+        if rest:
+            url += "/" + rest[0]
+        if call.raw_query:
+            url += "?" + call.raw_query
+        try:
+            raw = await self._remote_call(call.method.encode(), url, body=call.body)
+        except TopicNotFoundError:
+            return _MISSING
+        return json.loads(raw) if raw.strip() else None
+
+    async def _on_subscription(self, call: Call, act: Callable[[Any], Awaitable[Any]]) -> None:
+        """``act(subscription)`` on the named subscription of the topic, or of each partition
+        that has it; 404 when none has."""
+        sub_name = call.params["sub"]
+
+        async def here(topic: Any) -> Any:
+            sub = topic.subscriptions.get(sub_name)
+            if sub is None:
+                return _MISSING
+            await act(sub)
+            return None
+
+        if all(r is _MISSING for r in await self._per_partition(call, here)):
+            raise not_found("Subscription not found")
+
+    async def _subscriptions(self, call: Call) -> Response:
+        async def here(topic: Any) -> list[str]:
+            return list(topic.subscriptions)
+
+        names = {n for part in await self._per_partition(call, here) if part for n in part}
         return Response.json(sorted(names))
 
-    async def _each_subscription(self, call: Call) -> list[Any]:
-        """The named subscription on the topic (or on each partition that has it)."""
-        ref = self._topic(call)
-        sub_name = call.params["sub"]
-        found = []
-        for name in await self._targets(ref):
-            topic = await self.service.get_topic(name, create=False)
-            sub = topic.subscriptions.get(sub_name)
-            if sub is not None:
-                found.append(sub)
-        if not found:
-            raise not_found("Subscription not found")
-        return found
-
     async def _create_subscription(self, call: Call) -> Response:
-        ref = self._topic(call)
         sub_name = call.params["sub"]
         body = call.json_body()
         start: Position | None = None
@@ -958,11 +1005,10 @@ class AdminServer:
                 initial = InitialPosition.EARLIEST
             elif ledger_id < 2**63 - 1:
                 start = Position(ledger_id, entry_id)
-        targets = await self._targets(ref)
-        topics = [await self.service.get_topic(name, create=False) for name in targets]
-        if any(sub_name in t.subscriptions for t in topics):
-            raise AdminError(409, "Subscription already exists for topic")
-        for topic in topics:
+
+        async def here(topic: Any) -> None:
+            if sub_name in topic.subscriptions:
+                raise AdminError(409, "Subscription already exists for topic")
             # A durable subscription outlives its consumers: attach a placeholder that
             # takes no messages (no permits), then detach it.
             placeholder = _AdminConsumer()
@@ -972,30 +1018,33 @@ class AdminServer:
             await server.close()
             if start is not None:
                 await topic.subscriptions[sub_name].seek(start)
+
+        await self._per_partition(call, here)
         return Response()
 
     async def _delete_subscription(self, call: Call) -> Response:
-        for sub in await self._each_subscription(call):
-            await sub.delete(call.flag("force"))
+        force = call.flag("force")
+        await self._on_subscription(call, lambda sub: sub.delete(force))
         return Response()
 
     async def _skip_all(self, call: Call) -> Response:
-        for sub in await self._each_subscription(call):
-            await sub.seek(InitialPosition.LATEST)
+        await self._on_subscription(call, lambda sub: sub.seek(InitialPosition.LATEST))
         return Response()
 
     async def _skip(self, call: Call) -> Response:
         count = int(call.params["count"])
-        for sub in await self._each_subscription(call):
+
+        async def skip(sub: Any) -> None:
             if not hasattr(sub, "skip"):
                 raise precondition("skip needs a persistent topic")
             await sub.skip(count)
+
+        await self._on_subscription(call, skip)
         return Response()
 
     async def _reset_time(self, call: Call) -> Response:
         timestamp = int(call.params["time"])
-        for sub in await self._each_subscription(call):
-            await sub.seek_time(timestamp)
+        await self._on_subscription(call, lambda sub: sub.seek_time(timestamp))
         return Response()
 
     async def _reset_position(self, call: Call) -> Response:
@@ -1005,10 +1054,10 @@ class AdminServer:
         ):
             raise precondition("expected a MessageId body {ledgerId, entryId}")
         position = Position(body["ledgerId"], body["entryId"])
-        subs = await self._each_subscription(call)
-        if len(subs) > 1:
+        ref = self._topic(call)
+        if ref.partition_index < 0 and await self._partitions_of(ref):
             raise precondition("reset by message id needs a partition, not a partitioned topic")
-        await subs[0].seek(position)
+        await self._on_subscription(call, lambda sub: sub.seek(position))
         return Response()
 
     # -- messages ---------------------------------------------------------------------------
@@ -1052,16 +1101,18 @@ class AdminServer:
     async def _expire(self, call: Call) -> Response:
         """Acknowledge a subscription's messages older than the given seconds (on every
         partition of a partitioned topic)."""
-        for sub in await self._each_subscription(call):
-            await _expire_sub(sub, int(call.params["age"]))
+        age = int(call.params["age"])
+        await self._on_subscription(call, lambda sub: _expire_sub(sub, age))
         return Response()
 
     async def _expire_all(self, call: Call) -> Response:
-        ref = self._topic(call)
-        for name in await self._targets(ref):
-            topic = await self.service.get_topic(name, create=False)
+        age = int(call.params["age"])
+
+        async def here(topic: Any) -> None:
             for sub in list(topic.subscriptions.values()):
-                await _expire_sub(sub, int(call.params["age"]))
+                await _expire_sub(sub, age)
+
+        await self._per_partition(call, here)
         return Response()
 
 
@@ -1070,6 +1121,10 @@ async def _expire_sub(sub: Any, age_s: int) -> None:
         raise AdminError(405, "Expire messages on a non-persistent topic is not allowed")
     now_ms = int(sub.topic.clock.seconds() * 1000)
     await sub.expire_before(now_ms - age_s * 1000)
+
+
+#: A partition that answered 404 (``AdminServer._per_partition``).
+_MISSING = object()
 
 
 def _message_response(entry: Entry | None) -> Response:

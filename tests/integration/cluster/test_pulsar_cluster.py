@@ -8,8 +8,11 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -152,6 +155,62 @@ def test_partitions_spread_over_brokers_and_any_broker_answers(cluster: Cluster)
         "partitions": 0
     }
     assert not [t for t in http("GET", f"{b.http_url}/admin/v2/persistent/{NS}") if "spread" in t]
+
+
+def test_subscription_admin_reaches_partitions_on_every_broker(cluster: Cluster) -> None:
+    """Subscription calls on a partitioned topic whose partitions both brokers serve reach
+    every partition, whichever broker is asked: create, list, skip, reset by time, expire
+    (one subscription, and all), delete. Each broker does its own partitions and sends the
+    same call to the other for the rest (a redirect of the whole call went back and forth)."""
+    a, b = cluster.members
+    path = f"/admin/v2/persistent/{NS}/fan"
+    http("PUT", f"{a.http_url}{path}/partitions", 8)
+    client = pulsar.Client(a.pulsar_url, operation_timeout_seconds=30)
+    try:
+        producer = client.create_producer(f"persistent://{NS}/fan", batching_enabled=False)
+        for i in range(80):
+            producer.send(b"m", partition_key=str(i))
+    finally:
+        client.close()
+    assert {o for o in owners(a).values() if o is not None} == {a.broker_id, b.broker_id}
+
+    def backlog(asked: Broker) -> int:
+        stats = http("GET", f"{asked.http_url}{path}/partitioned-stats?perPartition=true")
+        return sum(p["subscriptions"]["audit"]["msgBacklog"] for p in stats["partitions"].values())
+
+    http("PUT", f"{a.http_url}{path}/subscription/audit", {"ledgerId": -1, "entryId": -1})
+    for asked in (a, b):
+        assert http("GET", f"{asked.http_url}{path}/subscriptions") == ["audit"]
+    assert backlog(b) == 80
+    http("POST", f"{a.http_url}{path}/subscription/audit/skip_all")
+    assert backlog(b) == 0
+    http("POST", f"{b.http_url}{path}/subscription/audit/resetcursor/0")
+    assert backlog(a) == 80
+    http("POST", f"{a.http_url}{path}/subscription/audit/expireMessages/0")
+    assert backlog(b) == 0
+    http("POST", f"{a.http_url}{path}/subscription/audit/resetcursor/0")
+    http("POST", f"{b.http_url}{path}/all_subscription/expireMessages/0")
+    assert backlog(a) == 0
+    # The CLI follows a broker's 307 to a partition's owner for a POST too.
+    theirs = next(
+        f"fan-partition-{i}"
+        for i in range(8)
+        if http("GET", f"{a.http_url}/lookup/v2/topic/persistent/{NS}/fan-partition-{i}")[
+            "brokerUrl"
+        ]
+        == b.pulsar_url
+    )
+    cli = [sys.executable, "-m", "polybroker", "admin", "--admin-url", a.http_url]
+    cli += ["topics", "reset-cursor", f"persistent://{NS}/{theirs}", "-s", "audit", "-t", "1h"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert backlog(a) > 0
+    http("DELETE", f"{b.http_url}{path}/subscription/audit")
+    for asked in (a, b):
+        assert http("GET", f"{asked.http_url}{path}/subscriptions") == []
+    with pytest.raises(urllib.error.HTTPError) as gone:
+        http("DELETE", f"{a.http_url}{path}/subscription/audit")
+    assert gone.value.code == 404
 
 
 def test_bundle_unload_transfer_and_split_through_admin(cluster: Cluster) -> None:
