@@ -587,10 +587,12 @@ class AdminServer:
         if (topics or partitioned) and not call.flag("force"):
             raise AdminError(409, "Cannot delete non empty namespace")
         for name in partitioned:
-            await self.service.delete_partitioned_topic(name, force=True)
+            await self.service.delete_partitioned_topic(
+                name, force=True, delete_partition=self._delete_anywhere
+            )
         for name in topics:
             with contextlib.suppress(TopicNotFoundError):
-                await self.service.delete_topic(name, force=True)
+                await self._delete_anywhere(name, True)
         await self.policies.delete_namespace(namespace)
         return Response()
 
@@ -739,25 +741,25 @@ class AdminServer:
 
     async def _delete_partitioned(self, call: Call) -> Response:
         ref = self._topic(call)
-
-        async def delete_partition(name: str, force: bool) -> None:
-            try:
-                await self.service.delete_topic(name, force)
-            except NotOwnerError as e:
-                if e.owner is None:
-                    raise
-                # Served by another broker of the cluster: it deletes it.
-                part = self.service.topic_ref(name)
-                url = (
-                    f"{e.owner.web_url}/admin/v2/{part.domain}/{part.tenant}/{part.namespace}/"
-                    f"{quote(part.local, safe='')}" + ("?force=true" if force else "")
-                )
-                await self._remote_call(b"DELETE", url)
-
         await self.service.delete_partitioned_topic(
-            ref.full, force=call.flag("force"), delete_partition=delete_partition
+            ref.full, force=call.flag("force"), delete_partition=self._delete_anywhere
         )
         return Response()
+
+    async def _delete_anywhere(self, name: str, force: bool) -> None:
+        """Delete a (non-partitioned) topic here, or at the broker of the cluster that serves
+        it (a namespace's or a partitioned topic's deletion reaches every owner so)."""
+        try:
+            await self.service.delete_topic(name, force)
+        except NotOwnerError as e:
+            if e.owner is None:
+                raise
+            part = self.service.topic_ref(name)
+            url = (
+                f"{e.owner.web_url}/admin/v2/{part.domain}/{part.tenant}/{part.namespace}/"
+                f"{quote(part.local, safe='')}" + ("?force=true" if force else "")
+            )
+            await self._remote_call(b"DELETE", url)
 
     async def _stats(self, call: Call) -> Response:
         ref = self._topic(call)
@@ -875,6 +877,8 @@ class AdminServer:
 
     async def _last_message_id(self, call: Call) -> Response:
         ref = self._topic(call)
+        if ref.partition_index < 0 and await self._partitions_of(ref):
+            raise AdminError(405, "Get the last message id of a partitioned topic is not allowed")
         last = await self.service.last_message_id(ref.full)
         out = _position_json(last.position, ref.partition_index)
         if last.num_messages > 1:
@@ -912,6 +916,8 @@ class AdminServer:
 
     async def _terminate(self, call: Call) -> Response:
         ref = self._topic(call)
+        if ref.partition_index < 0 and await self._partitions_of(ref):
+            raise AdminError(405, "Termination of a partitioned topic is not allowed")
         position = await self.service.terminate_topic(ref.full)
         return Response.json(_position_json(position, ref.partition_index))
 

@@ -213,6 +213,33 @@ def test_subscription_admin_reaches_partitions_on_every_broker(cluster: Cluster)
     assert gone.value.code == 404
 
 
+def test_a_namespace_is_deleted_with_topics_every_broker_serves(cluster: Cluster) -> None:
+    """Deleting a namespace (force) through one broker deletes the topics and partitions the
+    other serves too (it went back and forth as 307s, and the namespace stayed); calls that
+    name a partitioned topic where Pulsar wants a partition are refused (405)."""
+    a, b = cluster.members
+    http("PUT", f"{a.http_url}/admin/v2/namespaces/public/gone", {})
+    http("PUT", f"{a.http_url}/admin/v2/persistent/public/gone/pt/partitions", 8)
+    client = pulsar.Client(cluster.service_url, operation_timeout_seconds=30)
+    try:
+        producer = client.create_producer("persistent://public/gone/pt", batching_enabled=False)
+        for i in range(40):
+            producer.send(b"x", partition_key=str(i))
+        for i in range(6):
+            client.create_producer(f"persistent://public/gone/single-{i}").send(b"y")
+    finally:
+        client.close()
+    served = http("GET", f"{a.http_url}/admin/v2/namespaces/public/gone/owners").values()
+    assert {o for o in served if o is not None} == {a.broker_id, b.broker_id}
+    for verb, suffix in (("POST", "terminate"), ("GET", "lastMessageId")):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http(verb, f"{a.http_url}/admin/v2/persistent/public/gone/pt/{suffix}")
+        assert refused.value.code == 405
+    http("DELETE", f"{a.http_url}/admin/v2/namespaces/public/gone?force=true")
+    for asked in (a, b):
+        assert "public/gone" not in http("GET", f"{asked.http_url}/admin/v2/namespaces/public")
+
+
 def test_bundle_unload_transfer_and_split_through_admin(cluster: Cluster) -> None:
     a, b = cluster.members
     topic = f"persistent://{NS}/moving"
