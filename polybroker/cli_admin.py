@@ -455,6 +455,38 @@ def hex_dump(data: bytes) -> str:
     return "\n".join(lines)
 
 
+def _brokers_list(c: AdminClient, a: argparse.Namespace) -> None:
+    cluster = a.cluster or _only_cluster(c)
+    _print_list(c.request("GET", f"/admin/v2/brokers/{_q(cluster)}"))
+
+
+def _only_cluster(c: AdminClient) -> str:
+    clusters = c.request("GET", "/admin/v2/clusters") or []
+    if len(clusters) != 1:
+        raise AdminCliError(f"name the cluster: one of {', '.join(clusters)}")
+    return str(clusters[0])
+
+
+def _brokers_leader(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", "/admin/v2/brokers/leaderBroker"))
+
+
+def _brokers_runtime_config(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", "/admin/v2/brokers/configuration/runtime"))
+
+
+def _brokers_dynamic_config(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_list(c.request("GET", "/admin/v2/brokers/configuration"))
+
+
+def _brokers_internal_config(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", "/admin/v2/brokers/internal-configuration"))
+
+
+def _brokers_healthcheck(c: AdminClient, a: argparse.Namespace) -> None:
+    print(c.request("GET", "/admin/v2/brokers/health"))
+
+
 def _clusters_list(c: AdminClient, a: argparse.Namespace) -> None:
     _print_list(c.request("GET", "/admin/v2/clusters"))
 
@@ -619,6 +651,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-t", "--expireTime", dest="expire_time", required=True, help="older than: 1h, 2d, 30s"
     )
+
+    g = verbs("brokers", "brokers")
+    p = verb(g, "list", _brokers_list, "list the brokers of a cluster")
+    p.add_argument("cluster", nargs="?", default=None, help="(the only one)")
+    verb(g, "leader-broker", _brokers_leader, "the broker leading the load manager")
+    verb(g, "get-runtime-config", _brokers_runtime_config, "every setting in force")
+    verb(g, "list-dynamic-config", _brokers_dynamic_config, "settings changeable at run time")
+    verb(g, "get-internal-config", _brokers_internal_config, "where the metadata is")
+    verb(g, "healthcheck", _brokers_healthcheck, "ok while the broker can store messages")
 
     g = verbs("clusters", "clusters")
     verb(g, "list", _clusters_list, "list clusters")

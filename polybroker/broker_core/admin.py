@@ -319,6 +319,12 @@ class AdminServer:
         topic = f"/admin/v2/{dom}/{{tenant}}/{{ns}}/{{topic}}"
         r("GET", "/admin/v2/brokers/health", self._health)
         r("GET", "/admin/v2/brokers/ready", self._ready)
+        r("GET", "/admin/v2/brokers/leaderBroker", self._leader_broker)
+        r("GET", "/admin/v2/brokers/configuration", self._dynamic_config_names)
+        r("GET", "/admin/v2/brokers/configuration/values", self._dynamic_config_values)
+        r("GET", "/admin/v2/brokers/configuration/runtime", self._runtime_config)
+        r("POST", "/admin/v2/brokers/configuration/{name}/{value}", self._update_config)
+        r("GET", "/admin/v2/brokers/internal-configuration", self._internal_config)
         r("GET", "/admin/v2/brokers/{cluster}", self._brokers)
         r("GET", "/metrics", self._metrics)
         r("GET", f"/lookup/v2/topic/{dom}/{{tenant}}/{{ns}}/{{topic}}", self._lookup)
@@ -406,6 +412,45 @@ class AdminServer:
             return Response.json([b.broker_id for b in await ownership.brokers()])
         http = self.urls().get("httpUrl", "")
         return Response.json([http.removeprefix("http://")] if http else [])
+
+    async def _leader_broker(self, call: Call) -> Response:
+        """The broker that leads the load manager (in a standalone, itself)."""
+        ownership = self.service.ownership
+        if ownership is not None and ownership.clustered:
+            leader = await ownership.leader()
+            if leader is None:
+                raise not_found("No leader broker is elected now")
+            return Response.json({"brokerId": leader.broker_id, "serviceUrl": leader.web_url})
+        http = self.urls().get("httpUrl", "")
+        return Response.json({"brokerId": http.removeprefix("http://"), "serviceUrl": http})
+
+    async def _dynamic_config_names(self, call: Call) -> Response:
+        """No setting changes while the broker runs (restart with a new value instead)."""
+        return Response.json([])
+
+    async def _dynamic_config_values(self, call: Call) -> Response:
+        return Response.json({})
+
+    async def _update_config(self, call: Call) -> Response:
+        raise precondition(f"{call.params['name']} is not a dynamic configuration")
+
+    async def _runtime_config(self, call: Call) -> Response:
+        """Every setting in force, as strings (Pulsar's ``get-runtime-config``)."""
+        config = self.service.config
+        values = config.as_dict() if config is not None else {}
+        return Response.json({k: _config_text(v) for k, v in sorted(values.items())})
+
+    async def _internal_config(self, call: Call) -> Response:
+        config = self.service.config
+        store = str(config["metadataStoreUrl"]) if config is not None else ""
+        return Response.json(
+            {
+                "metadataStoreUrl": store,
+                "configurationMetadataStoreUrl": store,
+                "bookkeeperMetadataServiceUri": store,
+                "stateStorageServiceUrl": None,
+            }
+        )
 
     async def _metrics(self, call: Call) -> Response:
         text = render_metrics(self.service, self.policies.cluster)
@@ -1127,6 +1172,15 @@ async def _expire_sub(sub: Any, age_s: int) -> None:
         raise AdminError(405, "Expire messages on a non-persistent topic is not allowed")
     now_ms = int(sub.topic.clock.seconds() * 1000)
     await sub.expire_before(now_ms - age_s * 1000)
+
+
+def _config_text(value: Any) -> str:
+    """A setting as Pulsar's runtime configuration shows it (booleans lower case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 #: A partition that answered 404 (``AdminServer._per_partition``).

@@ -749,6 +749,15 @@ class ClusterOwnership(Ownership):
         d = Deferred.fromCoroutine(self._live_brokers())
         return d.addCallback(lambda live: [live[k] for k in sorted(live)])
 
+    def leader(self) -> Deferred[BrokerInfo | None]:
+        """The broker that holds the load manager's leadership now (None between two)."""
+
+        async def read() -> BrokerInfo | None:
+            found = await self.store.get(LEADER_PATH)
+            return None if found is None else _decode_info(found.value)
+
+        return Deferred.fromCoroutine(read())
+
     async def _live_brokers(self) -> dict[str, BrokerInfo]:
         if self._live is not None:
             return self._live

@@ -522,3 +522,24 @@ def test_admin_peek_shows_a_kafka_record_as_a_pulsar_message(broker: Standalone)
     assert peeked[2] == "Event time: 1234"
     assert '"h": "v"' in "\n".join(peeked)
     assert any("|from-kafka" in line for line in peeked)
+
+
+def test_admin_brokers(broker: Standalone) -> None:
+    """brokers list, leader-broker, healthcheck and the configuration verbs: the standalone
+    is its own cluster's only broker and leader, and shows every setting in force."""
+    web = broker.admin_url.removeprefix("http://")
+    assert admin_lines(broker, "brokers", "list") == [web]
+    assert admin_lines(broker, "brokers", "list", "standalone") == [web]
+    assert admin_json(broker, "brokers", "leader-broker") == {
+        "brokerId": web,
+        "serviceUrl": broker.admin_url,
+    }
+    assert admin_lines(broker, "brokers", "healthcheck") == ["ok"]
+    runtime = admin_json(broker, "brokers", "get-runtime-config")
+    assert runtime["webServicePort"] == "0"  # as configured: the bound port is chosen at start
+    assert runtime["brokerDeduplicationEnabled"] == "false"
+    assert all(isinstance(v, str) for v in runtime.values())
+    assert admin_lines(broker, "brokers", "list-dynamic-config") == []
+    assert "metadataStoreUrl" in admin_json(broker, "brokers", "get-internal-config")
+    other = admin(broker, "brokers", "list", "elsewhere")
+    assert (other.returncode, other.stderr) == (1, "error: HTTP 404: Cluster does not exist\n")

@@ -583,3 +583,15 @@ class _Clock:
 
     def seconds(self) -> float:
         return self.now
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_setting_changes_at_run_time(admin: Admin) -> None:
+    """No configuration is dynamic: updating one is refused (412), as Pulsar refuses a
+    setting that is not dynamic."""
+    path = "/admin/v2/brokers/configuration/brokerDeduplicationEnabled/true"
+    refused = await admin.request("POST", path)
+    assert refused.status == 412
+    assert "not a dynamic configuration" in refused.json()["reason"]
+    values = await admin.request("GET", "/admin/v2/brokers/configuration/values")
+    assert values.json() == {}

@@ -122,6 +122,10 @@ def test_partitions_spread_over_brokers_and_any_broker_answers(cluster: Cluster)
     held = {o for o in owners(a).values() if o is not None}
     assert held == {a.broker_id, b.broker_id}
     assert owners(b) == owners(a)
+    # Both name the same leader of the load manager, one of them.
+    leader = http("GET", f"{a.http_url}/admin/v2/brokers/leaderBroker")
+    assert http("GET", f"{b.http_url}/admin/v2/brokers/leaderBroker") == leader
+    assert leader["brokerId"] in held
     # The HTTP lookup of any partition, asked of either broker, names its owner.
     bundle_owner = owners(a)
     for i in range(8):
