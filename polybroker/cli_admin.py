@@ -238,6 +238,15 @@ def _namespaces_policies(c: AdminClient, a: argparse.Namespace) -> None:
     _print_json(c.request("GET", _ns_path(a.namespace)))
 
 
+def _namespaces_clear_backlog(c: AdminClient, a: argparse.Namespace) -> None:
+    suffix = f"/{_q(a.subscription)}" if a.subscription else ""
+    c.request("POST", _ns_path(a.namespace) + "/clearBacklog" + suffix)
+
+
+def _namespaces_unsubscribe(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("POST", _ns_path(a.namespace) + f"/unsubscribe/{_q(a.subscription)}")
+
+
 def _topic_path(name: str) -> str:
     return f"/admin/v2/{parse_topic(name).path}"
 
@@ -560,6 +569,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     onoff.add_argument("-d", "--disable", action="store_true")
     p = verb(g, "get-deduplication", _namespaces_get_dedup, "print the deduplication setting")
     p.add_argument("namespace")
+
+    p = verb(g, "clear-backlog", _namespaces_clear_backlog, "skip backlogs of loaded topics")
+    p.add_argument("namespace")
+    p.add_argument("-s", "--sub", dest="subscription", default=None, help="one (all)")
+    p = verb(g, "unsubscribe", _namespaces_unsubscribe, "delete a subscription everywhere")
+    p.add_argument("namespace")
+    p.add_argument("-s", "--sub", dest="subscription", required=True)
 
     g = verbs("topics", "topics")
     p = verb(g, "list", _topics_list, "list the topics (and partitions) of a namespace")

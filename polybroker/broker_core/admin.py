@@ -336,6 +336,9 @@ class AdminServer:
         r("PUT", f"{bundle}/unload", self._unload_bundle)
         r("PUT", f"{bundle}/split", self._split_bundle)
         r("GET", "/admin/v2/namespaces/{tenant}/{ns}/owners", self._bundle_owners)
+        r("POST", "/admin/v2/namespaces/{tenant}/{ns}/clearBacklog", self._clear_backlog)
+        r("POST", "/admin/v2/namespaces/{tenant}/{ns}/clearBacklog/{sub}", self._clear_backlog)
+        r("POST", "/admin/v2/namespaces/{tenant}/{ns}/unsubscribe/{sub}", self._unsubscribe_ns)
         # clusters
         r("GET", "/admin/v2/clusters", self._clusters)
         r("GET", "/admin/v2/clusters/{cluster}", self._get_cluster)
@@ -640,6 +643,49 @@ class AdminServer:
                 await self._delete_anywhere(name, True)
         await self.policies.delete_namespace(namespace)
         return Response()
+
+    async def _clear_backlog(self, call: Call) -> Response:
+        """Skip the whole backlog of one subscription (or of all) on every topic of the
+        namespace that a broker has loaded, as Pulsar's clear-backlog does per bundle."""
+        name = call.params.get("sub")
+
+        async def clear(topic: Any) -> None:
+            for sub_name, sub in list(topic.subscriptions.items()):
+                if (name is None or sub_name == name) and hasattr(sub, "cursor"):
+                    await sub.seek(InitialPosition.LATEST)
+
+        await self._on_loaded_topics(call, clear)
+        return Response()
+
+    async def _unsubscribe_ns(self, call: Call) -> Response:
+        """Delete a subscription from every topic of the namespace a broker has loaded; a
+        subscription with consumers is refused (412)."""
+        name = call.params["sub"]
+
+        async def unsubscribe(topic: Any) -> None:
+            sub = topic.subscriptions.get(name)
+            if sub is not None:
+                await sub.delete(False)
+
+        await self._on_loaded_topics(call, unsubscribe)
+        return Response()
+
+    async def _on_loaded_topics(self, call: Call, act: Callable[[Any], Awaitable[Any]]) -> None:
+        """``act(topic)`` on each topic of the namespace loaded here, then (unless this call
+        was forwarded) the same call at every other live broker of the cluster, for theirs."""
+        namespace = self._namespace(call)
+        await self._require_namespace(namespace)
+        for full, topic in list(self.service.topics.items()):
+            ref = self.service.topic_ref(full)
+            if f"{ref.tenant}/{ref.namespace}" == namespace:
+                await act(topic)
+        ownership = self.service.ownership
+        if ownership is None or not ownership.clustered or call.flag("forwarded"):
+            return
+        for broker in await ownership.brokers():
+            if broker.broker_id != ownership.local.broker_id and broker.web_url:
+                url = f"{broker.web_url.rstrip('/')}{call.path}?forwarded=true"
+                await self._remote_call(b"POST", url, timeout=FORWARD_TIMEOUT_S)
 
     async def _namespace_topics(self, call: Call) -> Response:
         namespace = self._namespace(call)

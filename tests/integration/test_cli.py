@@ -446,7 +446,7 @@ def test_admin_peek_get_by_id_find_by_time_and_expire(broker: Standalone) -> Non
         logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
     )
     try:
-        c.subscribe(topic, "audit").close()
+        c.subscribe(topic, "peeker").close()
         lone = c.create_producer(topic, batching_enabled=False)
         ids = [lone.send(f"lone-{i}".encode(), properties={"n": str(i)}) for i in range(2)]
         batched = c.create_producer(
@@ -464,10 +464,10 @@ def test_admin_peek_get_by_id_find_by_time_and_expire(broker: Standalone) -> Non
 
     def backlog() -> int:  # in entries, as Pulsar counts it: the batch is one
         stats = admin_json(broker, "topics", "stats", topic)
-        return int(stats["subscriptions"]["audit"]["msgBacklog"])
+        return int(stats["subscriptions"]["peeker"]["msgBacklog"])
 
     assert backlog() == 3
-    peeked = admin_lines(broker, "topics", "peek-messages", topic, "-s", "audit", "-n", "10")
+    peeked = admin_lines(broker, "topics", "peek-messages", topic, "-s", "peeker", "-n", "10")
     headers = [line for line in peeked if "Message ID: " in line]
     assert headers == [
         f"Message ID: {ledger}:0",
@@ -492,13 +492,22 @@ def test_admin_peek_get_by_id_find_by_time_and_expire(broker: Standalone) -> Non
     assert (found["ledgerId"], found["entryId"]) == (ledger, 0)
 
     assert backlog() == 3  # peeking consumed nothing
-    expire = ("topics", "expire-messages", topic, "-s", "audit", "-t")
+    expire = ("topics", "expire-messages", topic, "-s", "peeker", "-t")
     assert admin(broker, *expire, "1h").returncode == 0
     assert backlog() == 3  # nothing is an hour old
     assert admin(broker, *expire, "0s").returncode == 0
     assert backlog() == 0
-    empty = admin(broker, "topics", "peek-messages", topic, "-s", "audit")
+    reset = admin(broker, "topics", "reset-cursor", topic, "-s", "peeker", "-t", "1h")
+    assert reset.returncode == 0, reset.stderr
+    assert backlog() == 3
+    cleared = admin(broker, "namespaces", "clear-backlog", "public/default", "-s", "peeker")
+    assert cleared.returncode == 0, cleared.stderr
+    assert backlog() == 0
+    empty = admin(broker, "topics", "peek-messages", topic, "-s", "peeker")
     assert (empty.returncode, empty.stderr) == (1, "error: HTTP 404: Message not found\n")
+    gone = admin(broker, "namespaces", "unsubscribe", "public/default", "-s", "peeker")
+    assert gone.returncode == 0, gone.stderr
+    assert "peeker" not in admin_lines(broker, "topics", "subscriptions", topic)
 
 
 def test_admin_peek_shows_a_kafka_record_as_a_pulsar_message(broker: Standalone) -> None:

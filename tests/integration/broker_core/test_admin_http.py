@@ -595,3 +595,38 @@ async def test_no_setting_changes_at_run_time(admin: Admin) -> None:
     assert "not a dynamic configuration" in refused.json()["reason"]
     values = await admin.request("GET", "/admin/v2/brokers/configuration/values")
     assert values.json() == {}
+
+
+@pytest_twisted.ensureDeferred
+async def test_namespace_clear_backlog_and_unsubscribe(admin: Admin) -> None:
+    """clearBacklog[/sub] skips the backlog of one subscription (or all) of every loaded
+    topic of the namespace, unsubscribe/sub deletes it from each; other namespaces keep
+    theirs; an unknown namespace is 404."""
+    assert (await admin.request("PUT", "/admin/v2/namespaces/public/other")).status == 204
+    names = [f"persistent://public/default/nsb-{i}" for i in range(2)]
+    names.append("persistent://public/other/nsb")
+    for name in names:
+        for i in range(3):
+            await admin.service.publish(name, f"m{i}".encode())
+        for sub in ("s1", "s2"):
+            server = await admin.service.subscribe(
+                name, sub, RecordingConsumer(), SubType.EXCLUSIVE, InitialPosition.EARLIEST
+            )
+            await admin.service.topics[name].subscriptions[sub].remove_consumer(server)
+
+    def backlogs(sub: str) -> list[int]:
+        return [admin.service.topics[n].subscriptions[sub].cursor.backlog() for n in names]
+
+    ns = "/admin/v2/namespaces/public/default"
+    assert (await admin.request("POST", f"{ns}/clearBacklog/s1")).status == 204
+    assert (backlogs("s1"), backlogs("s2")) == ([0, 0, 3], [3, 3, 3])
+    assert (await admin.request("POST", f"{ns}/clearBacklog")).status == 204
+    assert backlogs("s2") == [0, 0, 3]
+    assert (await admin.request("POST", f"{ns}/unsubscribe/s2")).status == 204
+    assert [sorted(admin.service.topics[n].subscriptions) for n in names] == [
+        ["s1"],
+        ["s1"],
+        ["s1", "s2"],
+    ]
+    missing = await admin.request("POST", "/admin/v2/namespaces/public/nope/clearBacklog")
+    assert missing.status == 404

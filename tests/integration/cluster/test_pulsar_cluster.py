@@ -164,8 +164,9 @@ def test_partitions_spread_over_brokers_and_any_broker_answers(cluster: Cluster)
 def test_subscription_admin_reaches_partitions_on_every_broker(cluster: Cluster) -> None:
     """Subscription calls on a partitioned topic whose partitions both brokers serve reach
     every partition, whichever broker is asked: create, list, skip, reset by time, expire
-    (one subscription, and all), delete. Each broker does its own partitions and sends the
-    same call to the other for the rest (a redirect of the whole call went back and forth)."""
+    (one subscription, and all), delete; and so do the namespace's clear-backlog and
+    unsubscribe. Each broker does its own partitions and sends the same call to the other for
+    the rest (a redirect of the whole call went back and forth)."""
     a, b = cluster.members
     path = f"/admin/v2/persistent/{NS}/fan"
     http("PUT", f"{a.http_url}{path}/partitions", 8)
@@ -209,7 +210,13 @@ def test_subscription_admin_reaches_partitions_on_every_broker(cluster: Cluster)
     done = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert backlog(a) > 0
-    http("DELETE", f"{b.http_url}{path}/subscription/audit")
+    # Namespace-wide calls reach the topics every broker has loaded.
+    http("POST", f"{a.http_url}/admin/v2/namespaces/{NS}/clearBacklog/audit")
+    assert backlog(b) == 0
+    http("POST", f"{a.http_url}{path}/subscription/audit/resetcursor/0")
+    http("POST", f"{b.http_url}/admin/v2/namespaces/{NS}/clearBacklog")
+    assert backlog(a) == 0
+    http("POST", f"{b.http_url}/admin/v2/namespaces/{NS}/unsubscribe/audit")
     for asked in (a, b):
         assert http("GET", f"{asked.http_url}{path}/subscriptions") == []
     with pytest.raises(urllib.error.HTTPError) as gone:
