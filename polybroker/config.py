@@ -100,6 +100,13 @@ _KEYS: tuple[Key, ...] = (
     Key("allowAutoTopicCreation", bool, True, "Create topics on first produce/subscribe"),
     Key("allowAutoTopicCreationType", str, "non-partitioned", "non-partitioned or partitioned"),
     Key("defaultNumPartitions", int, 1, "Partitions of auto-created partitioned topics"),
+    Key("ttlDurationDefaultInSeconds", int, 0, "Message TTL of namespaces that set none; 0: none"),
+    Key(
+        "messageExpiryCheckIntervalInMinutes",
+        float,
+        5.0,
+        "How often messages older than their TTL are acknowledged",
+    ),
     Key("brokerDeduplicationEnabled", bool, False, "Deduplicate by producer sequence id"),
     Key("brokerDeduplicationEntriesInterval", int, 1000, "Entries between dedup snapshots"),
     Key("dispatcherMaxReadBatchSize", int, 100, "Most entries a dispatcher reads at once"),

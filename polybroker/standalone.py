@@ -147,6 +147,7 @@ class BrokerProcess:
         """Give the Broker API its namespace policies, then bind the HTTP service and every
         protocol handler's listeners together (``self.ports`` gets what they bound)."""
         from polybroker.broker_core.admin import AdminServer
+        from polybroker.broker_core.expiry import MessageExpiry
         from polybroker.broker_core.protocol_handler import BrokerContext, Listener
 
         config = self.config
@@ -154,6 +155,15 @@ class BrokerProcess:
         service.namespace_exists = policies.namespace_exists
         service.deduplication_policy = policies.deduplication_of
         service.retention_policy = policies.retention_of
+        expiry = MessageExpiry(
+            lambda: service.topics.values(),
+            policies.message_ttl_of,
+            int(config["ttlDurationDefaultInSeconds"]),
+            self.reactor,
+            60.0 * float(config["messageExpiryCheckIntervalInMinutes"]),
+        )
+        expiry.start()
+        self._stops.append(("message expiry", expiry.stop))
 
         def urls() -> dict[str, str]:
             out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}

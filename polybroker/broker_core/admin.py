@@ -82,8 +82,9 @@ _STATUS_OF: tuple[tuple[type[Exception], int], ...] = (
     (ServiceNotReadyError, 503),
 )
 
-#: Namespace policies stored as given: ``{path name: Policies key}``. Only deduplication
-#: changes what the broker does today; the others are kept for the tools that read them.
+#: Namespace policies stored as given: ``{path name: Policies key}``. Deduplication,
+#: retention and the message TTL change what the broker does; the others are kept for the
+#: tools that read them.
 NAMESPACE_POLICY_FIELDS: dict[str, str] = {
     "deduplication": "deduplicationEnabled",
     "schemaCompatibilityStrategy": "schema_compatibility_strategy",
@@ -713,6 +714,10 @@ class AdminServer:
         if field_name == "deduplication" and not isinstance(value, bool):
             raise precondition("deduplication: expected true or false")
         namespace = self._namespace(call)
+        if field_name == "messageTTL" and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
         if field_name == "retention" and not _valid_retention(value):
             raise precondition(
                 "retention: expected {retentionTimeInMinutes: int, retentionSizeInMB: int}"

@@ -162,6 +162,15 @@ class PolicyStore:
         value = policies.get("deduplicationEnabled")
         return None if value is None else bool(value)
 
+    def message_ttl_of(self, topic: str) -> int | None:
+        """The namespace's message TTL in seconds for a full topic name (None: not set)."""
+        rest = topic.partition("://")[2]
+        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
+        value = None if policies is None else policies.get("message_ttl_in_seconds")
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        return value
+
     def retention_of(self, topic: str) -> tuple[float, int] | None:
         """The namespace's retention (seconds, bytes; -1: unlimited) for a full topic name, as
         Pulsar's ``retention_policies`` set it (None: not set, the broker's defaults apply)."""

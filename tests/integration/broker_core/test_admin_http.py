@@ -630,3 +630,16 @@ async def test_namespace_clear_backlog_and_unsubscribe(admin: Admin) -> None:
     ]
     missing = await admin.request("POST", "/admin/v2/namespaces/public/nope/clearBacklog")
     assert missing.status == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_message_ttl_policy_is_seconds(admin: Admin) -> None:
+    """A namespace's messageTTL is a number of seconds, 0 or more (412 otherwise); it is what
+    the broker's expiry reads for the namespace's topics."""
+    path = "/admin/v2/namespaces/public/default/messageTTL"
+    for bad in (-1, "1h", True):
+        assert (await admin.request("POST", path, bad)).status == 412, bad
+    assert (await admin.request("POST", path, 30)).status == 204
+    assert (await admin.request("GET", path)).json() == 30
+    assert admin.policies.message_ttl_of("persistent://public/default/t") == 30
+    assert admin.policies.message_ttl_of("persistent://public/other/t") is None

@@ -1,0 +1,66 @@
+"""Message TTL on a real standalone with the official client: a namespace's messageTTL
+acknowledges what is older on every subscription of its topics; other namespaces keep
+their backlog; a consumer stays connected and gets what is newer (what it was sent before
+stays sent, as in Pulsar)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pulsar
+from standalone_process import start_standalone, stop_process
+
+LOG = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
+
+
+def _http(method: str, url: str, body: Any = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Path) -> None:
+    config = {"messagingProtocols": "pulsar", "messageExpiryCheckIntervalInMinutes": 0.005}
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
+    admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
+    client = pulsar.Client(f"pulsar://127.0.0.1:{ports['brokerServicePort']}", logger=LOG)
+    try:
+        _http("PUT", f"{admin}/namespaces/public/ttl", {})
+        kept, expiring = "persistent://public/default/kept", "persistent://public/ttl/old"
+        for topic in (kept, expiring):
+            client.subscribe(topic, "idle").close()
+        live = client.subscribe(expiring, "live", receiver_queue_size=1)
+        for topic in (kept, expiring):
+            producer = client.create_producer(topic, batching_enabled=False)
+            for i in range(5):
+                producer.send(f"old-{i}".encode())
+        time.sleep(1.1)  # the messages above are now more than a second old
+        _http("POST", f"{admin}/namespaces/public/ttl/messageTTL", 1)
+        assert _http("GET", f"{admin}/namespaces/public/ttl/messageTTL") == 1
+
+        def backlogs(topic: str) -> dict[str, int]:
+            path = topic.replace("://", "/")
+            subs = _http("GET", f"{admin}/{path}/stats")["subscriptions"]
+            return {name: sub["msgBacklog"] for name, sub in subs.items()}
+
+        deadline = time.monotonic() + 30
+        while backlogs(expiring) != {"idle": 0, "live": 0}:
+            assert time.monotonic() < deadline, backlogs(expiring)
+            time.sleep(0.1)
+        assert backlogs(kept) == {"idle": 5}
+        # The consumer stays connected: it gets the one message it had been sent before the
+        # expiry (its queue holds one), then the first published after it.
+        client.create_producer(expiring).send(b"new")
+        got = [live.receive(10_000).data() for _ in range(2)]
+        assert got == [b"old-0", b"new"]
+    finally:
+        client.close()
+        stop_process(proc)
