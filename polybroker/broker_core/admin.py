@@ -1093,7 +1093,8 @@ class AdminServer:
         async def here(topic: Any) -> list[str]:
             return list(topic.subscriptions)
 
-        names = {n for part in await self._per_partition(call, here) if part for n in part}
+        parts = await self._per_partition(call, here)
+        names = {n for part in parts if isinstance(part, list) for n in part}
         return Response.json(sorted(names))
 
     async def _create_subscription(self, call: Call) -> Response:

@@ -19,7 +19,7 @@ with permits, or drops it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -278,28 +278,28 @@ class Subscription(SubscriptionAPI):
             return fail(SubscriptionNotFoundError(f"subscription {self.name!r} was deleted"))
         return Deferred.fromCoroutine(self._skip(count))
 
-    async def _unacknowledged(self, count: int) -> list[Entry]:
+    async def _unacknowledged(self, count: int) -> AsyncIterator[Entry]:
         """The first ``count`` (or fewer) entries after the mark-delete position that are not
-        acknowledged, read from the log (the dispatcher's state is not consulted)."""
-        found: list[Entry] = []
+        acknowledged, read from the log in turn (the dispatcher's state is not consulted)."""
+        found = 0
         md = self.cursor.mark_delete_position
         position = Position(md.ledger_id, md.entry_id + 1)
         last = self.topic.ledger.last_confirmed
-        while len(found) < count and not last < position:
-            entries = await self.topic.ledger.read(position, min(count - len(found), 500) + 64)
+        while found < count and not last < position:
+            entries = await self.topic.ledger.read(position, min(count - found, 500) + 64)
             if not entries:
                 break
             for entry in entries:
                 if not self.cursor.is_deleted(entry.position):
-                    found.append(entry)
-                    if len(found) == count:
+                    yield entry
+                    found += 1
+                    if found == count:
                         break
             tail = entries[-1].position
             position = Position(tail.ledger_id, tail.entry_id + 1)
-        return found
 
     async def _skip(self, count: int) -> int:
-        skipped = [entry.position for entry in await self._unacknowledged(count)]
+        skipped = [entry.position async for entry in self._unacknowledged(count)]
         if skipped:
             await self.cursor.delete(skipped)
             if self.dispatcher is not None:
@@ -309,13 +309,15 @@ class Subscription(SubscriptionAPI):
     def peek(self, n: int) -> Deferred[Entry | None]:
         """The ``n``-th (from 1) unacknowledged entry after the mark-delete position, as
         Pulsar's peek-messages finds it; None past the backlog. Nothing is acknowledged or
-        delivered."""
+        delivered, and only that entry is kept in memory."""
         if self.closed:
             return fail(SubscriptionNotFoundError(f"subscription {self.name!r} was deleted"))
 
         async def nth() -> Entry | None:
-            found = await self._unacknowledged(n) if n > 0 else []
-            return found[-1] if len(found) == n else None
+            seen, last = 0, None
+            async for entry in self._unacknowledged(n):
+                seen, last = seen + 1, entry
+            return last if seen == n and n > 0 else None
 
         return Deferred.fromCoroutine(nth())
 
