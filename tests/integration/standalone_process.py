@@ -8,6 +8,7 @@ watch one by its PID.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import selectors
@@ -16,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 READY = "polybroker standalone ready "
 PORT_FLAGS = ("--pulsar-port", "--http-port", "--kafka-port", "--mqtt-port", "--amqp-port")
@@ -122,3 +125,15 @@ def wait_until_idle(pid: int, quiet_s: float = 0.5, bound_s: float = 60.0) -> No
         elif time.monotonic() - since >= quiet_s:
             return
     raise AssertionError("the process never went idle")
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:
+    """One admin REST call (``body`` sent as JSON); its decoded JSON answer, or None when
+    empty. An error status raises ``urllib.error.HTTPError``."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None

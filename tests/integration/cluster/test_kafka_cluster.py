@@ -30,6 +30,7 @@ from confluent_kafka import TopicPartition as ConfluentTopicPartition
 from confluent_kafka.admin import AdminClient
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
+from standalone_process import http_json as http
 
 TOPIC = "orders"
 PARTITIONS = 8
@@ -495,14 +496,6 @@ def test_kill_9_of_a_partition_leader_under_an_idempotent_producer_stores_each_o
     assert set(stored) == set(sent) | {b"warm-%d" % i for i in range(PARTITIONS)}
     rebuilt = survivor.log.read_text(errors="replace").count("rebuilt Kafka producer states")
     print(f"\nkill -9 -> every send acknowledged {produce_s:.1f}s; {rebuilt} partitions rebuilt")
-
-
-def http(method: str, url: str) -> Any:
-    import urllib.request
-
-    with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=15) as r:
-        body = r.read()
-    return json.loads(body) if body else None
 
 
 def test_a_group_keeps_what_it_has_not_read_on_a_partition_its_coordinator_does_not_own(

@@ -5,7 +5,6 @@ admin API, and kill -9 of a broker while producers run."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import pulsar
 import pytest
 from broker_harness import Broker, BrokerProcesses, initialize
 from cluster_harness import BookieProcesses, port_of
+from standalone_process import http_json as http
 from zk_server import ZooKeeperServer
 
 NS = "public/default"
@@ -59,16 +59,6 @@ def cluster(zk_url: str, bookies: BookieProcesses, tmp_path: Path) -> Iterator[C
         yield Cluster(zk_url, bookies, procs, members)
     finally:
         procs.close()
-
-
-def http(method: str, url: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, method=method, headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:

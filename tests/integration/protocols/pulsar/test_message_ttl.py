@@ -5,26 +5,13 @@ stays sent, as in Pulsar)."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pulsar
-from standalone_process import start_standalone, stop_process
+from standalone_process import http_json, start_standalone, stop_process
 
 LOG = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
-
-
-def _http(method: str, url: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, method=method, headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
 
 
 def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Path) -> None:
@@ -33,7 +20,7 @@ def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Pa
     admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
     client = pulsar.Client(f"pulsar://127.0.0.1:{ports['brokerServicePort']}", logger=LOG)
     try:
-        _http("PUT", f"{admin}/namespaces/public/ttl", {})
+        http_json("PUT", f"{admin}/namespaces/public/ttl", {})
         kept, expiring = "persistent://public/default/kept", "persistent://public/ttl/old"
         for topic in (kept, expiring):
             client.subscribe(topic, "idle").close()
@@ -43,12 +30,12 @@ def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Pa
             for i in range(5):
                 producer.send(f"old-{i}".encode())
         time.sleep(1.1)  # the messages above are now more than a second old
-        _http("POST", f"{admin}/namespaces/public/ttl/messageTTL", 1)
-        assert _http("GET", f"{admin}/namespaces/public/ttl/messageTTL") == 1
+        http_json("POST", f"{admin}/namespaces/public/ttl/messageTTL", 1)
+        assert http_json("GET", f"{admin}/namespaces/public/ttl/messageTTL") == 1
 
         def backlogs(topic: str) -> dict[str, int]:
             path = topic.replace("://", "/")
-            subs = _http("GET", f"{admin}/{path}/stats")["subscriptions"]
+            subs = http_json("GET", f"{admin}/{path}/stats")["subscriptions"]
             return {name: sub["msgBacklog"] for name, sub in subs.items()}
 
         deadline = time.monotonic() + 30
