@@ -155,6 +155,7 @@ class BrokerProcess:
         service.namespace_exists = policies.namespace_exists
         service.deduplication_policy = policies.deduplication_of
         service.retention_policy = policies.retention_of
+        service.auto_create_policy = policies.auto_topic_creation_of
         expiry = MessageExpiry(
             lambda: service.topics.values(),
             policies.message_ttl_of,

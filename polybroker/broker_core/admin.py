@@ -29,7 +29,13 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from polybroker.broker_core.admin_messages import message_id, render_message
 from polybroker.broker_core.admin_metrics import render_metrics
-from polybroker.broker_core.admin_policies import AdminError, PolicyStore, not_found, precondition
+from polybroker.broker_core.admin_policies import (
+    AdminError,
+    PolicyStore,
+    not_found,
+    precondition,
+    valid_auto_topic_creation,
+)
 from polybroker.broker_core.consumer import SubType
 from polybroker.broker_core.errors import (
     BrokerError,
@@ -83,8 +89,8 @@ _STATUS_OF: tuple[tuple[type[Exception], int], ...] = (
 )
 
 #: Namespace policies stored as given: ``{path name: Policies key}``. Deduplication,
-#: retention and the message TTL change what the broker does; the others are kept for the
-#: tools that read them.
+#: retention, the message TTL and auto topic creation change what the broker does; the schema
+#: ones are kept for the tools that read them.
 NAMESPACE_POLICY_FIELDS: dict[str, str] = {
     "deduplication": "deduplicationEnabled",
     "schemaCompatibilityStrategy": "schema_compatibility_strategy",
@@ -718,6 +724,11 @@ class AdminServer:
             isinstance(value, bool) or not isinstance(value, int) or value < 0
         ):
             raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
+        if field_name == "autoTopicCreation" and not valid_auto_topic_creation(value):
+            raise precondition(
+                "autoTopicCreation: expected {allowAutoTopicCreation: bool, topicType: "
+                "partitioned|non-partitioned, defaultNumPartitions: int >= 1 if partitioned}"
+            )
         if field_name == "retention" and not _valid_retention(value):
             raise precondition(
                 "retention: expected {retentionTimeInMinutes: int, retentionSizeInMB: int}"

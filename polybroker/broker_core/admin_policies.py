@@ -162,6 +162,18 @@ class PolicyStore:
         value = policies.get("deduplicationEnabled")
         return None if value is None else bool(value)
 
+    def auto_topic_creation_of(self, topic: str) -> tuple[bool, str, int] | None:
+        """The namespace's ``autoTopicCreationOverride`` for a full topic name as (allowed,
+        topic type, partitions), or None when it sets none."""
+        rest = topic.partition("://")[2]
+        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
+        value = None if policies is None else policies.get("autoTopicCreationOverride")
+        if not valid_auto_topic_creation(value):
+            return None
+        kind = value.get("topicType") or "non-partitioned"
+        partitions = int(value.get("defaultNumPartitions") or 1)
+        return bool(value["allowAutoTopicCreation"]), kind, partitions
+
     def message_ttl_of(self, topic: str) -> int | None:
         """The namespace's message TTL in seconds for a full topic name (None: not set)."""
         rest = topic.partition("://")[2]
@@ -355,3 +367,22 @@ class PolicyStore:
                 if e.status != 409:
                     raise
         await self._load_all()
+
+
+def valid_auto_topic_creation(value: Any) -> bool:
+    """Whether ``value`` is an ``autoTopicCreationOverride`` as Pulsar accepts it: a flag, and
+    when it allows creation a topic type; partitioned ones with 1 or more partitions."""
+    if not isinstance(value, dict) or not isinstance(value.get("allowAutoTopicCreation"), bool):
+        return False
+    if not value["allowAutoTopicCreation"]:
+        return True
+    kind = value.get("topicType")
+    if kind == "non-partitioned":
+        return True
+    partitions = value.get("defaultNumPartitions")
+    return (
+        kind == "partitioned"
+        and isinstance(partitions, int)
+        and not isinstance(partitions, bool)
+        and partitions >= 1
+    )

@@ -207,6 +207,9 @@ class BrokerService:
         # The namespace's retention (seconds, bytes) of a topic; None (or None answered): the
         # broker-wide defaults.
         self.retention_policy: Callable[[str], tuple[float, int] | None] | None = None
+        # The namespace's auto-creation override of a topic (allowed, "partitioned" or
+        # "non-partitioned", partitions); None (or None answered): the broker's settings.
+        self.auto_create_policy: Callable[[str], tuple[bool, str, int] | None] | None = None
         # Whether a namespace ("tenant/ns") exists; topics are created only in one that does.
         # None: every namespace exists.
         self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
@@ -381,7 +384,8 @@ class BrokerService:
             # In a cluster a topic is served only by the owner of its bundle.
             await self.ownership.acquire(ref.full)
         # A partition of a partitioned topic exists by declaration, whatever auto-creation says.
-        may_create = create and (self._auto_create or await self._declared_partition(ref))
+        allowed = self._auto_creation(ref.full)[0]
+        may_create = create and (allowed or await self._declared_partition(ref))
         if may_create and self.namespace_exists is not None:
             known = self.namespace_exists(ref.namespace_name)
             if isinstance(known, Deferred):
@@ -902,15 +906,24 @@ class BrokerService:
         found = await self.metadata_store.get(ref.partitioned_path)
         if found is not None:
             return int(json.loads(found.value)["partitions"])
-        if create and self._auto_create and self._auto_create_type == "partitioned":
+        allowed, kind, partitions = self._auto_creation(ref.full)
+        if create and allowed and kind == "partitioned":
             exists = ref.full in self.topics or (
                 ref.persistent and await self.ledger_factory.exists(ref.managed_ledger_name)
             )
             if not exists:
                 with contextlib.suppress(BadVersionError):
-                    await self._put_partitions(ref, self._default_partitions, -1)
+                    await self._put_partitions(ref, partitions, -1)
                 return await self._partitioned_metadata(name, False)
         return 0
+
+    def _auto_creation(self, topic: str) -> tuple[bool, str, int]:
+        """Whether a topic that does not exist may be created on first use, of which type and
+        with how many partitions: the namespace's override, else the broker's settings."""
+        chosen = None if self.auto_create_policy is None else self.auto_create_policy(topic)
+        if chosen is not None:
+            return chosen
+        return self._auto_create, self._auto_create_type, self._default_partitions
 
     async def _put_partitions(self, ref: TopicRef, partitions: int, version: int | None) -> None:
         body = json.dumps({"partitions": partitions}).encode()

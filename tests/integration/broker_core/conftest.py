@@ -136,6 +136,7 @@ async def start_admin(config: dict[str, Any] | None = None) -> AdminFixture:
     service.namespace_exists = policies.namespace_exists
     service.deduplication_policy = policies.deduplication_of
     service.retention_policy = policies.retention_of
+    service.auto_create_policy = policies.auto_topic_creation_of
     holder: dict[str, int] = {}
 
     def urls() -> dict[str, str]:

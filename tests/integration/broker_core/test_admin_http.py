@@ -643,3 +643,34 @@ async def test_message_ttl_policy_is_seconds(admin: Admin) -> None:
     assert (await admin.request("GET", path)).json() == 30
     assert admin.policies.message_ttl_of("persistent://public/default/t") == 30
     assert admin.policies.message_ttl_of("persistent://public/other/t") is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_namespace_auto_topic_creation_override_decides(admin: Admin) -> None:
+    """A namespace's autoTopicCreation override wins over the broker's settings: creation on
+    first use refused, or partitioned with its partition count; removed, the broker's apply.
+    A malformed override is refused (412)."""
+    path = "/admin/v2/namespaces/public/default/autoTopicCreation"
+    for bad in (
+        {"allowAutoTopicCreation": "yes"},
+        {"allowAutoTopicCreation": True},
+        {"allowAutoTopicCreation": True, "topicType": "partitioned"},
+        {"allowAutoTopicCreation": True, "topicType": "partitioned", "defaultNumPartitions": 0},
+    ):
+        assert (await admin.request("POST", path, bad)).status == 412, bad
+    off = {"allowAutoTopicCreation": False}
+    assert (await admin.request("POST", path, off)).status == 204
+    with pytest.raises(TopicNotFoundError):
+        await admin.service.publish("persistent://public/default/not-made", b"x")
+    partitioned = {
+        "allowAutoTopicCreation": True,
+        "topicType": "partitioned",
+        "defaultNumPartitions": 3,
+    }
+    assert (await admin.request("POST", path, partitioned)).status == 204
+    made = "persistent://public/default/made-partitioned"
+    assert await admin.service.partitioned_topic_metadata(made, create=True) == 3
+    assert (await admin.request("DELETE", path)).status == 204
+    plain = "persistent://public/default/made-plain"
+    assert await admin.service.partitioned_topic_metadata(plain, create=True) == 0
+    await admin.service.publish(plain, b"x")  # the broker's default: created on first use

@@ -1,7 +1,6 @@
-"""Message TTL on a real standalone with the official client: a namespace's messageTTL
-acknowledges what is older on every subscription of its topics; other namespaces keep
-their backlog; a consumer stays connected and gets what is newer (what it was sent before
-stays sent, as in Pulsar)."""
+"""Namespace policies that change what the broker does, on a real standalone with the
+official client: messageTTL (what is older is acknowledged on every subscription) and the
+autoTopicCreation override."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import time
 from pathlib import Path
 
 import pulsar
+import pytest
 from standalone_process import http_json, start_standalone, stop_process
 
 LOG = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
@@ -48,6 +48,46 @@ def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Pa
         client.create_producer(expiring).send(b"new")
         got = [live.receive(10_000).data() for _ in range(2)]
         assert got == [b"old-0", b"new"]
+    finally:
+        client.close()
+        stop_process(proc)
+
+
+def test_a_namespace_decides_how_its_topics_are_auto_created(tmp_path: Path) -> None:
+    """With the namespace's override, a producer's first use of a topic name creates it
+    partitioned (3 partitions here), or is refused; other namespaces follow the broker."""
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log")
+    admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
+    client = pulsar.Client(
+        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
+        logger=LOG,
+        operation_timeout_seconds=10,
+    )
+    try:
+        for ns in ("parts", "closed"):
+            http_json("PUT", f"{admin}/namespaces/public/{ns}", {})
+        http_json(
+            "POST",
+            f"{admin}/namespaces/public/parts/autoTopicCreation",
+            {"allowAutoTopicCreation": True, "topicType": "partitioned", "defaultNumPartitions": 3},
+        )
+        http_json(
+            "POST",
+            f"{admin}/namespaces/public/closed/autoTopicCreation",
+            {"allowAutoTopicCreation": False},
+        )
+        consumer = client.subscribe("persistent://public/parts/t", "s")
+        client.create_producer("persistent://public/parts/t").send(b"x")
+        assert consumer.receive(10_000).data() == b"x"
+        assert http_json("GET", f"{admin}/persistent/public/parts/t/partitions") == {
+            "partitions": 3
+        }
+        with pytest.raises(pulsar.TopicNotFound):
+            client.create_producer("persistent://public/closed/t")
+        client.create_producer("persistent://public/default/t").send(b"y")
+        assert http_json("GET", f"{admin}/persistent/public/default/t/partitions") == {
+            "partitions": 0
+        }
     finally:
         client.close()
         stop_process(proc)
