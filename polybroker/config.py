@@ -119,6 +119,12 @@ _KEYS: tuple[Key, ...] = (
     Key("loadBalancerSheddingEnabled", bool, True, "The leader unloads bundles of busy brokers"),
     Key("loadBalancerSheddingIntervalMinutes", float, 1.0, "How often the leader sheds"),
     Key("loadBalancerBrokerThresholdShedderPercentage", int, 10, "Rate over average that sheds"),
+    Key(
+        "loadBalancerSheddingGracePeriodMinutes",
+        float,
+        30.0,
+        "A bundle the leader shed is not shed again for this long",
+    ),
     Key("loadBalancerAutoBundleSplitEnabled", bool, True, "Split bundles that grow too big"),
     Key("loadBalancerNamespaceBundleMaxTopics", int, 1000, "Split a bundle above this"),
     Key("loadBalancerNamespaceBundleMaxMsgRate", int, 30000, "Split a bundle above this"),

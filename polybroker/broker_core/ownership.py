@@ -30,7 +30,9 @@ Rule O5 (unload, transfer, split): unloading a bundle deletes its node (after a 
 Rule O6 (load manager): one broker leads (claim on ``/loadbalance/leader``). Every
         ``loadBalancerSheddingIntervalMinutes`` the leader unloads one bundle from a broker that
         owns at least two more bundles than the least-loaded one, or whose message rate exceeds
-        the average by ``loadBalancerBrokerThresholdShedderPercentage``; and every broker splits
+        the average by ``loadBalancerBrokerThresholdShedderPercentage`` (a bundle whose move
+        would make its new broker the hottest stays: none moves then); a bundle it shed stays
+        put for ``loadBalancerSheddingGracePeriodMinutes``. And every broker splits
         its own bundles holding more than ``loadBalancerNamespaceBundleMaxTopics`` topics or
         ``loadBalancerNamespaceBundleMaxMsgRate`` msgs/s (``loadBalancerAutoBundleSplitEnabled``).
 
@@ -46,7 +48,7 @@ import itertools
 import json
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,16 +252,22 @@ def least_loaded(
 
 
 def bundle_to_shed(
-    reports: Mapping[str, LoadReport], threshold_percent: float, min_rate: float = 100.0
+    reports: Mapping[str, LoadReport],
+    threshold_percent: float,
+    min_rate: float = 100.0,
+    recent: Collection[str] = (),
 ) -> tuple[str, str] | None:
-    """(broker, ``namespace/bundle``) the leader should unload, or None (Rule O6)."""
+    """(broker, ``namespace/bundle``) the leader should unload, or None (Rule O6). Bundles in
+    ``recent`` (shed within the grace period) stay where they are."""
     if len(reports) < 2:
         return None
     counts = {b: len(r.bundles) for b, r in reports.items()}
     busiest = max(counts, key=lambda b: (counts[b], b))
     if counts[busiest] >= min(counts.values()) + 2:
         bundles = reports[busiest].bundles
-        return busiest, min(bundles, key=lambda n: (bundles[n].msg_rate, n))
+        movable = [n for n in bundles if n not in recent]
+        if movable:
+            return busiest, min(movable, key=lambda n: (bundles[n].msg_rate, n))
     rates = {b: r.msg_rate for b, r in reports.items()}
     average = sum(rates.values()) / len(rates)
     hottest = max(rates, key=lambda b: (rates[b], b))
@@ -269,10 +277,13 @@ def bundle_to_shed(
         and len(reports[hottest].bundles) >= 2
     ):
         bundles = reports[hottest].bundles
-        # The busiest bundle that alone would not make another broker the hottest one.
+        # The busiest bundle that alone would not make another broker the hottest one. When
+        # every bundle would, none moves: the hot spot would only change brokers, and come
+        # back at the next check (a bundle shed to and fro every interval).
         room = rates[hottest] - average
-        fitting = [n for n in bundles if bundles[n].msg_rate <= room] or list(bundles)
-        return hottest, max(fitting, key=lambda n: (bundles[n].msg_rate, n))
+        fitting = [n for n in bundles if bundles[n].msg_rate <= room and n not in recent]
+        if fitting:
+            return hottest, max(fitting, key=lambda n: (bundles[n].msg_rate, n))
     return None
 
 
@@ -410,6 +421,8 @@ class ClusterOwnership(Ownership):
         )
         self.shed_interval_s = 60.0 * float(cfg_get("loadBalancerSheddingIntervalMinutes", 1))
         self.shed_threshold = float(cfg_get("loadBalancerBrokerThresholdShedderPercentage", 10))
+        self.shed_grace_s = 60.0 * float(cfg_get("loadBalancerSheddingGracePeriodMinutes", 30))
+        self._shed_at: dict[str, float] = {}  # bundle -> when the leader last shed it
         self.shedding = bool(cfg_get("loadBalancerSheddingEnabled", True))
         self.auto_split = bool(cfg_get("loadBalancerAutoBundleSplitEnabled", True))
         self.split_max_topics = int(cfg_get("loadBalancerNamespaceBundleMaxTopics", 1000))
@@ -825,14 +838,19 @@ class ClusterOwnership(Ownership):
             return
         live = await self._live_brokers()
         await self._read_reports(live)
+        now = self.reactor.seconds()
+        self._shed_at = {k: t for k, t in self._shed_at.items() if now - t < self.shed_grace_s}
         chosen = bundle_to_shed(
-            {b: r for b, r in self._reports.items() if b in live}, self.shed_threshold
+            {b: r for b, r in self._reports.items() if b in live},
+            self.shed_threshold,
+            recent=self._shed_at,
         )
         if chosen is None:
             return
         broker, key = chosen
         namespace, _, bundle = key.rpartition("/")
         log.info("shedding bundle", extra=kv(broker=broker, bundle=key))
+        self._shed_at[key] = now
         await self.unload(namespace, bundle)
 
     # -- unload, transfer, split (Rule O5) ----------------------------------------------------

@@ -115,6 +115,21 @@ def test_shedding_evens_bundle_counts_and_hot_brokers() -> None:
     assert bundle_to_shed(calm, 10) is None
 
 
+def test_shedding_never_just_moves_the_hot_spot() -> None:
+    """A hot broker whose every bundle would make the other broker the hottest keeps them (it
+    swapped them back and forth every interval); bundles shed lately stay put."""
+    swap = {
+        "a": LoadReport({"ns/1": BundleLoad(1, 300.0), "ns/2": BundleLoad(1, 300.0)}),
+        "b": LoadReport({"ns/3": BundleLoad(1, 400.0)}),
+    }
+    assert bundle_to_shed(swap, 10) is None
+    uneven = {f"ns/{i}": BundleLoad(1, float(i)) for i in range(4)}
+    reports = {"a": LoadReport(dict(uneven)), "b": LoadReport({})}
+    assert bundle_to_shed(reports, 10) == ("a", "ns/0")
+    assert bundle_to_shed(reports, 10, recent={"ns/0"}) == ("a", "ns/1")
+    assert bundle_to_shed(reports, 10, recent=set(uneven)) is None
+
+
 def test_bundles_to_split_by_topics_or_rate() -> None:
     report = LoadReport({"ns/a": BundleLoad(5, 0.0), "ns/b": BundleLoad(1, 900.0, 200.0)})
     assert bundles_to_split(report, 4, 10_000) == ["ns/a"]
