@@ -100,6 +100,12 @@ _KEYS: tuple[Key, ...] = (
     Key("allowAutoTopicCreation", bool, True, "Create topics on first produce/subscribe"),
     Key("allowAutoTopicCreationType", str, "non-partitioned", "non-partitioned or partitioned"),
     Key("defaultNumPartitions", int, 1, "Partitions of auto-created partitioned topics"),
+    Key(
+        "schemaCompatibilityStrategy",
+        str,
+        "FULL",
+        "How a topic's schema may change where its namespace sets no strategy",
+    ),
     Key("ttlDurationDefaultInSeconds", int, 0, "Message TTL of namespaces that set none; 0: none"),
     Key(
         "messageExpiryCheckIntervalInMinutes",

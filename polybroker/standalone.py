@@ -156,6 +156,7 @@ class BrokerProcess:
         service.deduplication_policy = policies.deduplication_of
         service.retention_policy = policies.retention_of
         service.auto_create_policy = policies.auto_topic_creation_of
+        service.schema_compatibility_policy = policies.schema_compatibility_of
         expiry = MessageExpiry(
             lambda: service.topics.values(),
             policies.message_ttl_of,

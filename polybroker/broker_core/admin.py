@@ -30,6 +30,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from polybroker.broker_core.admin_messages import message_id, render_message
 from polybroker.broker_core.admin_metrics import render_metrics
 from polybroker.broker_core.admin_policies import (
+    SCHEMA_COMPATIBILITY_STRATEGIES,
     AdminError,
     PolicyStore,
     not_found,
@@ -89,8 +90,8 @@ _STATUS_OF: tuple[tuple[type[Exception], int], ...] = (
 )
 
 #: Namespace policies stored as given: ``{path name: Policies key}``. Deduplication,
-#: retention, the message TTL and auto topic creation change what the broker does; the schema
-#: ones are kept for the tools that read them.
+#: retention, the message TTL, auto topic creation and the schema compatibility strategy change
+#: what the broker does; the other schema settings are kept for the tools that read them.
 NAMESPACE_POLICY_FIELDS: dict[str, str] = {
     "deduplication": "deduplicationEnabled",
     "schemaCompatibilityStrategy": "schema_compatibility_strategy",
@@ -724,6 +725,13 @@ class AdminServer:
             isinstance(value, bool) or not isinstance(value, int) or value < 0
         ):
             raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
+        if field_name == "schemaCompatibilityStrategy" and value not in (
+            SCHEMA_COMPATIBILITY_STRATEGIES | {"UNDEFINED"}
+        ):
+            raise precondition(
+                "schemaCompatibilityStrategy: expected UNDEFINED or one of "
+                + ", ".join(sorted(SCHEMA_COMPATIBILITY_STRATEGIES))
+            )
         if field_name == "autoTopicCreation" and not valid_auto_topic_creation(value):
             raise precondition(
                 "autoTopicCreation: expected {allowAutoTopicCreation: bool, topicType: "

@@ -174,6 +174,14 @@ class PolicyStore:
         partitions = int(value.get("defaultNumPartitions") or 1)
         return bool(value["allowAutoTopicCreation"]), kind, partitions
 
+    def schema_compatibility_of(self, topic: str) -> str | None:
+        """The namespace's schema compatibility strategy for a full topic name (None: not set,
+        or ``UNDEFINED``)."""
+        rest = topic.partition("://")[2]
+        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
+        value = None if policies is None else policies.get("schema_compatibility_strategy")
+        return value if value in SCHEMA_COMPATIBILITY_STRATEGIES else None
+
     def message_ttl_of(self, topic: str) -> int | None:
         """The namespace's message TTL in seconds for a full topic name (None: not set)."""
         rest = topic.partition("://")[2]
@@ -367,6 +375,21 @@ class PolicyStore:
                 if e.status != 409:
                     raise
         await self._load_all()
+
+
+#: Pulsar's schema compatibility strategies (``UNDEFINED``: the broker's setting applies).
+SCHEMA_COMPATIBILITY_STRATEGIES = frozenset(
+    {
+        "ALWAYS_COMPATIBLE",
+        "ALWAYS_INCOMPATIBLE",
+        "BACKWARD",
+        "FORWARD",
+        "FULL",
+        "BACKWARD_TRANSITIVE",
+        "FORWARD_TRANSITIVE",
+        "FULL_TRANSITIVE",
+    }
+)
 
 
 def valid_auto_topic_creation(value: Any) -> bool:

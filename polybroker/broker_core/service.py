@@ -207,6 +207,9 @@ class BrokerService:
         # The namespace's retention (seconds, bytes) of a topic; None (or None answered): the
         # broker-wide defaults.
         self.retention_policy: Callable[[str], tuple[float, int] | None] | None = None
+        # The namespace's schema compatibility strategy of a topic; None (or None answered):
+        # the broker's ``schemaCompatibilityStrategy``.
+        self.schema_compatibility_policy: Callable[[str], str | None] | None = None
         # The namespace's auto-creation override of a topic (allowed, "partitioned" or
         # "non-partitioned", partitions); None (or None answered): the broker's settings.
         self.auto_create_policy: Callable[[str], tuple[bool, str, int] | None] | None = None
@@ -916,6 +919,12 @@ class BrokerService:
                     await self._put_partitions(ref, partitions, -1)
                 return await self._partitioned_metadata(name, False)
         return 0
+
+    def schema_compatibility(self, topic: str) -> str:
+        """The schema compatibility strategy of a topic: its namespace's, else the broker's."""
+        policy = self.schema_compatibility_policy
+        chosen = None if policy is None else policy(topic)
+        return chosen or str(_cfg(self.config, "schemaCompatibilityStrategy", "FULL"))
 
     def _auto_creation(self, topic: str) -> tuple[bool, str, int]:
         """Whether a topic that does not exist may be created on first use, of which type and

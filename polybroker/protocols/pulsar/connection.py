@@ -772,7 +772,8 @@ class PulsarConnection(ReadHolds, Protocol):
         registry = self.settings.schemas
         if schema is None or registry is None:
             return succeed(None)
-        return Deferred.fromCoroutine(registry.get_or_create(topic, schema))
+        strategy = self.settings.service.schema_compatibility(topic)
+        return Deferred.fromCoroutine(registry.get_or_create(topic, schema, strategy))
 
     def _forget_producer(self, state: _ProducerState) -> None:
         state.closed = True

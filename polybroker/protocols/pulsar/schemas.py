@@ -5,10 +5,10 @@ holding ``{"versions": [{"type", "name", "data" (base64), "properties"}, ...]}``
 its index in that list. Partitions share their partitioned topic's schemas. Updates are
 compare-and-set on the node's version, so concurrent registrations never lose one.
 
-Compatibility (a small subset of Pulsar's default): a schema of another type is refused, and for
-record schemas (Avro and JSON, whose definitions are Avro records) a field present in both whose
-type changed is refused. A topic without schemas takes the first one it is given. Clients using
-plain bytes send no schema and are never checked.
+Compatibility: a new version must follow the existing ones under the topic's strategy
+(``schema_compat``: Pulsar's strategies, record schemas checked by Avro's resolution rules). A
+topic without schemas takes the first one it is given. Clients using plain bytes send no schema
+and are never checked.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from urllib.parse import quote
 from polybroker.broker_core.errors import BrokerError, InvalidTopicNameError
 from polybroker.metadata.api import BadVersionError, MetadataStore
 from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
+from polybroker.protocols.pulsar.schema_compat import incompatibility
 
 ROOT = "/schemas"
 _PARTITION = re.compile(r"^(.+)-partition-\d+$")
@@ -70,20 +71,6 @@ def version_of(raw: bytes) -> int:
     if len(raw) != 8:
         raise SchemaNotFoundError(f"malformed schema version {raw!r}")
     return int(struct.unpack(">q", raw)[0])
-
-
-def _fields(data: bytes) -> dict[str, str] | None:
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or not isinstance(doc.get("fields"), list):
-        return None
-    out: dict[str, str] = {}
-    for f in doc["fields"]:
-        if isinstance(f, dict) and isinstance(f.get("name"), str):
-            out[f["name"]] = json.dumps(f.get("type"), sort_keys=True)
-    return out
 
 
 class SchemaRegistry:
@@ -139,17 +126,24 @@ class SchemaRegistry:
             raise SchemaNotFoundError(f"topic {topic} has no schema version {version}")
         return found[version]
 
-    async def get_or_create(self, topic: str, schema: pb.Schema) -> int:
-        """The version of ``schema`` on ``topic``, registering it as a new version if it is
-        compatible; raise ``IncompatibleSchemaError``."""
+    async def get_or_create(self, topic: str, schema: pb.Schema, strategy: str = "FULL") -> int:
+        """The version of ``schema`` on ``topic``, registering it as a new version if
+        ``strategy`` lets it follow the existing ones (``schema_compat``); raise
+        ``IncompatibleSchemaError``."""
         for _ in range(_RETRIES):
             docs, node_version = await self._load(topic)
             existing = [self._stored(i, d) for i, d in enumerate(docs)]
             for stored in existing:
                 if stored.type == schema.type and stored.data == schema.schema_data:
                     return stored.version
-            if existing:
-                self._check(existing[-1], schema)
+            why = incompatibility(
+                strategy,
+                [(v.type, v.data) for v in existing],
+                (int(schema.type), schema.schema_data),
+                schema.type in _RECORD_TYPES,
+            )
+            if why:
+                raise IncompatibleSchemaError(f"{why} ({strategy})")
             docs.append(
                 {
                     "type": int(schema.type),
@@ -166,24 +160,7 @@ class SchemaRegistry:
             return len(docs) - 1
         raise BrokerError(f"could not register a schema on {topic}: too much contention")
 
-    async def check_consumer(self, topic: str, schema: pb.Schema) -> None:
-        """A consumer's schema must fit the topic's latest one (and is registered when the
-        topic has none); raise ``IncompatibleSchemaError``."""
-        await self.get_or_create(topic, schema)
-
-    @staticmethod
-    def _check(latest: StoredSchema, schema: pb.Schema) -> None:
-        if latest.type != schema.type:
-            raise IncompatibleSchemaError(
-                f"schema type {pb.Schema.Type.Name(schema.type)} does not match the topic's "
-                f"{pb.Schema.Type.Name(latest.type)}"  # type: ignore[arg-type]
-            )
-        if schema.type in _RECORD_TYPES:
-            old, new = _fields(latest.data), _fields(schema.schema_data)
-            if old is None or new is None:
-                return
-            changed = sorted(n for n in old.keys() & new.keys() if old[n] != new[n])
-            if changed:
-                raise IncompatibleSchemaError(
-                    f"schema changes the type of field(s) {', '.join(changed)}"
-                )
+    async def check_consumer(self, topic: str, schema: pb.Schema, strategy: str = "FULL") -> None:
+        """A consumer's schema must fit the topic's (and is registered when the topic has
+        none); raise ``IncompatibleSchemaError``."""
+        await self.get_or_create(topic, schema, strategy)

@@ -137,6 +137,7 @@ async def start_admin(config: dict[str, Any] | None = None) -> AdminFixture:
     service.deduplication_policy = policies.deduplication_of
     service.retention_policy = policies.retention_of
     service.auto_create_policy = policies.auto_topic_creation_of
+    service.schema_compatibility_policy = policies.schema_compatibility_of
     holder: dict[str, int] = {}
 
     def urls() -> dict[str, str]:

@@ -1,11 +1,13 @@
 """Namespace policies that change what the broker does, on a real standalone with the
-official client: messageTTL (what is older is acknowledged on every subscription) and the
-autoTopicCreation override."""
+official client: messageTTL (what is older is acknowledged on every subscription), the
+autoTopicCreation override and the schema compatibility strategy."""
 
 from __future__ import annotations
 
 import time
+import urllib.error
 from pathlib import Path
+from typing import Any
 
 import pulsar
 import pytest
@@ -88,6 +90,68 @@ def test_a_namespace_decides_how_its_topics_are_auto_created(tmp_path: Path) -> 
         assert http_json("GET", f"{admin}/persistent/public/default/t/partitions") == {
             "partitions": 0
         }
+    finally:
+        client.close()
+        stop_process(proc)
+
+
+def _book(version: int) -> Any:
+    """The same record, Book, at three versions: v2 adds a field with a default (the client's
+    ``required_default``), v3 one without."""
+    from pulsar.schema import Record, String
+
+    if version == 1:
+
+        class Book(Record):
+            title = String()
+
+    elif version == 2:
+
+        class Book(Record):  # type: ignore[no-redef]
+            title = String()
+            isbn = String(required_default=True)
+
+    else:
+
+        class Book(Record):  # type: ignore[no-redef]
+            title = String()
+            isbn = String(required=True)
+
+    return Book
+
+
+def test_schema_changes_follow_the_namespace_strategy(tmp_path: Path) -> None:
+    """Under the default strategy (FULL, as Pulsar's broker) a record may gain a field with a
+    default, not one without; a namespace set to ALWAYS_COMPATIBLE takes it; a strategy Pulsar
+    does not know is refused (412)."""
+    from pulsar.schema import JsonSchema
+
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log")
+    admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
+    client = pulsar.Client(
+        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
+        logger=LOG,
+        operation_timeout_seconds=10,
+    )
+    try:
+        topic = "persistent://public/default/books"
+        first = _book(1)
+        client.create_producer(topic, schema=JsonSchema(first)).send(first(title="a"))
+        client.create_producer(topic, schema=JsonSchema(_book(2)))
+        with pytest.raises(pulsar.IncompatibleSchema):
+            client.create_producer(topic, schema=JsonSchema(_book(3)))
+
+        http_json("PUT", f"{admin}/namespaces/public/lax", {})
+        strategy = f"{admin}/namespaces/public/lax/schemaCompatibilityStrategy"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json("PUT", strategy, "SOMETIMES")
+        assert refused.value.code == 412
+        http_json("PUT", strategy, "ALWAYS_COMPATIBLE")
+        lax = "persistent://public/lax/books"
+        client.create_producer(lax, schema=JsonSchema(_book(1)))
+        client.create_producer(lax, schema=JsonSchema(_book(3)))
+        versions = http_json("GET", f"{admin}/schemas/public/lax/books/schema")["version"]
+        assert versions == 1
     finally:
         client.close()
         stop_process(proc)

@@ -1027,7 +1027,10 @@ def test_producer_schema_versions_and_get_schema(peer: Peer) -> None:
     assert first.schema_version == bytes(8)
     v2 = pb.Schema()
     v2.CopyFrom(JSON_V1)
-    v2.schema_data = JSON_V1.schema_data.replace(b"}]}", b'},{"name":"b","type":"int"}]}')
+    # A field with a default: both versions read each other's data (FULL, the default).
+    v2.schema_data = JSON_V1.schema_data.replace(
+        b"}]}", b'},{"name":"b","type":"int","default":0}]}'
+    )
     peer.send(command(T.PRODUCER, "producer", topic=TOPIC, producer_id=2, request_id=2, schema=v2))
     assert peer.one(T.PRODUCER_SUCCESS).producer_success.schema_version == struct.pack(">q", 1)
     peer.send(command(T.GET_SCHEMA, "getSchema", request_id=3, topic=TOPIC))
