@@ -159,8 +159,3 @@ class SchemaRegistry:
                 continue  # another registration won the race: look again
             return len(docs) - 1
         raise BrokerError(f"could not register a schema on {topic}: too much contention")
-
-    async def check_consumer(self, topic: str, schema: pb.Schema, strategy: str = "FULL") -> None:
-        """A consumer's schema must fit the topic's (and is registered when the topic has
-        none); raise ``IncompatibleSchemaError``."""
-        await self.get_or_create(topic, schema, strategy)

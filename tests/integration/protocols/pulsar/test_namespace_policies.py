@@ -4,8 +4,10 @@ autoTopicCreation override and the schema compatibility strategy."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.error
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,27 @@ from standalone_process import http_json, start_standalone, stop_process
 LOG = pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
 
 
+@contextlib.contextmanager
+def standalone(
+    tmp_path: Path, config: dict[str, object] | None = None
+) -> Iterator[tuple[str, pulsar.Client]]:
+    """A standalone (stopped at the end) and a client of it; yields its admin base URL."""
+    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
+    client = pulsar.Client(
+        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
+        logger=LOG,
+        operation_timeout_seconds=10,
+    )
+    try:
+        yield f"http://127.0.0.1:{ports['webServicePort']}/admin/v2", client
+    finally:
+        client.close()
+        stop_process(proc)
+
+
 def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Path) -> None:
     config = {"messagingProtocols": "pulsar", "messageExpiryCheckIntervalInMinutes": 0.005}
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log", config)
-    admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
-    client = pulsar.Client(f"pulsar://127.0.0.1:{ports['brokerServicePort']}", logger=LOG)
-    try:
+    with standalone(tmp_path, config) as (admin, client):
         http_json("PUT", f"{admin}/namespaces/public/ttl", {})
         kept, expiring = "persistent://public/default/kept", "persistent://public/ttl/old"
         for topic in (kept, expiring):
@@ -50,22 +67,12 @@ def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Pa
         client.create_producer(expiring).send(b"new")
         got = [live.receive(10_000).data() for _ in range(2)]
         assert got == [b"old-0", b"new"]
-    finally:
-        client.close()
-        stop_process(proc)
 
 
 def test_a_namespace_decides_how_its_topics_are_auto_created(tmp_path: Path) -> None:
     """With the namespace's override, a producer's first use of a topic name creates it
     partitioned (3 partitions here), or is refused; other namespaces follow the broker."""
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log")
-    admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
-    client = pulsar.Client(
-        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
-        logger=LOG,
-        operation_timeout_seconds=10,
-    )
-    try:
+    with standalone(tmp_path) as (admin, client):
         for ns in ("parts", "closed"):
             http_json("PUT", f"{admin}/namespaces/public/{ns}", {})
         http_json(
@@ -90,9 +97,6 @@ def test_a_namespace_decides_how_its_topics_are_auto_created(tmp_path: Path) -> 
         assert http_json("GET", f"{admin}/persistent/public/default/t/partitions") == {
             "partitions": 0
         }
-    finally:
-        client.close()
-        stop_process(proc)
 
 
 def _book(version: int) -> Any:
@@ -126,14 +130,7 @@ def test_schema_changes_follow_the_namespace_strategy(tmp_path: Path) -> None:
     does not know is refused (412)."""
     from pulsar.schema import JsonSchema
 
-    proc, ports = start_standalone(tmp_path / "data", tmp_path / "standalone.log")
-    admin = f"http://127.0.0.1:{ports['webServicePort']}/admin/v2"
-    client = pulsar.Client(
-        f"pulsar://127.0.0.1:{ports['brokerServicePort']}",
-        logger=LOG,
-        operation_timeout_seconds=10,
-    )
-    try:
+    with standalone(tmp_path) as (admin, client):
         topic = "persistent://public/default/books"
         first = _book(1)
         client.create_producer(topic, schema=JsonSchema(first)).send(first(title="a"))
@@ -152,6 +149,3 @@ def test_schema_changes_follow_the_namespace_strategy(tmp_path: Path) -> None:
         client.create_producer(lax, schema=JsonSchema(_book(3)))
         versions = http_json("GET", f"{admin}/schemas/public/lax/books/schema")["version"]
         assert versions == 1
-    finally:
-        client.close()
-        stop_process(proc)
