@@ -106,6 +106,18 @@ _KEYS: tuple[Key, ...] = (
         "FULL",
         "How a topic's schema may change where its namespace sets no strategy",
     ),
+    Key(
+        "isAllowAutoUpdateSchemaEnabled",
+        bool,
+        True,
+        "Producers may add schema versions where the namespace does not say",
+    ),
+    Key(
+        "isSchemaValidationEnforced",
+        bool,
+        False,
+        "Refuse producers without a schema on topics with one, where the namespace does not say",
+    ),
     Key("ttlDurationDefaultInSeconds", int, 0, "Message TTL of namespaces that set none; 0: none"),
     Key(
         "messageExpiryCheckIntervalInMinutes",

@@ -90,8 +90,8 @@ _STATUS_OF: tuple[tuple[type[Exception], int], ...] = (
 )
 
 #: Namespace policies stored as given: ``{path name: Policies key}``. Deduplication,
-#: retention, the message TTL, auto topic creation and the schema compatibility strategy change
-#: what the broker does; the other schema settings are kept for the tools that read them.
+#: retention, the message TTL, auto topic creation and the schema ones change what the broker
+#: does.
 NAMESPACE_POLICY_FIELDS: dict[str, str] = {
     "deduplication": "deduplicationEnabled",
     "schemaCompatibilityStrategy": "schema_compatibility_strategy",
@@ -718,8 +718,8 @@ class AdminServer:
         value = call.json_body()
         if value is None:
             raise precondition(f"{field_name}: a value is required")
-        if field_name == "deduplication" and not isinstance(value, bool):
-            raise precondition("deduplication: expected true or false")
+        if field_name in _FLAG_POLICIES and not isinstance(value, bool):
+            raise precondition(f"{field_name}: expected true or false")
         namespace = self._namespace(call)
         if field_name == "messageTTL" and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
@@ -1253,6 +1253,9 @@ def _config_text(value: Any) -> str:
         return ",".join(str(v) for v in value)
     return str(value)
 
+
+#: Namespace policies that are a flag (true or false).
+_FLAG_POLICIES = frozenset({"deduplication", "isAllowAutoUpdateSchema", "schemaValidationEnforced"})
 
 #: A partition that answered 404 (``AdminServer._per_partition``).
 _MISSING = object()

@@ -182,6 +182,18 @@ class PolicyStore:
         value = None if policies is None else policies.get("schema_compatibility_strategy")
         return value if value in SCHEMA_COMPATIBILITY_STRATEGIES else None
 
+    def schema_flags_of(self, topic: str) -> tuple[bool | None, bool | None]:
+        """The namespace's ``is_allow_auto_update_schema`` and ``schema_validation_enforced``
+        for a full topic name (None: not set)."""
+        rest = topic.partition("://")[2]
+        policies = self._namespaces.get("/".join(rest.split("/")[:2])) or {}
+        auto = policies.get("is_allow_auto_update_schema")
+        enforced = policies.get("schema_validation_enforced")
+        return (
+            auto if isinstance(auto, bool) else None,
+            enforced if isinstance(enforced, bool) else None,
+        )
+
     def message_ttl_of(self, topic: str) -> int | None:
         """The namespace's message TTL in seconds for a full topic name (None: not set)."""
         rest = topic.partition("://")[2]

@@ -210,6 +210,10 @@ class BrokerService:
         # The namespace's schema compatibility strategy of a topic; None (or None answered):
         # the broker's ``schemaCompatibilityStrategy``.
         self.schema_compatibility_policy: Callable[[str], str | None] | None = None
+        # The namespace's (auto update allowed, validation enforced) schema flags of a topic,
+        # each None when not set: the broker's ``isAllowAutoUpdateSchemaEnabled`` and
+        # ``isSchemaValidationEnforced`` then.
+        self.schema_flags_policy: Callable[[str], tuple[bool | None, bool | None]] | None = None
         # The namespace's auto-creation override of a topic (allowed, "partitioned" or
         # "non-partitioned", partitions); None (or None answered): the broker's settings.
         self.auto_create_policy: Callable[[str], tuple[bool, str, int] | None] | None = None
@@ -925,6 +929,18 @@ class BrokerService:
         policy = self.schema_compatibility_policy
         chosen = None if policy is None else policy(topic)
         return chosen or str(_cfg(self.config, "schemaCompatibilityStrategy", "FULL"))
+
+    def schema_flags(self, topic: str) -> tuple[bool, bool]:
+        """Whether producers may add schema versions to a topic, and whether a producer
+        without a schema is refused on a topic that has one: its namespace's, else the
+        broker's settings."""
+        policy = self.schema_flags_policy
+        auto, enforced = (None, None) if policy is None else policy(topic)
+        if auto is None:
+            auto = bool(_cfg(self.config, "isAllowAutoUpdateSchemaEnabled", True))
+        if enforced is None:
+            enforced = bool(_cfg(self.config, "isSchemaValidationEnforced", False))
+        return auto, enforced
 
     def _auto_creation(self, topic: str) -> tuple[bool, str, int]:
         """Whether a topic that does not exist may be created on first use, of which type and

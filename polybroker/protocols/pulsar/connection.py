@@ -78,6 +78,7 @@ from polybroker.protocols.pulsar.codec import (
     to_signed64,
 )
 from polybroker.protocols.pulsar.schemas import (
+    IncompatibleSchemaError,
     SchemaNotFoundError,
     SchemaRegistry,
     StoredSchema,
@@ -677,7 +678,7 @@ class PulsarConnection(ReadHolds, Protocol):
                 )
             )
 
-        self._register_schema(c.topic, c.schema).addCallbacks(ok, failed)
+        self._register_schema(c.topic, c.schema, producer=True).addCallbacks(ok, failed)
 
     # -- producers ------------------------------------------------------------------------
 
@@ -718,7 +719,8 @@ class PulsarConnection(ReadHolds, Protocol):
                 metadata={kv_.key: kv_.value for kv_ in c.metadata},
             )
 
-        d = self._register_schema(c.topic, c.schema if c.HasField("schema") else None)
+        schema = c.schema if c.HasField("schema") else None
+        d = self._register_schema(c.topic, schema, producer=True)
         d.addCallback(lambda v: setattr(state, "schema_version", v))
         d.addCallback(add)
 
@@ -767,13 +769,32 @@ class PulsarConnection(ReadHolds, Protocol):
             )
         )
 
-    def _register_schema(self, topic: str, schema: pb.Schema | None) -> Deferred[int | None]:
-        """The version of ``schema`` on ``topic`` (registered if new); None without one."""
+    def _register_schema(
+        self, topic: str, schema: pb.Schema | None, *, producer: bool = False
+    ) -> Deferred[int | None]:
+        """The version of ``schema`` on ``topic`` (registered if new); None without one. For
+        a producer, the namespace's schema flags apply: no new version unless auto update is
+        allowed, no schema-less producer on a topic with a schema if validation is enforced."""
         registry = self.settings.schemas
-        if schema is None or registry is None:
+        if registry is None:
             return succeed(None)
-        strategy = self.settings.service.schema_compatibility(topic)
-        return Deferred.fromCoroutine(registry.get_or_create(topic, schema, strategy))
+        service = self.settings.service
+        auto, enforced = service.schema_flags(topic) if producer else (True, False)
+
+        async def register() -> int | None:
+            if schema is None:
+                if enforced and await registry.versions(topic):
+                    raise IncompatibleSchemaError(
+                        "Producers cannot connect or send message without a schema to topics "
+                        "with a schema if SchemaValidationEnforced is enabled"
+                    )
+                return None
+            strategy = service.schema_compatibility(topic)
+            return await registry.get_or_create(topic, schema, strategy, add=auto)
+
+        if schema is None and not enforced:
+            return succeed(None)
+        return Deferred.fromCoroutine(register())
 
     def _forget_producer(self, state: _ProducerState) -> None:
         state.closed = True

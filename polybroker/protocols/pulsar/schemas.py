@@ -126,16 +126,23 @@ class SchemaRegistry:
             raise SchemaNotFoundError(f"topic {topic} has no schema version {version}")
         return found[version]
 
-    async def get_or_create(self, topic: str, schema: pb.Schema, strategy: str = "FULL") -> int:
+    async def get_or_create(
+        self, topic: str, schema: pb.Schema, strategy: str = "FULL", *, add: bool = True
+    ) -> int:
         """The version of ``schema`` on ``topic``, registering it as a new version if
         ``strategy`` lets it follow the existing ones (``schema_compat``); raise
-        ``IncompatibleSchemaError``."""
+        ``IncompatibleSchemaError``. Without ``add`` a schema not registered yet is refused
+        (as Pulsar's producers are when schema auto update is disabled)."""
         for _ in range(_RETRIES):
             docs, node_version = await self._load(topic)
             existing = [self._stored(i, d) for i, d in enumerate(docs)]
             for stored in existing:
                 if stored.type == schema.type and stored.data == schema.schema_data:
                     return stored.version
+            if not add:
+                raise IncompatibleSchemaError(
+                    "Schema not found and schema auto updating is disabled."
+                )
             why = incompatibility(
                 strategy,
                 [(v.type, v.data) for v in existing],

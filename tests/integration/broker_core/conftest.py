@@ -138,6 +138,7 @@ async def start_admin(config: dict[str, Any] | None = None) -> AdminFixture:
     service.retention_policy = policies.retention_of
     service.auto_create_policy = policies.auto_topic_creation_of
     service.schema_compatibility_policy = policies.schema_compatibility_of
+    service.schema_flags_policy = policies.schema_flags_of
     holder: dict[str, int] = {}
 
     def urls() -> dict[str, str]:

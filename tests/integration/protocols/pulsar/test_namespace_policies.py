@@ -1,6 +1,7 @@
 """Namespace policies that change what the broker does, on a real standalone with the
 official client: messageTTL (what is older is acknowledged on every subscription), the
-autoTopicCreation override and the schema compatibility strategy."""
+autoTopicCreation override and the schema settings (compatibility strategy, auto update,
+validation)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,29 @@ def test_schema_changes_follow_the_namespace_strategy(tmp_path: Path) -> None:
         client.create_producer(lax, schema=JsonSchema(_book(3)))
         versions = http_json("GET", f"{admin}/schemas/public/lax/books/schema")["version"]
         assert versions == 1
+
+
+def test_schema_auto_update_and_validation_flags_bind_producers(tmp_path: Path) -> None:
+    """With isAllowAutoUpdateSchema false a producer may use a registered schema version but
+    not add one; with schemaValidationEnforced a producer without a schema is refused on a
+    topic that has one (a consumer without one is not)."""
+    from pulsar.schema import JsonSchema
+
+    with standalone(tmp_path) as (admin, client):
+        ns = f"{admin}/namespaces/public/strict"
+        http_json("PUT", ns, {})
+        topic = "persistent://public/strict/books"
+        client.create_producer(topic, schema=JsonSchema(_book(1)))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json("POST", f"{ns}/isAllowAutoUpdateSchema", "no")
+        assert refused.value.code == 412
+        http_json("POST", f"{ns}/isAllowAutoUpdateSchema", False)
+        http_json("POST", f"{ns}/schemaValidationEnforced", True)
+        client.create_producer(topic, schema=JsonSchema(_book(1)))  # registered: taken
+        with pytest.raises(pulsar.IncompatibleSchema):
+            client.create_producer(topic, schema=JsonSchema(_book(2)))  # new: not added
+        with pytest.raises(pulsar.IncompatibleSchema):
+            client.create_producer(topic)  # bytes, no schema
+        client.subscribe(topic, "plain").close()
+        http_json("POST", f"{ns}/isAllowAutoUpdateSchema", True)
+        client.create_producer(topic, schema=JsonSchema(_book(2)))
