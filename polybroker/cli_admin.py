@@ -505,10 +505,26 @@ def _clusters_get(c: AdminClient, a: argparse.Namespace) -> None:
 
 
 def _schemas_get(c: AdminClient, a: argparse.Namespace) -> None:
-    t = parse_topic(a.topic)
-    path = "/".join(_q(p) for p in (t.tenant, t.namespace, t.local))
     suffix = f"/{a.version}" if a.version is not None else ""
-    _print_json(c.request("GET", f"/admin/v2/schemas/{path}/schema{suffix}"))
+    _print_json(c.request("GET", _schema_path(a.topic) + "/schema" + suffix))
+
+
+def _schema_path(topic: str) -> str:
+    t = parse_topic(topic)
+    return "/admin/v2/schemas/" + "/".join(_q(p) for p in (t.tenant, t.namespace, t.local))
+
+
+def _schemas_upload(c: AdminClient, a: argparse.Namespace) -> None:
+    try:
+        with open(a.filename, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as e:
+        raise AdminCliError(f"cannot read a schema from {a.filename}: {e}") from None
+    _print_json(c.request("POST", _schema_path(a.topic) + "/schema", payload))
+
+
+def _schemas_delete(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("DELETE", _schema_path(a.topic) + "/schema")
 
 
 def _q(segment: str) -> str:
@@ -686,6 +702,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = verb(g, "get", _schemas_get, "print a topic's schema")
     p.add_argument("topic")
     p.add_argument("-v", "--version", type=int, default=None, help="a version (the latest)")
+    p = verb(g, "upload", _schemas_upload, "register a schema version from a file")
+    p.add_argument("topic")
+    p.add_argument(
+        "-f", "--filename", required=True, help='JSON: {"type": "JSON", "schema": "...", ...}'
+    )
+    p = verb(g, "delete", _schemas_delete, "delete every version of a topic's schema")
+    p.add_argument("topic")
 
 
 def _url_flag(parser: argparse.ArgumentParser, default: str | None) -> None:

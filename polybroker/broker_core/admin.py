@@ -11,7 +11,6 @@ Every handler is a coroutine over the Broker API (``BrokerService``) and the ``P
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import json
@@ -30,7 +29,6 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from polybroker.broker_core.admin_messages import message_id, render_message
 from polybroker.broker_core.admin_metrics import render_metrics
 from polybroker.broker_core.admin_policies import (
-    SCHEMA_COMPATIBILITY_STRATEGIES,
     AdminError,
     PolicyStore,
     not_found,
@@ -58,6 +56,13 @@ from polybroker.broker_core.ownership import (
     bundle_names,
     bundle_of,
     even_boundaries,
+)
+from polybroker.broker_core.schema_compat import STRATEGIES
+from polybroker.broker_core.schemas import (
+    IncompatibleSchemaError,
+    SchemaNotFoundError,
+    SchemaRegistry,
+    StoredSchema,
 )
 from polybroker.broker_core.service import (
     PARTITIONED_ROOT,
@@ -263,6 +268,7 @@ class AdminServer:
         self.policies = policies
         self.urls = urls
         self.router = Router()
+        self.schemas = SchemaRegistry(service.metadata_store)
         self._register()
 
     # -- twisted.web glue -----------------------------------------------------------------
@@ -398,9 +404,13 @@ class AdminServer:
         r("POST", f"{topic}/all_subscription/expireMessages/{{age:\\d+}}", self._expire_all)
         r("GET", f"{topic}/ledger/{{ledger:\\d+}}/entry/{{entry:\\d+}}", self._message_by_id)
         r("GET", f"{topic}/messageid/{{time:\\d+}}", self._message_id_by_time)
-        # schemas (read-only: registered by clients through their protocol)
-        r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema", self._get_schema)
-        r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema/{version:\\d+}", self._get_schema)
+        # schemas
+        schema = "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema"
+        r("GET", schema, self._get_schema)
+        r("POST", schema, self._post_schema)
+        r("DELETE", schema, self._delete_schema)
+        r("GET", schema + "/{version:\\d+}", self._get_schema)
+        r("GET", "/admin/v2/schemas/{tenant}/{ns}/{topic}/schemas", self._get_schemas)
 
     # -- broker ---------------------------------------------------------------------------
 
@@ -726,11 +736,11 @@ class AdminServer:
         ):
             raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
         if field_name == "schemaCompatibilityStrategy" and value not in (
-            SCHEMA_COMPATIBILITY_STRATEGIES | {"UNDEFINED"}
+            STRATEGIES | {"UNDEFINED"}
         ):
             raise precondition(
                 "schemaCompatibilityStrategy: expected UNDEFINED or one of "
-                + ", ".join(sorted(SCHEMA_COMPATIBILITY_STRATEGIES))
+                + ", ".join(sorted(STRATEGIES))
             )
         if field_name == "autoTopicCreation" and not valid_auto_topic_creation(value):
             raise precondition(
@@ -1000,34 +1010,55 @@ class AdminServer:
             out["batchIndex"] = last.batch_index
         return Response.json(out)
 
+    def _schema_topic(self, call: Call) -> str:
+        p = call.params
+        return f"persistent://{p['tenant']}/{p['ns']}/{p['topic']}"
+
     async def _get_schema(self, call: Call) -> Response:
         """A schema version of a topic (the latest unless one is named), as Pulsar's admin API
-        shows it.
+        shows it."""
+        version = int(call.params["version"]) if "version" in call.params else None
+        try:
+            found = await self.schemas.get(self._schema_topic(call), version)
+        except SchemaNotFoundError as e:
+            raise not_found(str(e)) from None
+        return Response.json(_schema_json(found))
 
-        Schemas are stored per partitioned topic under ``/schemas/<tenant>/<ns>/<quoted topic>``
-        as ``{"versions": [{"type": <wire enum>, "data": <base64>, "properties"}, ...]}``.
-        """
-        tenant, ns, local = call.params["tenant"], call.params["ns"], call.params["topic"]
-        m = re.fullmatch(r"(.+)-partition-\d+", local)
-        node = f"/schemas/{tenant}/{ns}/{quote(m.group(1) if m else local, safe='')}"
-        found = await self.service.metadata_store.get(node)
-        versions = json.loads(found.value).get("versions", []) if found is not None else []
-        if not versions:
-            return _error(404, f"topic {tenant}/{ns}/{local} has no schema")
-        number = int(call.params.get("version", len(versions) - 1))
-        if number >= len(versions):
-            return _error(404, f"topic {tenant}/{ns}/{local} has no schema version {number}")
-        latest = versions[number]
-        kind = int(latest.get("type", 0))
-        return Response.json(
-            {
-                "version": number,
-                "type": _SCHEMA_TYPE_NAMES.get(kind, str(kind)),
-                "timestamp": 0,
-                "data": base64.b64decode(latest.get("data", "")).decode("utf-8", "replace"),
-                "properties": dict(latest.get("properties", {})),
-            }
+    async def _get_schemas(self, call: Call) -> Response:
+        found = await self.schemas.versions(self._schema_topic(call))
+        if not found:
+            raise not_found(f"topic {self._schema_topic(call)} has no schema")
+        return Response.json({"getSchemaResponses": [_schema_json(v) for v in found]})
+
+    async def _post_schema(self, call: Call) -> Response:
+        """Register a schema version (``pulsar-admin schemas upload``), checked against the
+        topic's versions under its compatibility strategy (409 when it does not fit); an admin
+        may add one where producers may not (``isAllowAutoUpdateSchema``)."""
+        body = _dict_body(call)
+        kind = _SCHEMA_TYPES.get(str(body.get("type", "")).upper())
+        definition = body.get("schema", "")
+        properties = body.get("properties") or {}
+        if kind is None or not isinstance(definition, str) or not isinstance(properties, dict):
+            raise precondition(
+                "expected {type: " + "|".join(sorted(_SCHEMA_TYPES)) + ", schema, properties}"
+            )
+        topic = self._schema_topic(call)
+        given = StoredSchema(
+            -1, kind, "", definition.encode(), {str(k): str(v) for k, v in properties.items()}
         )
+        try:
+            version = await self.schemas.get_or_create(
+                topic, given, self.service.schema_compatibility(topic)
+            )
+        except IncompatibleSchemaError as e:
+            raise AdminError(409, str(e)) from None
+        return Response.json({"version": version})
+
+    async def _delete_schema(self, call: Call) -> Response:
+        deleted = await self.schemas.delete(self._schema_topic(call))
+        if not deleted:
+            raise not_found(f"topic {self._schema_topic(call)} has no schema")
+        return Response.json({"version": deleted - 1})
 
     async def _terminate(self, call: Call) -> Response:
         ref = self._topic(call)
@@ -1309,6 +1340,20 @@ _SCHEMA_TYPE_NAMES = {
     14: "TIMESTAMP", 15: "KEY_VALUE", 16: "INSTANT", 17: "LOCAL_DATE", 18: "LOCAL_TIME",
     19: "LOCAL_DATE_TIME", 20: "PROTOBUF_NATIVE",
 }  # fmt: skip
+
+
+#: Schema type names the admin API takes, by their wire numbers.
+_SCHEMA_TYPES = {name: number for number, name in _SCHEMA_TYPE_NAMES.items()}
+
+
+def _schema_json(found: StoredSchema) -> dict[str, Any]:
+    return {
+        "version": found.version,
+        "type": _SCHEMA_TYPE_NAMES.get(found.type, str(found.type)),
+        "timestamp": 0,
+        "data": found.data.decode("utf-8", "replace"),
+        "properties": dict(found.properties),
+    }
 
 
 class _Root(Resource):

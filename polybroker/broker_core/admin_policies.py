@@ -20,6 +20,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
+from polybroker.broker_core.schema_compat import STRATEGIES
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotEmptyError, NotFoundError
 
 CLUSTERS_ROOT = "/admin/clusters"
@@ -180,7 +181,7 @@ class PolicyStore:
         rest = topic.partition("://")[2]
         policies = self._namespaces.get("/".join(rest.split("/")[:2]))
         value = None if policies is None else policies.get("schema_compatibility_strategy")
-        return value if value in SCHEMA_COMPATIBILITY_STRATEGIES else None
+        return value if value in STRATEGIES else None
 
     def schema_flags_of(self, topic: str) -> tuple[bool | None, bool | None]:
         """The namespace's ``is_allow_auto_update_schema`` and ``schema_validation_enforced``
@@ -387,21 +388,6 @@ class PolicyStore:
                 if e.status != 409:
                     raise
         await self._load_all()
-
-
-#: Pulsar's schema compatibility strategies (``UNDEFINED``: the broker's setting applies).
-SCHEMA_COMPATIBILITY_STRATEGIES = frozenset(
-    {
-        "ALWAYS_COMPATIBLE",
-        "ALWAYS_INCOMPATIBLE",
-        "BACKWARD",
-        "FORWARD",
-        "FULL",
-        "BACKWARD_TRANSITIVE",
-        "FORWARD_TRANSITIVE",
-        "FULL_TRANSITIVE",
-    }
-)
 
 
 def valid_auto_topic_creation(value: Any) -> bool:

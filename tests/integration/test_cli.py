@@ -552,3 +552,26 @@ def test_admin_brokers(broker: Standalone) -> None:
     assert "metadataStoreUrl" in admin_json(broker, "brokers", "get-internal-config")
     other = admin(broker, "brokers", "list", "elsewhere")
     assert (other.returncode, other.stderr) == (1, "error: HTTP 404: Cluster does not exist\n")
+
+
+def test_admin_schemas_upload_and_delete(broker: Standalone, tmp_path: Path) -> None:
+    """schemas upload registers a version from a file (a refused one exits 1 with the
+    broker's reason), get shows it, delete removes every version."""
+    topic = "persistent://public/default/cli-uploaded"
+    record = {"type": "record", "name": "R", "fields": [{"name": "a", "type": "string"}]}
+    first = tmp_path / "v1.json"
+    first.write_text(json.dumps({"type": "JSON", "schema": json.dumps(record)}))
+    assert admin_json(broker, "schemas", "upload", topic, "-f", str(first)) == {"version": 0}
+    record["fields"].append({"name": "b", "type": "int"})  # no default: FULL refuses it
+    second = tmp_path / "v2.json"
+    second.write_text(json.dumps({"type": "JSON", "schema": json.dumps(record)}))
+    refused = admin(broker, "schemas", "upload", topic, "-f", str(second))
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error: HTTP 409: ")
+    shown = admin_json(broker, "schemas", "get", topic)
+    assert (shown["version"], shown["type"], json.loads(shown["data"])["name"]) == (0, "JSON", "R")
+    assert admin(broker, "schemas", "delete", topic).returncode == 0
+    assert admin(broker, "schemas", "get", topic).returncode == 1
+    missing = admin(broker, "schemas", "upload", topic, "-f", str(tmp_path / "absent.json"))
+    assert missing.returncode == 1
+    assert "cannot read a schema" in missing.stderr

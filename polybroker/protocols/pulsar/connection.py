@@ -54,6 +54,14 @@ from polybroker.broker_core.consumer import (
 from polybroker.broker_core.errors import BrokerError, TopicNotFoundError
 from polybroker.broker_core.protocol_handler import set_no_delay
 from polybroker.broker_core.publish_buffer import PendingPublishes
+from polybroker.broker_core.schemas import (
+    IncompatibleSchemaError,
+    SchemaNotFoundError,
+    SchemaRegistry,
+    StoredSchema,
+    version_bytes,
+    version_of,
+)
 from polybroker.broker_core.service import TopicListMode
 from polybroker.broker_core.topic import Producer, ProducerAccessMode, PublishItem
 from polybroker.ledger.api import Entry, InitialPosition, Position
@@ -76,14 +84,6 @@ from polybroker.protocols.pulsar.codec import (
     message_id,
     metadata_is_complete,
     to_signed64,
-)
-from polybroker.protocols.pulsar.schemas import (
-    IncompatibleSchemaError,
-    SchemaNotFoundError,
-    SchemaRegistry,
-    StoredSchema,
-    version_bytes,
-    version_of,
 )
 
 log = logging.getLogger(__name__)
@@ -634,7 +634,7 @@ class PulsarConnection(ReadHolds, Protocol):
                     T.GET_SCHEMA_RESPONSE,
                     "getSchemaResponse",
                     request_id=rid,
-                    schema=found.to_proto(),
+                    schema=_schema_proto(found),
                     schema_version=version_bytes(found.version),
                 )
             )
@@ -790,7 +790,14 @@ class PulsarConnection(ReadHolds, Protocol):
                     )
                 return None
             strategy = service.schema_compatibility(topic)
-            return await registry.get_or_create(topic, schema, strategy, add=auto)
+            given = StoredSchema(
+                -1,
+                int(schema.type),
+                schema.name,
+                schema.schema_data,
+                {p.key: p.value for p in schema.properties},
+            )
+            return await registry.get_or_create(topic, given, strategy, add=auto)
 
         if schema is None and not enforced:
             return succeed(None)
@@ -1345,3 +1352,11 @@ class _TrackedConnection(PulsarConnection):
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self._owner.connections.discard(self)
         super().connectionLost(reason)
+
+
+def _schema_proto(stored: StoredSchema) -> pb.Schema:
+    """A registered schema version as the wire protocol carries it."""
+    schema = pb.Schema(name=stored.name, schema_data=stored.data, type=stored.type)  # type: ignore[arg-type]
+    for key, value in sorted(stored.properties.items()):
+        schema.properties.add(key=key, value=value)
+    return schema

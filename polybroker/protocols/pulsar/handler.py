@@ -12,10 +12,10 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred
 
 from polybroker.broker_core.protocol_handler import BrokerContext, Listener, ProtocolHandler
+from polybroker.broker_core.schemas import SchemaRegistry
 from polybroker.config import Config, ConfigError
 from polybroker.protocols.pulsar.connection import PulsarFactory, PulsarSettings
 from polybroker.protocols.pulsar.inspector import PulsarEntryInspector
-from polybroker.protocols.pulsar.schemas import SchemaRegistry
 
 PORT_KEY = "brokerServicePort"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -674,3 +675,34 @@ async def test_a_namespace_auto_topic_creation_override_decides(admin: Admin) ->
     plain = "persistent://public/default/made-plain"
     assert await admin.service.partitioned_topic_metadata(plain, create=True) == 0
     await admin.service.publish(plain, b"x")  # the broker's default: created on first use
+
+
+@pytest_twisted.ensureDeferred
+async def test_schemas_upload_list_and_delete(admin: Admin) -> None:
+    """POST registers a schema version under the namespace's strategy (FULL: a field without
+    a default is refused with 409), GET shows one or all, DELETE removes them all."""
+    path = "/admin/v2/schemas/public/default/typed/schema"
+
+    def definition(*fields: dict[str, Any]) -> dict[str, Any]:
+        record = {"type": "record", "name": "R", "fields": list(fields)}
+        return {"type": "JSON", "schema": json.dumps(record), "properties": {"k": "v"}}
+
+    title = {"name": "title", "type": "string"}
+    first = await admin.request("POST", path, definition(title))
+    assert (first.status, first.json()) == (200, {"version": 0})
+    bare = {"name": "isbn", "type": "string"}
+    refused = await admin.request("POST", path, definition(title, bare))
+    assert refused.status == 409
+    with_default = {"name": "isbn", "type": "string", "default": ""}
+    assert (await admin.request("POST", path, definition(title, with_default))).json() == {
+        "version": 1
+    }
+    latest = (await admin.request("GET", path)).json()
+    assert (latest["version"], latest["type"], latest["properties"]) == (1, "JSON", {"k": "v"})
+    assert (await admin.request("GET", f"{path}/0")).json()["version"] == 0
+    every = (await admin.request("GET", path + "s")).json()["getSchemaResponses"]
+    assert [v["version"] for v in every] == [0, 1]
+    assert (await admin.request("POST", path, {"type": "SOMETHING"})).status == 412
+    assert (await admin.request("DELETE", path)).json() == {"version": 1}
+    assert (await admin.request("GET", path)).status == 404
+    assert (await admin.request("DELETE", path)).status == 404

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "broker_core"))
 from fake_ledger import FakeLedgerFactory, FakeMetadataStore, result_of
 from fake_tcp import SlowClient
 
+from polybroker.broker_core.schemas import SchemaRegistry
 from polybroker.broker_core.service import BrokerService
 from polybroker.config import Config
 from polybroker.ledger.api import Position
@@ -37,7 +38,6 @@ from polybroker.protocols.pulsar.codec import (
 )
 from polybroker.protocols.pulsar.connection import PulsarConnection, PulsarSettings
 from polybroker.protocols.pulsar.inspector import PulsarEntryInspector
-from polybroker.protocols.pulsar.schemas import SchemaRegistry
 
 T = pb.BaseCommand
 TOPIC = "persistent://public/default/t"

@@ -1,4 +1,5 @@
-"""Per-topic schemas with versions, as Pulsar clients register and fetch them.
+"""Per-topic schemas with versions, as Pulsar clients (and the admin API) register and fetch
+them. Types are numbered as in Pulsar's wire protocol; the registry knows no protocol.
 
 Storage: one metadata node per topic, ``/schemas/<tenant>/<namespace>/<url-encoded topic>``,
 holding ``{"versions": [{"type", "name", "data" (base64), "properties"}, ...]}``; a version is
@@ -22,14 +23,16 @@ from typing import Any
 from urllib.parse import quote
 
 from polybroker.broker_core.errors import BrokerError, InvalidTopicNameError
-from polybroker.metadata.api import BadVersionError, MetadataStore
-from polybroker.protocols.pulsar import PulsarApi_pb2 as pb
-from polybroker.protocols.pulsar.schema_compat import incompatibility
+from polybroker.broker_core.schema_compat import incompatibility
+from polybroker.metadata.api import BadVersionError, MetadataStore, NotFoundError
 
 ROOT = "/schemas"
 _PARTITION = re.compile(r"^(.+)-partition-\d+$")
 _RETRIES = 5
-_RECORD_TYPES = {pb.Schema.Type.Value("Avro"), pb.Schema.Type.Value("Json")}
+#: Schema types are numbered as Pulsar's wire ``Schema.Type`` numbers them.
+JSON_TYPE = 2
+AVRO_TYPE = 4
+_RECORD_TYPES = {AVRO_TYPE, JSON_TYPE}
 
 
 class IncompatibleSchemaError(BrokerError):
@@ -53,12 +56,6 @@ class StoredSchema:
     name: str
     data: bytes
     properties: dict[str, str] = field(default_factory=dict)
-
-    def to_proto(self) -> pb.Schema:
-        schema = pb.Schema(name=self.name, schema_data=self.data, type=self.type)  # type: ignore[arg-type]
-        for key, value in sorted(self.properties.items()):
-            schema.properties.add(key=key, value=value)
-        return schema
 
 
 def version_bytes(version: int) -> bytes:
@@ -127,17 +124,18 @@ class SchemaRegistry:
         return found[version]
 
     async def get_or_create(
-        self, topic: str, schema: pb.Schema, strategy: str = "FULL", *, add: bool = True
+        self, topic: str, schema: StoredSchema, strategy: str = "FULL", *, add: bool = True
     ) -> int:
-        """The version of ``schema`` on ``topic``, registering it as a new version if
-        ``strategy`` lets it follow the existing ones (``schema_compat``); raise
+        """The version of ``schema`` (its own ``version`` is ignored) on ``topic``,
+        registering it as a new version if ``strategy`` lets it follow the existing ones
+        (``schema_compat``); raise
         ``IncompatibleSchemaError``. Without ``add`` a schema not registered yet is refused
         (as Pulsar's producers are when schema auto update is disabled)."""
         for _ in range(_RETRIES):
             docs, node_version = await self._load(topic)
             existing = [self._stored(i, d) for i, d in enumerate(docs)]
             for stored in existing:
-                if stored.type == schema.type and stored.data == schema.schema_data:
+                if stored.type == schema.type and stored.data == schema.data:
                     return stored.version
             if not add:
                 raise IncompatibleSchemaError(
@@ -146,17 +144,17 @@ class SchemaRegistry:
             why = incompatibility(
                 strategy,
                 [(v.type, v.data) for v in existing],
-                (int(schema.type), schema.schema_data),
+                (schema.type, schema.data),
                 schema.type in _RECORD_TYPES,
             )
             if why:
                 raise IncompatibleSchemaError(f"{why} ({strategy})")
             docs.append(
                 {
-                    "type": int(schema.type),
+                    "type": schema.type,
                     "name": schema.name,
-                    "data": base64.b64encode(schema.schema_data).decode(),
-                    "properties": {p.key: p.value for p in schema.properties},
+                    "data": base64.b64encode(schema.data).decode(),
+                    "properties": dict(schema.properties),
                 }
             )
             body = json.dumps({"versions": docs}).encode()
@@ -166,3 +164,19 @@ class SchemaRegistry:
                 continue  # another registration won the race: look again
             return len(docs) - 1
         raise BrokerError(f"could not register a schema on {topic}: too much contention")
+
+    async def delete(self, topic: str) -> int:
+        """Delete every version of ``topic``'s schema; return how many there were (0: none).
+        The next schema registered starts again at version 0."""
+        for _ in range(_RETRIES):
+            found = await self.store.get(self.path(topic))
+            if found is None:
+                return 0
+            try:
+                await self.store.delete(self.path(topic), found.stat.version)
+            except BadVersionError:
+                continue
+            except NotFoundError:
+                return 0
+            return len(json.loads(found.value)["versions"])
+        raise BrokerError(f"could not delete the schema of {topic}: too much contention")

@@ -22,9 +22,19 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from polybroker.broker_core.admin_policies import SCHEMA_COMPATIBILITY_STRATEGIES as STRATEGIES
-
-__all__ = ["STRATEGIES", "can_read", "incompatibility"]
+#: Pulsar's strategies (a namespace's ``UNDEFINED`` means the broker's setting applies).
+STRATEGIES = frozenset(
+    {
+        "ALWAYS_COMPATIBLE",
+        "ALWAYS_INCOMPATIBLE",
+        "BACKWARD",
+        "FORWARD",
+        "FULL",
+        "BACKWARD_TRANSITIVE",
+        "FORWARD_TRANSITIVE",
+        "FULL_TRANSITIVE",
+    }
+)
 
 _PRIMITIVES = frozenset({"null", "boolean", "int", "long", "float", "double", "bytes", "string"})
 # (writer, reader) pairs Avro promotes.

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from polybroker.protocols.pulsar.schema_compat import can_read, incompatibility
+from polybroker.broker_core.schema_compat import can_read, incompatibility
 
 AVRO = 4
 
