@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
 from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.error import ConnectionRefusedError as ConnectionRefused
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -690,7 +691,9 @@ class AdminServer:
 
     async def _on_loaded_topics(self, call: Call, act: Callable[[Any], Awaitable[Any]]) -> None:
         """``act(topic)`` on each topic of the namespace loaded here, then (unless this call
-        was forwarded) the same call at every other live broker of the cluster, for theirs."""
+        was forwarded) the same call at every other live broker of the cluster, for theirs. A
+        broker that refuses the connection is skipped: it died (and is listed until its
+        session expires), so it has no topic loaded."""
         namespace = self._namespace(call)
         await self._require_namespace(namespace)
         for full, topic in list(self.service.topics.items()):
@@ -703,7 +706,10 @@ class AdminServer:
         for broker in await ownership.brokers():
             if broker.broker_id != ownership.local.broker_id and broker.web_url:
                 url = f"{broker.web_url.rstrip('/')}{call.path}?forwarded=true"
-                await self._remote_call(b"POST", url, timeout=FORWARD_TIMEOUT_S)
+                try:
+                    await self._remote_call(b"POST", url, timeout=FORWARD_TIMEOUT_S)
+                except ConnectionRefused:
+                    log.warning("broker gone: not asked", extra=kv(broker=broker.broker_id))
 
     async def _namespace_topics(self, call: Call) -> Response:
         namespace = self._namespace(call)
