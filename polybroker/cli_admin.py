@@ -673,16 +673,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = verb(g, "expire-messages", _topics_expire_messages, "acknowledge old messages")
     p.add_argument("topic")
     p.add_argument("-s", "--subscription", required=True)
-    p.add_argument(
-        "-t", "--expireTime", dest="expire_time", required=True, help="older than: 1h, 2d, 30s"
-    )
+    _expire_time_flag(p)
     p = verb(
         g, "expire-messages-all-subscriptions", _topics_expire_all, "expire on every subscription"
     )
     p.add_argument("topic")
-    p.add_argument(
-        "-t", "--expireTime", dest="expire_time", required=True, help="older than: 1h, 2d, 30s"
-    )
+    _expire_time_flag(p)
 
     g = verbs("brokers", "brokers")
     p = verb(g, "list", _brokers_list, "list the brokers of a cluster")
@@ -709,6 +705,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p = verb(g, "delete", _schemas_delete, "delete every version of a topic's schema")
     p.add_argument("topic")
+
+
+def _expire_time_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-t", "--expireTime", dest="expire_time", required=True, help="older than: 1h, 2d, 30s"
+    )
 
 
 def _url_flag(parser: argparse.ArgumentParser, default: str | None) -> None:

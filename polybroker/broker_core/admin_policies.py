@@ -153,22 +153,21 @@ class PolicyStore:
         self._cache(namespace, _load(found.value))
         return True
 
+    def _policy(self, topic: str, key: str) -> Any:
+        """The value of policy ``key`` of a full topic name's namespace (None: not set)."""
+        rest = topic.partition("://")[2]
+        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
+        return None if policies is None else policies.get(key)
+
     def deduplication_of(self, topic: str) -> bool | None:
         """The namespace's deduplication setting for a full topic name (None: not set)."""
-        rest = topic.partition("://")[2]
-        namespace = "/".join(rest.split("/")[:2])
-        policies = self._namespaces.get(namespace)
-        if policies is None:
-            return None
-        value = policies.get("deduplicationEnabled")
+        value = self._policy(topic, "deduplicationEnabled")
         return None if value is None else bool(value)
 
     def auto_topic_creation_of(self, topic: str) -> tuple[bool, str, int] | None:
         """The namespace's ``autoTopicCreationOverride`` for a full topic name as (allowed,
         topic type, partitions), or None when it sets none."""
-        rest = topic.partition("://")[2]
-        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
-        value = None if policies is None else policies.get("autoTopicCreationOverride")
+        value = self._policy(topic, "autoTopicCreationOverride")
         if not valid_auto_topic_creation(value):
             return None
         kind = value.get("topicType") or "non-partitioned"
@@ -178,18 +177,14 @@ class PolicyStore:
     def schema_compatibility_of(self, topic: str) -> str | None:
         """The namespace's schema compatibility strategy for a full topic name (None: not set,
         or ``UNDEFINED``)."""
-        rest = topic.partition("://")[2]
-        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
-        value = None if policies is None else policies.get("schema_compatibility_strategy")
+        value = self._policy(topic, "schema_compatibility_strategy")
         return value if value in STRATEGIES else None
 
     def schema_flags_of(self, topic: str) -> tuple[bool | None, bool | None]:
         """The namespace's ``is_allow_auto_update_schema`` and ``schema_validation_enforced``
         for a full topic name (None: not set)."""
-        rest = topic.partition("://")[2]
-        policies = self._namespaces.get("/".join(rest.split("/")[:2])) or {}
-        auto = policies.get("is_allow_auto_update_schema")
-        enforced = policies.get("schema_validation_enforced")
+        auto = self._policy(topic, "is_allow_auto_update_schema")
+        enforced = self._policy(topic, "schema_validation_enforced")
         return (
             auto if isinstance(auto, bool) else None,
             enforced if isinstance(enforced, bool) else None,
@@ -197,9 +192,7 @@ class PolicyStore:
 
     def message_ttl_of(self, topic: str) -> int | None:
         """The namespace's message TTL in seconds for a full topic name (None: not set)."""
-        rest = topic.partition("://")[2]
-        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
-        value = None if policies is None else policies.get("message_ttl_in_seconds")
+        value = self._policy(topic, "message_ttl_in_seconds")
         if isinstance(value, bool) or not isinstance(value, int):
             return None
         return value
@@ -207,9 +200,7 @@ class PolicyStore:
     def retention_of(self, topic: str) -> tuple[float, int] | None:
         """The namespace's retention (seconds, bytes; -1: unlimited) for a full topic name, as
         Pulsar's ``retention_policies`` set it (None: not set, the broker's defaults apply)."""
-        rest = topic.partition("://")[2]
-        policies = self._namespaces.get("/".join(rest.split("/")[:2]))
-        value = None if policies is None else policies.get("retention_policies")
+        value = self._policy(topic, "retention_policies")
         if not isinstance(value, dict):
             return None
         try:
