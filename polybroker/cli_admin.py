@@ -234,6 +234,34 @@ def _namespaces_get_dedup(c: AdminClient, a: argparse.Namespace) -> None:
     _print_json(c.request("GET", _ns_path(a.namespace) + "/deduplication"))
 
 
+# pulsar-admin's namespace verbs for one number each: verb suffix, policy path, value flags.
+_COUNT_POLICY_VERBS = (
+    ("message-ttl", "messageTTL", ("-t", "--ttl", "--messageTTL")),
+    ("max-producers-per-topic", "maxProducersPerTopic", ("-p", "--max-producers-per-topic")),
+    ("max-consumers-per-topic", "maxConsumersPerTopic", ("-c", "--max-consumers-per-topic")),
+    (
+        "max-consumers-per-subscription",
+        "maxConsumersPerSubscription",
+        ("-c", "--max-consumers-per-subscription"),
+    ),
+)
+
+
+def _count_policy(field: str, action: str) -> Handler:
+    """A handler that sets (from ``a.value``), prints or removes one namespace policy."""
+
+    def run(c: AdminClient, a: argparse.Namespace) -> None:
+        path = _ns_path(a.namespace) + f"/{field}"
+        if action == "set":
+            c.request("POST", path, a.value)
+        elif action == "get":
+            _print_json(c.request("GET", path))
+        else:
+            c.request("DELETE", path)
+
+    return run
+
+
 def _namespaces_policies(c: AdminClient, a: argparse.Namespace) -> None:
     _print_json(c.request("GET", _ns_path(a.namespace)))
 
@@ -585,6 +613,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     onoff.add_argument("-d", "--disable", action="store_true")
     p = verb(g, "get-deduplication", _namespaces_get_dedup, "print the deduplication setting")
     p.add_argument("namespace")
+
+    for suffix, field, flags in _COUNT_POLICY_VERBS:
+        for action in ("set", "get", "remove"):
+            p = verb(g, f"{action}-{suffix}", _count_policy(field, action), f"{action} {field}")
+            p.add_argument("namespace")
+            if action == "set":
+                p.add_argument(*flags, dest="value", type=int, required=True)
 
     p = verb(g, "clear-backlog", _namespaces_clear_backlog, "skip backlogs of loaded topics")
     p.add_argument("namespace")

@@ -129,6 +129,9 @@ _KEYS: tuple[Key, ...] = (
     Key("brokerDeduplicationEntriesInterval", int, 1000, "Entries between dedup snapshots"),
     Key("dispatcherMaxReadBatchSize", int, 100, "Most entries a dispatcher reads at once"),
     Key("maxUnackedMessagesPerConsumer", int, 50_000, "Shared consumers pause here (0: no cap)"),
+    Key("maxProducersPerTopic", int, 0, "Producers a topic takes (0: no limit)"),
+    Key("maxConsumersPerTopic", int, 0, "Consumers a topic takes (0: no limit)"),
+    Key("maxConsumersPerSubscription", int, 0, "Consumers a subscription takes (0: no limit)"),
     Key("delayedDeliveryEnabled", bool, True, "Honour deliver-at times (Shared, Key_Shared)"),
     Key("statsUpdateFrequencyInSecs", int, 60, "How often topic rates are recomputed"),
     # Cluster: bundles, ownership and the load manager (Pulsar's names and defaults)

@@ -158,6 +158,7 @@ class BrokerProcess:
         service.auto_create_policy = policies.auto_topic_creation_of
         service.schema_compatibility_policy = policies.schema_compatibility_of
         service.schema_flags_policy = policies.schema_flags_of
+        service.limits_policy = policies.limits_of
         expiry = MessageExpiry(
             lambda: service.topics.values(),
             policies.message_ttl_of,

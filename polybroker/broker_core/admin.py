@@ -106,7 +106,13 @@ NAMESPACE_POLICY_FIELDS: dict[str, str] = {
     "retention": "retention_policies",
     "messageTTL": "message_ttl_in_seconds",
     "autoTopicCreation": "autoTopicCreationOverride",
+    "maxProducersPerTopic": "max_producers_per_topic",
+    "maxConsumersPerTopic": "max_consumers_per_topic",
+    "maxConsumersPerSubscription": "max_consumers_per_subscription",
 }
+_COUNT_POLICIES = frozenset(
+    {"messageTTL", "maxProducersPerTopic", "maxConsumersPerTopic", "maxConsumersPerSubscription"}
+)
 
 
 @dataclass
@@ -737,10 +743,12 @@ class AdminServer:
         if field_name in _FLAG_POLICIES and not isinstance(value, bool):
             raise precondition(f"{field_name}: expected true or false")
         namespace = self._namespace(call)
-        if field_name == "messageTTL" and (
+        if field_name in _COUNT_POLICIES and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
         ):
-            raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
+            if field_name == "messageTTL":
+                raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
+            raise precondition(f"{field_name} must be 0 or more")
         if field_name == "schemaCompatibilityStrategy" and value not in (
             STRATEGIES | {"UNDEFINED"}
         ):

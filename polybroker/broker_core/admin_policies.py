@@ -25,6 +25,12 @@ from polybroker.metadata.api import BadVersionError, MetadataStore, NotEmptyErro
 
 CLUSTERS_ROOT = "/admin/clusters"
 POLICIES_ROOT = "/admin/policies"
+# Pulsar's policy keys of a topic's producer and consumer limits (``TopicLimits``' order).
+LIMIT_POLICIES = (
+    "max_producers_per_topic",
+    "max_consumers_per_topic",
+    "max_consumers_per_subscription",
+)
 
 _NAME_RE = re.compile(r"^[-=:.\w]+$")
 
@@ -196,6 +202,14 @@ class PolicyStore:
         if isinstance(value, bool) or not isinstance(value, int):
             return None
         return value
+
+    def limits_of(self, topic: str) -> tuple[int | None, int | None, int | None]:
+        """The namespace's max producers per topic, max consumers per topic and max consumers
+        per subscription for a full topic name (each None: not set)."""
+        return tuple(  # type: ignore[return-value]
+            value if isinstance(value, int) and not isinstance(value, bool) else None
+            for value in (self._policy(topic, key) for key in LIMIT_POLICIES)
+        )
 
     def retention_of(self, topic: str) -> tuple[float, int] | None:
         """The namespace's retention (seconds, bytes; -1: unlimited) for a full topic name, as

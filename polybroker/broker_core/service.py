@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import itertools
 import json
 import logging
@@ -69,6 +70,7 @@ from polybroker.broker_core.topic import (
     Producer,
     ProducerAccessMode,
     Topic,
+    TopicLimits,
     TopicSettings,
 )
 from polybroker.config import Config
@@ -89,6 +91,8 @@ PARTITION_SUFFIX = "-partition-"
 _PARTITION_RE = re.compile(r"^(.+)-partition-(\d+)$")
 _DOMAINS = ("persistent", "non-persistent")
 HEALTH_TIMEOUT_S = 10.0  # each check of ``storage_problem``
+# The broker settings of ``TopicLimits``' fields, in order.
+LIMIT_KEYS = ("maxProducersPerTopic", "maxConsumersPerTopic", "maxConsumersPerSubscription")
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,10 @@ class BrokerService:
         # The namespace's auto-creation override of a topic (allowed, "partitioned" or
         # "non-partitioned", partitions); None (or None answered): the broker's settings.
         self.auto_create_policy: Callable[[str], tuple[bool, str, int] | None] | None = None
+        # The namespace's (max producers, max consumers per topic, max consumers per
+        # subscription) of a topic, each None when not set: the broker's
+        # ``maxProducersPerTopic``, ``maxConsumersPerTopic``, ``maxConsumersPerSubscription``.
+        self.limits_policy: Callable[[str], tuple[int | None, int | None, int | None]] | None = None
         # Whether a namespace ("tenant/ns") exists; topics are created only in one that does.
         # None: every namespace exists.
         self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
@@ -242,6 +250,7 @@ class BrokerService:
         self._auto_create_type = str(_cfg(config, "allowAutoTopicCreationType", "non-partitioned"))
         self._default_partitions = int(_cfg(config, "defaultNumPartitions", 1))
         self._dedup_default = bool(_cfg(config, "brokerDeduplicationEnabled", False))
+        self._default_limits = tuple(int(_cfg(config, key, 0)) for key in LIMIT_KEYS)
         #: Publishes on their way to storage, every protocol's (``publish_buffer``).
         self.publish_buffer = PublishBuffer(
             max(0, int(_cfg(config, "maxMessagePublishBufferSizeInMB", 512))) * 1024 * 1024
@@ -376,6 +385,7 @@ class BrokerService:
                 waiter.errback(e)  # a cancelled wait ignores it (Twisted's rule)
             raise
         topic.on_closed = self._topic_closed
+        topic.limits = functools.partial(self.limits_of, ref.full)
         self.topics[ref.full] = topic
         for listener in list(self._topic_listeners):
             try:
@@ -457,6 +467,13 @@ class BrokerService:
         return found is not None and ref.partition_index < int(
             json.loads(found.value)["partitions"]
         )
+
+    def limits_of(self, topic: str) -> TopicLimits:
+        """A topic's producer and consumer limits: its namespace's where set, else the
+        broker's."""
+        chosen = self.limits_policy(topic) if self.limits_policy is not None else (None,) * 3
+        values = zip(chosen, self._default_limits, strict=True)
+        return TopicLimits(*(default if value is None else value for value, default in values))
 
     def ledger_config_of(self, topic: str) -> ManagedLedgerConfig:
         """The managed-ledger config of a topic: the broker's, with its namespace's retention."""

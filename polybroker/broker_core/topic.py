@@ -58,6 +58,7 @@ from polybroker.broker_core.consumer import (
 )
 from polybroker.broker_core.dispatcher import DispatchSettings
 from polybroker.broker_core.errors import (
+    ConsumerBusyError,
     NotAllowedError,
     PersistenceError,
     ProducerBusyError,
@@ -136,6 +137,19 @@ class TopicSettings:
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     dedup_enabled: bool = False  # brokerDeduplicationEnabled
     dedup_snapshot_interval: int = 1000  # brokerDeduplicationEntriesInterval
+
+
+@dataclass(frozen=True)
+class TopicLimits:
+    """How many producers and consumers a topic takes (Pulsar's ``maxProducersPerTopic``,
+    ``maxConsumersPerTopic`` and ``maxConsumersPerSubscription``; 0: no limit)."""
+
+    max_producers: int = 0
+    max_consumers: int = 0
+    max_consumers_per_subscription: int = 0
+
+
+NO_LIMITS = TopicLimits()
 
 
 class Producer:
@@ -263,6 +277,9 @@ class Topic(abc.ABC):
         self._rate_base = (0, 0)
         self._rates_at = clock.seconds()
         self.on_closed: Callable[[Topic], None] | None = None
+        # Read at each new producer and consumer, so that a changed policy applies to the
+        # next one (those already attached stay, as on Pulsar).
+        self.limits: Callable[[], TopicLimits] = lambda: NO_LIMITS
 
     # -- producers ------------------------------------------------------------------------
 
@@ -299,6 +316,9 @@ class Topic(abc.ABC):
             name = self._producer_names()
         if name in self.producers or any(p.name == name for p in self._waiting):
             raise ProducerBusyError(f"producer {name!r} is already connected to {self.name}")
+        limit = self.limits().max_producers
+        if limit and len(self.producers) >= limit:
+            raise ProducerBusyError("Topic reached max producers limit")
         exclusive_mode = access_mode is not ProducerAccessMode.SHARED
         if exclusive_mode and topic_epoch is not None and topic_epoch < self.topic_epoch:
             raise ProducerFencedError(
@@ -398,6 +418,20 @@ class Topic(abc.ABC):
     @abc.abstractmethod
     def subscriptions(self) -> dict[str, Any]:
         """Subscriptions by name."""
+
+    def _check_consumer_limits(self, subscription: str) -> None:
+        """Raise ``ConsumerBusyError`` when the topic, or ``subscription``, already has as
+        many consumers as its limits allow."""
+        limits = self.limits()
+        subs = self.subscriptions
+        if limits.max_consumers and limits.max_consumers <= sum(
+            len(s.consumers) for s in subs.values()
+        ):
+            raise ConsumerBusyError("Topic reached max consumers limit")
+        sub = subs.get(subscription)
+        cap = limits.max_consumers_per_subscription
+        if cap and sub is not None and cap <= len(sub.consumers):
+            raise ConsumerBusyError("Subscription reached max consumers limit")
 
     @abc.abstractmethod
     def publish(
@@ -956,6 +990,7 @@ class PersistentTopic(Topic):
         self._check_open()
         if not name or name == DEDUP_CURSOR:
             raise NotAllowedError(f"invalid subscription name {name!r}")
+        self._check_consumer_limits(name)  # before a refused consumer creates a subscription
         sub = self._subscriptions.get(name)
         fresh = False
         if sub is None:
@@ -969,6 +1004,7 @@ class PersistentTopic(Topic):
                 fresh = True
         self._check_open()
         try:
+            self._check_consumer_limits(name)  # again: others may have attached meanwhile
             return sub.add_consumer(
                 consumer,
                 sub_type,
@@ -1325,6 +1361,7 @@ class NonPersistentTopic(Topic):
             self._check_open()
             if not subscription:
                 raise NotAllowedError("empty subscription name")
+            self._check_consumer_limits(subscription)
             sub = self._subscriptions.get(subscription)
             if sub is None:
                 default_key_of = (

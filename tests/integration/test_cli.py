@@ -272,6 +272,14 @@ def test_admin_tenants_namespaces_and_clusters(broker: Standalone) -> None:
     assert dedup.returncode == 0, dedup.stderr
     assert admin_json(broker, "namespaces", "get-deduplication", "acme/orders") is True
     assert admin_json(broker, "namespaces", "policies", "acme/orders")["deduplicationEnabled"]
+    for verb, flag in [("max-producers-per-topic", "-p"), ("message-ttl", "--ttl")]:
+        assert admin(broker, "namespaces", f"set-{verb}", "acme/orders", flag, "3").returncode == 0
+        assert admin_json(broker, "namespaces", f"get-{verb}", "acme/orders") == 3
+        assert admin(broker, "namespaces", f"remove-{verb}", "acme/orders").returncode == 0
+        assert admin_json(broker, "namespaces", f"get-{verb}", "acme/orders") is None
+    negative = admin(broker, "namespaces", "set-max-consumers-per-topic", "acme/orders", "-c", "-1")
+    assert negative.returncode == 1
+    assert "HTTP 412" in negative.stderr
 
     dup = admin(broker, "tenants", "create", "acme")
     assert (dup.returncode, dup.stdout) == (1, "")

@@ -176,3 +176,59 @@ def test_schema_auto_update_and_validation_flags_bind_producers(tmp_path: Path) 
         client.subscribe(topic, "plain").close()
         http_json("POST", f"{ns}/isAllowAutoUpdateSchema", True)
         client.create_producer(topic, schema=JsonSchema(_book(2)))
+
+
+def test_producer_and_consumer_limits_follow_the_namespace_then_the_broker(
+    tmp_path: Path,
+) -> None:
+    """maxProducersPerTopic, maxConsumersPerTopic and maxConsumersPerSubscription: the
+    namespace's where set, else the broker's; a refused client gets Pulsar's busy errors and
+    those already attached stay."""
+    config = {"messagingProtocols": "pulsar", "maxProducersPerTopic": 2}
+    with standalone(tmp_path, config) as (admin, client):
+        ns = f"{admin}/namespaces/public/limits"
+        http_json("PUT", ns, {})
+        for field, value in [
+            ("maxProducersPerTopic", 1),
+            ("maxConsumersPerTopic", 2),
+            ("maxConsumersPerSubscription", 1),
+        ]:
+            http_json("POST", f"{ns}/{field}", value)
+            assert http_json("GET", f"{ns}/{field}") == value
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json("POST", f"{ns}/maxProducersPerTopic", -1)
+        assert refused.value.code == 412
+        topic = "persistent://public/limits/t"
+
+        first = client.create_producer(topic)
+        with pytest.raises(pulsar.ProducerBusy):
+            client.create_producer(topic)
+        shared = pulsar.ConsumerType.Shared
+        a = client.subscribe(topic, "s", consumer_type=shared)
+        with pytest.raises(pulsar.ConsumerBusy):
+            client.subscribe(topic, "s", consumer_type=shared)  # the subscription's limit
+        b = client.subscribe(topic, "other", consumer_type=shared)
+        with pytest.raises(pulsar.ConsumerBusy):
+            client.subscribe(topic, "third", consumer_type=shared)  # the topic's limit
+        path = topic.replace("://", "/")
+        subs = http_json("GET", f"{admin}/{path}/stats")["subscriptions"]
+        assert sorted(subs) == ["other", "s"]  # a refused consumer left no subscription
+        first.send(b"still served")
+        assert a.receive(10_000).data() == b"still served"
+        assert b.receive(10_000).data() == b"still served"
+        a.close()
+        client.subscribe(topic, "s", consumer_type=shared).close()  # room again
+
+        # Without the namespace's own limit, the broker's applies (2 producers here).
+        http_json("DELETE", f"{ns}/maxProducersPerTopic")
+        assert http_json("GET", f"{ns}/maxProducersPerTopic") is None
+        second = client.create_producer(topic)
+        with pytest.raises(pulsar.ProducerBusy):
+            client.create_producer(topic)
+        for producer in (first, second):
+            producer.close()
+        others = [client.create_producer("persistent://public/default/d") for _ in range(2)]
+        with pytest.raises(pulsar.ProducerBusy):
+            client.create_producer("persistent://public/default/d")
+        for producer in others:
+            producer.close()
