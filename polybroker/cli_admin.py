@@ -110,6 +110,17 @@ def parse_relative_time(text: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
+_SIZES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``512``, ``10k``, ``100M``, ``2G``, ``1T`` (bytes, binary units) into bytes."""
+    m = re.fullmatch(r"(\d+)([kmgt]?)", text.strip().lower())
+    if not m:
+        raise AdminCliError(f"invalid size {text!r}: expected e.g. 512, 10k, 100M, 2G")
+    return int(m.group(1)) * _SIZES[m.group(2)]
+
+
 class AdminClient:
     """A blocking client of the admin REST API."""
 
@@ -260,6 +271,21 @@ def _count_policy(field: str, action: str) -> Handler:
             c.request("DELETE", path)
 
     return run
+
+
+def _namespaces_set_backlog_quota(c: AdminClient, a: argparse.Namespace) -> None:
+    limit_size = parse_size(a.limit) if a.limit else -1
+    limit_time = parse_relative_time(a.limit_time) if a.limit_time else -1
+    body = {"limitSize": limit_size, "limitTime": limit_time, "policy": a.policy}
+    c.request("POST", _ns_path(a.namespace) + f"/backlogQuota?backlogQuotaType={a.type}", body)
+
+
+def _namespaces_get_backlog_quotas(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _ns_path(a.namespace) + "/backlogQuotaMap"))
+
+
+def _namespaces_remove_backlog_quota(c: AdminClient, a: argparse.Namespace) -> None:
+    c.request("DELETE", _ns_path(a.namespace) + f"/backlogQuota?backlogQuotaType={a.type}")
 
 
 def _namespaces_policies(c: AdminClient, a: argparse.Namespace) -> None:
@@ -620,6 +646,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
             p.add_argument("namespace")
             if action == "set":
                 p.add_argument(*flags, dest="value", type=int, required=True)
+
+    quota_types = ("destination_storage", "message_age")
+    p = verb(g, "set-backlog-quota", _namespaces_set_backlog_quota, "limit backlogs")
+    p.add_argument("namespace")
+    p.add_argument("-l", "--limit", default=None, help="size: 10M, 2G (destination_storage)")
+    p.add_argument("-lt", "--limitTime", dest="limit_time", default=None, help="age: 30m, 1d")
+    p.add_argument(
+        "-p",
+        "--policy",
+        required=True,
+        choices=("producer_request_hold", "producer_exception", "consumer_backlog_eviction"),
+    )
+    p.add_argument("-t", "--type", default=quota_types[0], choices=quota_types)
+    p = verb(g, "get-backlog-quotas", _namespaces_get_backlog_quotas, "print backlog quotas")
+    p.add_argument("namespace")
+    p = verb(g, "remove-backlog-quota", _namespaces_remove_backlog_quota, "remove a quota")
+    p.add_argument("namespace")
+    p.add_argument("-t", "--type", default=quota_types[0], choices=quota_types)
 
     p = verb(g, "clear-backlog", _namespaces_clear_backlog, "skip backlogs of loaded topics")
     p.add_argument("namespace")

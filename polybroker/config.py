@@ -25,6 +25,7 @@ class Key:
     type: type
     default: Any
     doc: str
+    choices: tuple[str, ...] = ()  # a string key's only values (empty: any)
 
 
 _KEYS: tuple[Key, ...] = (
@@ -129,6 +130,17 @@ _KEYS: tuple[Key, ...] = (
     Key("brokerDeduplicationEntriesInterval", int, 1000, "Entries between dedup snapshots"),
     Key("dispatcherMaxReadBatchSize", int, 100, "Most entries a dispatcher reads at once"),
     Key("maxUnackedMessagesPerConsumer", int, 50_000, "Shared consumers pause here (0: no cap)"),
+    Key("backlogQuotaCheckEnabled", bool, True, "Enforce backlog quotas"),
+    Key("backlogQuotaCheckIntervalInSeconds", float, 60.0, "How often backlog quotas are checked"),
+    Key("backlogQuotaDefaultLimitBytes", int, -1, "Backlog quota size of namespaces (-1: none)"),
+    Key("backlogQuotaDefaultLimitSecond", int, -1, "Backlog quota age of namespaces (-1: none)"),
+    Key(
+        "backlogQuotaDefaultRetentionPolicy",
+        str,
+        "producer_request_hold",
+        "What a topic over its default backlog quota does",
+        ("producer_request_hold", "producer_exception", "consumer_backlog_eviction"),
+    ),
     Key("maxProducersPerTopic", int, 0, "Producers a topic takes (0: no limit)"),
     Key("maxConsumersPerTopic", int, 0, "Consumers a topic takes (0: no limit)"),
     Key("maxConsumersPerSubscription", int, 0, "Consumers a subscription takes (0: no limit)"),
@@ -204,6 +216,13 @@ KEYS: Mapping[str, Key] = {k.name: k for k in _KEYS}
 
 
 def _convert(key: Key, raw: Any) -> Any:
+    value = _typed(key, raw)
+    if key.choices and value not in key.choices:
+        raise ConfigError(f"{key.name}: expected one of {', '.join(key.choices)}, got {raw!r}")
+    return value
+
+
+def _typed(key: Key, raw: Any) -> Any:
     if isinstance(raw, key.type) and not (key.type is int and isinstance(raw, bool)):
         return raw
     text = str(raw).strip()

@@ -147,6 +147,7 @@ class BrokerProcess:
         """Give the Broker API its namespace policies, then bind the HTTP service and every
         protocol handler's listeners together (``self.ports`` gets what they bound)."""
         from polybroker.broker_core.admin import AdminServer
+        from polybroker.broker_core.backlog_quota import BacklogQuotas
         from polybroker.broker_core.expiry import MessageExpiry
         from polybroker.broker_core.protocol_handler import BrokerContext, Listener
 
@@ -168,6 +169,21 @@ class BrokerProcess:
         )
         expiry.start()
         self._stops.append(("message expiry", expiry.stop))
+        quotas = BacklogQuotas(
+            lambda: service.topics.values(),
+            policies.backlog_quota_of,
+            (
+                int(config["backlogQuotaDefaultLimitBytes"]),
+                int(config["backlogQuotaDefaultLimitSecond"]),
+                str(config["backlogQuotaDefaultRetentionPolicy"]),
+            ),
+            self.reactor,
+            float(config["backlogQuotaCheckIntervalInSeconds"]),
+        )
+        if config["backlogQuotaCheckEnabled"]:
+            service.producer_gate = quotas.producer_refusal
+            quotas.start()
+            self._stops.append(("backlog quotas", quotas.stop))
 
         def urls() -> dict[str, str]:
             out = {"httpUrl": f"http://{advertised}:{self.ports.get('webServicePort', 0)}"}

@@ -36,6 +36,7 @@ from polybroker.broker_core.admin_policies import (
     precondition,
     valid_auto_topic_creation,
 )
+from polybroker.broker_core.backlog_quota import POLICIES, QUOTA_TYPES, SIZE, valid_quota
 from polybroker.broker_core.consumer import SubType
 from polybroker.broker_core.errors import (
     BrokerError,
@@ -384,6 +385,10 @@ class AdminServer:
         r("POST", policy, self._set_policy)
         r("PUT", policy, self._set_policy)
         r("DELETE", policy, self._remove_policy)
+        quota = "/admin/v2/namespaces/{tenant}/{ns}/backlogQuota"
+        r("GET", quota + "Map", self._backlog_quotas)
+        r("POST", quota, self._set_backlog_quota)
+        r("DELETE", quota, self._remove_backlog_quota)
         # topics
         r("GET", f"/admin/v2/{dom}/{{tenant}}/{{ns}}", self._list_topics)
         r("GET", f"/admin/v2/{dom}/{{tenant}}/{{ns}}/partitioned", self._list_partitioned)
@@ -780,6 +785,57 @@ class AdminServer:
             await self._apply_deduplication(namespace)
         if call.params["field"] == "retention":
             self.service.apply_retention(namespace)
+        return Response()
+
+    async def _backlog_quotas(self, call: Call) -> Response:
+        policies = await self.policies.get_policies(self._namespace(call))
+        return Response.json(policies.get("backlog_quota_map") or {})
+
+    @staticmethod
+    def _quota_type(call: Call) -> str:
+        kind = (call.query.get("backlogQuotaType") or [SIZE])[-1]
+        if kind not in QUOTA_TYPES:
+            raise precondition(f"backlogQuotaType: expected {' or '.join(QUOTA_TYPES)}")
+        return kind
+
+    async def _set_backlog_quota(self, call: Call) -> Response:
+        """Pulsar's set-backlog-quota: a limit no larger than the namespace's retention."""
+        namespace = self._namespace(call)
+        kind = self._quota_type(call)
+        body = call.json_body()
+        if isinstance(body, dict) and "limitSize" not in body and "limit" in body:
+            body = {**body, "limitSize": body["limit"]}  # the field's older name
+        if not valid_quota(body):
+            raise precondition(
+                "backlog quota: expected {limitSize: bytes, limitTime: seconds, policy: "
+                + " | ".join(POLICIES)
+                + "}"
+            )
+        quota = {k: body.get(k, -1) for k in ("limitSize", "limitTime")}
+        quota["policy"] = body["policy"]
+        policies = await self.policies.get_policies(namespace)
+        retention = policies.get("retention_policies") or {}
+        for key, kept in [
+            ("limitSize", retention.get("retentionSizeInMB", 0) * 1024 * 1024),
+            ("limitTime", retention.get("retentionTimeInMinutes", 0) * 60),
+        ]:
+            if kept > 0 and quota[key] >= kept:
+                raise precondition(
+                    "Backlog Quota exceeds configured retention quota for namespace. "
+                    "Please increase retention quota and retry"
+                )
+        quotas = dict(policies.get("backlog_quota_map") or {})
+        quotas[kind] = quota
+        await self.policies.update_policies(namespace, {"backlog_quota_map": quotas})
+        return Response()
+
+    async def _remove_backlog_quota(self, call: Call) -> Response:
+        namespace = self._namespace(call)
+        kind = self._quota_type(call)
+        policies = await self.policies.get_policies(namespace)
+        quotas = dict(policies.get("backlog_quota_map") or {})
+        quotas.pop(kind, None)
+        await self.policies.update_policies(namespace, {"backlog_quota_map": quotas or None})
         return Response()
 
     async def _apply_deduplication(self, namespace: str) -> None:

@@ -211,6 +211,11 @@ class PolicyStore:
             for value in (self._policy(topic, key) for key in LIMIT_POLICIES)
         )
 
+    def backlog_quota_of(self, topic: str) -> dict[str, Any] | None:
+        """The namespace's ``backlog_quota_map`` for a full topic name (None: not set)."""
+        value = self._policy(topic, "backlog_quota_map")
+        return value if isinstance(value, dict) else None
+
     def retention_of(self, topic: str) -> tuple[float, int] | None:
         """The namespace's retention (seconds, bytes; -1: unlimited) for a full topic name, as
         Pulsar's ``retention_policies`` set it (None: not set, the broker's defaults apply)."""

@@ -50,6 +50,7 @@ from polybroker.broker_core.consumer import (
 )
 from polybroker.broker_core.dispatcher import DispatchSettings
 from polybroker.broker_core.errors import (
+    BrokerError,
     InvalidTopicNameError,
     NotAllowedError,
     ServiceNotReadyError,
@@ -225,6 +226,9 @@ class BrokerService:
         # subscription) of a topic, each None when not set: the broker's
         # ``maxProducersPerTopic``, ``maxConsumersPerTopic``, ``maxConsumersPerSubscription``.
         self.limits_policy: Callable[[str], tuple[int | None, int | None, int | None]] | None = None
+        # Asked before a producer is added to a topic: the error that refuses it (backlog
+        # quotas), or None.
+        self.producer_gate: Callable[[Topic], BrokerError | None] | None = None
         # Whether a namespace ("tenant/ns") exists; topics are created only in one that does.
         # None: every namespace exists.
         self.namespace_exists: Callable[[str], Deferred[bool] | bool] | None = None
@@ -607,6 +611,9 @@ class BrokerService:
         The Deferred fires at registration; for WaitForExclusive, wait on ``Producer.ready``."""
 
         def register(t: Topic) -> Producer:
+            refusal = self.producer_gate(t) if self.producer_gate is not None else None
+            if refusal is not None:
+                raise refusal
             return t.add_producer(
                 name,
                 access_mode,

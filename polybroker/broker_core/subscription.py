@@ -338,7 +338,14 @@ class Subscription(SubscriptionAPI):
                 target = self._previous_position(target)
         else:
             target = self._previous_position(first_kept)
-        if target is None or not self.cursor.mark_delete_position < target:
+        if target is None:
+            return False
+        return await self.acknowledge_up_to(target)
+
+    async def acknowledge_up_to(self, target: Position) -> bool:
+        """Move the mark-delete position forward to ``target`` (never back), telling the
+        dispatcher as a cumulative ack does; return whether it moved."""
+        if self.closed or not self.cursor.mark_delete_position < target:
             return False
         d = self.cursor.mark_delete(target)
         if self.dispatcher is not None:

@@ -361,9 +361,13 @@ class Topic(abc.ABC):
         producer.topic_epoch = self.topic_epoch
         self._exclusive = producer
 
-    def _fence_producers(self) -> None:
+    def disconnect_producers(self) -> None:
+        """Close every producer, telling its client (which may reconnect)."""
         for producer in list(self.producers.values()):
             self._drop_producer(producer, notify=True)
+
+    def _fence_producers(self) -> None:
+        self.disconnect_producers()
         while self._waiting:
             waiter = self._waiting.popleft()
             waiter.closed = True

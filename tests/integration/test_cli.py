@@ -277,6 +277,17 @@ def test_admin_tenants_namespaces_and_clusters(broker: Standalone) -> None:
         assert admin_json(broker, "namespaces", f"get-{verb}", "acme/orders") == 3
         assert admin(broker, "namespaces", f"remove-{verb}", "acme/orders").returncode == 0
         assert admin_json(broker, "namespaces", f"get-{verb}", "acme/orders") is None
+    quota = ["-l", "10M", "-lt", "2h", "-p", "consumer_backlog_eviction"]
+    assert admin(broker, "namespaces", "set-backlog-quota", "acme/orders", *quota).returncode == 0
+    assert admin_json(broker, "namespaces", "get-backlog-quotas", "acme/orders") == {
+        "destination_storage": {
+            "limitSize": 10 << 20,
+            "limitTime": 7200,
+            "policy": "consumer_backlog_eviction",
+        }
+    }
+    assert admin(broker, "namespaces", "remove-backlog-quota", "acme/orders").returncode == 0
+    assert admin_json(broker, "namespaces", "get-backlog-quotas", "acme/orders") == {}
     negative = admin(broker, "namespaces", "set-max-consumers-per-topic", "acme/orders", "-c", "-1")
     assert negative.returncode == 1
     assert "HTTP 412" in negative.stderr

@@ -232,3 +232,83 @@ def test_producer_and_consumer_limits_follow_the_namespace_then_the_broker(
             client.create_producer("persistent://public/default/d")
         for producer in others:
             producer.close()
+
+
+def _backlog_of(admin: str, topic: str, subscription: str) -> int:
+    path = topic.replace("://", "/")
+    stats = http_json("GET", f"{admin}/{path}/stats")
+    return int(stats["subscriptions"][subscription]["msgBacklog"])
+
+
+def test_backlog_quota_holds_or_fails_producers_until_the_backlog_shrinks(
+    tmp_path: Path,
+) -> None:
+    config = {"messagingProtocols": "pulsar", "backlogQuotaCheckIntervalInSeconds": 0.2}
+    with standalone(tmp_path, config) as (admin, client):
+        for ns, policy, refusal in [
+            ("hold", "producer_request_hold", pulsar.ProducerBlockedQuotaExceededError),
+            ("fail", "producer_exception", pulsar.ProducerBlockedQuotaExceededException),
+        ]:
+            http_json("PUT", f"{admin}/namespaces/public/{ns}", {})
+            quota = {"limitSize": 8 * 1024, "limitTime": -1, "policy": policy}
+            http_json("POST", f"{admin}/namespaces/public/{ns}/backlogQuota", quota)
+            got = http_json("GET", f"{admin}/namespaces/public/{ns}/backlogQuotaMap")
+            assert got == {"destination_storage": quota}
+            topic = f"persistent://public/{ns}/t"
+            consumer = client.subscribe(topic, "slow")
+            producer = client.create_producer(topic, batching_enabled=False)
+            for i in range(16):
+                producer.send(bytes([i]) * 1024)
+            with pytest.raises(refusal):
+                client.create_producer(topic)
+            # Once the subscription catches up, producers are welcome again.
+            for _ in range(16):
+                consumer.acknowledge(consumer.receive(10_000))
+            deadline = time.monotonic() + 30
+            while _backlog_of(admin, topic, "slow"):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            client.create_producer(topic).close()
+            producer.close()
+            consumer.close()
+
+
+def test_backlog_quota_eviction_drops_the_oldest_by_size_and_by_age(tmp_path: Path) -> None:
+    config = {"messagingProtocols": "pulsar", "backlogQuotaCheckIntervalInSeconds": 0.2}
+    with standalone(tmp_path, config) as (admin, client):
+        ns = f"{admin}/namespaces/public/evict"
+        http_json("PUT", ns, {})
+        evict = {"limitSize": 8 * 1024, "limitTime": -1, "policy": "consumer_backlog_eviction"}
+        http_json("POST", f"{ns}/backlogQuota", evict)
+        topic = "persistent://public/evict/size"
+        consumer = client.subscribe(topic, "slow", receiver_queue_size=1)
+        producer = client.create_producer(topic, batching_enabled=False)
+        for i in range(32):
+            producer.send(i.to_bytes(4, "big") * 256)  # 1 KiB each
+        deadline = time.monotonic() + 30
+        while (kept := _backlog_of(admin, topic, "slow")) > 8:  # 1 KiB and their metadata
+            assert time.monotonic() < deadline, kept
+            time.sleep(0.05)
+        assert kept >= 6
+        # The consumer stays connected: after the one its queue held, it gets the newest.
+        got = [int.from_bytes(consumer.receive(10_000).data()[:4], "big") for _ in range(kept + 1)]
+        assert got == [0, *range(32 - kept, 32)]
+        producer.send(b"after")  # producers were never held back
+        assert consumer.receive(10_000).data() == b"after"
+
+        age = {"limitSize": -1, "limitTime": 1, "policy": "consumer_backlog_eviction"}
+        http_json("POST", f"{ns}/backlogQuota?backlogQuotaType=message_age", age)
+        old = "persistent://public/evict/age"
+        client.subscribe(old, "idle").close()
+        aged = client.create_producer(old, batching_enabled=False)
+        for _ in range(5):
+            aged.send(b"old")
+        deadline = time.monotonic() + 30
+        while _backlog_of(admin, old, "idle"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        http_json("DELETE", f"{ns}/backlogQuota?backlogQuotaType=message_age")
+        assert set(http_json("GET", f"{ns}/backlogQuotaMap")) == {"destination_storage"}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json("POST", f"{ns}/backlogQuota", {"limitSize": 1, "policy": "drop_all"})
+        assert refused.value.code == 412
