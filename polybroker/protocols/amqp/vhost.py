@@ -250,6 +250,9 @@ class _Source:
         #: For x-max-length: the messages of each entry read and not yet acknowledged on
         #: the subscription (what of its backlog the window has seen).
         self.seen: dict[Position, int] | None = {} if queue.max_length is not None else None
+        #: A new subscription reads from the start, skipping entries published before this
+        #: (a bridged topic found after its binding started); None: it starts at the end.
+        self.not_before_ms: int | None = None
         self._partial_dirty = False
         self._partial_writing = False
         self._partial_timer: IDelayedCall | None = None
@@ -311,7 +314,9 @@ class _Source:
                     self.subscription,
                     self,
                     SubType.EXCLUSIVE,
-                    InitialPosition.EARLIEST if self.kind == OWN else InitialPosition.LATEST,
+                    InitialPosition.EARLIEST
+                    if self.kind == OWN or self.not_before_ms is not None
+                    else InitialPosition.LATEST,
                     durable=not self.queue.memory_only,
                     forward=True,
                 )
@@ -601,9 +606,12 @@ class Queue:
         kind: str,
         subscription: str | None = None,
         exchange: str | None = None,
+        not_before_ms: int | None = None,
     ) -> Deferred[None] | None:
         """Make sure the queue reads ``topic``: None when it does already, else a Deferred
         that fires once its subscription exists (recorded first, so a restart finds it).
+        With ``not_before_ms`` a new subscription starts at the topic's start and skips
+        what was published before then.
 
         A new subscription gets a name of its own (``amqp.q.<queue>.<unique>``), so a queue
         declared again under an old name never inherits what the old one left."""
@@ -617,6 +625,7 @@ class Queue:
             subscription = f"amqp.q.{quote(self.name, safe='')}.{self.vhost.unique()}"
         s = _Source(self, topic, kind, subscription)
         s.exchange = exchange
+        s.not_before_ms = not_before_ms
         own = self.sources.get(self.topic)
         if kind == SHARED and own is not None and own.issued:
             s.barrier_ticket = own.issued
@@ -743,6 +752,10 @@ class Queue:
                 seen[entry.position] = entry.num_messages
             if source.last_fed is None or source.last_fed < entry.position:
                 source.last_fed = entry.position
+            early = source.not_before_ms
+            if early is not None and entry.publish_time_ms < early:
+                source.ack(entry.position)  # published before the binding covered the topic
+                continue
             purged = source.purged_to
             if purged is not None and d.redelivery_count == 0 and not purged < entry.position:
                 # Purged while still beyond the window: acknowledged unread.
@@ -1225,22 +1238,48 @@ class MemoryGauge:
 
 class Forwarder:
     """Finds the topics a queue's ``amq.topic`` binding with ``pattern`` covers and makes the
-    queue read each of them (a ``BRIDGE`` source; see the module docstring)."""
+    queue read each of them (a ``BRIDGE`` source; see the module docstring).
+
+    A topic there is when the binding starts is read from then on (its subscription starts
+    at the end). A topic that appears later is read from its start, skipping what was
+    published before the binding started, so its first messages are not lost to the time
+    it took to find it: the forwarder hears of it as it is loaded here or recorded on any
+    broker, and rescans the namespace every ``RESCAN_S`` besides."""
 
     def __init__(self, queue: Queue, pattern: str) -> None:
         self.queue = queue
         self.pattern = pattern
         self.topics: set[str] = set()
         self._scan: LoopingCall | None = None
+        self._stops: list[Callable[[], None]] = []
         self.closed = False
+        self.since_ms: int | None = None  # set once the first scan listed what there was
 
     def start(self) -> Deferred[Any]:
         """Read the matching topics there are; fires once subscribed."""
         if not routing.is_pattern(self.pattern):
             return self._attach(self.pattern)
+        vh = self.queue.vhost
+        since_ms = _now_ms(vh.clock)
+        prefix = f"persistent://{vh.namespace}/"
+
+        def appeared(full: str) -> None:
+            if self.since_ms is not None and full.startswith(prefix):
+                self._attach_if_matching(full.removeprefix(prefix))
+
+        self._stops = [
+            vh.service.add_topic_listener(appeared),
+            vh.service.watch_namespace_topics(vh.namespace, appeared),
+        ]
         d = self.rescan()
+
+        def listed(result: Any) -> Any:
+            self.since_ms = since_ms
+            return result
+
+        d.addBoth(listed)
         self._scan = LoopingCall(self.rescan)
-        self._scan.clock = self.queue.vhost.clock
+        self._scan.clock = vh.clock
         self._scan.start(RESCAN_S, now=False).addErrback(lambda f: None)
         return d
 
@@ -1250,23 +1289,24 @@ class Forwarder:
         d = vh.service.topics_of_namespace(vh.namespace)
 
         def got(names: list[str]) -> Deferred[Any]:
-            ds = []
-            for full in names:
-                local = full.rsplit("/", 1)[-1]
-                if _valid_local(local) and routing.topic_matches(self.pattern, local):
-                    ds.append(self._attach(local))
+            ds = [self._attach_if_matching(full.rsplit("/", 1)[-1]) for full in names]
             return DeferredList(ds, consumeErrors=True)
 
         d.addCallback(got)
         d.addErrback(lambda f: None)
         return d
 
+    def _attach_if_matching(self, local: str) -> Deferred[Any]:
+        if _valid_local(local) and routing.topic_matches(self.pattern, local):
+            return self._attach(local)
+        return succeed(None)
+
     def _attach(self, local: str) -> Deferred[Any]:
         if self.closed or local in self.topics or not _valid_local(local):
             return succeed(None)
         self.topics.add(local)
         topic = f"persistent://{self.queue.vhost.namespace}/{local}"
-        d = self.queue.ensure_source(topic, BRIDGE)
+        d = self.queue.ensure_source(topic, BRIDGE, not_before_ms=self.since_ms)
         if d is None:
             return succeed(None)
 
@@ -1282,6 +1322,9 @@ class Forwarder:
         self.closed = True
         if self._scan is not None and self._scan.running:
             self._scan.stop()
+        for stop in self._stops:
+            stop()
+        self._stops = []
         self.topics.clear()
 
 

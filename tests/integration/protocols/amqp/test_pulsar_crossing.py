@@ -72,3 +72,48 @@ async def test_amq_topic_bridges_both_ways_with_the_pulsar_client() -> None:
         "exact": (b"from-pulsar", "orders", "v"),
         "wild": (b"reading", "sensor.a", None),
     }
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_wildcard_binding_gets_the_first_messages_of_topics_created_after_it() -> None:
+    """A Pulsar producer that creates a topic a queue's amq.topic pattern covers: the queue
+    gets every message from the first, and nothing published before the binding was made."""
+    broker = await start_broker(with_pulsar=True)
+
+    def scenario() -> list[tuple[bytes, str]]:
+        client = pulsar.Client(
+            broker.pulsar_url,
+            operation_timeout_seconds=10,
+            logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+        )
+        try:
+            client.create_producer("base.old.c").send(b"before-binding")
+            conn = broker.connect()
+            ch = conn.channel()
+            ch.queue_declare("wild", durable=True)
+            ch.queue_bind("wild", "amq.topic", "base.*.c")
+            for name in ("base.b.c", "base.d.c"):
+                producer = client.create_producer(name, batching_enabled=False)
+                for i in range(3):
+                    producer.send(f"{name}-{i}".encode())
+            got: list[tuple[bytes, str]] = []
+            deadline = time.monotonic() + 20
+            while len(got) < 6 and time.monotonic() < deadline:
+                method, _, body = ch.basic_get("wild", auto_ack=True)
+                if body is not None:
+                    got.append((body, method.routing_key))
+            conn.close()
+            return got
+        finally:
+            client.close()
+            gc.collect()
+
+    try:
+        got = await broker.run(scenario)
+    finally:
+        await threads.deferToThread(gc.collect)
+        await stop_broker(broker)
+    expected = [
+        (f"{name}-{i}".encode(), name) for name in ("base.b.c", "base.d.c") for i in range(3)
+    ]
+    assert sorted(got) == expected
