@@ -1004,9 +1004,9 @@ class AmqpConnection(ReadHolds, Protocol):
             flush=self._flush_out,
         )
         if (m.exclusive and q.consumers) or any(x.exclusive for x in q.consumers):
-            raise c.AmqpError(
-                c.RESOURCE_LOCKED, f"cannot obtain exclusive access to queue '{q.name}'", 60, 20
-            )
+            # RabbitMQ's answer (405 is for a queue another connection declared exclusive).
+            where = f"queue '{q.name}' in vhost '{q.vhost.namespace}'"
+            raise c.AmqpError(c.ACCESS_REFUSED, f"{where} in exclusive use", 60, 20)
         ch.consumers[tag] = qc
         if not m.nowait:
             self.send(ch.number, c.BasicConsumeOk(tag))

@@ -34,7 +34,6 @@ import logging
 import secrets
 from typing import Any
 
-from twisted.internet import defer
 from twisted.internet.defer import Deferred, DeferredLock, succeed
 
 from polybroker.broker_core.consumer import Delivery, SubType
@@ -306,18 +305,10 @@ class AmqpProtocolHandler(ProtocolHandler):
         assert self.context is not None
         waiting = self._loading.get(ns)
         if waiting is None:
-            service = self.context.service
-            if getattr(service, "namespace_exists", None) is not None:
-                known = service.namespace_exists(ns)
-                if known is False:
-                    return defer.fail(LookupError(f"namespace {ns} does not exist"))
-            vh = VirtualHost(
-                self.context.service, self.context.reactor, ns, self.incarnation, self.gauge
-            )
             watch = self._watches.get(ns)
-            waiting = Deferred.fromCoroutine(vh.load())
+            waiting = Deferred.fromCoroutine(self._open_vhost(ns))
 
-            def loaded(_: object, v: VirtualHost = vh) -> VirtualHost:
+            def loaded(v: VirtualHost) -> VirtualHost:
                 self._loading.pop(ns, None)
                 if self.clustered and (watch is None or self._watches.get(ns) is not watch):
                     v.close()  # the vhost moved away while it was loading (Rule V3)
@@ -343,6 +334,21 @@ class AmqpProtocolHandler(ProtocolHandler):
 
         waiting.addCallbacks(fire, fail)
         return d
+
+    async def _open_vhost(self, ns: str) -> VirtualHost:
+        """A vhost of namespace ``ns`` with its durable objects loaded; ``LookupError`` when
+        the namespace does not exist (RabbitMQ's "vhost not found")."""
+        assert self.context is not None
+        service = self.context.service
+        if getattr(service, "namespace_exists", None) is not None:
+            known = service.namespace_exists(ns)
+            if isinstance(known, Deferred):
+                known = await known
+            if not known:
+                raise LookupError(f"namespace {ns} does not exist")
+        vh = VirtualHost(service, self.context.reactor, ns, self.incarnation, self.gauge)
+        await vh.load()
+        return vh
 
     def listeners(self) -> dict[str, Listener]:
         if self.factory is None:

@@ -10,6 +10,7 @@ import pika.exceptions
 import pytest
 import pytest_twisted
 from amqp_harness import Broker
+from twisted.internet.defer import succeed
 
 
 def _drain(ch: pika.adapters.blocking_connection.BlockingChannel, queue: str) -> list[bytes]:
@@ -227,6 +228,24 @@ async def test_bad_login_is_refused(broker: Broker) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_vhost_whose_namespace_does_not_exist_is_refused_at_open(broker: Broker) -> None:
+    """As RabbitMQ's 530 "vhost not found", also when the broker learns whether the
+    namespace exists from its metadata store (asynchronously, as a standalone does)."""
+    broker.service.namespace_exists = lambda ns: succeed(ns == "public/default")
+
+    def scenario() -> str:
+        broker.connect(virtual_host="/").close()
+        try:
+            broker.connect(virtual_host="nosuch")
+        except pika.exceptions.ProbableAccessDeniedError as e:
+            return str(e)  # pika's name for a close while opening the vhost
+        return "opened"
+
+    said = await broker.run(scenario)
+    assert said == "ConnectionClosedByBroker: (530) \"vhost 'nosuch' not found\""
+
+
+@pytest_twisted.ensureDeferred
 async def test_errors_close_the_channel_with_the_spec_codes(broker: Broker) -> None:
     """Publishing to a missing exchange is 404; unknown delivery tag is 406; the connection
     stays usable on another channel."""
@@ -302,7 +321,8 @@ async def test_declare_equivalence_deletes_and_unbind(broker: Broker) -> None:
 @pytest_twisted.ensureDeferred
 async def test_auto_delete_exclusive_consumer_and_channel_prefetch(broker: Broker) -> None:
     """An auto-delete queue goes with its last consumer; an exclusive consumer locks the queue
-    (405 for other consumers); a global prefetch caps the whole channel."""
+    (403 for other consumers, as RabbitMQ's "in exclusive use"); a global prefetch caps the
+    whole channel."""
 
     def scenario() -> dict[str, object]:
         conn = broker.connect()
@@ -336,7 +356,7 @@ async def test_auto_delete_exclusive_consumer_and_channel_prefetch(broker: Broke
         return {"auto_deleted": auto_deleted, "locked": locked, "capped": len(got)}
 
     out = await broker.run(scenario)
-    assert out == {"auto_deleted": 404, "locked": 405, "capped": 3}
+    assert out == {"auto_deleted": 404, "locked": 403, "capped": 3}
 
 
 @pytest_twisted.ensureDeferred
