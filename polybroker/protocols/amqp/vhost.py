@@ -1214,6 +1214,48 @@ def _int_arg(arguments: dict[str, Any], name: str) -> int | None:
     return value
 
 
+# The arguments a redeclaration must repeat, as RabbitMQ checks them (others may differ), and
+# the value of each that giving none means.
+_QUEUE_ARGS: dict[str, Any] = {
+    "x-expires": None,
+    "x-message-ttl": None,
+    "x-dead-letter-exchange": None,
+    "x-dead-letter-routing-key": None,
+    "x-max-length": None,
+    "x-max-length-bytes": None,
+    "x-max-priority": None,
+    "x-overflow": "drop-head",
+    "x-queue-mode": None,
+    "x-queue-type": "classic",
+    "x-single-active-consumer": False,
+}
+_EXCHANGE_ARGS: dict[str, Any] = {"alternate-exchange": None}
+
+
+def _equivalence_args(arguments: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
+    return {k: arguments.get(k, default) for k, default in checked.items()}
+
+
+def _assert_equivalent(where: str, received: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise RabbitMQ's 406 "inequivalent arg" for the first field a redeclaration of an
+    existing queue or exchange gives another value (a bool is not a number here)."""
+    for key, value in received.items():
+        now = current[key]
+        if value != now or isinstance(value, bool) != isinstance(now, bool):
+            said = "none" if value is None else f"the value '{_shown(value)}'"
+            was = "none" if now is None else f"the value '{_shown(now)}'"
+            raise AmqpError(
+                PRECONDITION_FAILED,
+                f"inequivalent arg '{key}' for {where}: received {said} but current is {was}",
+            )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 class MemoryGauge:
     """Bytes held by memory-only queues (bodies, and ``HELD_OVERHEAD`` each) against a high
     watermark (0: no limit); listeners hear when it is crossed upwards (True) and when usage
@@ -1649,11 +1691,18 @@ class VirtualHost:
                 raise AmqpError(NOT_FOUND, f"no exchange '{name}' in vhost '{self.namespace}'")
             return succeed(None)
         if ex is not None:
-            if ex.type != kind or ex.durable != durable:
-                raise AmqpError(
-                    PRECONDITION_FAILED,
-                    f"inequivalent arg for exchange '{name}': type {ex.type}, durable {ex.durable}",
-                )
+            where = f"exchange '{name}' in vhost '{self.namespace}'"
+            fields = ("type", "durable", "auto_delete", "internal")
+            _assert_equivalent(
+                where,
+                dict(zip(fields, (kind, durable, auto_delete, internal), strict=True)),
+                {f: getattr(ex, f) for f in fields},
+            )
+            _assert_equivalent(
+                where,
+                _equivalence_args(arguments, _EXCHANGE_ARGS),
+                _equivalence_args(ex.arguments, _EXCHANGE_ARGS),
+            )
             return succeed(None)
         if name.startswith("amq."):
             raise AmqpError(403, f"exchange name '{name}' contains reserved prefix 'amq.*'")
@@ -1818,11 +1867,17 @@ class VirtualHost:
         existing = self.queues.get(name)
         if existing is not None:
             self.get_queue(name, owner)
-            if existing.durable != durable:
-                raise AmqpError(
-                    PRECONDITION_FAILED,
-                    f"inequivalent arg 'durable' for queue '{name}' in vhost '{self.namespace}'",
-                )
+            where = f"queue '{name}' in vhost '{self.namespace}'"
+            _assert_equivalent(
+                where,
+                {"durable": durable, "auto_delete": auto_delete},
+                {"durable": existing.durable, "auto_delete": existing.auto_delete},
+            )
+            _assert_equivalent(
+                where,
+                _equivalence_args(arguments, _QUEUE_ARGS),
+                _equivalence_args(existing.arguments, _QUEUE_ARGS),
+            )
             return succeed(existing)
         if name.startswith("amq.") and not name.startswith("amq.gen-"):
             raise AmqpError(403, f"queue name '{name}' contains reserved prefix 'amq.*'")

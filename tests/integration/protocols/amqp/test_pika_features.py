@@ -4,6 +4,8 @@ limits, errors with the spec's reply codes."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -381,3 +383,46 @@ async def test_queue_expires_when_unused(broker: Broker) -> None:
         return code
 
     assert await broker.run(scenario) == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_redeclaration_must_repeat_what_rabbitmq_compares(broker: Broker) -> None:
+    """Declaring an existing queue or exchange again with another flag or checked argument is
+    406 "inequivalent arg", as on RabbitMQ; the same declaration, or other arguments, is fine."""
+
+    def scenario() -> list[str]:
+        conn = broker.connect()
+
+        def refused(declare: Callable[[Any], object]) -> str:
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+                declare(conn.channel())
+            assert e.value.reply_code == 406
+            return str(e.value.reply_text)
+
+        ch = conn.channel()
+        ch.queue_declare("eq", arguments={"x-message-ttl": 1000, "x-custom": 1})
+        ch.queue_declare("eq", arguments={"x-message-ttl": 1000, "x-custom": 2})
+        ch.exchange_declare("ex", "direct")
+        ch.exchange_declare("ex", "direct")
+        said = [
+            refused(lambda c: c.queue_declare("eq")),
+            refused(lambda c: c.queue_declare("eq", arguments={"x-message-ttl": 2000})),
+            refused(
+                lambda c: c.queue_declare("eq", auto_delete=True, arguments={"x-message-ttl": 1000})
+            ),
+            refused(lambda c: c.exchange_declare("ex", "direct", auto_delete=True)),
+            refused(lambda c: c.exchange_declare("ex", "direct", internal=True)),
+        ]
+        conn.close()
+        return said
+
+    said = await broker.run(scenario)
+    queue, exchange = "queue 'eq' in vhost 'public/default'", "exchange 'ex' in vhost"
+    assert said[0] == (
+        f"inequivalent arg 'x-message-ttl' for {queue}: "
+        "received none but current is the value '1000'"
+    )
+    assert "received the value '2000' but current is the value '1000'" in said[1]
+    assert said[2].startswith(f"inequivalent arg 'auto_delete' for {queue}: received the value")
+    assert "'auto_delete' for " + exchange in said[3]
+    assert "'internal' for " + exchange in said[4]
