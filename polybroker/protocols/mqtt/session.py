@@ -18,9 +18,10 @@ messages were already handed over (in flight or done) sends only the others. An 
 acknowledged on its subscription once all its messages are done (QoS 0 sent, QoS 1 PUBACKed,
 QoS 2 PUBCOMPed).
 
-Stored message properties (besides MQTT 5 user properties, stored as they are): ``mqtt.qos``,
-``mqtt.retain`` (``1`` when published retained), ``mqtt.expiry`` (message expiry interval in
-seconds), ``mqtt.content-type``, ``mqtt.format``, ``mqtt.response-topic``,
+Stored message properties (besides MQTT 5 user properties, stored as they are, but for a name
+beginning with ``mqtt.``, stored under ``mqtt.user:<name>`` so no client can set the broker's
+own): ``mqtt.qos``, ``mqtt.retain`` (``1`` when published retained), ``mqtt.expiry`` (message
+expiry interval in seconds), ``mqtt.content-type``, ``mqtt.format``, ``mqtt.response-topic``,
 ``mqtt.correlation`` (hex), ``mqtt.pid`` (a QoS 2 publish's packet id). A message from
 another protocol is delivered as QoS 1.
 
@@ -59,6 +60,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import secrets
 import zlib
 from collections import deque
@@ -113,6 +115,9 @@ NEVER = None
 #: subscription (the device's previous connection there is being taken over).
 BUSY_WAIT_S = 3.0
 
+#: The stored name of a user property whose name begins with ``mqtt.`` is this and its name.
+USER_ESCAPE = "mqtt.user:"
+
 _PROP_MAP = {
     c.CONTENT_TYPE: "mqtt.content-type",
     c.RESPONSE_TOPIC: "mqtt.response-topic",
@@ -137,7 +142,10 @@ def stored_properties(pub: c.Publish) -> list[tuple[str, str]]:
                 props.append((name, p[pid]))
         if c.CORRELATION_DATA in p:
             props.append(("mqtt.correlation", p[c.CORRELATION_DATA].hex()))
-        props.extend(p.get(c.USER_PROPERTY, []))
+        props.extend(
+            (USER_ESCAPE + k if k.startswith("mqtt.") else k, v)
+            for k, v in p.get(c.USER_PROPERTY, [])
+        )
     return props
 
 
@@ -182,6 +190,8 @@ def outgoing_from(
     for k, v in msg.properties:
         if not k.startswith("mqtt."):
             user.append((k, v))
+        elif k.startswith(USER_ESCAPE):
+            user.append((k[len(USER_ESCAPE) :], v))
         elif k == "mqtt.qos":
             qos = int(v) if v in ("0", "1", "2") else 1
         elif k == "mqtt.retain":
@@ -930,11 +940,12 @@ class Session:
             if out.expiry_at is not None:
                 if now is None:
                     now = self.broker.clock.seconds()
-                left = int(out.expiry_at - now)
+                left = out.expiry_at - now
                 if left <= 0:
                     self._complete(out)
                     continue
-                out.properties[c.MESSAGE_EXPIRY] = left
+                # What is left, in whole seconds up: 0.4 s left is 1, never 0 (no expiry).
+                out.properties[c.MESSAGE_EXPIRY] = math.ceil(left)
             pid: int | None = None
             if out.qos:
                 # ``_packet_id``'s first try, without its call: the next id is mostly free.

@@ -53,6 +53,58 @@ async def test_user_properties_and_content_fields_round_trip(broker: Broker) -> 
 
 
 @pytest_twisted.ensureDeferred
+async def test_user_properties_named_like_the_brokers_own_pass_through(broker: Broker) -> None:
+    """A user property named ``mqtt.qos`` or ``mqtt.expiry`` is the client's: forwarded
+    unchanged, it sets neither the QoS, the retain flag nor an expiry."""
+
+    def scenario() -> tuple[Any, ...]:
+        sub = broker.client("sub", v5=True)
+        sub.subscribe("clash/t", 2)
+        pub = broker.client("pub", v5=True)
+        pairs = [("app", "1"), ("mqtt.qos", "2"), ("mqtt.retain", "1"), ("mqtt.expiry", "1")]
+        props = Properties(paho.PacketTypes.PUBLISH)
+        props.UserProperty = pairs
+        pub.publish("clash/t", b"mine", 0, properties=props)
+        m = sub.get()
+        sub.close()
+        pub.close()
+        return (
+            m.qos,
+            m.retain,
+            m.properties.UserProperty,
+            hasattr(m.properties, "MessageExpiryInterval"),
+        )
+
+    assert await broker.run(scenario) == (
+        0,
+        False,
+        [("app", "1"), ("mqtt.qos", "2"), ("mqtt.retain", "1"), ("mqtt.expiry", "1")],
+        False,
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_one_second_expiry_still_reaches_a_connected_subscriber(broker: Broker) -> None:
+    """Messages with a 1 s expiry interval are delivered at once to a subscriber that is
+    there, with 1 s left: what is left is rounded up, never to 0."""
+
+    def scenario() -> list[tuple[bytes, int]]:
+        sub = broker.client("sub", v5=True)
+        sub.subscribe("exp1/t", 1)
+        pub = broker.client("pub", v5=True)
+        props = Properties(paho.PacketTypes.PUBLISH)
+        props.MessageExpiryInterval = 1
+        for i in range(5):
+            pub.publish("exp1/t", bytes([i]), 1, properties=props)
+        got = [(m.payload, m.properties.MessageExpiryInterval) for m in sub.get_n(5)]
+        sub.close()
+        pub.close()
+        return got
+
+    assert await broker.run(scenario) == [(bytes([i]), 1) for i in range(5)]
+
+
+@pytest_twisted.ensureDeferred
 async def test_topic_alias_from_the_client(broker: Broker) -> None:
     """A PUBLISH naming only a topic alias the client set earlier goes to that topic."""
 
