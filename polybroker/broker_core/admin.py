@@ -1167,7 +1167,9 @@ class AdminServer:
         out: list[Any] = []
         for name in await self._targets(ref):
             try:
-                topic = await self.service.get_topic(name, create=False)
+                # A partition exists once declared (Pulsar creates them with the partitioned
+                # topic): one no client has used yet is loaded here, not a 404.
+                topic = await self.service.get_topic(name, create=name != ref.full)
             except NotOwnerError as e:
                 if name == ref.full or e.owner is None or not e.owner.web_url:
                     raise  # the topic itself: the client is redirected to its owner

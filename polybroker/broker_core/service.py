@@ -404,9 +404,16 @@ class BrokerService:
         if self.ownership is not None and self.ownership.clustered:
             # In a cluster a topic is served only by the owner of its bundle.
             await self.ownership.acquire(ref.full)
-        # A partition of a partitioned topic exists by declaration, whatever auto-creation says.
+        # A partition of a partitioned topic exists by declaration, whatever auto-creation says;
+        # one past its partition count does not exist (as on Pulsar).
         allowed = self._auto_creation(ref.full)[0]
-        may_create = create and (allowed or await self._declared_partition(ref))
+        parent = ref.partitioned_parent
+        partitions = None if parent is None else await self._partition_count(parent)
+        if parent is not None and partitions is not None and ref.partition_index >= partitions:
+            raise TopicNotFoundError(
+                f"topic {ref.full} does not exist: {parent.full} has {partitions} partitions"
+            )
+        may_create = create and (allowed or partitions is not None)
         if may_create and self.namespace_exists is not None:
             known = self.namespace_exists(ref.namespace_name)
             if isinstance(known, Deferred):
@@ -463,14 +470,10 @@ class BrokerService:
             raise
         return topic
 
-    async def _declared_partition(self, ref: TopicRef) -> bool:
-        parent = ref.partitioned_parent
-        if parent is None:
-            return False
+    async def _partition_count(self, parent: TopicRef) -> int | None:
+        """The partition count of partitioned topic ``parent``; None when it is not one."""
         found = await self.metadata_store.get(parent.partitioned_path)
-        return found is not None and ref.partition_index < int(
-            json.loads(found.value)["partitions"]
-        )
+        return None if found is None else int(json.loads(found.value)["partitions"])
 
     def limits_of(self, topic: str) -> TopicLimits:
         """A topic's producer and consumer limits: its namespace's where set, else the

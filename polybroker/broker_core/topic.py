@@ -1022,6 +1022,19 @@ class PersistentTopic(Topic):
                 await sub.delete()
             raise
 
+    def create_subscription(self, name: str, initial: InitialPosition) -> Deferred[Subscription]:
+        """The durable subscription ``name``, created at ``initial`` if it does not exist yet
+        (with no consumer: as a producer's initial subscription)."""
+
+        async def create() -> Subscription:
+            self._check_open()
+            if not name or name == DEDUP_CURSOR:
+                raise NotAllowedError(f"invalid subscription name {name!r}")
+            sub = self._subscriptions.get(name)
+            return sub if sub is not None else await self._open_durable(name, initial)
+
+        return Deferred.fromCoroutine(create())
+
     def _reader_start(
         self, initial: InitialPosition, start: Position | None, inclusive: bool
     ) -> Position:

@@ -722,6 +722,11 @@ class PulsarConnection(ReadHolds, Protocol):
         schema = c.schema if c.HasField("schema") else None
         d = self._register_schema(c.topic, schema, producer=True)
         d.addCallback(lambda v: setattr(state, "schema_version", v))
+        first = c.initial_subscription_name
+        if first:
+            # Pulsar's: created from the earliest message before the producer may write
+            # (a dead letter topic's, so that its first message waits for a consumer).
+            d.addCallback(lambda _: self._initial_subscription(c.topic, first))
         d.addCallback(add)
 
         def registered(producer: Producer) -> None:
@@ -750,6 +755,14 @@ class PulsarConnection(ReadHolds, Protocol):
             self._request_error(rid, f.value)
 
         d.addCallbacks(registered, failed)
+
+    def _initial_subscription(self, topic: str, name: str) -> Deferred[Any]:
+        def create(t: Any) -> Any:
+            if not t.persistent:
+                return None
+            return t.create_subscription(name, InitialPosition.EARLIEST)
+
+        return self.service.get_topic(topic, create=True).addCallback(create)
 
     def _producer_success(self, rid: int, state: _ProducerState, *, ready: bool) -> None:
         producer = state.producer

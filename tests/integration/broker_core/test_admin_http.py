@@ -185,6 +185,20 @@ async def test_partitioned_topic_lifecycle(admin: Admin) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_partitions_exist_by_declaration_and_only_up_to_the_count(admin: Admin) -> None:
+    """Subscription calls on a partitioned topic no client used yet answer as on Pulsar
+    (which creates the partitions with it); a partition past the count does not exist."""
+    assert (await admin.request("PUT", f"{T}/fresh/partitions", 2)).status == 204
+    assert (await admin.request("GET", f"{T}/fresh/subscriptions")).json() == []
+    assert (await admin.request("PUT", f"{T}/fresh/subscription/s")).status == 204
+    assert (await admin.request("GET", f"{T}/fresh/subscriptions")).json() == ["s"]
+    with pytest.raises(TopicNotFoundError, match="has 2 partitions"):
+        await admin.service.publish("persistent://public/default/fresh-partition-2", b"x")
+    topics = (await admin.request("GET", "/admin/v2/namespaces/public/default/topics")).json()
+    assert "persistent://public/default/fresh-partition-2" not in topics
+
+
+@pytest_twisted.ensureDeferred
 async def test_partitions_of_unknown_topic_and_metadata_body(admin: Admin) -> None:
     """An unknown topic has 0 partitions; the partitioned-metadata body form is accepted."""
     assert (await admin.request("GET", f"{T}/none/partitions")).json() == {"partitions": 0}

@@ -39,9 +39,12 @@ DEAD_LETTER_SCENARIO = """
         m = consumer.receive(5000)
         counts.append(m.redelivery_count())
         consumer.negative_acknowledge(m)
-    dead = c.subscribe(
-        "t-dlq-dead", "dead-sub", initial_position=pulsar.InitialPosition.Earliest
-    )
+    # Once the message is in the dead letter topic (a reader sees it), a consumer with no
+    # initial position (Latest) still gets it: the dead letter producer's initial
+    # subscription was made from the earliest message.
+    reader = c.create_reader("t-dlq-dead", pulsar.MessageId.earliest)
+    reader.read_next(5000)
+    dead = c.subscribe("t-dlq-dead", "dead-sub")
     data = dead.receive(5000).data().decode()
     print("RESULT " + json.dumps({"counts": counts, "dead": data}), flush=True)
     c.close()
@@ -50,7 +53,8 @@ DEAD_LETTER_SCENARIO = """
 
 @pytest_twisted.ensureDeferred
 async def test_dead_letter_after_max_redeliveries(broker: Broker) -> None:
-    """A message negatively acknowledged past max_redeliver_count lands in the DLQ topic.
+    """A message negatively acknowledged past max_redeliver_count lands in the DLQ topic,
+    where the policy's initial subscription keeps it for a consumer that comes later.
 
     The client runs in its own process: closing a consumer with a dead-letter policy can
     crash the client library, which must not take the test run with it."""
