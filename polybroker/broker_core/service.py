@@ -123,6 +123,8 @@ class TopicRef:
             raise InvalidTopicNameError(
                 f"invalid topic name {name!r}: expected <domain>://<tenant>/<namespace>/<topic>"
             )
+        if any(p in (".", "..") for p in parts):
+            raise InvalidTopicNameError(f"invalid topic name {name!r}: '.' and '..' are reserved")
         return cls(domain, parts[0], parts[1], parts[2])
 
     @property

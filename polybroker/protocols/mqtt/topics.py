@@ -26,6 +26,19 @@ _PREFIX = f"persistent://{NAMESPACE}/"
 SHARE_PREFIX = "$share/"
 #: Longest topic name or filter accepted (UTF-8 bytes): each name is a managed ledger's name.
 MAX_NAME_BYTES = 1024
+#: ... and the longest that name may grow to in the metadata store's paths, percent-encoded
+#: twice (as a Pulsar topic name, then as a managed ledger's): a name of characters that are
+#: encoded (``/``, spaces, non-ASCII) is refused before its paths would pass the store's limit.
+_MAX_ENCODED = 3072
+
+
+def _fits(name: str) -> bool:
+    size = len(name.encode("utf-8"))
+    if size * 5 <= _MAX_ENCODED:  # each byte encodes to at most 5 characters
+        return True
+    return size <= MAX_NAME_BYTES and len(quote(quote(name, safe=""), safe="")) <= _MAX_ENCODED
+
+
 _PARTITION = re.compile(r"^(.+)-partition-(\d+)$")
 
 
@@ -52,17 +65,12 @@ def from_pulsar(full: str) -> str | None:
 
 def valid_name(name: str) -> bool:
     """Whether ``name`` can be published to (non-empty, no wildcards, not too long)."""
-    return (
-        bool(name)
-        and "+" not in name
-        and "#" not in name
-        and len(name.encode("utf-8")) <= MAX_NAME_BYTES
-    )
+    return bool(name) and "+" not in name and "#" not in name and _fits(name)
 
 
 def valid_filter(topic_filter: str) -> bool:
     """Whether ``topic_filter`` is a well-formed filter (wildcards occupy whole levels)."""
-    if not topic_filter or len(topic_filter.encode("utf-8")) > MAX_NAME_BYTES:
+    if not topic_filter or not _fits(topic_filter):
         return False
     levels = topic_filter.split("/")
     for i, level in enumerate(levels):

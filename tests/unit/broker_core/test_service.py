@@ -81,7 +81,17 @@ def test_topic_names_are_normalised_and_map_to_one_managed_ledger() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["", "a/b", "bogus://t/ns/x", "persistent://t//x", "persistent://t/ns/x/y"]
+    "name",
+    [
+        "",
+        "a/b",
+        "bogus://t/ns/x",
+        "persistent://t//x",
+        "persistent://t/ns/x/y",
+        ".",
+        "..",
+        "./ns/x",
+    ],
 )
 def test_invalid_topic_names_are_refused(name: str) -> None:
     """Names that cannot be parsed fail with InvalidTopicNameError."""

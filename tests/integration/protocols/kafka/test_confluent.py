@@ -97,7 +97,21 @@ async def test_admin_create_describe_partitions_delete(broker: Broker) -> None:
         c.close()
         admin.delete_topics(["adm"])["adm"].result(10)
         gone = "adm" not in admin.list_topics(timeout=10).topics
-        return {"dup": dup, "parts": parts, "grown": grown, "marks": marks, "gone": gone}
+        refused = []
+        for name in (".", ".."):  # names a path would take for another place
+            try:
+                admin.create_topics([NewTopic(name, 1, 1)])[name].result(10)
+                refused.append(None)
+            except Exception as e:
+                refused.append(e.args[0].code())
+        return {
+            "dup": dup,
+            "parts": parts,
+            "grown": grown,
+            "marks": marks,
+            "gone": gone,
+            "refused": refused,
+        }
 
     r = await broker.run(scenario)
     assert r["dup"] == KafkaError.TOPIC_ALREADY_EXISTS
@@ -105,6 +119,7 @@ async def test_admin_create_describe_partitions_delete(broker: Broker) -> None:
     assert r["grown"] == 5
     assert r["marks"] == [(0, 1)] * 5
     assert r["gone"] is True
+    assert r["refused"] == [KafkaError.TOPIC_EXCEPTION] * 2
 
 
 @pytest_twisted.ensureDeferred

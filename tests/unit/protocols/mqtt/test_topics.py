@@ -63,6 +63,24 @@ def test_filter_validity_and_shared() -> None:
     assert t.valid_name("a/b")
     assert not t.valid_name("x" * (t.MAX_NAME_BYTES + 1))
     assert not t.valid_filter("x" * (t.MAX_NAME_BYTES + 1))
+    assert t.valid_name("x" * t.MAX_NAME_BYTES)
+
+
+def test_a_name_is_refused_before_its_encoded_paths_outgrow_the_metadata_store() -> None:
+    """Characters that are percent-encoded (twice: topic name, managed ledger name) count
+    up to five times; such a name is refused as invalid rather than failing in the store."""
+    from polybroker.broker_core.service import TopicRef
+    from polybroker.metadata.memory import MAX_PATH_BYTES
+
+    for name in ("€" * 335, " " * 900, "a" + "/" * 700):
+        assert len(name.encode()) <= t.MAX_NAME_BYTES
+        assert not t.valid_name(name)
+        assert not t.valid_filter(name)
+    for name in ("€" * 200, " " * 600, "a/" * 250 + "b"):
+        assert t.valid_name(name)
+        ml = TopicRef.parse(t.to_pulsar(name)).managed_ledger_name
+        path = f"/managed-ledgers/{ml}/{'c' * 512}"  # with a long cursor name under it
+        assert len(path.encode()) <= MAX_PATH_BYTES
 
 
 def test_mapping_is_the_same_for_cached_short_and_uncached_long_names() -> None:
