@@ -760,6 +760,8 @@ class KafkaApis:
                     await self.service.delete_topic(name, force=True)
                 for key in [k for k in self.producers if k[0].startswith(self._full(name))]:
                     del self.producers[key]
+                if not elsewhere:
+                    await self.groups.forget_topic(name)
             except TopicNotFoundError:
                 error = c.UNKNOWN_TOPIC_OR_PARTITION
             except InvalidTopicNameError:
@@ -819,6 +821,14 @@ class KafkaApis:
             )
         return cls(throttle_time_ms=0, results=results)
 
+    def _retention(self, name: str) -> tuple[str, str]:
+        """The topic's retention as Kafka's ``retention.ms`` and ``retention.bytes`` (-1: no
+        limit). Pulsar's retention keeps what every subscription consumed that long: a topic
+        no group or subscription reads keeps only that (its current ledger at least)."""
+        config = self.service.ledger_config_of(self._full(name))
+        seconds, size = config.retention_time_s, config.retention_size_bytes
+        return ("-1" if seconds < 0 else str(int(seconds * 1000))), str(size if size >= 0 else -1)
+
     def _describe_configs(self, req: c.Request, host: str) -> Deferred[Any]:
         return Deferred.fromCoroutine(self._describe_configs_async(req))
 
@@ -838,9 +848,13 @@ class KafkaApis:
                         message = f"topic {r.resource_name} does not exist"
                 except InvalidTopicNameError as e:
                     error, message = c.INVALID_TOPIC_EXCEPTION, str(e)
+                retention_ms, retention_bytes = (
+                    ("-1", "-1") if error else self._retention(r.resource_name)
+                )
                 configs = {
                     "cleanup.policy": "delete",
-                    "retention.ms": "-1",
+                    "retention.ms": retention_ms,
+                    "retention.bytes": retention_bytes,
                     "max.message.bytes": str(self.settings.max_message_size),
                     "message.timestamp.type": "CreateTime",
                     "min.insync.replicas": "1",

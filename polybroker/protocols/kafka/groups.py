@@ -508,6 +508,43 @@ class GroupCoordinator:
         finally:
             g.writes.release()
 
+    def forget_topic(self, topic: str) -> Deferred[None]:
+        """Drop every group's committed offsets of ``topic``, which was deleted: a topic
+        created again under its name starts with none, as on Kafka."""
+        return Deferred.fromCoroutine(self._forget_topic(topic))
+
+    async def _forget_topic(self, topic: str) -> None:
+        for name in await self.store.children(GROUPS_ROOT):
+            if not name.startswith("g-"):
+                continue
+            group_id = unquote(name[2:])
+            g = self.groups.get(group_id)
+            if g is not None:
+                await g.writes.acquire()  # after any commit under way, before the next
+            try:
+                while True:
+                    found = await self.store.get(self._path(group_id))
+                    if found is None:
+                        break
+                    items = json.loads(found.value)["offsets"]
+                    kept = [item for item in items if item[0] != topic]
+                    if len(kept) == len(items):
+                        break
+                    doc = json.dumps({"offsets": kept}).encode()
+                    try:
+                        await self.store.put(self._path(group_id), doc, found.stat.version)
+                    except BadVersionError:
+                        continue
+                    if g is not None:
+                        g.offsets = None  # read again at its next use
+                    log.info(
+                        "offsets of a deleted topic dropped", extra=kv(group=group_id, topic=topic)
+                    )
+                    break
+            finally:
+                if g is not None:
+                    g.writes.release()
+
     def store_path_ok(self, group_id: str) -> None:
         """Raise ValueError if the group's offsets cannot be stored (too long a name)."""
         if len(self._path(group_id).encode("utf-8", "surrogatepass")) > 1024 or not group_id:

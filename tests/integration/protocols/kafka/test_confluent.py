@@ -6,7 +6,13 @@ import time
 
 import pytest_twisted
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    ConfigResource,
+    NewPartitions,
+    NewTopic,
+    ResourceType,
+)
 from kafka_harness import Broker
 
 
@@ -95,6 +101,9 @@ async def test_admin_create_describe_partitions_delete(broker: Broker) -> None:
         c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "adm-reader"})
         marks = [c.get_watermark_offsets(TopicPartition("adm", i), timeout=10) for i in range(5)]
         c.close()
+        described = admin.describe_configs([ConfigResource(ResourceType.TOPIC, "adm")])
+        configs = next(iter(described.values())).result(10)
+        retention = (configs["retention.ms"].value, configs["retention.bytes"].value)
         admin.delete_topics(["adm"])["adm"].result(10)
         gone = "adm" not in admin.list_topics(timeout=10).topics
         refused = []
@@ -111,6 +120,7 @@ async def test_admin_create_describe_partitions_delete(broker: Broker) -> None:
             "marks": marks,
             "gone": gone,
             "refused": refused,
+            "retention": retention,
         }
 
     r = await broker.run(scenario)
@@ -120,6 +130,7 @@ async def test_admin_create_describe_partitions_delete(broker: Broker) -> None:
     assert r["marks"] == [(0, 1)] * 5
     assert r["gone"] is True
     assert r["refused"] == [KafkaError.TOPIC_EXCEPTION] * 2
+    assert r["retention"] == ("0", "0")  # Pulsar's defaults: what was consumed goes
 
 
 @pytest_twisted.ensureDeferred

@@ -159,6 +159,43 @@ async def test_commits_survive_consumer_restart(broker: Broker) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_deleted_topic_takes_its_committed_offsets_with_it(broker: Broker) -> None:
+    """As on Kafka: a group that committed on a topic that is deleted and created again
+    reads the new topic from its start (auto.offset.reset), skipping nothing."""
+
+    def scenario() -> tuple[list[tuple[int, int]], list[bytes]]:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        conf = {"bootstrap.servers": broker.bootstrap, "group.id": "again"}
+        admin.create_topics([NewTopic("gone", 1, 1)])["gone"].result(10)
+        c = Consumer({**conf, "enable.auto.commit": False})
+        c.commit(offsets=[TopicPartition("gone", 0, 5)], asynchronous=False)
+        c.close()
+        admin.delete_topics(["gone"])["gone"].result(10)
+        admin.create_topics([NewTopic("gone", 1, 1)])["gone"].result(10)
+        p = Producer({"bootstrap.servers": broker.bootstrap})
+        for i in range(8):
+            p.produce("gone", value=b"new-%d" % i)
+        assert p.flush(20) == 0
+        c = Consumer({**conf, "auto.offset.reset": "earliest"})
+        committed = [
+            (tp.partition, tp.offset) for tp in c.committed([TopicPartition("gone", 0)], timeout=10)
+        ]
+        c.subscribe(["gone"])
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 8 and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                got.append(m.value())
+        c.close()
+        return committed, got
+
+    committed, got = await broker.run(scenario)
+    assert committed == [(0, -1001)]  # none
+    assert got == [b"new-%d" % i for i in range(8)]
+
+
+@pytest_twisted.ensureDeferred
 async def test_list_describe_delete_groups(broker: Broker) -> None:
     """The admin API lists and describes a live group and deletes it once it is empty."""
 
