@@ -276,7 +276,7 @@ class AdminServer:
         self.policies = policies
         self.urls = urls
         self.router = Router()
-        self.schemas = SchemaRegistry(service.metadata_store)
+        self.schemas = SchemaRegistry(service.metadata_store, service.reactor.seconds)
         self._register()
 
     # -- twisted.web glue -----------------------------------------------------------------
@@ -749,8 +749,8 @@ class AdminServer:
             raise precondition(f"{field_name}: expected true or false")
         namespace = self._namespace(call)
         if field_name in _COUNT_POLICIES and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31
+        ):  # Pulsar's fields are 32-bit integers
             if field_name == "messageTTL":
                 raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
             raise precondition(f"{field_name} must be 0 or more")
@@ -1422,7 +1422,7 @@ def _schema_json(found: StoredSchema) -> dict[str, Any]:
     return {
         "version": found.version,
         "type": _SCHEMA_TYPE_NAMES.get(found.type, str(found.type)),
-        "timestamp": 0,
+        "timestamp": found.timestamp_ms,
         "data": found.data.decode("utf-8", "replace"),
         "properties": dict(found.properties),
     }

@@ -18,6 +18,7 @@ import base64
 import json
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -56,6 +57,7 @@ class StoredSchema:
     name: str
     data: bytes
     properties: dict[str, str] = field(default_factory=dict)
+    timestamp_ms: int = 0  # when the version was registered (0: not recorded)
 
 
 def version_bytes(version: int) -> bytes:
@@ -73,8 +75,9 @@ def version_of(raw: bytes) -> int:
 class SchemaRegistry:
     """Schemas of every topic, kept in the metadata store (see the module docstring)."""
 
-    def __init__(self, store: MetadataStore) -> None:
+    def __init__(self, store: MetadataStore, now: Callable[[], float] | None = None) -> None:
         self.store = store
+        self.now = now  # seconds, stamping new versions (None: they carry no time)
 
     @staticmethod
     def path(topic: str) -> str:
@@ -105,6 +108,7 @@ class SchemaRegistry:
             str(doc.get("name", "")),
             base64.b64decode(doc["data"]),
             dict(doc.get("properties", {})),
+            int(doc.get("timestamp", 0)),
         )
 
     async def versions(self, topic: str) -> list[StoredSchema]:
@@ -155,6 +159,7 @@ class SchemaRegistry:
                     "name": schema.name,
                     "data": base64.b64encode(schema.data).decode(),
                     "properties": dict(schema.properties),
+                    "timestamp": int(self.now() * 1000) if self.now else 0,
                 }
             )
             body = json.dumps({"versions": docs}).encode()

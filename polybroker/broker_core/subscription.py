@@ -133,6 +133,9 @@ class Subscription(SubscriptionAPI):
         self.closed = False
         self._keep_after_seek = False
         self.last_ack_ms = 0
+        self.expired = 0  # messages expired (TTL, expire-messages, age eviction)
+        self._expired_base = 0
+        self.expired_rate = 0.0
         self.last_consumed_flow_ms = 0
         self._rates = _Rates()
 
@@ -340,7 +343,10 @@ class Subscription(SubscriptionAPI):
             target = self._previous_position(first_kept)
         if target is None:
             return False
-        return await self.acknowledge_up_to(target)
+        before = self.cursor.backlog()
+        moved = await self.acknowledge_up_to(target)
+        self.expired += max(0, before - self.cursor.backlog())
+        return moved
 
     async def acknowledge_up_to(self, target: Position) -> bool:
         """Move the mark-delete position forward to ``target`` (never back), telling the
@@ -490,6 +496,8 @@ class Subscription(SubscriptionAPI):
     # -- stats ----------------------------------------------------------------------------
 
     def update_rates(self, period_s: float) -> None:
+        self.expired_rate = (self.expired - self._expired_base) / period_s
+        self._expired_base = self.expired
         d = self.dispatcher
         if d is not None:
             self._rates.update(period_s, d.msg_out, d.bytes_out, d.msg_redelivered)
@@ -517,8 +525,8 @@ class Subscription(SubscriptionAPI):
             "msgDelayed": delayed,
             "unackedMessages": sum(c.pending_messages for c in consumers),
             "type": sub_type.value if sub_type is not None else SubType.EXCLUSIVE.value,
-            "msgRateExpired": 0.0,
-            "totalMsgExpired": 0,
+            "msgRateExpired": self.expired_rate,
+            "totalMsgExpired": self.expired,
             "lastAckedTimestamp": self.last_ack_ms,
             "lastConsumedFlowTimestamp": self.last_consumed_flow_ms,
             "consumers": [c.stats() for c in consumers],

@@ -67,7 +67,9 @@ class PulsarProtocolHandler(ProtocolHandler):
                 keep_alive_s=self.keep_alive_s,
                 max_pending_sends=self.max_pending_sends,
                 service_url=self.service_url,
-                schemas=SchemaRegistry(broker.service.metadata_store),
+                schemas=SchemaRegistry(
+                    broker.service.metadata_store, broker.service.reactor.seconds
+                ),
             )
         )
         return None

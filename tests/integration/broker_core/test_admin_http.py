@@ -713,6 +713,8 @@ async def test_schemas_upload_list_and_delete(admin: Admin) -> None:
     }
     latest = (await admin.request("GET", path)).json()
     assert (latest["version"], latest["type"], latest["properties"]) == (1, "JSON", {"k": "v"})
+    now_ms = admin.service.reactor.seconds() * 1000
+    assert now_ms - 60_000 < latest["timestamp"] <= now_ms  # when it was registered
     assert (await admin.request("GET", f"{path}/0")).json()["version"] == 0
     every = (await admin.request("GET", path + "s")).json()["getSchemaResponses"]
     assert [v["version"] for v in every] == [0, 1]

@@ -63,6 +63,8 @@ def test_a_namespace_ttl_expires_old_messages_on_every_subscription(tmp_path: Pa
             assert time.monotonic() < deadline, backlogs(expiring)
             time.sleep(0.1)
         assert backlogs(kept) == {"idle": 5}
+        subs = http_json("GET", f"{admin}/persistent/public/ttl/old/stats")["subscriptions"]
+        assert subs["idle"]["totalMsgExpired"] == 5
         # The consumer stays connected: it gets the one message it had been sent before the
         # expiry (its queue holds one), then the first published after it.
         client.create_producer(expiring).send(b"new")
@@ -195,9 +197,10 @@ def test_producer_and_consumer_limits_follow_the_namespace_then_the_broker(
         ]:
             http_json("POST", f"{ns}/{field}", value)
             assert http_json("GET", f"{ns}/{field}") == value
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            http_json("POST", f"{ns}/maxProducersPerTopic", -1)
-        assert refused.value.code == 412
+        for bad in (-1, 2**31, "3"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                http_json("POST", f"{ns}/maxProducersPerTopic", bad)
+            assert refused.value.code == 412
         topic = "persistent://public/limits/t"
 
         first = client.create_producer(topic)
