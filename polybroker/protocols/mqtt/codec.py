@@ -519,6 +519,13 @@ def encode_properties(props: Properties) -> bytes:
 # -- decoding --------------------------------------------------------------------------------
 
 
+def _nonzero_id(packet_id: int) -> int:
+    """A SUBSCRIBE's or UNSUBSCRIBE's packet identifier, which may not be 0 (MQTT-2.3.1-1)."""
+    if packet_id == 0:
+        raise MqttError(MALFORMED_PACKET, "packet identifier 0")
+    return packet_id
+
+
 def _check_qos(qos: int) -> int:
     if qos > 2:
         raise MqttError(MALFORMED_PACKET, "QoS 3")
@@ -615,7 +622,7 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         _expect_end(r)
         return ConnAck(bool(ack_flags & 1), code, props)
     if ptype == SUBSCRIBE:
-        packet_id = r.int2()
+        packet_id = _nonzero_id(r.int2())
         props = _read_properties(r, _SUBSCRIBE_PROPS) if v5 else {}
         subs = []
         while r.remaining():
@@ -643,7 +650,7 @@ def _decode_body(ptype: int, flags: int, body: bytes, level: int) -> Packet:
         props = _read_properties(r, _ACK_PROPS) if v5 else {}
         return SubAck(packet_id, list(r.take(r.remaining())), props)
     if ptype == UNSUBSCRIBE:
-        packet_id = r.int2()
+        packet_id = _nonzero_id(r.int2())
         props = _read_properties(r, _UNSUBSCRIBE_PROPS) if v5 else {}
         filters = []
         while r.remaining():

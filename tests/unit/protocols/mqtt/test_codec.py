@@ -234,6 +234,8 @@ def test_properties_are_read_without_copying_the_packet_per_property() -> None:
         (b"\x36\x05\x00\x01t\x00\x01", c.MALFORMED_PACKET),  # QoS 3
         (b"\x38\x03\x00\x01t", c.MALFORMED_PACKET),  # DUP on QoS 0
         (b"\x32\x05\x00\x01t\x00\x00", c.MALFORMED_PACKET),  # packet id 0
+        (b"\x82\x06\x00\x00\x00\x01a\x00", c.MALFORMED_PACKET),  # SUBSCRIBE, packet id 0
+        (b"\xa2\x05\x00\x00\x00\x01a", c.MALFORMED_PACKET),  # UNSUBSCRIBE, packet id 0
         (b"\x30\x04\x00\x02\xff\xfe", c.MALFORMED_PACKET),  # invalid UTF-8
         (b"\x30\x03\x00\x01\x00", c.MALFORMED_PACKET),  # U+0000 in a topic
         (b"\x30\x03\x00\x01+", c.TOPIC_NAME_INVALID),  # wildcard in a topic name
