@@ -54,6 +54,9 @@ class AmqpMessage:
     incarnation: str = ""
     #: ``properties`` in wire form, when known (as received, or encoded once).
     raw_properties: bytes = b""
+    #: The alternate exchange that routed it, when its own routed it nowhere (not stored:
+    #: it is delivered as published to ``exchange``).
+    via: str = ""
 
     def wire_properties(self) -> bytes:
         """The properties in wire form, encoded at most once."""

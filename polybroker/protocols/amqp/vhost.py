@@ -1976,6 +1976,20 @@ class VirtualHost:
                 if isinstance(v, list):
                     extra += tuple(str(x) for x in v)
         names = routing.route(self.exchanges, msg.exchange, msg.routing_key, headers, extra)
+        seen = {msg.exchange}
+        while not names:
+            # RabbitMQ's alternate exchange: what an exchange routes nowhere goes there.
+            alternate = ex.arguments.get("alternate-exchange")
+            if isinstance(alternate, bytes):
+                alternate = alternate.decode("utf-8", "replace")
+            if not isinstance(alternate, str) or alternate in seen:
+                break
+            ex = self.exchanges.get(alternate)
+            if ex is None:
+                break
+            seen.add(alternate)
+            msg.via = alternate
+            names = routing.route(self.exchanges, alternate, msg.routing_key, headers, extra)
         return [self.queues[n] for n in names if n in self.queues]
 
     def publish(self, msg: AmqpMessage, queues: list[Queue] | None = None) -> Deferred[int]:
@@ -2047,14 +2061,15 @@ class VirtualHost:
     ) -> None:
         """Append ``msg`` for durable queues ``stored`` (see ``publish_then``); ``tell`` the
         stored entry or the failure."""
-        log_topic = self.exchange_log(msg.exchange)
+        routed_by = msg.via or msg.exchange
+        log_topic = self.exchange_log(routed_by)
         stored_message = to_stored(msg)
         waits: list[Deferred[None]] = []
         if len(stored) > 1 or log_topic in stored[0].sources:
             target = log_topic
             stored_message.properties.append((P_TO, encode_to([q.name for q in stored])))
             for q in stored:
-                w = q.ensure_source(target, SHARED, exchange=msg.exchange)
+                w = q.ensure_source(target, SHARED, exchange=routed_by)
                 if w is not None:
                     waits.append(w)
         else:

@@ -426,3 +426,46 @@ async def test_a_redeclaration_must_repeat_what_rabbitmq_compares(broker: Broker
     assert said[2].startswith(f"inequivalent arg 'auto_delete' for {queue}: received the value")
     assert "'auto_delete' for " + exchange in said[3]
     assert "'internal' for " + exchange in said[4]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_alternate_exchange_takes_what_its_exchange_routes_nowhere(
+    broker: Broker,
+) -> None:
+    """RabbitMQ's alternate-exchange: unroutable messages go there (and are not returned to
+    a mandatory publisher); routable ones do not; an alternate that routes nowhere either
+    leaves the message unroutable."""
+
+    def scenario() -> dict[str, object]:
+        conn = broker.connect()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.exchange_declare("ae", "fanout", durable=True)
+        ch.queue_declare("unrouted", durable=True)
+        ch.queue_bind("unrouted", "ae")
+        ch.exchange_declare("main", "direct", durable=True, arguments={"alternate-exchange": "ae"})
+        ch.queue_declare("routed", durable=True)
+        ch.queue_bind("routed", "main", "k")
+        ch.exchange_declare("empty-ae", "fanout")
+        ch.exchange_declare("lonely", "direct", arguments={"alternate-exchange": "empty-ae"})
+        persistent = pika.BasicProperties(delivery_mode=2)
+        ch.basic_publish("main", "k", b"to-routed", persistent, mandatory=True)
+        ch.basic_publish("main", "other", b"to-ae", persistent, mandatory=True)
+        returned = False
+        try:
+            ch.basic_publish("lonely", "x", b"nowhere", mandatory=True)
+        except pika.exceptions.UnroutableError:
+            returned = True
+        got = {}
+        for q in ("routed", "unrouted"):
+            method, _, body = ch.basic_get(q, auto_ack=True)
+            got[q] = (body, method.exchange, method.routing_key)
+        conn.close()
+        return {"got": got, "returned": returned}
+
+    out = await broker.run(scenario)
+    assert out["got"] == {
+        "routed": (b"to-routed", "main", "k"),
+        "unrouted": (b"to-ae", "main", "other"),  # delivered as published to its exchange
+    }
+    assert out["returned"] is True
