@@ -1179,6 +1179,21 @@ class AmqpConnection(ReadHolds, Protocol):
         body = b"".join(content.chunks)
         msg = AmqpMessage(pm.exchange, pm.routing_key, props, body)
         msg.raw_properties = content.raw_properties
+        # RabbitMQ's checks of what a publisher may say of itself and of expiry.
+        if props.user_id is not None and props.user_id != self.user:
+            raise c.AmqpError(
+                c.PRECONDITION_FAILED,
+                f"user_id property set to '{props.user_id}' but authenticated user was "
+                f"'{self.user}'",
+                60,
+                40,
+            )
+        if props.expiration is not None and not (
+            props.expiration.isascii() and props.expiration.isdigit()
+        ):
+            raise c.AmqpError(
+                c.PRECONDITION_FAILED, f"invalid expiration '{props.expiration}'", 60, 40
+            )
         if pm.immediate:
             raise c.AmqpError(c.NOT_IMPLEMENTED, "immediate=true", 60, 40)
         ex = self.vh.exchanges.get(pm.exchange)

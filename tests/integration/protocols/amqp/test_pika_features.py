@@ -469,3 +469,33 @@ async def test_an_alternate_exchange_takes_what_its_exchange_routes_nowhere(
         "unrouted": (b"to-ae", "main", "other"),  # delivered as published to its exchange
     }
     assert out["returned"] is True
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_publisher_may_not_claim_another_user_or_a_malformed_expiration(
+    broker: Broker,
+) -> None:
+    """As RabbitMQ: 406 for a user_id that is not the connection's user, or an expiration
+    that is not a whole number of milliseconds; the connection's own user is fine."""
+
+    def scenario() -> list[object]:
+        conn = broker.connect()
+        out: list[object] = []
+        for props in (
+            pika.BasicProperties(user_id="guest", expiration="60000"),
+            pika.BasicProperties(user_id="someone-else"),
+            pika.BasicProperties(expiration="abc"),
+            pika.BasicProperties(expiration="-5"),
+        ):
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare("checked")
+            try:
+                ch.basic_publish("", "checked", b"x", props)
+                out.append("ok")
+            except pika.exceptions.ChannelClosedByBroker as e:
+                out.append(e.reply_code)
+        conn.close()
+        return out
+
+    assert await broker.run(scenario) == ["ok", 406, 406, 406]
