@@ -258,11 +258,21 @@ _COUNT_POLICY_VERBS = (
 )
 
 
-def _count_policy(field: str, action: str) -> Handler:
-    """A handler that sets (from ``a.value``), prints or removes one namespace policy."""
+# The same verbs of ``topics``, for a topic's own policies.
+_TOPIC_COUNT_POLICY_VERBS = (
+    ("message-ttl", "messageTTL", ("-t", "--ttl", "--messageTTL")),
+    ("max-producers", "maxProducers", ("-p", "--max-producers")),
+    ("max-consumers", "maxConsumers", ("-c", "--max-consumers")),
+)
+
+
+def _count_policy(field: str, action: str, of_topic: bool = False) -> Handler:
+    """A handler that sets (from ``a.value``), prints or removes one policy of a namespace
+    (or, ``of_topic``, of a topic)."""
 
     def run(c: AdminClient, a: argparse.Namespace) -> None:
-        path = _ns_path(a.namespace) + f"/{field}"
+        where = _topic_path(a.topic) if of_topic else _ns_path(a.namespace)
+        path = where + f"/{field}"
         if action == "set":
             c.request("POST", path, a.value)
         elif action == "get":
@@ -673,6 +683,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--sub", dest="subscription", required=True)
 
     g = verbs("topics", "topics")
+    for suffix, field, flags in _TOPIC_COUNT_POLICY_VERBS:
+        for action in ("set", "get", "remove"):
+            handler = _count_policy(field, action, of_topic=True)
+            p = verb(g, f"{action}-{suffix}", handler, f"{action} the topic's {field}")
+            p.add_argument("topic")
+            if action == "set":
+                p.add_argument(*flags, dest="value", type=int, required=True)
     p = verb(g, "list", _topics_list, "list the topics (and partitions) of a namespace")
     p.add_argument("namespace")
     p.add_argument("--non-persistent", action="store_true", help="list non-persistent topics")

@@ -114,6 +114,15 @@ NAMESPACE_POLICY_FIELDS: dict[str, str] = {
 _COUNT_POLICIES = frozenset(
     {"messageTTL", "maxProducersPerTopic", "maxConsumersPerTopic", "maxConsumersPerSubscription"}
 )
+#: Topic-level policies (a topic's path suffix) and the namespace policy each overrides.
+TOPIC_POLICY_FIELDS: dict[str, str] = {
+    "retention": "retention",
+    "messageTTL": "messageTTL",
+    "maxProducers": "maxProducersPerTopic",
+    "maxConsumers": "maxConsumersPerTopic",
+    "maxConsumersPerSubscription": "maxConsumersPerSubscription",
+    "deduplicationEnabled": "deduplication",
+}
 
 
 @dataclass
@@ -251,6 +260,47 @@ def _valid_retention(value: Any) -> bool:
         isinstance(value.get(k, 0), int) and not isinstance(value.get(k, 0), bool)
         for k in ("retentionTimeInMinutes", "retentionSizeInMB")
     )
+
+
+def _check_policy(field_name: str, value: Any) -> None:
+    """Raise 412 unless ``value`` suits namespace policy ``field_name``."""
+    if value is None:
+        raise precondition(f"{field_name}: a value is required")
+    if field_name in _FLAG_POLICIES and not isinstance(value, bool):
+        raise precondition(f"{field_name}: expected true or false")
+    if field_name in _COUNT_POLICIES and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31
+    ):  # Pulsar's fields are 32-bit integers
+        if field_name == "messageTTL":
+            raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
+        raise precondition(f"{field_name} must be 0 or more")
+    if field_name == "schemaCompatibilityStrategy" and value not in (STRATEGIES | {"UNDEFINED"}):
+        raise precondition(
+            "schemaCompatibilityStrategy: expected UNDEFINED or one of "
+            + ", ".join(sorted(STRATEGIES))
+        )
+    if field_name == "autoTopicCreation" and not valid_auto_topic_creation(value):
+        raise precondition(
+            "autoTopicCreation: expected {allowAutoTopicCreation: bool, topicType: "
+            "partitioned|non-partitioned, defaultNumPartitions: int >= 1 if partitioned}"
+        )
+    if field_name == "retention" and not _valid_retention(value):
+        raise precondition(
+            "retention: expected {retentionTimeInMinutes: int, retentionSizeInMB: int}"
+        )
+
+
+def _check_quota_against(quota: dict[str, Any], retention: dict[str, Any]) -> None:
+    """Pulsar's rule: a backlog quota may not exceed the retention that applies."""
+    for key, kept in [
+        ("limitSize", retention.get("retentionSizeInMB", 0) * 1024 * 1024),
+        ("limitTime", retention.get("retentionTimeInMinutes", 0) * 60),
+    ]:
+        if kept > 0 and quota[key] >= kept:
+            raise precondition(
+                "Backlog Quota exceeds configured retention quota for namespace. "
+                "Please increase retention quota and retry"
+            )
 
 
 def _boundaries(policies: dict[str, Any]) -> list[str]:
@@ -416,6 +466,13 @@ class AdminServer:
         r("POST", f"{topic}/all_subscription/expireMessages/{{age:\\d+}}", self._expire_all)
         r("GET", f"{topic}/ledger/{{ledger:\\d+}}/entry/{{entry:\\d+}}", self._message_by_id)
         r("GET", f"{topic}/messageid/{{time:\\d+}}", self._message_id_by_time)
+        tfields = "|".join(TOPIC_POLICY_FIELDS)
+        r("GET", f"{topic}/{{tfield:{tfields}}}", self._get_topic_policy)
+        r("POST", f"{topic}/{{tfield:{tfields}}}", self._set_topic_policy)
+        r("DELETE", f"{topic}/{{tfield:{tfields}}}", self._remove_topic_policy)
+        r("GET", f"{topic}/backlogQuotaMap", self._topic_backlog_quotas)
+        r("POST", f"{topic}/backlogQuota", self._set_topic_backlog_quota)
+        r("DELETE", f"{topic}/backlogQuota", self._remove_topic_backlog_quota)
         # schemas
         schema = "/admin/v2/schemas/{tenant}/{ns}/{topic}/schema"
         r("GET", schema, self._get_schema)
@@ -743,48 +800,96 @@ class AdminServer:
     async def _set_policy(self, call: Call) -> Response:
         field_name = call.params["field"]
         value = call.json_body()
-        if value is None:
-            raise precondition(f"{field_name}: a value is required")
-        if field_name in _FLAG_POLICIES and not isinstance(value, bool):
-            raise precondition(f"{field_name}: expected true or false")
+        _check_policy(field_name, value)
         namespace = self._namespace(call)
-        if field_name in _COUNT_POLICIES and (
-            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31
-        ):  # Pulsar's fields are 32-bit integers
-            if field_name == "messageTTL":
-                raise precondition("Invalid value for message TTL: expected seconds, 0 or more")
-            raise precondition(f"{field_name} must be 0 or more")
-        if field_name == "schemaCompatibilityStrategy" and value not in (
-            STRATEGIES | {"UNDEFINED"}
-        ):
-            raise precondition(
-                "schemaCompatibilityStrategy: expected UNDEFINED or one of "
-                + ", ".join(sorted(STRATEGIES))
-            )
-        if field_name == "autoTopicCreation" and not valid_auto_topic_creation(value):
-            raise precondition(
-                "autoTopicCreation: expected {allowAutoTopicCreation: bool, topicType: "
-                "partitioned|non-partitioned, defaultNumPartitions: int >= 1 if partitioned}"
-            )
-        if field_name == "retention" and not _valid_retention(value):
-            raise precondition(
-                "retention: expected {retentionTimeInMinutes: int, retentionSizeInMB: int}"
-            )
         await self.policies.update_policies(namespace, {NAMESPACE_POLICY_FIELDS[field_name]: value})
-        if field_name == "deduplication":
-            await self._apply_deduplication(namespace)
-        if field_name == "retention":
-            self.service.apply_retention(namespace)
+        await self._policy_changed(field_name, namespace)
         return Response()
 
     async def _remove_policy(self, call: Call) -> Response:
         namespace = self._namespace(call)
         key = NAMESPACE_POLICY_FIELDS[call.params["field"]]
         await self.policies.update_policies(namespace, {key: None})
-        if call.params["field"] == "deduplication":
+        await self._policy_changed(call.params["field"], namespace)
+        return Response()
+
+    async def _policy_changed(self, field_name: str, scope: str) -> None:
+        """Apply a changed policy to the loaded topics of ``scope`` (a namespace, or a
+        topic's full name): those settings a topic takes when it opens."""
+        if field_name == "deduplication":
+            namespace = self.service.topic_ref(scope).namespace_name if "://" in scope else scope
             await self._apply_deduplication(namespace)
-        if call.params["field"] == "retention":
-            self.service.apply_retention(namespace)
+        if field_name == "retention":
+            self.service.apply_retention(scope)
+
+    # -- topic-level policies (Pulsar's topic policies) -------------------------------------
+
+    async def _policy_topic(self, call: Call) -> TopicRef:
+        """The topic ``call`` names, as its policies are kept (a partition's are its
+        partitioned topic's); 404 when it does not exist."""
+        ref = self._topic(call)
+        if not ref.persistent:
+            raise precondition("topic policies are for persistent topics")
+        if not await self._partitions_of(ref) and not (
+            ref.full in self.service.topics
+            or await self.service.ledger_factory.exists(ref.managed_ledger_name)
+        ):
+            raise not_found("Topic not found")
+        return ref
+
+    async def _get_topic_policy(self, call: Call) -> Response:
+        ref = await self._policy_topic(call)
+        field_name = TOPIC_POLICY_FIELDS[call.params["tfield"]]
+        own = await self.policies.topic_policies(ref.full)
+        value = own.get(NAMESPACE_POLICY_FIELDS[field_name])
+        return Response() if value is None else Response.json(value)
+
+    async def _set_topic_policy(self, call: Call) -> Response:
+        ref = await self._policy_topic(call)
+        field_name = TOPIC_POLICY_FIELDS[call.params["tfield"]]
+        value = call.json_body()
+        raw = (call.query.get(call.params["tfield"]) or [None])[-1]
+        if value is None and raw is not None:  # as pulsar-admin sends it: ?messageTTL=N
+            value = int(raw) if raw.lstrip("-").isdigit() else raw
+        _check_policy(field_name, value)
+        changes = {NAMESPACE_POLICY_FIELDS[field_name]: value}
+        await self.policies.update_topic_policies(ref.full, changes)
+        await self._policy_changed(field_name, ref.full)
+        return Response()
+
+    async def _remove_topic_policy(self, call: Call) -> Response:
+        ref = await self._policy_topic(call)
+        field_name = TOPIC_POLICY_FIELDS[call.params["tfield"]]
+        await self.policies.update_topic_policies(
+            ref.full, {NAMESPACE_POLICY_FIELDS[field_name]: None}
+        )
+        await self._policy_changed(field_name, ref.full)
+        return Response()
+
+    async def _topic_backlog_quotas(self, call: Call) -> Response:
+        ref = await self._policy_topic(call)
+        own = await self.policies.topic_policies(ref.full)
+        return Response.json(own.get("backlog_quota_map") or {})
+
+    async def _set_topic_backlog_quota(self, call: Call) -> Response:
+        ref = await self._policy_topic(call)
+        kind, quota = self._quota_of_call(call)
+        own = await self.policies.topic_policies(ref.full)
+        retention = own.get("retention_policies") or (
+            await self.policies.get_policies(ref.namespace_name)
+        ).get("retention_policies")
+        _check_quota_against(quota, retention or {})
+        quotas = {**(own.get("backlog_quota_map") or {}), kind: quota}
+        await self.policies.update_topic_policies(ref.full, {"backlog_quota_map": quotas})
+        return Response()
+
+    async def _remove_topic_backlog_quota(self, call: Call) -> Response:
+        ref = await self._policy_topic(call)
+        kind = self._quota_type(call)
+        own = await self.policies.topic_policies(ref.full)
+        quotas = dict(own.get("backlog_quota_map") or {})
+        quotas.pop(kind, None)
+        await self.policies.update_topic_policies(ref.full, {"backlog_quota_map": quotas or None})
         return Response()
 
     async def _backlog_quotas(self, call: Call) -> Response:
@@ -798,9 +903,8 @@ class AdminServer:
             raise precondition(f"backlogQuotaType: expected {' or '.join(QUOTA_TYPES)}")
         return kind
 
-    async def _set_backlog_quota(self, call: Call) -> Response:
-        """Pulsar's set-backlog-quota: a limit no larger than the namespace's retention."""
-        namespace = self._namespace(call)
+    def _quota_of_call(self, call: Call) -> tuple[str, dict[str, Any]]:
+        """The quota type and the BacklogQuota JSON a set-backlog-quota call gives."""
         kind = self._quota_type(call)
         body = call.json_body()
         if isinstance(body, dict) and "limitSize" not in body and "limit" in body:
@@ -813,17 +917,14 @@ class AdminServer:
             )
         quota = {k: body.get(k, -1) for k in ("limitSize", "limitTime")}
         quota["policy"] = body["policy"]
+        return kind, quota
+
+    async def _set_backlog_quota(self, call: Call) -> Response:
+        """Pulsar's set-backlog-quota: a limit no larger than the namespace's retention."""
+        namespace = self._namespace(call)
+        kind, quota = self._quota_of_call(call)
         policies = await self.policies.get_policies(namespace)
-        retention = policies.get("retention_policies") or {}
-        for key, kept in [
-            ("limitSize", retention.get("retentionSizeInMB", 0) * 1024 * 1024),
-            ("limitTime", retention.get("retentionTimeInMinutes", 0) * 60),
-        ]:
-            if kept > 0 and quota[key] >= kept:
-                raise precondition(
-                    "Backlog Quota exceeds configured retention quota for namespace. "
-                    "Please increase retention quota and retry"
-                )
+        _check_quota_against(quota, policies.get("retention_policies") or {})
         quotas = dict(policies.get("backlog_quota_map") or {})
         quotas[kind] = quota
         await self.policies.update_policies(namespace, {"backlog_quota_map": quotas})
@@ -912,6 +1013,8 @@ class AdminServer:
         if await self._partitions_of(ref):
             raise precondition(f"{ref.full} is a partitioned topic: delete .../partitions")
         await self.service.delete_topic(ref.full, force=call.flag("force"))
+        if ref.partition_index < 0:  # a partition's policies are its partitioned topic's
+            await self.policies.forget_topic(ref.full)
         return Response()
 
     async def _get_partitions(self, call: Call) -> Response:
@@ -939,6 +1042,7 @@ class AdminServer:
         await self.service.delete_partitioned_topic(
             ref.full, force=call.flag("force"), delete_partition=self._delete_anywhere
         )
+        await self.policies.forget_topic(ref.full)
         return Response()
 
     async def _delete_anywhere(self, name: str, force: bool) -> None:

@@ -17,14 +17,17 @@ import json
 import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 
 from polybroker.broker_core.schema_compat import STRATEGIES
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotEmptyError, NotFoundError
 
 CLUSTERS_ROOT = "/admin/clusters"
 POLICIES_ROOT = "/admin/policies"
+TOPIC_POLICIES_ROOT = "/admin/topic-policies"
+_PARTITION = re.compile(r"-partition-\d+$")
 # Pulsar's policy keys of a topic's producer and consumer limits (``TopicLimits``' order).
 LIMIT_POLICIES = (
     "max_producers_per_topic",
@@ -103,6 +106,10 @@ class PolicyStore:
         self.default_bundles = default_bundles
         self._watched: dict[str, Callable[[], None]] = {}
         self._namespaces: dict[str, dict[str, Any]] = {}
+        # Topic-level policies by topic (a partition's are its partitioned topic's), of the
+        # topics followed here: those loaded (``follow_topic``) or set through this broker.
+        self._topics: dict[str, dict[str, Any]] = {}
+        self._topic_watches: dict[str, Callable[[], None]] = {}
 
     def load(self) -> Deferred[None]:
         """Read every namespace's policies into the cache."""
@@ -139,10 +146,87 @@ class PolicyStore:
         self._watched[namespace] = self.store.watch(path, changed)
 
     def close(self) -> None:
-        """Stop following namespaces' changes."""
-        for unwatch in self._watched.values():
+        """Stop following namespaces' and topics' changes."""
+        for unwatch in [*self._watched.values(), *self._topic_watches.values()]:
             unwatch()
         self._watched.clear()
+        self._topic_watches.clear()
+
+    # -- topic-level policies (Pulsar's topic policies: they win over the namespace's) -------
+
+    @staticmethod
+    def _topic_key(topic: str) -> str:
+        return _PARTITION.sub("", topic)
+
+    def _topic_path(self, topic: str) -> str:
+        domain, _, rest = self._topic_key(topic).partition("://")
+        tenant, ns, local = rest.split("/", 2)
+        return f"{TOPIC_POLICIES_ROOT}/{tenant}/{ns}/{domain}/{quote(local, safe='')}"
+
+    def follow_topic(self, topic: str) -> Deferred[None]:
+        """Read a topic's own policies into the cache and follow their changes by any broker
+        (fires once read; at once when already followed)."""
+        key = self._topic_key(topic)
+        if key in self._topic_watches:
+            return succeed(None)
+        path = self._topic_path(key)
+
+        def refresh(found: Any) -> None:
+            if found is None:
+                self._topics.pop(key, None)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._topics[key] = _load(found.value)
+
+        def changed(_: object) -> None:
+            self.store.get(path).addCallbacks(refresh, lambda _f: None)
+
+        self._topic_watches[key] = self.store.watch(path, changed)
+        return self.store.get(path).addCallback(refresh)
+
+    async def topic_policies(self, topic: str) -> dict[str, Any]:
+        """A topic's own policies as stored (empty when it has none)."""
+        found = await self.store.get(self._topic_path(topic))
+        return {} if found is None else dict(_load(found.value))
+
+    async def update_topic_policies(self, topic: str, changes: dict[str, Any]) -> None:
+        """Apply ``changes`` to a topic's own policies (None removes a key) by
+        compare-and-set; the node goes when none is left."""
+        await self.follow_topic(topic)
+        path = self._topic_path(topic)
+        while True:
+            found = await self.store.get(path)
+            policies = {} if found is None else dict(_load(found.value))
+            for key, value in changes.items():
+                if value is None:
+                    policies.pop(key, None)
+                else:
+                    policies[key] = value
+            version = -1 if found is None else found.stat.version
+            try:
+                if policies:
+                    await self.store.put(path, _dump(policies), version)
+                elif found is not None:
+                    await self.store.delete(path, version)
+            except (BadVersionError, NotFoundError):
+                continue
+            if policies:
+                self._topics[self._topic_key(topic)] = policies
+            else:
+                self._topics.pop(self._topic_key(topic), None)
+            return
+
+    def forget_topic(self, topic: str) -> Deferred[None]:
+        """Delete a deleted topic's own policies."""
+
+        async def forget() -> None:
+            found = await self.store.get(self._topic_path(topic))
+            if found is not None:
+                with contextlib.suppress(BadVersionError, NotFoundError):
+                    await self.store.delete(self._topic_path(topic), found.stat.version)
+            self._topics.pop(self._topic_key(topic), None)
+
+        return Deferred.fromCoroutine(forget())
 
     # -- hooks for the Broker API ---------------------------------------------------------
 
@@ -160,7 +244,11 @@ class PolicyStore:
         return True
 
     def _policy(self, topic: str, key: str) -> Any:
-        """The value of policy ``key`` of a full topic name's namespace (None: not set)."""
+        """The value of policy ``key`` for a full topic name: the topic's own, else its
+        namespace's (None: neither sets it)."""
+        own = self._topics.get(self._topic_key(topic))
+        if own is not None and key in own:
+            return own[key]
         rest = topic.partition("://")[2]
         policies = self._namespaces.get("/".join(rest.split("/")[:2]))
         return None if policies is None else policies.get(key)

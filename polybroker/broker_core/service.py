@@ -228,6 +228,9 @@ class BrokerService:
         # subscription) of a topic, each None when not set: the broker's
         # ``maxProducersPerTopic``, ``maxConsumersPerTopic``, ``maxConsumersPerSubscription``.
         self.limits_policy: Callable[[str], tuple[int | None, int | None, int | None]] | None = None
+        # Reads a topic's own policies (and follows them) before it opens; None: topics
+        # have only their namespace's.
+        self.follow_topic_policies: Callable[[str], Deferred[None]] | None = None
         # Asked before a producer is added to a topic: the error that refuses it (backlog
         # quotas), or None.
         self.producer_gate: Callable[[Topic], BrokerError | None] | None = None
@@ -445,6 +448,8 @@ class BrokerService:
         ml_name = ref.managed_ledger_name
         if not may_create and not await self.ledger_factory.exists(ml_name):
             raise TopicNotFoundError(f"topic {ref.full} does not exist")
+        if self.follow_topic_policies is not None:
+            await self.follow_topic_policies(ref.full)  # its own retention, dedup, limits...
         ledger = await self.ledger_factory.open(ml_name, self.ledger_config_of(ref.full))
         dedup = self._dedup_default
         if self.deduplication_policy is not None:
@@ -495,11 +500,16 @@ class BrokerService:
         )
 
     def apply_retention(self, namespace: str) -> None:
-        """Give the loaded topics of ``namespace`` its (new) retention; it applies from their
-        next trim on."""
+        """Give the loaded topics of ``namespace`` (``tenant/ns``, or a topic's full name for
+        that topic and its partitions) their (new) retention; it applies from their next trim
+        on."""
         for name, topic in list(self.topics.items()):
             ledger = getattr(topic, "ledger", None)
-            if ledger is not None and self.topic_ref(name).namespace_name == namespace:
+            if ledger is not None and namespace in (
+                self.topic_ref(name).namespace_name,
+                name,
+                _PARTITION_RE.sub(r"\1", name),
+            ):
                 ledger.config = self.ledger_config_of(name)
 
     def _topic_closed(self, topic: Topic) -> None:

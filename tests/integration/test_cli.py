@@ -319,6 +319,11 @@ def test_admin_topics_lifecycle_and_stats(broker: Standalone) -> None:
     )
     meta = admin_json(broker, "topics", "get-partitioned-topic-metadata", "cli-parts")
     assert meta == {"partitions": 2}
+    for name in ("cli-plain", "cli-parts"):  # a topic's own policies
+        assert admin(broker, "topics", "set-message-ttl", name, "-t", "30").returncode == 0
+        assert admin_json(broker, "topics", "get-message-ttl", name) == 30
+        assert admin(broker, "topics", "remove-message-ttl", name).returncode == 0
+        assert admin_json(broker, "topics", "get-message-ttl", name) is None
     produced = client(broker, "produce", "cli-parts", "-m", "p", "-n", "4", "-db")
     assert produced.returncode == 0, produced.stderr
     pstats = admin_json(broker, "topics", "partitioned-stats", "cli-parts", "--per-partition")
