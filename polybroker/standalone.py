@@ -161,6 +161,7 @@ class BrokerProcess:
         service.schema_flags_policy = policies.schema_flags_of
         service.limits_policy = policies.limits_of
         service.follow_topic_policies = policies.follow_topic
+        service.unfollow_topic_policies = policies.unfollow_topic
         expiry = MessageExpiry(
             lambda: service.topics.values(),
             policies.message_ttl_of,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 
 from polybroker.broker_core.schema_compat import STRATEGIES
 from polybroker.metadata.api import BadVersionError, MetadataStore, NotEmptyError, NotFoundError
@@ -110,6 +110,7 @@ class PolicyStore:
         # topics followed here: those loaded (``follow_topic``) or set through this broker.
         self._topics: dict[str, dict[str, Any]] = {}
         self._topic_watches: dict[str, Callable[[], None]] = {}
+        self._follows: dict[str, int] = {}
 
     def load(self) -> Deferred[None]:
         """Read every namespace's policies into the cache."""
@@ -165,13 +166,14 @@ class PolicyStore:
 
     def follow_topic(self, topic: str) -> Deferred[None]:
         """Read a topic's own policies into the cache and follow their changes by any broker
-        (fires once read; at once when already followed)."""
+        until as many ``unfollow_topic`` calls (fires once read). A partition counts for its
+        partitioned topic."""
         key = self._topic_key(topic)
-        if key in self._topic_watches:
-            return succeed(None)
         path = self._topic_path(key)
 
         def refresh(found: Any) -> None:
+            if key not in self._topic_watches:
+                return  # no longer followed
             if found is None:
                 self._topics.pop(key, None)
             else:
@@ -181,8 +183,23 @@ class PolicyStore:
         def changed(_: object) -> None:
             self.store.get(path).addCallbacks(refresh, lambda _f: None)
 
-        self._topic_watches[key] = self.store.watch(path, changed)
+        self._follows[key] = self._follows.get(key, 0) + 1
+        if key not in self._topic_watches:
+            self._topic_watches[key] = self.store.watch(path, changed)
         return self.store.get(path).addCallback(refresh)
+
+    def unfollow_topic(self, topic: str) -> None:
+        """One ``follow_topic`` less: the last one stops following and drops the cache."""
+        key = self._topic_key(topic)
+        left = self._follows.get(key, 0) - 1
+        if left > 0:
+            self._follows[key] = left
+            return
+        self._follows.pop(key, None)
+        self._topics.pop(key, None)
+        unwatch = self._topic_watches.pop(key, None)
+        if unwatch is not None:
+            unwatch()
 
     async def topic_policies(self, topic: str) -> dict[str, Any]:
         """A topic's own policies as stored (empty when it has none)."""
@@ -192,7 +209,6 @@ class PolicyStore:
     async def update_topic_policies(self, topic: str, changes: dict[str, Any]) -> None:
         """Apply ``changes`` to a topic's own policies (None removes a key) by
         compare-and-set; the node goes when none is left."""
-        await self.follow_topic(topic)
         path = self._topic_path(topic)
         while True:
             found = await self.store.get(path)
@@ -210,10 +226,12 @@ class PolicyStore:
                     await self.store.delete(path, version)
             except (BadVersionError, NotFoundError):
                 continue
-            if policies:
-                self._topics[self._topic_key(topic)] = policies
-            else:
-                self._topics.pop(self._topic_key(topic), None)
+            key = self._topic_key(topic)
+            if key in self._topic_watches:  # followed here: in force at once
+                if policies:
+                    self._topics[key] = policies
+                else:
+                    self._topics.pop(key, None)
             return
 
     def forget_topic(self, topic: str) -> Deferred[None]:

@@ -231,6 +231,7 @@ class BrokerService:
         # Reads a topic's own policies (and follows them) before it opens; None: topics
         # have only their namespace's.
         self.follow_topic_policies: Callable[[str], Deferred[None]] | None = None
+        self.unfollow_topic_policies: Callable[[str], None] | None = None
         # Asked before a producer is added to a topic: the error that refuses it (backlog
         # quotas), or None.
         self.producer_gate: Callable[[Topic], BrokerError | None] | None = None
@@ -450,6 +451,24 @@ class BrokerService:
             raise TopicNotFoundError(f"topic {ref.full} does not exist")
         if self.follow_topic_policies is not None:
             await self.follow_topic_policies(ref.full)  # its own retention, dedup, limits...
+        try:
+            return await self._open_persistent(ref, ml_name)
+        except BaseException:
+            self._unfollow(ref.full)
+            raise
+
+    def _unfollow(self, full: str) -> None:
+        if self.unfollow_topic_policies is not None and TopicRef.parse(full).persistent:
+            self.unfollow_topic_policies(full)
+
+    def _drop(self, full: str) -> Topic | None:
+        """Forget a loaded topic (its own policies stop being followed)."""
+        topic = self.topics.pop(full, None)
+        if topic is not None:
+            self._unfollow(full)
+        return topic
+
+    async def _open_persistent(self, ref: TopicRef, ml_name: str) -> Topic:
         ledger = await self.ledger_factory.open(ml_name, self.ledger_config_of(ref.full))
         dedup = self._dedup_default
         if self.deduplication_policy is not None:
@@ -515,7 +534,7 @@ class BrokerService:
     def _topic_closed(self, topic: Topic) -> None:
         # The topic shut itself (fenced by another owner): forget it and release its log.
         if self.topics.get(topic.name) is topic:
-            del self.topics[topic.name]
+            self._drop(topic.name)
         topic.close().addErrback(
             lambda f: log.warning("closing a fenced topic failed", extra=kv(error=str(f.value)))
         )
@@ -880,7 +899,7 @@ class BrokerService:
 
     async def _unload(self, name: str) -> None:
         ref = self.topic_ref(name)
-        topic = self.topics.pop(ref.full, None)
+        topic = self._drop(ref.full)
         if topic is not None:
             await topic.close()
 
@@ -918,7 +937,7 @@ class BrokerService:
         topic = await self.get_topic(ref.full, create=False)
         await topic.delete(force)
         if self.topics.get(ref.full) is topic:
-            del self.topics[ref.full]
+            self._drop(ref.full)
 
     def topic_loads(self) -> dict[str, tuple[float, float]]:
         """Each loaded topic's last measured (msgs/s in, msgs/s out), for load reports."""

@@ -176,3 +176,32 @@ def test_policies_changed_by_another_broker_reach_the_cache() -> None:
     result_of(Deferred.fromCoroutine(first.delete_namespace("public/default")))
     assert second.deduplication_of("persistent://public/default/t") is None
     second.close()
+
+
+def test_topic_policies_win_while_followed_and_reach_the_owner_from_another_broker() -> None:
+    """A topic's own policies, set through one broker, are in force on the broker that
+    follows the topic (it loaded it; partitions count for their partitioned topic) and
+    over the namespace's; the last unfollow drops them from that broker's cache."""
+    admin = _policies()
+    result_of(admin.ensure_defaults({}))
+    owner = PolicyStore(admin.store.new_session(), "standalone")  # type: ignore[attr-defined]
+    result_of(owner.load())
+    ns_ttl = admin.update_policies("public/default", {"message_ttl_in_seconds": 60})
+    result_of(Deferred.fromCoroutine(ns_ttl))
+    part0, part1 = (f"persistent://public/default/p-partition-{i}" for i in (0, 1))
+    result_of(owner.follow_topic(part0))
+    result_of(owner.follow_topic(part1))
+    base = "persistent://public/default/p"
+    own = admin.update_topic_policies(base, {"message_ttl_in_seconds": 5})
+    result_of(Deferred.fromCoroutine(own))
+    assert owner.message_ttl_of(part1) == 5
+    assert owner.message_ttl_of("persistent://public/default/other") == 60
+    owner.unfollow_topic(part0)
+    assert owner.message_ttl_of(part1) == 5  # partition 1 still loaded
+    owner.unfollow_topic(part1)
+    assert owner.message_ttl_of(part1) == 60
+    result_of(owner.follow_topic(part1))
+    assert owner.message_ttl_of(part1) == 5  # read again when loaded again
+    result_of(admin.forget_topic(base))
+    assert owner.message_ttl_of(part1) == 60
+    owner.close()
