@@ -107,7 +107,7 @@ class PolicyStore:
         self._watched: dict[str, Callable[[], None]] = {}
         self._namespaces: dict[str, dict[str, Any]] = {}
         # Topic-level policies by topic (a partition's are its partitioned topic's), of the
-        # topics followed here: those loaded (``follow_topic``) or set through this broker.
+        # topics followed here (``follow_topic``: those loaded).
         self._topics: dict[str, dict[str, Any]] = {}
         self._topic_watches: dict[str, Callable[[], None]] = {}
         self._follows: dict[str, int] = {}
@@ -263,7 +263,7 @@ class PolicyStore:
 
     def _policy(self, topic: str, key: str) -> Any:
         """The value of policy ``key`` for a full topic name: the topic's own, else its
-        namespace's (None: neither sets it)."""
+        namespace's (None: neither sets it). The ``..._of`` hooks below answer so."""
         own = self._topics.get(self._topic_key(topic))
         if own is not None and key in own:
             return own[key]
@@ -272,12 +272,12 @@ class PolicyStore:
         return None if policies is None else policies.get(key)
 
     def deduplication_of(self, topic: str) -> bool | None:
-        """The namespace's deduplication setting for a full topic name (None: not set)."""
+        """The deduplication setting for a full topic name (None: not set)."""
         value = self._policy(topic, "deduplicationEnabled")
         return None if value is None else bool(value)
 
     def auto_topic_creation_of(self, topic: str) -> tuple[bool, str, int] | None:
-        """The namespace's ``autoTopicCreationOverride`` for a full topic name as (allowed,
+        """The ``autoTopicCreationOverride`` for a full topic name as (allowed,
         topic type, partitions), or None when it sets none."""
         value = self._policy(topic, "autoTopicCreationOverride")
         if not valid_auto_topic_creation(value):
@@ -287,13 +287,13 @@ class PolicyStore:
         return bool(value["allowAutoTopicCreation"]), kind, partitions
 
     def schema_compatibility_of(self, topic: str) -> str | None:
-        """The namespace's schema compatibility strategy for a full topic name (None: not set,
+        """The schema compatibility strategy for a full topic name (None: not set,
         or ``UNDEFINED``)."""
         value = self._policy(topic, "schema_compatibility_strategy")
         return value if value in STRATEGIES else None
 
     def schema_flags_of(self, topic: str) -> tuple[bool | None, bool | None]:
-        """The namespace's ``is_allow_auto_update_schema`` and ``schema_validation_enforced``
+        """The ``is_allow_auto_update_schema`` and ``schema_validation_enforced``
         for a full topic name (None: not set)."""
         auto = self._policy(topic, "is_allow_auto_update_schema")
         enforced = self._policy(topic, "schema_validation_enforced")
@@ -303,14 +303,14 @@ class PolicyStore:
         )
 
     def message_ttl_of(self, topic: str) -> int | None:
-        """The namespace's message TTL in seconds for a full topic name (None: not set)."""
+        """The message TTL in seconds for a full topic name (None: not set)."""
         value = self._policy(topic, "message_ttl_in_seconds")
         if isinstance(value, bool) or not isinstance(value, int):
             return None
         return value
 
     def limits_of(self, topic: str) -> tuple[int | None, int | None, int | None]:
-        """The namespace's max producers per topic, max consumers per topic and max consumers
+        """The max producers per topic, max consumers per topic and max consumers
         per subscription for a full topic name (each None: not set)."""
         return tuple(  # type: ignore[return-value]
             value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -318,12 +318,12 @@ class PolicyStore:
         )
 
     def backlog_quota_of(self, topic: str) -> dict[str, Any] | None:
-        """The namespace's ``backlog_quota_map`` for a full topic name (None: not set)."""
+        """The ``backlog_quota_map`` for a full topic name (None: not set)."""
         value = self._policy(topic, "backlog_quota_map")
         return value if isinstance(value, dict) else None
 
     def retention_of(self, topic: str) -> tuple[float, int] | None:
-        """The namespace's retention (seconds, bytes; -1: unlimited) for a full topic name, as
+        """The retention (seconds, bytes; -1: unlimited) for a full topic name, as
         Pulsar's ``retention_policies`` set it (None: not set, the broker's defaults apply)."""
         value = self._policy(topic, "retention_policies")
         if not isinstance(value, dict):

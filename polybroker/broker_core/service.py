@@ -224,8 +224,8 @@ class BrokerService:
         # The namespace's auto-creation override of a topic (allowed, "partitioned" or
         # "non-partitioned", partitions); None (or None answered): the broker's settings.
         self.auto_create_policy: Callable[[str], tuple[bool, str, int] | None] | None = None
-        # The namespace's (max producers, max consumers per topic, max consumers per
-        # subscription) of a topic, each None when not set: the broker's
+        # A topic's own or its namespace's (max producers, max consumers per topic, max
+        # consumers per subscription), each None when not set: the broker's
         # ``maxProducersPerTopic``, ``maxConsumersPerTopic``, ``maxConsumersPerSubscription``.
         self.limits_policy: Callable[[str], tuple[int | None, int | None, int | None]] | None = None
         # Reads a topic's own policies (and follows them) before it opens; None: topics
@@ -502,8 +502,8 @@ class BrokerService:
         return None if found is None else int(json.loads(found.value)["partitions"])
 
     def limits_of(self, topic: str) -> TopicLimits:
-        """A topic's producer and consumer limits: its namespace's where set, else the
-        broker's."""
+        """A topic's producer and consumer limits: its own or its namespace's where set, else
+        the broker's."""
         chosen = self.limits_policy(topic) if self.limits_policy is not None else (None,) * 3
         values = zip(chosen, self._default_limits, strict=True)
         return TopicLimits(*(default if value is None else value for value, default in values))
