@@ -28,11 +28,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 
 from polybroker.broker_core.errors import BrokerError
+from polybroker.broker_core.periodic import PeriodicCheck
 from polybroker.ledger.api import LedgerInfo, Position
 from polybroker.logs import kv
 
@@ -110,7 +109,7 @@ def eviction_target(
     return None
 
 
-class BacklogQuotas:
+class BacklogQuotas(PeriodicCheck):
     """Judges and enforces the backlog quotas of one broker's topics (module docstring)."""
 
     def __init__(
@@ -121,25 +120,11 @@ class BacklogQuotas:
         clock: IReactorTime,
         interval_s: float,
     ) -> None:
+        super().__init__(clock, interval_s)
         self._topics = topics
         self._quota_of = quota_of
         self._default_bytes, self._default_s, self._default_policy = defaults
-        self._clock = clock
-        self.interval_s = interval_s
-        self._loop = LoopingCall(self._due)
-        self._loop.clock = clock
-        self._running = False
         self._too_old: set[str] = set()  # topics over their age limit at the last check
-        self.checks = 0  # checks completed (for tests)
-
-    def start(self) -> None:
-        """Check every ``interval_s`` from now on (never when it is 0 or less)."""
-        if self.interval_s > 0 and not self._loop.running:
-            self._loop.start(self.interval_s, now=False)
-
-    def stop(self) -> None:
-        if self._loop.running:
-            self._loop.stop()
 
     def limits(self, topic: str) -> tuple[Limit | None, Limit | None]:
         """A topic's (size, age) limits; None where it has none."""
@@ -189,21 +174,6 @@ class BacklogQuotas:
             (backlog_bytes(ledgers, s.cursor.mark_delete_position) for s in self._durable(topic)),
             default=0,
         )
-
-    def _due(self) -> None:
-        if not self._running:
-            self.check()
-
-    def check(self) -> Deferred[None]:
-        """Judge every loaded persistent topic now and enforce what is due (Rules 1, 2)."""
-        self._running = True
-
-        def done(result: object) -> object:
-            self._running = False
-            self.checks += 1
-            return result
-
-        return Deferred.fromCoroutine(self._check()).addBoth(done)
 
     async def _check(self) -> None:
         now_ms = int(self._clock.seconds() * 1000)

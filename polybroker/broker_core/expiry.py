@@ -14,17 +14,17 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 
+from polybroker.broker_core.periodic import PeriodicCheck
 from polybroker.logs import kv
 
 log = logging.getLogger(__name__)
 
 
-class MessageExpiry:
-    """Runs the TTL checks of one broker (see the module docstring)."""
+class MessageExpiry(PeriodicCheck):
+    """Runs the TTL checks of one broker (see the module docstring); ``check`` fires with how
+    many subscriptions moved."""
 
     def __init__(
         self,
@@ -34,45 +34,15 @@ class MessageExpiry:
         clock: IReactorTime,
         interval_s: float,
     ) -> None:
+        super().__init__(clock, interval_s)
         self._topics = topics
         self._ttl_of = ttl_of
         self._default_ttl_s = default_ttl_s
-        self._clock = clock
-        self.interval_s = interval_s
-        self._loop = LoopingCall(self._due)
-        self._loop.clock = clock
-        self._running = False
-        self.checks = 0  # checks completed (for tests and logs)
-
-    def start(self) -> None:
-        """Check every ``interval_s`` from now on (never when it is 0 or less)."""
-        if self.interval_s > 0 and not self._loop.running:
-            self._loop.start(self.interval_s, now=False)
-
-    def stop(self) -> None:
-        if self._loop.running:
-            self._loop.stop()
-
-    def _due(self) -> None:
-        if not self._running:
-            self.check()
 
     def ttl_s(self, topic: str) -> int:
         """The TTL of a topic in seconds (0: none)."""
         chosen = self._ttl_of(topic)
         return self._default_ttl_s if chosen is None else chosen
-
-    def check(self) -> Deferred[int]:
-        """Expire what is due on every loaded topic now; fire with how many subscriptions
-        moved."""
-        self._running = True
-
-        def done(moved: int) -> int:
-            self._running = False
-            self.checks += 1
-            return moved
-
-        return Deferred.fromCoroutine(self._check()).addBoth(done)
 
     async def _check(self) -> int:
         moved = 0
