@@ -48,7 +48,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1530,16 +1530,33 @@ class KafkaApis:
         return cls(throttle_time_ms=0, error_code=self.groups.leave(b.group_id, b.member_id))
 
     def _offset_commit(self, req: c.Request, host: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self._offset_commit_async(req))
+
+    async def _offset_commit_async(self, req: c.Request) -> Any:
+        """Commit the offsets of partitions that exist; the others get
+        UNKNOWN_TOPIC_OR_PARTITION, as on Kafka (nothing is stored for them)."""
         cls = c.response_class(c.API_OFFSET_COMMIT)
         b = req.body
-        offsets = [
-            (t.name, p.partition_index, p.committed_offset, p.committed_metadata or "")
-            for t in b.topics
-            for p in t.partitions
-        ]
-        d = self.groups.commit(b.group_id, b.generation_id_or_member_epoch, b.member_id, offsets)
-
-        return d.addCallback(lambda error: _offset_commit_response(cls, b, error))
+        offsets, unknown = [], set()
+        for t in b.topics:
+            try:
+                n = self._partitions.get(t.name)
+                n = (n or 1) if n is not None else await self.partition_count(t.name, False)
+            except InvalidTopicNameError:
+                n = 0
+            for p in t.partitions:
+                if 0 <= p.partition_index < n:
+                    offsets.append(
+                        (t.name, p.partition_index, p.committed_offset, p.committed_metadata or "")
+                    )
+                else:
+                    unknown.add((t.name, p.partition_index))
+        error = c.NONE
+        if offsets or not unknown:
+            error = await self.groups.commit(
+                b.group_id, b.generation_id_or_member_epoch, b.member_id, offsets
+            )
+        return _offset_commit_response(cls, b, error, unknown)
 
     def _offset_fetch(self, req: c.Request, host: str) -> Deferred[Any]:
         cls = c.response_class(c.API_OFFSET_FETCH)
@@ -1828,7 +1845,9 @@ def _not_coordinator(req: c.Request) -> Any:
     raise ValueError(f"API {req.api_key} is not about one group")
 
 
-def _offset_commit_response(cls: Any, b: Any, error: int) -> Any:
+def _offset_commit_response(
+    cls: Any, b: Any, error: int, unknown: Container[tuple[str, int]] = ()
+) -> Any:
     return cls(
         throttle_time_ms=0,
         topics=[
@@ -1836,7 +1855,10 @@ def _offset_commit_response(cls: Any, b: Any, error: int) -> Any:
                 name=t.name,
                 partitions=[
                     cls.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
-                        partition_index=p.partition_index, error_code=error
+                        partition_index=p.partition_index,
+                        error_code=c.UNKNOWN_TOPIC_OR_PARTITION
+                        if (t.name, p.partition_index) in unknown
+                        else error,
                     )
                     for p in t.partitions
                 ],

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import pytest_twisted
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from kafka import KafkaConsumer
 from kafka import TopicPartition as KTopicPartition
@@ -228,3 +228,31 @@ async def test_list_describe_delete_groups(broker: Broker) -> None:
     assert "listed" in r["listed"]
     assert r["members"] == 1
     assert r["deleted"] is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_commits_for_partitions_that_do_not_exist_are_refused(broker: Broker) -> None:
+    """As on Kafka: UNKNOWN_TOPIC_OR_PARTITION for a topic or partition that does not exist,
+    and nothing is stored for it; the commit's other partitions are stored."""
+
+    def scenario() -> tuple[list[object], list[int]]:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        admin.create_topics([NewTopic("one-part", 1, 1)])["one-part"].result(10)
+        c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "strict"})
+        asked = [
+            TopicPartition("one-part", 0, 3),
+            TopicPartition("one-part", 9, 3),
+            TopicPartition("no-such-topic", 0, 3),
+        ]
+        try:
+            c.commit(offsets=asked, asynchronous=False)
+            errors: list[object] = [None]
+        except Exception as e:
+            errors = [e.args[0].code()]
+        stored = [tp.offset for tp in c.committed(asked[:2], timeout=10)]
+        c.close()
+        return errors, stored
+
+    errors, stored = await broker.run(scenario)
+    assert errors == [KafkaError.UNKNOWN_TOPIC_OR_PART]
+    assert stored == [3, -1001]  # partition 0 kept; none for partition 9

@@ -542,6 +542,7 @@ def test_batched_group_requests_answer_per_group() -> None:
     """OffsetFetch v8 for two groups, one coordinated here: that one is answered, the other
     gets NOT_COORDINATOR."""
     node, _, _ = cluster_pair()
+    result_of(node.service.create_partitioned_topic("t", 2))  # commits name existing ones
     elsewhere = group_in_slot_owned_by(node, THERE)
     mine = next(
         g
@@ -567,6 +568,7 @@ def test_a_lost_slot_answers_waiting_joins_and_a_regained_one_reads_the_store() 
     (the sweep); when it comes back, offsets another coordinator committed meanwhile are read
     from the store, and commits here apply on top of them."""
     node, clock, store = cluster_pair()
+    result_of(node.service.create_partitioned_topic("t", 2))  # commits name existing ones
     group = group_in_slot_owned_by(node, HERE)
     slot = node.cluster.coordinator_topic(group)
     first = node.call(join(group))
@@ -796,6 +798,7 @@ def test_list_groups_names_only_the_groups_this_broker_coordinates() -> None:
     from kafka.protocol.admin import ListGroupsRequest
 
     node, clock, store = cluster_pair()
+    result_of(node.service.create_partitioned_topic("t", 2))  # commits name existing ones
     elsewhere = group_in_slot_owned_by(node, THERE)
     mine = next(
         g
@@ -854,6 +857,7 @@ def test_describe_and_delete_groups_answer_not_coordinator_per_group() -> None:
     from kafka.protocol.admin import DeleteGroupsRequest, DescribeGroupsRequest
 
     node, clock, store = cluster_pair()
+    result_of(node.service.create_partitioned_topic("t", 2))  # commits name existing ones
     elsewhere = group_in_slot_owned_by(node, THERE)
     mine = next(
         g

@@ -684,6 +684,7 @@ def test_modern_group_apis_take_batches() -> None:
     from kafka.protocol.producer import InitProducerIdRequest
 
     w = Wire(api_versions=dict(c.API_VERSIONS_MODERN))
+    result_of(w.service.create_partitioned_topic("t", 1))  # commits name existing ones
     found = w.call(FindCoordinatorRequest[4](key_type=0, coordinator_keys=["a", "b"]))
     assert [(x.key, x.node_id, x.port) for x in found.coordinators] == [
         ("a", 0, 9092),
