@@ -438,7 +438,8 @@ class GroupCoordinator:
         offsets: list[tuple[str, int, int, str]],
     ) -> Deferred[int]:
         """OffsetCommit of (topic, partition, offset, metadata); fires with the error code
-        once durable. Generation -1 is a commit from outside the group (assign-based)."""
+        once durable. Generation -1 is a commit from outside the group (assign-based), taken
+        only while the group has no members."""
         if not group_id:
             return succeed(c.INVALID_GROUP_ID)
         g = self._group(group_id)
@@ -447,6 +448,10 @@ class GroupCoordinator:
                 return succeed(c.UNKNOWN_MEMBER_ID)
             if generation != g.generation:
                 return succeed(c.ILLEGAL_GENERATION)
+        elif g.members:
+            # From outside the group (an admin tool, an assign-based consumer) while it has
+            # members: Kafka refuses it, so a running group's offsets change only by its own.
+            return succeed(c.UNKNOWN_MEMBER_ID)
         return Deferred.fromCoroutine(self._commit(g, offsets))
 
     async def _commit(self, g: Group, offsets: list[tuple[str, int, int, str]]) -> int:

@@ -7,7 +7,13 @@ import time
 
 import pytest
 import pytest_twisted
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 from kafka import KafkaConsumer
 from kafka import TopicPartition as KTopicPartition
@@ -256,3 +262,38 @@ async def test_commits_for_partitions_that_do_not_exist_are_refused(broker: Brok
     errors, stored = await broker.run(scenario)
     assert errors == [KafkaError.UNKNOWN_TOPIC_OR_PART]
     assert stored == [3, -1001]  # partition 0 kept; none for partition 9
+
+
+@pytest_twisted.ensureDeferred
+async def test_offsets_of_a_group_with_members_change_only_by_its_members(
+    broker: Broker,
+) -> None:
+    """As on Kafka: altering a group's offsets from outside (an admin tool) is refused while
+    the group has members, and done once it is empty."""
+
+    def scenario() -> tuple[object, list[int]]:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        admin.create_topics([NewTopic("busy", 1, 1)])["busy"].result(10)
+        member = Consumer(
+            {
+                "bootstrap.servers": broker.bootstrap,
+                "group.id": "busy-g",
+                "session.timeout.ms": 6000,
+            }
+        )
+        member.subscribe(["busy"])
+        assert _wait(lambda: bool(member.poll(0.2) is None and member.assignment()), 30)
+        request = ConsumerGroupTopicPartitions("busy-g", [TopicPartition("busy", 0, 7)])
+        answer = admin.alter_consumer_group_offsets([request])["busy-g"].result(10)
+        error = answer.topic_partitions[0].error  # per partition, not raised
+        refused = None if error is None else error.code()
+        member.close()
+        admin.alter_consumer_group_offsets([request])["busy-g"].result(10)
+        check = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "busy-g"})
+        stored = [tp.offset for tp in check.committed([TopicPartition("busy", 0)], timeout=10)]
+        check.close()
+        return refused, stored
+
+    refused, stored = await broker.run(scenario)
+    assert refused == KafkaError.UNKNOWN_MEMBER_ID
+    assert stored == [7]

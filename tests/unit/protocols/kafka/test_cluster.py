@@ -249,12 +249,14 @@ def join(group: str, member: str = "") -> Any:
     )
 
 
-def commit(group: str, offset: int, partition: int = 0) -> Any:
+def commit(
+    group: str, offset: int, partition: int = 0, member: str = "", generation: int = -1
+) -> Any:
     part = OffsetCommitRequest.OffsetCommitRequestTopic.OffsetCommitRequestPartition
     return OffsetCommitRequest[2](
         group_id=group,
-        generation_id_or_member_epoch=-1,
-        member_id="",
+        generation_id_or_member_epoch=generation,
+        member_id=member,
         retention_time_ms=-1,
         topics=[
             OffsetCommitRequest.OffsetCommitRequestTopic(
@@ -575,7 +577,8 @@ def test_a_lost_slot_answers_waiting_joins_and_a_regained_one_reads_the_store() 
     assert first.error_code == c.MEMBER_ID_REQUIRED
     joined = node.call(join(group, first.member_id))
     assert joined.error_code == c.NONE
-    assert node.call(commit(group, 3)).topics[0].partitions[0].error_code == c.NONE
+    as_member = commit(group, 3, member=first.member_id, generation=joined.generation_id)
+    assert node.call(as_member).topics[0].partitions[0].error_code == c.NONE
     second = node.call(join(group))
     node.send(join(group, second.member_id))  # a new member: waits for the first to rejoin
     assert node.answers(join(group)) == []

@@ -116,18 +116,20 @@ def test_leave_rebalances_the_others_and_inconsistent_protocols_are_refused() ->
 
 def test_commits_are_durable_and_fenced_by_generation() -> None:
     """Commits land in the metadata store, survive a new coordinator, and a stale
-    generation is refused; generation -1 commits from outside the group."""
+    generation is refused; generation -1 commits from outside the group, which Kafka takes
+    only while the group has no members."""
     store = FakeMetadataStore()
     mirrored: list[tuple[str, list[tuple[str, int, int]]]] = []
     g = GroupCoordinator(Clock(), store, on_commit=lambda *a: mirrored.append(a))
     a = result_of(_join(g, require_known_member_id=False)).member_id
     assert result_of(g.commit("g", 1, a, [("t", 0, 5, "m")])) == c.NONE
     assert result_of(g.commit("g", 0, a, [("t", 0, 9, "")])) == c.ILLEGAL_GENERATION
+    assert result_of(g.commit("g", -1, "", [("t", 1, 3, "")])) == c.UNKNOWN_MEMBER_ID
+    g.leave("g", a)
     assert result_of(g.commit("g", -1, "", [("t", 1, 3, "")])) == c.NONE
     assert mirrored == [("g", [("t", 0, 5)]), ("g", [("t", 1, 3)])]
     again = GroupCoordinator(Clock(), store)
     assert result_of(again.fetch_offsets("g")) == {("t", 0): (5, "m"), ("t", 1): (3, "")}
-    g.leave("g", a)
     assert result_of(g.delete("g")) == c.NONE
     assert result_of(GroupCoordinator(Clock(), store).fetch_offsets("g")) == {}
 
