@@ -363,6 +363,10 @@ def _topics_stats_internal(c: AdminClient, a: argparse.Namespace) -> None:
     _print_json(c.request("GET", _topic_path(a.topic) + "/internalStats"))
 
 
+def _topics_partitioned_stats_internal(c: AdminClient, a: argparse.Namespace) -> None:
+    _print_json(c.request("GET", _topic_path(a.topic) + "/partitioned-internalStats"))
+
+
 def _topics_last_message_id(c: AdminClient, a: argparse.Namespace) -> None:
     _print_json(c.request("GET", _topic_path(a.topic) + "/lastMessageId"))
 
@@ -716,6 +720,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("topic")
     p.add_argument("--per-partition", action="store_true", help="include each partition")
     p = verb(g, "stats-internal", _topics_stats_internal, "print a topic's internal stats")
+    p.add_argument("topic")
+    p = verb(
+        g,
+        "partitioned-stats-internal",
+        _topics_partitioned_stats_internal,
+        "print each partition's internal stats",
+    )
     p.add_argument("topic")
     p = verb(g, "last-message-id", _topics_last_message_id, "print the last message id")
     p.add_argument("topic")

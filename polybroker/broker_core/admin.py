@@ -451,6 +451,7 @@ class AdminServer:
         r("GET", f"{topic}/stats", self._stats)
         r("GET", f"{topic}/partitioned-stats", self._partitioned_stats)
         r("GET", f"{topic}/internalStats", self._internal_stats)
+        r("GET", f"{topic}/partitioned-internalStats", self._partitioned_internal_stats)
         r("GET", f"{topic}/lastMessageId", self._last_message_id)
         r("POST", f"{topic}/terminate", self._terminate)
         r("PUT", f"{topic}/unload", self._unload)
@@ -1087,6 +1088,27 @@ class AdminServer:
         if call.flag("perPartition", True):
             out["partitions"] = parts
         return Response.json(out)
+
+    async def _partitioned_internal_stats(self, call: Call) -> Response:
+        """Pulsar's partitioned-internalStats: each partition's internalStats, by name."""
+        ref = self._topic(call)
+        partitions = await self._partitions_of(ref)
+        if not partitions:
+            raise not_found(f"partitioned topic {ref.full} does not exist")
+        parts: dict[str, Any] = {}
+        for i in range(partitions):
+            part = ref.partition(i)
+            try:
+                await self.service.get_topic(part.full, create=True)  # declared: it exists
+                parts[part.full] = await self.service.internal_stats(part.full)
+            except NotOwnerError as e:
+                if e.owner is None:
+                    raise
+                path = f"/admin/v2/{ref.domain}/{ref.tenant}/{ref.namespace}/"
+                parts[part.full] = await self._remote_json(
+                    e.owner.web_url + path + quote(part.local, safe="") + "/internalStats"
+                )
+        return Response.json({"metadata": {"partitions": partitions}, "partitions": parts})
 
     async def _partition_stats(self, name: str) -> dict[str, Any]:
         try:

@@ -329,6 +329,8 @@ def test_admin_topics_lifecycle_and_stats(broker: Standalone) -> None:
     pstats = admin_json(broker, "topics", "partitioned-stats", "cli-parts", "--per-partition")
     assert pstats["metadata"]["partitions"] == 2
     assert pstats["msgInCounter"] == 4
+    internal = admin_json(broker, "topics", "partitioned-stats-internal", "cli-parts")
+    assert sum(p["entriesAddedCounter"] for p in internal["partitions"].values()) >= 1
     assert sorted(pstats["partitions"]) == [
         f"persistent://public/default/cli-parts-partition-{i}" for i in (0, 1)
     ]

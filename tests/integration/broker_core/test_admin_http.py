@@ -180,6 +180,10 @@ async def test_partitioned_topic_lifecycle(admin: Admin) -> None:
     stats = (await admin.request("GET", f"{T}/p/partitioned-stats")).json()
     assert stats["msgInCounter"] == 1
     assert stats["metadata"] == {"partitions": 4}
+    internal = (await admin.request("GET", f"{T}/p/partitioned-internalStats")).json()
+    assert internal["metadata"] == {"partitions": 4}
+    assert [s["entriesAddedCounter"] for s in internal["partitions"].values()] == [0, 1, 0, 0]
+    assert (await admin.request("GET", f"{T}/orders/partitioned-internalStats")).status == 404
     assert (await admin.request("DELETE", f"{T}/p/partitions")).status == 204
     assert (await admin.request("GET", f"{T}/p/partitions")).json() == {"partitions": 0}
 
