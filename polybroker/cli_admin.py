@@ -654,12 +654,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = verb(g, "get-deduplication", _namespaces_get_dedup, "print the deduplication setting")
     p.add_argument("namespace")
 
-    for suffix, field, flags in _COUNT_POLICY_VERBS:
-        for action in ("set", "get", "remove"):
-            p = verb(g, f"{action}-{suffix}", _count_policy(field, action), f"{action} {field}")
-            p.add_argument("namespace")
-            if action == "set":
-                p.add_argument(*flags, dest="value", type=int, required=True)
+    def count_policy_verbs(group: Any, table: tuple[Any, ...], of_topic: bool) -> None:
+        """``set-``, ``get-`` and ``remove-`` verbs of each number policy of ``table``."""
+        for suffix, field, flags in table:
+            for action in ("set", "get", "remove"):
+                handler = _count_policy(field, action, of_topic=of_topic)
+                p = verb(group, f"{action}-{suffix}", handler, f"{action} {field}")
+                p.add_argument("topic" if of_topic else "namespace")
+                if action == "set":
+                    p.add_argument(*flags, dest="value", type=int, required=True)
+
+    count_policy_verbs(g, _COUNT_POLICY_VERBS, of_topic=False)
 
     quota_types = ("destination_storage", "message_age")
     p = verb(g, "set-backlog-quota", _namespaces_set_backlog_quota, "limit backlogs")
@@ -687,13 +692,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--sub", dest="subscription", required=True)
 
     g = verbs("topics", "topics")
-    for suffix, field, flags in _TOPIC_COUNT_POLICY_VERBS:
-        for action in ("set", "get", "remove"):
-            handler = _count_policy(field, action, of_topic=True)
-            p = verb(g, f"{action}-{suffix}", handler, f"{action} the topic's {field}")
-            p.add_argument("topic")
-            if action == "set":
-                p.add_argument(*flags, dest="value", type=int, required=True)
+    count_policy_verbs(g, _TOPIC_COUNT_POLICY_VERBS, of_topic=True)
     p = verb(g, "list", _topics_list, "list the topics (and partitions) of a namespace")
     p.add_argument("namespace")
     p.add_argument("--non-persistent", action="store_true", help="list non-persistent topics")

@@ -133,18 +133,33 @@ class PolicyStore:
         if namespace in self._watched:
             return
         path = f"{POLICIES_ROOT}/{namespace}"
+        _, changed = self._mirror(self._namespaces, namespace, path, self._watched)
+        self._watched[namespace] = self.store.watch(path, changed)
+
+    def _mirror(
+        self,
+        cache: dict[str, dict[str, Any]],
+        key: str,
+        path: str,
+        followed: dict[str, Any],
+    ) -> tuple[Callable[[Any], None], Callable[[object], None]]:
+        """Keep ``cache[key]`` as the node at ``path`` says while ``key`` is in ``followed``:
+        return the refresh that applies one read of the node, and the watch callback that
+        reads it again."""
 
         def refresh(found: Any) -> None:
+            if key not in followed:
+                return  # no longer followed
             if found is None:
-                self._namespaces.pop(namespace, None)
+                cache.pop(key, None)
             else:
                 with contextlib.suppress(ValueError):
-                    self._namespaces[namespace] = _load(found.value)
+                    cache[key] = _load(found.value)
 
         def changed(_: object) -> None:
             self.store.get(path).addCallbacks(refresh, lambda _f: None)
 
-        self._watched[namespace] = self.store.watch(path, changed)
+        return refresh, changed
 
     def close(self) -> None:
         """Stop following namespaces' and topics' changes."""
@@ -170,19 +185,7 @@ class PolicyStore:
         partitioned topic."""
         key = self._topic_key(topic)
         path = self._topic_path(key)
-
-        def refresh(found: Any) -> None:
-            if key not in self._topic_watches:
-                return  # no longer followed
-            if found is None:
-                self._topics.pop(key, None)
-            else:
-                with contextlib.suppress(ValueError):
-                    self._topics[key] = _load(found.value)
-
-        def changed(_: object) -> None:
-            self.store.get(path).addCallbacks(refresh, lambda _f: None)
-
+        refresh, changed = self._mirror(self._topics, key, path, self._topic_watches)
         self._follows[key] = self._follows.get(key, 0) + 1
         if key not in self._topic_watches:
             self._topic_watches[key] = self.store.watch(path, changed)
